@@ -1,0 +1,72 @@
+"""`flexrl <command>`: one entry point for every tool of the project.
+
+Each subsystem owns a small module here with a `register(commands, bench)` function that adds its
+sub-commands: `commands` is the top-level argparse sub-parser set, `bench` the one under
+`flexrl bench`. A command's handler is stored as `func` and receives the parsed arguments; it returns
+an exit code. Heavy imports (torch, ray, transformers) happen inside handlers so that `flexrl --help`
+and the planner commands stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that register commands, in the order they appear in `flexrl --help`.
+COMMAND_MODULES = (
+    "flexrl_ds.cli.planning",  # make-workload, plan, simulate, bench planner
+    "flexrl_ds.cli.models",  # make-tiny-model, logprobs, bench sp
+    "flexrl_ds.cli.data",  # make-dataset, inspect-data, bench loader
+    "flexrl_ds.cli.train",  # grpo
+)
+
+
+class UserError(Exception):
+    """A problem with the user's input: printed as one line, exit code 2, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flexrl",
+        description="flexrl_ds: load-balanced GRPO training of vision-language models.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="<command>")
+    bench_parser = commands.add_parser("bench", help="benchmarks (planner, sp, loader)")
+    bench = bench_parser.add_subparsers(dest="bench_command", metavar="<benchmark>")
+    bench_parser.set_defaults(func=lambda args: _missing_subcommand(bench_parser))
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name == module_name:  # subsystem not built yet
+                continue
+            raise
+        module.register(commands, bench)
+    return parser
+
+
+def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as error:
+        print(f"flexrl {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except ValueError as error:
+        # Validation errors of configs, workloads and plans are ValueErrors that name the culprit.
+        print(f"flexrl {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""The one place that names accelerators and collective backends.
+
+Everything else asks this module which device, backend and stream type to use, so the same code
+runs on CUDA/NCCL (GPU machines) and CPU/gloo (laptops, CI). An architecture test forbids the
+backend and accelerator names anywhere else in the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The accelerator this process computes on and the collective backend it uses."""
+
+    kind: str
+    """'cuda' or 'cpu' (torch device type)."""
+    backend: str
+    """torch.distributed backend: 'nccl' or 'gloo'."""
+    deepspeed_accelerator: str
+    """Value for DS_ACCELERATOR: 'cuda' or 'cpu'."""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "cuda"
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device(self.kind, local_rank) if self.is_gpu else torch.device("cpu")
+
+
+GPU = DeviceInfo(kind="cuda", backend="nccl", deepspeed_accelerator="cuda")
+CPU = DeviceInfo(kind="cpu", backend="gloo", deepspeed_accelerator="cpu")
+
+
+def detect(force_cpu: bool | None = None) -> DeviceInfo:
+    """GPU if CUDA is usable and not disabled (FLEXRL_FORCE_CPU=1 or `force_cpu`), else CPU."""
+    if force_cpu is None:
+        force_cpu = os.environ.get("FLEXRL_FORCE_CPU", "0") == "1"
+    if not force_cpu and torch.cuda.is_available():
+        return GPU
+    return CPU
+
+
+def gpu_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def num_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def set_local_device(info: DeviceInfo, local_rank: int) -> torch.device:
+    """Bind this process to its device (GPU: `local_rank`); returns the device."""
+    if info.is_gpu:
+        torch.cuda.set_device(local_rank)
+    return info.device(local_rank)
+
+
+def configure_deepspeed_accelerator(info: DeviceInfo) -> None:
+    """Make DeepSpeed pick the matching accelerator (must run before `import deepspeed`)."""
+    os.environ.setdefault("DS_ACCELERATOR", info.deepspeed_accelerator)
+
+
+def synchronize(info: DeviceInfo) -> None:
+    """Wait for queued device work (for timing); a no-op on CPU."""
+    if info.is_gpu:
+        torch.cuda.synchronize()
+
+
+def new_side_stream(info: DeviceInfo):
+    """A stream for communication overlapped with compute, or None on CPU (async handles suffice)."""
+    return torch.cuda.Stream() if info.is_gpu else None
+
+
+@contextlib.contextmanager
+def on_stream(stream) -> Iterator[None]:
+    """Run the body on `stream` (None: the current stream)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+
+
+def wait_stream(info: DeviceInfo, stream) -> None:
+    """Make the current stream wait for `stream` (None: nothing to wait for)."""
+    if stream is not None:
+        torch.cuda.current_stream().wait_stream(stream)
+
+
+def max_memory_allocated(info: DeviceInfo) -> int:
+    """Peak device memory in bytes (0 on CPU, where host RSS is measured instead)."""
+    return torch.cuda.max_memory_allocated() if info.is_gpu else 0

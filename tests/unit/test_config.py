@@ -1,0 +1,53 @@
+import json
+
+import pytest
+
+from flexrl_ds.config.flexrl_config import SPConfig, load_run_config, parse_run_config
+
+
+def test_ds_configs_in_repo_load(tmp_path):
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "ds_configs").glob("*.json"))
+    assert configs
+    for path in configs:
+        run = load_run_config(path)
+        assert "flexrl" not in run.deepspeed
+        assert run.deepspeed["zero_optimization"]["stage"] == 3
+
+
+def test_flexrl_section_is_typed():
+    run = parse_run_config({"train_batch_size": 8, "flexrl": {"sp": {"p_max": 4, "h_pack": 100, "H_pack": 1000}}})
+    assert run.flexrl.sp == SPConfig(p_max=4, h_pack=100, H_pack=1000)
+    assert run.deepspeed == {"train_batch_size": 8}
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"sp": {"p_maxx": 4}}, "flexrl.sp: unknown key(s) 'p_maxx'"),
+        ({"sp": {"p_max": 6}}, "flexrl.sp.p_max: 6 is not a power of two"),
+        ({"sp": {"p_max": "8"}}, "flexrl.sp.p_max: expected an integer"),
+        ({"sp": {"h_pack": 5000, "H_pack": 100}}, "flexrl.sp.h_pack (5000) exceeds"),
+        ({"sp": {"max_tokens_per_rank": 0}}, "flexrl.sp.max_tokens_per_rank: must be positive"),
+        ({"sp": {"overlap": 1}}, "flexrl.sp.overlap: expected bool"),
+        ({"spp": {}}, "flexrl: unknown key(s) 'spp'"),
+    ],
+)
+def test_bad_values_name_the_key(section, message):
+    with pytest.raises(ValueError) as error:
+        parse_run_config({"flexrl": section}, source="cfg.json")
+    assert message in str(error.value)
+    assert "cfg.json" in str(error.value)
+
+
+def test_bad_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_run_config(path)
+    with pytest.raises(ValueError, match="not found"):
+        load_run_config(tmp_path / "missing.json")
+    path.write_text(json.dumps([1]))
+    with pytest.raises(ValueError, match="JSON object"):
+        load_run_config(path)
