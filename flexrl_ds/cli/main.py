@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Modules that register commands, in the order they appear in `flexrl --help`.
 COMMAND_MODULES = (
     "flexrl_ds.cli.planning",  # make-workload, plan, simulate, bench planner
-    "flexrl_ds.cli.models",  # make-tiny-model, logprobs, bench sp
-    "flexrl_ds.cli.data",  # make-dataset, inspect-data, bench loader
+    "flexrl_ds.cli.sp_exec",  # bench sp
+    "flexrl_ds.cli.models",  # make-tiny-model, logprobs
+    "flexrl_ds.cli.data",  # make-dataset, inspect-data
+    "flexrl_ds.cli.loader",  # bench loader
     "flexrl_ds.cli.train",  # grpo
 )
 
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ValueError as error:
         # Validation errors of configs, workloads and plans are ValueErrors that name the culprit.
+        if os.environ.get("FLEXRL_DEBUG") == "1":
+            raise
         print(f"flexrl {args.command}: error: {error}", file=sys.stderr)
         return 2
 
