@@ -1,0 +1,112 @@
+"""Balance metrics of a plan (plan-schema.md "Metrics"); pure, numpy only.
+
+Per rank, a sequence of `L` tokens in a pack of degree `d` contributes `L²/d` attention,
+`(L² + c·L)/d` cost and `L/d` tokens to each rank of its group. A balance ratio is max ÷ mean over
+ranks; efficiency is the lower bound `max(Σ cost / W, max_s cost(s) / p_max)` ÷ the max rank cost;
+all-to-all volume is `Σ L·(d−1)/d`, also given relative to fixed SP at `p_max` (every sequence
+sharded at `min(p_max, W)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from flexrl_ds.sp.plan import Plan
+
+
+@dataclass(frozen=True)
+class PlanMetrics:
+    """Balance and communication figures of one plan."""
+
+    attention_balance: float
+    """max/mean over ranks of Σ L²/d (the paper's metric)."""
+    cost_balance: float
+    """max/mean over ranks of Σ (L² + c·L)/d."""
+    token_balance: float
+    """max/mean over ranks of Σ L/d (activation memory)."""
+    efficiency: float
+    """lower bound ÷ max rank cost; 1.0 is perfect."""
+    lower_bound: float
+    """max(Σ cost / W, max cost / p_max)."""
+    max_rank_cost: float
+    """Cost of the busiest rank."""
+    max_rank_tokens: float
+    """Tokens held by the fullest rank."""
+    degree_histogram: dict[int, int]
+    """degree -> number of sequences sharded at that degree."""
+    num_packs: int
+    """Packs in the plan."""
+    all_to_all_volume: float
+    """Σ L·(d−1)/d tokens moved per all-to-all."""
+    all_to_all_relative: float
+    """all_to_all_volume ÷ that of fixed SP at p_max (0 when the latter is 0)."""
+    rank_cost: list[float] = field(default_factory=list, repr=False)
+    """Per-rank cost (for plots)."""
+    rank_attention: list[float] = field(default_factory=list, repr=False)
+    """Per-rank attention (for plots)."""
+    rank_tokens: list[float] = field(default_factory=list, repr=False)
+    """Per-rank tokens (for plots)."""
+
+    def summary(self) -> dict[str, Any]:
+        """The scalar fields (what goes into plan files and tables)."""
+        out = asdict(self)
+        for key in ("rank_cost", "rank_attention", "rank_tokens"):
+            out.pop(key)
+        out["degree_histogram"] = {str(k): v for k, v in sorted(self.degree_histogram.items())}
+        return out
+
+
+def rank_sums(values: np.ndarray, degrees: np.ndarray, starts: np.ndarray, world_size: int) -> np.ndarray:
+    """Per-rank Σ value/d over items spread on ranks [start, start+d) (difference-array trick)."""
+    diff = np.zeros(world_size + 1)
+    share = values / degrees
+    np.add.at(diff, starts, share)
+    np.add.at(diff, starts + degrees, -share)
+    return np.cumsum(diff[:-1])
+
+
+def _ratio(loads: np.ndarray) -> float:
+    mean = float(loads.mean())
+    return float(loads.max()) / mean if mean > 0 else 1.0
+
+
+def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray, *, world_size: int,
+                    p_max: int, c: float, num_packs: int) -> PlanMetrics:
+    """Metrics from per-sequence arrays: tokens L, degree d, first rank of the group."""
+    tokens = np.asarray(tokens, dtype=float)
+    degrees = np.asarray(degrees, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    attention = tokens * tokens
+    cost = attention + c * tokens
+    rank_cost = rank_sums(cost, degrees, starts, world_size)
+    rank_attention = rank_sums(attention, degrees, starts, world_size)
+    rank_tokens = rank_sums(tokens, degrees, starts, world_size)
+    p_eff = min(p_max, world_size)
+    lower_bound = max(float(cost.sum()) / world_size, float(cost.max()) / p_eff)
+    volume = float((tokens * (degrees - 1) / degrees).sum())
+    fixed = float(tokens.sum()) * (p_eff - 1) / p_eff
+    values, counts = np.unique(degrees, return_counts=True)
+    return PlanMetrics(
+        attention_balance=_ratio(rank_attention), cost_balance=_ratio(rank_cost),
+        token_balance=_ratio(rank_tokens), efficiency=lower_bound / float(rank_cost.max()),
+        lower_bound=lower_bound, max_rank_cost=float(rank_cost.max()),
+        max_rank_tokens=float(rank_tokens.max()),
+        degree_histogram={int(v): int(n) for v, n in zip(values, counts)}, num_packs=num_packs,
+        all_to_all_volume=volume, all_to_all_relative=volume / fixed if fixed > 0 else 0.0,
+        rank_cost=rank_cost.tolist(), rank_attention=rank_attention.tolist(), rank_tokens=rank_tokens.tolist(),
+    )
+
+
+def plan_metrics(plan: Plan, tokens_by_id: Mapping[str, int], c: float) -> PlanMetrics:
+    """Metrics of a plan file given each sequence's token count."""
+    tokens, degrees, starts = [], [], []
+    for pack in plan.packs:
+        for seq_id in pack.sequences:
+            tokens.append(tokens_by_id[seq_id])
+            degrees.append(pack.degree)
+            starts.append(pack.ranks[0])
+    return compute_metrics(np.array(tokens), np.array(degrees), np.array(starts), world_size=plan.world_size,
+                           p_max=plan.p_max, c=c, num_packs=len(plan.packs))

@@ -1,0 +1,198 @@
+"""FlexUlysses planner: per-step degrees, aligned groups, packs and HSF order. Pure (numpy only).
+
+Public API (stable; the executor calls it once per step and SP domain):
+
+    result = plan_step(workload, world_size, cost_model, sp_config)   # -> PlanResult
+    result.plan        # Plan: packs on aligned blocks + HSF rank_order (plan-schema.md)
+    result.workload    # the workload actually planned (after oversize drop/truncate)
+    result.dropped / result.truncated / result.metrics
+
+Algorithm (docs/ARCHITECTURE.md "Planner" has the argument):
+1. Lower bound `LB = max(Σ cost / W, max cost / p)`, p the largest allowed degree.
+2. For a sharding threshold θ ∈ {1, ½, ¼}: each sequence gets the smallest allowed degree d with
+   `cost/d ≤ θ·LB` and `L/d ≤ max_tokens_per_rank` — only what balance or memory needs.
+3. LPT placement on aligned blocks (placement.py), then local moves/swaps of degree-1 sequences.
+4. Keep the candidate with the least all-to-all volume whose busiest rank is within
+   `balance_tolerance` of the best candidate's.
+5. Pack sequences sharing a group (packing.py); order packs HSF (schedule.py).
+
+Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the group. "uneven"
+(default) allows every power-of-two degree ≤ p_max; when d does not divide num_heads the executor
+uses an uneven-heads all-to-all (some ranks get one more head). "divisible" only allows degrees that
+divide num_heads (Qwen2.5-VL-7B: 28 heads → at most 4). KV heads fewer than d are replicated so each
+rank holds the KV heads its query heads use; KV heads more than d are scattered like query heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from flexrl_ds.config.flexrl_config import SPConfig
+from flexrl_ds.sp.cost_model import CostModel
+from flexrl_ds.sp.metrics import PlanMetrics, compute_metrics
+from flexrl_ds.sp.packing import PackingLimits, pack_group, packing_limits
+from flexrl_ds.sp.placement import CapacityError, place_lpt, refine_single
+from flexrl_ds.sp.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
+from flexrl_ds.sp.schedule import hsf_key, hsf_rank_order
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of the planner beyond SPConfig (defaults are what the benchmarks use)."""
+
+    head_rule: str = "uneven"
+    """"uneven": any power-of-two degree (uneven-heads all-to-all); "divisible": d | num_heads."""
+    sharding_thresholds: tuple[float, ...] = (1.0, 0.5, 0.25)
+    """θ candidates: a sequence is sharded until cost/d ≤ θ·LB; smaller θ shards more."""
+    balance_tolerance: float = 0.01
+    """Prefer less sharding if its busiest rank is within this fraction of the best candidate's."""
+    refine_steps: int = 256
+    """Upper bound on move/swap steps of the local refinement."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What `plan_step` returns."""
+
+    plan: Plan
+    """The plan (packs, HSF rank_order); `plan.extra` holds metrics and options for the file."""
+    workload: Workload
+    """Sequences actually planned: dropped ones removed, truncated ones shortened."""
+    metrics: PlanMetrics
+    """Balance, efficiency, degree histogram, all-to-all volume."""
+    dropped: tuple[str, ...] = ()
+    """Ids removed because they cannot fit at p_max under the token cap (oversize=drop)."""
+    truncated: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """id -> (original tokens, planned tokens) for oversize=truncate."""
+    limits: PackingLimits | None = None
+    """h_pack / H_pack actually used."""
+
+
+HEAD_RULES = ("uneven", "divisible")
+
+
+def allowed_degrees(world_size: int, sp: SPConfig, cost: CostModel, head_rule: str) -> tuple[int, ...]:
+    """Powers of two ≤ min(p_max, world_size), filtered by the head rule; validates world_size/p_max."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not is_power_of_two(sp.p_max):
+        raise ValueError(f"p_max {sp.p_max} is not a power of two")
+    p_eff = min(sp.p_max, world_size)
+    if not is_power_of_two(p_eff) or world_size % p_eff:
+        raise ValueError(f"world_size {world_size} is not a multiple of the group size p_max={sp.p_max}")
+    if head_rule not in HEAD_RULES:
+        raise ValueError(f"head_rule {head_rule!r} is not one of {', '.join(HEAD_RULES)}")
+    degrees = [1 << k for k in range(p_eff.bit_length()) if (1 << k) <= p_eff]
+    if head_rule == "divisible":
+        degrees = [d for d in degrees if cost.num_heads % d == 0]
+    return tuple(degrees)
+
+
+def apply_oversize(workload: Workload, sp: SPConfig, max_degree: int
+                   ) -> tuple[Workload, tuple[str, ...], dict[str, tuple[int, int]]]:
+    """Handle sequences longer than max_degree × max_tokens_per_rank per `sp.oversize`."""
+    cap = sp.max_tokens_per_rank
+    if cap is None:
+        return workload, (), {}
+    limit = cap * max_degree
+    kept, dropped, truncated = [], [], {}
+    for seq in workload.sequences:
+        if seq.tokens <= limit:
+            kept.append(seq)
+        elif sp.oversize == "error":
+            raise ValueError(
+                f"sequence {seq.id!r}: {seq.tokens} tokens cannot fit on {max_degree} ranks under "
+                f"max_tokens_per_rank={cap} (set oversize to drop or truncate)")
+        elif sp.oversize == "drop":
+            dropped.append(seq.id)
+        else:
+            truncated[seq.id] = (seq.tokens, limit)
+            kept.append(replace(seq, tokens=limit, vision_tokens=min(seq.vision_tokens, limit)))
+    if not kept:
+        raise ValueError(f"every sequence exceeds max_tokens_per_rank={cap} × {max_degree}; nothing to plan")
+    return Workload(tuple(kept)), tuple(dropped), truncated
+
+
+def choose_degrees(costs: np.ndarray, tokens: np.ndarray, target: float, allowed: tuple[int, ...],
+                   token_cap: float) -> np.ndarray:
+    """Smallest allowed degree with cost/d ≤ target and tokens/d ≤ cap (else the largest)."""
+    degrees = np.full(len(costs), allowed[-1], dtype=np.int64)
+    undecided = np.ones(len(costs), dtype=bool)
+    for degree in allowed:
+        fits = undecided & (costs / degree <= target) & (tokens / degree <= token_cap)
+        degrees[fits] = degree
+        undecided &= ~fits
+    return degrees
+
+
+def _candidate(costs, tokens, target, allowed, world_size, token_cap, steps):
+    degrees = choose_degrees(costs, tokens, target, allowed, token_cap)
+    per_rank_cost = costs / degrees
+    per_rank_tokens = tokens / degrees
+    starts = place_lpt(per_rank_cost, degrees, per_rank_tokens, world_size=world_size,
+                       token_cap=token_cap, max_degree=allowed[-1], allowed=allowed)
+    refine_single(per_rank_cost, degrees, per_rank_tokens, starts, world_size=world_size,
+                  token_cap=token_cap, max_steps=steps)
+    diff = np.zeros(world_size + 1)
+    np.add.at(diff, starts, per_rank_cost)
+    np.add.at(diff, starts + degrees, -per_rank_cost)
+    max_load = float(np.cumsum(diff[:-1]).max())
+    volume = float((tokens * (degrees - 1) / degrees).sum())
+    return max_load, volume, degrees, starts
+
+
+def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig,
+              options: PlannerOptions | None = None) -> PlanResult:
+    """Plan one step of one SP domain of `world_size` ranks (see the module docstring)."""
+    options = options or PlannerOptions()
+    allowed = allowed_degrees(world_size, sp, cost, options.head_rule)
+    limits = packing_limits(sp.h_pack, sp.H_pack)
+    planned, dropped, truncated = apply_oversize(workload, sp, allowed[-1])
+    tokens = np.array([s.tokens for s in planned.sequences], dtype=float)
+    token_cap = float(sp.max_tokens_per_rank) if sp.max_tokens_per_rank is not None else float("inf")
+    if tokens.sum() > token_cap * world_size:
+        raise ValueError(
+            f"max_tokens_per_rank={sp.max_tokens_per_rank}: the step's {int(tokens.sum())} tokens exceed "
+            f"{world_size} ranks × the cap")
+    costs = tokens * tokens + cost.c * tokens
+    lower_bound = max(float(costs.sum()) / world_size, float(costs.max()) / allowed[-1])
+    candidates = []
+    for theta in options.sharding_thresholds:
+        try:
+            candidates.append(_candidate(costs, tokens, theta * lower_bound, allowed, world_size,
+                                         token_cap, options.refine_steps))
+        except CapacityError as error:
+            seq = planned.sequences[error.args[0]]
+            raise ValueError(
+                f"sequence {seq.id!r}: no group of ranks has room for its {seq.tokens} tokens under "
+                f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
+    best_load = min(c[0] for c in candidates)
+    good = [c for c in candidates if c[0] <= best_load * (1 + options.balance_tolerance)]
+    _, _, degrees, starts = min(good, key=lambda c: (c[1], c[0]))
+    plan = build_plan(planned.sequences, degrees, starts, world_size, sp.p_max, limits)
+    metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=sp.p_max, c=cost.c,
+                              num_packs=len(plan.packs))
+    extra = {"metrics": metrics.summary(), "cost_model": {"name": cost.name, "c": cost.c},
+             "h_pack": limits.h_pack, "H_pack": limits.H_pack, "head_rule": options.head_rule,
+             "dropped": list(dropped), "truncated": {k: v[1] for k, v in truncated.items()}}
+    plan = replace(plan, extra=extra)
+    return PlanResult(plan, planned, metrics, dropped, truncated, limits)
+
+
+def build_plan(sequences: tuple[SequenceSpec, ...], degrees: np.ndarray, starts: np.ndarray,
+               world_size: int, p_max: int, limits: PackingLimits) -> Plan:
+    """Group sequences by block, pack them, number packs in HSF order, derive rank_order."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, (degree, start) in enumerate(zip(degrees.tolist(), starts.tolist())):
+        groups.setdefault((degree, start), []).append(index)
+    tokens = [s.tokens for s in sequences]
+    packs: list[Pack] = []
+    for (degree, start), members in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        for pack_members in pack_group(members, tokens, limits):
+            packs.append(Pack(id=len(packs), degree=degree, ranks=tuple(range(start, start + degree)),
+                              sequences=tuple(sequences[i].id for i in pack_members)))
+    assert [p.id for p in sorted(packs, key=hsf_key)] == list(range(len(packs)))
+    return Plan(world_size=world_size, p_max=p_max, packs=tuple(packs),
+                rank_order=hsf_rank_order(packs, world_size))
