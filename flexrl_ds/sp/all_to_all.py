@@ -1,0 +1,208 @@
+"""Ulysses all-to-alls for one pack: sequence shards <-> head subsets, with autograd.
+
+Two implementations, one contract (same head partition, same token order):
+
+1. **DeepSpeed's** `deepspeed.sequence.layer._SeqAllToAll.apply(group, x, scatter_idx, gather_idx,
+   batch_dim_idx)` — its group is a per-call argument, so it serves a group that changes per pack. It
+   is used when it fits: every rank of the pack holds the same number of tokens, the query and KV head
+   counts divide by the degree, the exchange is synchronous, and `deepspeed.comm` is initialized.
+2. **Our own** exchange on `torch.distributed.all_to_all_single` (`PackExchange`) for everything
+   DeepSpeed's primitives do not admit, and why:
+   - uneven token shards (a pack of T tokens on d ranks with T % d != 0): DeepSpeed reshapes the
+     gathered sequence as [d, T/d] and needs equal shards;
+   - uneven heads (28 heads at d=8): `uneven_heads_all2all` reads the rank from DeepSpeed's single
+     global sequence-parallel group (`groups._get_sequence_parallel_rank()`), not from the pack's group;
+   - KV heads fewer than the degree: DeepSpeed asserts num_kv_heads >= degree; here KV heads are
+     replicated to every rank whose query heads use them (the backward sums the replicas' gradients);
+   - overlap: DeepSpeed's forward exchange is synchronous; ours can be issued asynchronously (q, k
+     and v merged into ONE collective per pack), waited for just before the pack's attention.
+   The same code runs on gloo and NCCL (async handles on both: NCCL runs them on its own stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Heads one rank of a pack owns during attention."""
+
+    q_start: int
+    q_end: int
+    kv_start: int
+    kv_end: int
+
+    @property
+    def num_q(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv_end - self.kv_start
+
+
+def head_partition(num_heads: int, num_kv_heads: int, degree: int) -> list[HeadSlice]:
+    """Split query heads over `degree` ranks, each rank getting the KV heads its query heads use.
+
+    - KV heads divisible by the degree: contiguous, even chunks (DeepSpeed's layout).
+    - Degree a multiple of the KV heads: each KV head's query group is split over degree/K ranks,
+      so every rank needs exactly one KV head (replicated over those ranks).
+    - Otherwise: query heads split as evenly as possible; KV heads replicated as needed.
+    """
+    if num_heads < degree or num_heads % num_kv_heads != 0:
+        raise ValueError(f"heads: cannot split {num_heads} query / {num_kv_heads} KV heads over degree {degree}")
+    group_size = num_heads // num_kv_heads
+    if num_kv_heads % degree == 0:
+        q_chunk, kv_chunk = num_heads // degree, num_kv_heads // degree
+        return [HeadSlice(i * q_chunk, (i + 1) * q_chunk, i * kv_chunk, (i + 1) * kv_chunk) for i in range(degree)]
+    if degree % num_kv_heads == 0:
+        ranks_per_kv = degree // num_kv_heads
+        out = []
+        for kv in range(num_kv_heads):
+            bounds = _even_bounds(group_size, ranks_per_kv)
+            base = kv * group_size
+            out += [HeadSlice(base + a, base + b, kv, kv + 1) for a, b in zip(bounds, bounds[1:])]
+        return out
+    bounds = _even_bounds(num_heads, degree)
+    return [HeadSlice(a, b, a // group_size, (b - 1) // group_size + 1) for a, b in zip(bounds, bounds[1:])]
+
+
+def _even_bounds(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    bounds = [0]
+    for index in range(parts):
+        bounds.append(bounds[-1] + base + (1 if index < extra else 0))
+    return bounds
+
+
+class _AllToAllFlat(torch.autograd.Function):
+    """all_to_all_single on flat buffers with per-rank split sizes; backward swaps the splits.
+
+    With `pending` given, the forward is issued asynchronously and the handle stored on `pending`;
+    the returned buffer must not be read before `pending.work.wait()`.
+    """
+
+    @staticmethod
+    def forward(ctx, send, group, send_splits, recv_splits, pending):
+        ctx.group, ctx.send_splits, ctx.recv_splits = group, send_splits, recv_splits
+        recv = send.new_empty(sum(recv_splits))
+        work = dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits),
+                                      group=group, async_op=pending is not None)
+        if pending is not None:
+            pending.work = work
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad_recv):
+        grad_send = grad_recv.new_empty(sum(ctx.send_splits))
+        dist.all_to_all_single(grad_send, grad_recv.contiguous(), list(ctx.send_splits), list(ctx.recv_splits),
+                               group=ctx.group)
+        return grad_send, None, None, None, None
+
+
+class PendingHeads:
+    """An issued sequence->head exchange; `wait()` gives the pack's full tokens for this rank's heads."""
+
+    def __init__(self, post):
+        self.work = None
+        self._post = post
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        return self._post()
+
+
+def issue_seq_to_heads(q, k, v, group, shard_sizes: Sequence[int], heads: Sequence[HeadSlice],
+                       rank_in_group: int, async_op: bool) -> PendingHeads:
+    """Sequence-gather / head-scatter of one pack's q, k, v shards in ONE collective.
+
+    q (n_i, H, D), k/v (n_i, K, D) are this rank's shard; after `wait()`: q (T, h_me, D), k/v
+    (T, k_me, D) with T the pack's tokens in order and h_me/k_me this rank's `heads[rank_in_group]`.
+    """
+    num_local, head_dim = q.shape[0], q.shape[2]
+    assert num_local == shard_sizes[rank_in_group], "shard size differs from the layout"
+    chunks = []
+    for part in heads:
+        chunks += [q[:, part.q_start:part.q_end].reshape(-1), k[:, part.kv_start:part.kv_end].reshape(-1),
+                   v[:, part.kv_start:part.kv_end].reshape(-1)]
+    send = torch.cat(chunks)
+    send_splits = [num_local * (p.num_q + 2 * p.num_kv) * head_dim for p in heads]
+    mine = heads[rank_in_group]
+    recv_splits = [n * (mine.num_q + 2 * mine.num_kv) * head_dim for n in shard_sizes]
+    holder = PendingHeads(post=None)
+    recv = _AllToAllFlat.apply(send, group, tuple(send_splits), tuple(recv_splits), holder if async_op else None)
+
+    def post():
+        qs, ks, vs = [], [], []
+        for n, piece in zip(shard_sizes, recv.split(recv_splits)):
+            q_part, k_part, v_part = piece.split([n * mine.num_q * head_dim, n * mine.num_kv * head_dim,
+                                                  n * mine.num_kv * head_dim])
+            qs.append(q_part.view(n, mine.num_q, head_dim))
+            ks.append(k_part.view(n, mine.num_kv, head_dim))
+            vs.append(v_part.view(n, mine.num_kv, head_dim))
+        return torch.cat(qs), torch.cat(ks), torch.cat(vs)
+
+    holder._post = post
+    return holder
+
+
+def heads_to_seq(out, group, shard_sizes: Sequence[int], heads: Sequence[HeadSlice], rank_in_group: int):
+    """Inverse exchange: out (T, h_me, D) for this rank's heads -> (n_me, H, D) for its shard."""
+    head_dim, num_mine = out.shape[2], heads[rank_in_group].num_q
+    send_splits = [n * num_mine * head_dim for n in shard_sizes]
+    num_local = shard_sizes[rank_in_group]
+    recv_splits = [num_local * p.num_q * head_dim for p in heads]
+    recv = _AllToAllFlat.apply(out.reshape(-1), group, tuple(send_splits), tuple(recv_splits), None)
+    pieces = [piece.view(num_local, p.num_q, head_dim) for piece, p in zip(recv.split(recv_splits), heads)]
+    return torch.cat(pieces, dim=1)
+
+
+# ---------------------------------------------------------------- DeepSpeed's primitives, where they fit
+def deepspeed_exchange_ready() -> bool:
+    """True if DeepSpeed's sequence all-to-all can run here (importable, deepspeed.comm initialized)."""
+    try:
+        import deepspeed.comm as ds_comm
+        from deepspeed.sequence.layer import _SeqAllToAll  # noqa: F401
+    except Exception:  # DeepSpeed absent or unusable on this machine: our exchange covers all cases
+        return False
+    return bool(ds_comm.is_initialized())
+
+
+def deepspeed_admits(shard_sizes: Sequence[int], num_heads: int, num_kv_heads: int) -> bool:
+    """DeepSpeed's even-split exchange fits this pack (equal shards, heads divisible by the degree)."""
+    degree = len(shard_sizes)
+    return len(set(shard_sizes)) == 1 and num_heads % degree == 0 and num_kv_heads % degree == 0
+
+
+def deepspeed_seq_to_heads(tensor_LHD, group):
+    """(n, H, D) shard -> (n*d, H/d, D) via DeepSpeed's `_SeqAllToAll` (seq-first layout, batch 1)."""
+    from deepspeed.sequence.layer import _SeqAllToAll
+
+    out = _SeqAllToAll.apply(group, tensor_LHD.unsqueeze(1), 2, 0, 1)
+    return out.squeeze(1)
+
+
+def deepspeed_heads_to_seq(tensor_LHD, group):
+    """(T, H/d, D) -> (T/d, H, D) via DeepSpeed's `_SeqAllToAll`."""
+    from deepspeed.sequence.layer import _SeqAllToAll
+
+    out = _SeqAllToAll.apply(group, tensor_LHD.unsqueeze(1), 0, 2, 1)
+    return out.squeeze(1)
+
+
+def ensure_deepspeed_comm(backend: str) -> bool:
+    """Wrap an initialized torch.distributed in deepspeed.comm (no collective); False if unavailable."""
+    try:
+        import deepspeed.comm as ds_comm
+    except Exception:
+        return False
+    if not ds_comm.is_initialized():
+        ds_comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    return bool(ds_comm.is_initialized())
+
