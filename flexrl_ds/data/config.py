@@ -1,0 +1,148 @@
+"""Typed settings of the ShadowLoader data layer (section `flexrl.data` of a run config).
+
+Defaults follow the Hugging Face Qwen2-VL / Qwen2.5-VL image and video processors, so that the
+shapes predicted from metadata and the tensors produced here equal what the model's processor makes.
+`DataConfig.from_processor_dir(model_dir)` reads a saved processor's JSON files (no transformers
+import) and overrides the vision geometry with the model's own values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from flexrl_ds.config.typed import from_dict
+
+OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+VIDEO_BACKENDS = ("auto", "torchcodec", "opencv")
+RESIZE_IMPLS = ("auto", "pil", "torch")
+BAD_RECORD_POLICIES = ("skip", "replace", "error")
+
+
+@dataclass
+class DataConfig:
+    """ShadowLoader data settings (section `flexrl.data`)."""
+
+    image_min_pixels: int = 56 * 56
+    """Smallest pixel count an image is resized to (HF image processor `size.shortest_edge`)."""
+    image_max_pixels: int = 28 * 28 * 1280
+    """Largest pixel count of a resized image (`size.longest_edge`); a record's `max_pixels` lowers it."""
+    video_min_pixels: int = 128 * 28 * 28
+    """Smallest pixel count of a resized video frame (HF video processor `size.shortest_edge`)."""
+    video_max_pixels: int = 28 * 28 * 768
+    """Largest pixel count of a resized video frame (`size.longest_edge`); per-record `max_pixels` lowers it."""
+    video_fps: float = 2.0
+    """Frames sampled per second of video; a record's `fps` overrides it."""
+    video_min_frames: int = 4
+    """Fewest frames sampled from a video (HF `min_frames`), if the video has that many."""
+    video_max_frames: int = 768
+    """Most frames sampled from a video (HF `max_frames`); a record's `max_frames` overrides it."""
+    video_max_total_tokens: int | None = None
+    """If set, HF's `cap_pixels_per_frame`: frames of long videos shrink so the whole video stays
+    within 90% of this many tokens' pixels (HF `max_video_tokens`). None: no total cap (HF default)."""
+    patch_size: int = 14
+    """Vision transformer patch side in pixels."""
+    merge_size: int = 2
+    """Spatial merge of patches into one LLM token (2x2 for Qwen2.5-VL)."""
+    temporal_patch_size: int = 2
+    """Frames per temporal patch; an image is repeated to fill it."""
+    image_mean: list[float] = field(default_factory=lambda: list(OPENAI_CLIP_MEAN))
+    """Per-channel normalisation mean (after scaling to [0, 1])."""
+    image_std: list[float] = field(default_factory=lambda: list(OPENAI_CLIP_STD))
+    """Per-channel normalisation standard deviation."""
+    video_backend: str = "auto"
+    """Video decoder: torchcodec | opencv | auto (torchcodec if importable, else OpenCV)."""
+    resize_impl: str = "auto"
+    """Resize kernel: pil (HF PIL backend) | torch (HF torchvision backend: antialiased bicubic on
+    tensors) | auto (what transformers picks here: torch if torchvision is importable, else pil).
+    Videos always use torch, as HF's video processor does."""
+    media_root: str | None = None
+    """Folder under which absolute media paths are accepted; None: absolute paths are rejected."""
+    bad_record_policy: str = "skip"
+    """What happens to a bad record: skip (dropped, reported) | replace (the next good record in
+    dataset order stands in, reported) | error (stop with the record id and reason)."""
+    max_vision_tokens_per_sample: int | None = None
+    """A sample whose predicted vision tokens exceed this is a bad record ("oversized"); None: no cap."""
+    verify_images: bool = True
+    """While probing, check image files for corruption (PIL verify: reads, does not decode pixels)."""
+
+    def __post_init__(self) -> None:
+        for name in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",
+                     "video_min_frames", "video_max_frames", "patch_size", "merge_size",
+                     "temporal_patch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"flexrl.data.{name}: must be positive, got {getattr(self, name)}")
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError("flexrl.data.image_min_pixels exceeds flexrl.data.image_max_pixels")
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ValueError("flexrl.data.video_min_pixels exceeds flexrl.data.video_max_pixels")
+        if self.video_fps <= 0:
+            raise ValueError(f"flexrl.data.video_fps: must be positive, got {self.video_fps}")
+        _check_choice("video_backend", self.video_backend, VIDEO_BACKENDS)
+        _check_choice("resize_impl", self.resize_impl, RESIZE_IMPLS)
+        _check_choice("bad_record_policy", self.bad_record_policy, BAD_RECORD_POLICIES)
+        for name in ("image_mean", "image_std"):
+            if len(getattr(self, name)) != 3:
+                raise ValueError(f"flexrl.data.{name}: needs 3 values (RGB), got {getattr(self, name)}")
+        for name in ("video_max_total_tokens", "max_vision_tokens_per_sample"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"flexrl.data.{name}: must be positive, got {value}")
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this (patch_size * merge_size = 28 for Qwen2.5-VL)."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "flexrl.data") -> DataConfig:
+        """Validated construction from the JSON `flexrl.data` object."""
+        return from_dict(cls, raw, where=where)
+
+    def with_processor_dir(self, model_dir: str | Path) -> DataConfig:
+        """This config with vision geometry taken from a saved HF processor (preprocessor_config.json,
+        video_preprocessor_config.json); other fields are kept."""
+        model_dir = Path(model_dir)
+        updates: dict[str, Any] = {}
+        image = _read_json(model_dir / "preprocessor_config.json")
+        video = _read_json(model_dir / "video_preprocessor_config.json") or image
+        if image is None:
+            raise ValueError(f"{model_dir}: no preprocessor_config.json (not a saved HF processor)")
+        for key, prefix, source in (("min_pixels", "image_", image), ("max_pixels", "image_", image),
+                                    ("min_pixels", "video_", video), ("max_pixels", "video_", video)):
+            value = _pixels(source, key)
+            if value is not None:
+                updates[prefix + key] = int(value)
+        for key in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std"):
+            if image.get(key) is not None:
+                updates[key] = image[key]
+        for key, ours in (("min_frames", "video_min_frames"), ("max_frames", "video_max_frames")):
+            if video.get(key) is not None:
+                updates[ours] = int(video[key])
+        if video.get("fps") is not None:
+            updates["video_fps"] = float(video["fps"])
+        return replace(self, **updates)
+
+
+def _pixels(processor_json: dict[str, Any], key: str) -> int | None:
+    size = processor_json.get("size") or {}
+    edge = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}[key]
+    return size.get(edge, processor_json.get(key))
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"flexrl.data.{name}: {value!r} is not one of {', '.join(allowed)}")

@@ -1,0 +1,107 @@
+"""Pixel operations of the Qwen2-VL processors: image loading, resize, normalise, patchify.
+
+Each step reproduces what the Hugging Face processor does, so the tensors are the model's inputs:
+- `load_image_rgb`: PIL decode, transparency composited onto white, RGB uint8 (3, H, W).
+- `resize_pil`: PIL bicubic on uint8, as transformers' PIL image backend.
+- `resize_torch`: antialiased bicubic `interpolate` on uint8 tensors, as transformers' torchvision
+  backend (and its video processor) on CPU.
+- `normalize`: x / 255, then (x - mean) / std, float32.
+- `patchify`: (frames, 3, H, W) -> (groups * H/p * W/p, 3 * T * p * p) rows in the merge-window
+  order the vision tower expects; the last frame is repeated to fill a temporal group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def load_image_rgb(path: str) -> torch.Tensor:
+    """Decode an image file to RGB uint8 (3, H, W); raises ValueError if it cannot be decoded."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            rgb = _to_rgb(image)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise ValueError(f"cannot decode image ({error})") from None
+    return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
+
+
+def _to_rgb(image):
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def resize_pil(frames_NCHW: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
+    """PIL bicubic resize of uint8 frames to (height, width)."""
+    from PIL import Image
+
+    if tuple(frames_NCHW.shape[-2:]) == tuple(size_hw):
+        return frames_NCHW
+    height, width = size_hw
+    resized = []
+    for frame in frames_NCHW:
+        image = Image.fromarray(frame.permute(1, 2, 0).numpy())
+        array = np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC))
+        resized.append(torch.from_numpy(array.copy()).permute(2, 0, 1))
+    return torch.stack(resized)
+
+
+def resize_torch(frames_NCHW: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
+    """Antialiased bicubic resize of uint8 frames to (height, width), staying in uint8."""
+    if tuple(frames_NCHW.shape[-2:]) == tuple(size_hw):
+        return frames_NCHW
+    return F.interpolate(frames_NCHW, size=list(size_hw), mode="bicubic", align_corners=False, antialias=True)
+
+
+def resize(frames_NCHW: torch.Tensor, size_hw: tuple[int, int], impl: str) -> torch.Tensor:
+    if impl == "pil":
+        return resize_pil(frames_NCHW, size_hw)
+    assert impl == "torch", impl
+    return resize_torch(frames_NCHW, size_hw)
+
+
+@functools.lru_cache(maxsize=None)
+def torchvision_importable() -> bool:
+    """Whether transformers would use its torchvision backend here (then `auto` resizes with torch)."""
+    try:
+        import torchvision.transforms.v2.functional  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def normalize(frames_NCHW: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
+    """uint8 -> float32 scaled to [0, 1] and standardised per channel."""
+    scaled = frames_NCHW.to(torch.float32) * (1.0 / 255.0)
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+    return (scaled - mean_t) / std_t
+
+
+def patchify(frames_NCHW: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int) -> torch.Tensor:
+    """Normalised frames (N, 3, H, W) -> rows (ceil(N/T) * H/p * W/p, 3*T*p*p)."""
+    num_frames, channels, height, width = frames_NCHW.shape
+    pad = -num_frames % temporal_patch_size
+    if pad:
+        frames_NCHW = torch.cat([frames_NCHW, frames_NCHW[-1:].expand(pad, -1, -1, -1)])
+    num_groups = frames_NCHW.shape[0] // temporal_patch_size
+    grid_h, grid_w = height // patch_size, width // patch_size
+    blocks = frames_NCHW.reshape(
+        num_groups, temporal_patch_size, channels,
+        grid_h // merge_size, merge_size, patch_size,
+        grid_w // merge_size, merge_size, patch_size,
+    )
+    # -> groups, merge rows, merge cols, row in window, col in window, channel, frame, py, px
+    blocks = blocks.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return blocks.reshape(num_groups * grid_h * grid_w, channels * temporal_patch_size * patch_size * patch_size)
