@@ -1,143 +1,211 @@
 """Placement of sharded sequences on aligned power-of-two rank blocks (LPT + local refinement). Pure.
 
-Input per sequence: its per-rank cost `cost/d`, degree `d` and per-rank tokens `L/d`. A sequence of
-degree `d` goes on a block `[k·d, (k+1)·d)` and adds its per-rank cost to each rank of the block.
+Per sequence: degree `d`, per-rank cost `cost/d`, attention `L²/d` and tokens `L/d`. A sequence of
+degree `d` goes on a block `[k·d, (k+1)·d)` and adds its per-rank shares to every rank of the block.
+
 Greedy longest-processing-time: sequences in decreasing per-rank cost, each onto the block whose
-busiest rank is least loaded (among blocks that keep every rank under the token cap). Degree-1
-sequences at the tail go through a heap. Then `refine` moves/swaps degree-1 sequences off the
-busiest rank while that lowers it.
+busiest rank ends up least loaded, among blocks that keep every rank under the token cap. "Load" is
+the cost normalised by its target, or — with `attention_aware` — the larger of cost and attention
+each normalised by its target, so attention-heavy long sequences and linear-heavy short ones spread
+evenly in both. Degree-1 sequences after the last sharded one go through a heap (cost only: they
+carry little attention). `refine` then moves or swaps sequences of equal degree between blocks
+while that lowers the busiest rank's cost.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 
 
+SWAP_BLOCKS = 8
+"""Refinement looks for swap partners on this many least-loaded blocks (keeps a step O(n))."""
+
+
 class CapacityError(ValueError):
-    """No block can take a sequence under the per-rank token cap."""
+    """No block can take a sequence under the per-rank token cap (args[0]: the sequence index)."""
 
 
-def place_lpt(per_rank_cost: np.ndarray, degrees: np.ndarray, per_rank_tokens: np.ndarray, *,
-              world_size: int, token_cap: float, max_degree: int, allowed: tuple[int, ...]) -> np.ndarray:
-    """Return the first rank of each sequence's block; may raise `degrees` where the cap needs it."""
-    num = len(degrees)
-    order = np.argsort(-per_rank_cost, kind="stable")
-    loads = np.zeros(world_size)
-    held = np.zeros(world_size)
-    starts = np.zeros(num, dtype=np.int64)
-    multi_positions = np.nonzero(degrees[order] > 1)[0]
+@dataclass
+class Layout:
+    """Per-sequence placement state (arrays are indexed by sequence)."""
+
+    degrees: np.ndarray
+    """Degree of each sequence (may be raised by placement when the token cap needs it)."""
+    cost: np.ndarray
+    """Whole-sequence cost L² + c·L."""
+    attention: np.ndarray
+    """Whole-sequence attention L²."""
+    tokens: np.ndarray
+    """Whole-sequence tokens L."""
+    starts: np.ndarray
+    """First rank of each sequence's block."""
+
+
+def _block_score(loads: np.ndarray, attn: np.ndarray, degree: int, add_cost: float, add_attn: float,
+                 cost_scale: float, attn_scale: float) -> np.ndarray:
+    score = (loads.reshape(-1, degree).max(axis=1) + add_cost) * cost_scale
+    if attn_scale > 0:
+        score = np.maximum(score, (attn.reshape(-1, degree).max(axis=1) + add_attn) * attn_scale)
+    return score
+
+
+def place_lpt(layout: Layout, *, world_size: int, token_cap: float, allowed: tuple[int, ...],
+              cost_target: float, attn_target: float | None) -> None:
+    """Fill `layout.starts` (LPT); `attn_target=None` balances cost only."""
+    per_rank = layout.cost / layout.degrees
+    order = np.argsort(-per_rank, kind="stable")
+    loads, attn, held = np.zeros(world_size), np.zeros(world_size), np.zeros(world_size)
+    cost_scale = 1.0 / cost_target
+    attn_scale = 1.0 / attn_target if attn_target else 0.0
+    multi_positions = np.nonzero(layout.degrees[order] > 1)[0]
     split = int(multi_positions[-1]) + 1 if len(multi_positions) else 0
+    if attn_scale:  # big degree-1 sequences also carry attention: place them 2-D as well
+        split = max(split, int(np.searchsorted(-per_rank[order], -0.25 * cost_target, side="right")))
     for item in order[:split].tolist():
-        _place_on_block(item, per_rank_cost, degrees, per_rank_tokens, loads, held, starts,
-                        token_cap, allowed)
+        _place_on_block(item, layout, loads, attn, held, token_cap, allowed, cost_scale, attn_scale)
     heap = [(float(loads[r]), r) for r in range(world_size)]
     heapq.heapify(heap)
     for item in order[split:].tolist():
-        cost, tokens = float(per_rank_cost[item]), float(per_rank_tokens[item])
+        cost, tokens = float(layout.cost[item]), float(layout.tokens[item])
         skipped = []
         while heap and held[heap[0][1]] + tokens > token_cap:
             skipped.append(heapq.heappop(heap))
         if not heap:
-            for entry in skipped:
-                heapq.heappush(heap, entry)
-            _place_on_block(item, per_rank_cost, degrees, per_rank_tokens, loads, held, starts,
-                            token_cap, allowed)
+            _place_on_block(item, layout, loads, attn, held, token_cap, allowed, cost_scale, attn_scale)
             heap = [(float(loads[r]), r) for r in range(world_size)]
             heapq.heapify(heap)
             continue
         load, rank = heapq.heappop(heap)
-        starts[item] = rank
+        layout.starts[item] = rank
         loads[rank] = load + cost
+        attn[rank] += layout.attention[item]
         held[rank] += tokens
         heapq.heappush(heap, (loads[rank], rank))
         for entry in skipped:
             heapq.heappush(heap, entry)
-    return starts
 
 
-def _place_on_block(item: int, per_rank_cost: np.ndarray, degrees: np.ndarray, per_rank_tokens: np.ndarray,
-                    loads: np.ndarray, held: np.ndarray, starts: np.ndarray, token_cap: float,
-                    allowed: tuple[int, ...]) -> None:
-    """Put one sequence on the least-loaded feasible block, doubling its degree if none fits."""
-    degree = int(degrees[item])
-    whole_cost = float(per_rank_cost[item]) * degree
-    whole_tokens = float(per_rank_tokens[item]) * degree
-    for candidate in (d for d in allowed if d >= degree):
-        cost, tokens = whole_cost / candidate, whole_tokens / candidate
-        block_load = loads.reshape(-1, candidate).max(axis=1)
+def _place_on_block(item: int, layout: Layout, loads: np.ndarray, attn: np.ndarray, held: np.ndarray,
+                    token_cap: float, allowed: tuple[int, ...], cost_scale: float, attn_scale: float) -> None:
+    """Put one sequence on the best feasible block, doubling its degree if no block has room."""
+    for degree in (d for d in allowed if d >= layout.degrees[item]):
+        cost, tokens = layout.cost[item] / degree, layout.tokens[item] / degree
+        add_attn = layout.attention[item] / degree
+        score = _block_score(loads, attn, degree, cost, add_attn, cost_scale, attn_scale)
         if token_cap != float("inf"):
-            block_held = held.reshape(-1, candidate).max(axis=1)
-            block_load = np.where(block_held + tokens <= token_cap, block_load, np.inf)
-        block = int(np.argmin(block_load))
-        if block_load[block] == np.inf:
+            room = held.reshape(-1, degree).max(axis=1) + tokens <= token_cap
+            score = np.where(room, score, np.inf)
+        block = int(np.argmin(score))
+        if score[block] == np.inf:
             continue
-        first = block * candidate
-        loads[first:first + candidate] += cost
-        held[first:first + candidate] += tokens
-        starts[item] = first
-        if candidate != degree:
-            degrees[item] = candidate
-            per_rank_cost[item] = cost
-            per_rank_tokens[item] = tokens
+        first = block * degree
+        loads[first:first + degree] += cost
+        attn[first:first + degree] += add_attn
+        held[first:first + degree] += tokens
+        layout.starts[item] = first
+        layout.degrees[item] = degree
         return
     raise CapacityError(item)
 
 
-def refine_single(per_rank_cost: np.ndarray, degrees: np.ndarray, per_rank_tokens: np.ndarray,
-                  starts: np.ndarray, *, world_size: int, token_cap: float, max_steps: int) -> None:
-    """Move or swap degree-1 sequences between the busiest and least busy ranks while it helps."""
-    from flexrl_ds.sp.metrics import rank_sums
+def _rank_sum(values: np.ndarray, layout: Layout, world_size: int) -> np.ndarray:
+    diff = np.zeros(world_size + 1)
+    share = values / layout.degrees
+    np.add.at(diff, layout.starts, share)
+    np.add.at(diff, layout.starts + layout.degrees, -share)
+    return np.cumsum(diff[:-1])
 
-    loads = rank_sums(per_rank_cost * degrees, degrees, starts, world_size)
-    held = rank_sums(per_rank_tokens * degrees, degrees, starts, world_size)
-    singles: dict[int, list[int]] = {r: [] for r in range(world_size)}
-    for item in np.nonzero(degrees == 1)[0].tolist():
-        singles[int(starts[item])].append(item)
+
+def refine(layout: Layout, *, world_size: int, token_cap: float, max_steps: int, good_enough: float = 0.0) -> None:
+    """Move/swap equal-degree sequences off the busiest rank's blocks while its cost drops.
+
+    A step is taken only if the receiving block's busiest rank stays strictly below the current
+    maximum (so the maximum never rises and each step removes load from a busiest rank) and no rank
+    exceeds the token cap.
+    """
+    loads = _rank_sum(layout.cost, layout, world_size)
+    held = _rank_sum(layout.tokens, layout, world_size)
+    attn = _rank_sum(layout.attention, layout, world_size)
+    if loads.max() <= good_enough:
+        return
+    ends = layout.starts + layout.degrees
     for _ in range(max_steps):
         top = int(np.argmax(loads))
-        low = int(np.argmin(loads))
-        gap = loads[top] - loads[low]
-        if gap <= 0 or not singles[top]:
+        peak = loads[top]
+        if peak <= good_enough:
             return
-        best = _best_exchange(singles[top], singles[low], per_rank_cost, per_rank_tokens, gap,
-                              token_cap - held[low], token_cap - held[top])
+        on_top = np.nonzero((layout.starts <= top) & (ends > top))[0]
+        best = None  # (new receiving max, give, take or -1, target start)
+        for degree in np.unique(layout.degrees[on_top]).tolist():
+            best = _best_step(layout, on_top[layout.degrees[on_top] == degree], degree, loads, held,
+                              attn, peak, token_cap, best)
         if best is None:
             return
-        give, take = best
-        delta = per_rank_cost[give] - (per_rank_cost[take] if take is not None else 0.0)
-        tokens_delta = per_rank_tokens[give] - (per_rank_tokens[take] if take is not None else 0.0)
-        loads[top] -= delta
-        loads[low] += delta
-        held[top] -= tokens_delta
-        held[low] += tokens_delta
-        singles[top].remove(give)
-        singles[low].append(give)
-        starts[give] = low
-        if take is not None:
-            singles[low].remove(take)
-            singles[top].append(take)
-            starts[take] = top
+        _, give, take, target = best
+        home_start = int(layout.starts[give])
+        _shift(layout, give, target, loads, held, attn)
+        if take >= 0:
+            _shift(layout, take, home_start, loads, held, attn)
+        ends = layout.starts + layout.degrees
 
 
-def _best_exchange(top_items: list[int], low_items: list[int], cost: np.ndarray, tokens: np.ndarray,
-                   gap: float, low_room: float, top_room: float) -> tuple[int, int | None] | None:
-    """The move (give, None) or swap (give, take) whose transferred cost is closest to gap/2."""
-    best, best_score = None, gap  # score = new max of the pair minus the old low load
-    for give in top_items:
-        moved = cost[give]
-        if moved < gap and tokens[give] <= low_room:
-            score = max(gap - moved, moved)
-            if score < best_score:
-                best, best_score = (give, None), score
-    if len(low_items) * len(top_items) <= 4096:
-        for give in top_items:
-            for take in low_items:
-                moved = cost[give] - cost[take]
-                if 0 < moved < gap and tokens[give] - tokens[take] <= low_room \
-                        and tokens[take] - tokens[give] <= top_room:
-                    score = max(gap - moved, moved)
-                    if score < best_score:
-                        best, best_score = (give, take), score
+def _best_step(layout: Layout, givers: np.ndarray, degree: int, loads: np.ndarray, held: np.ndarray,
+               attn: np.ndarray, peak: float, token_cap: float, best):
+    """Best move or swap of one of `givers` (degree `degree`, all on the busiest rank's block)."""
+    block_max = loads.reshape(-1, degree).max(axis=1)
+    block_held = held.reshape(-1, degree).max(axis=1)
+    block_attn = attn.reshape(-1, degree).max(axis=1)
+    attn_ceiling = attn.max()
+    home = int(layout.starts[givers[0]]) // degree
+    give_share = layout.cost[givers] / degree
+    give_tokens = layout.tokens[givers] / degree
+    # Moves: giver to another block.
+    new_max = block_max[None, :] + give_share[:, None]
+    give_attn = layout.attention[givers] / degree
+    ok = (new_max < peak) & (block_held[None, :] + give_tokens[:, None] <= token_cap)
+    ok &= block_attn[None, :] + give_attn[:, None] <= attn_ceiling
+    ok[:, home] = False
+    # Prefer the move that leaves the receiving block lowest.
+    if ok.any():
+        masked = np.where(ok, new_max, np.inf)
+        g, b = np.unravel_index(int(np.argmin(masked)), masked.shape)
+        candidate = (float(masked[g, b]), int(givers[g]), -1, int(b) * degree)
+        if best is None or candidate[0] < best[0]:
+            best = candidate
+    # Swaps: giver with a smaller sequence of the same degree on another block.
+    # Swap partners: sequences of this degree on the few least-loaded other blocks.
+    light = np.argsort(block_max)[:SWAP_BLOCKS + 1]
+    light = light[light != home][:SWAP_BLOCKS]
+    others = np.nonzero((layout.degrees == degree) & np.isin(layout.starts // degree, light))[0]
+    if len(others):
+        take_share = layout.cost[others] / degree
+        take_tokens = layout.tokens[others] / degree
+        other_block = layout.starts[others] // degree
+        delta = give_share[:, None] - take_share[None, :]
+        new_max = block_max[other_block][None, :] + delta
+        room_other = block_held[other_block][None, :] + give_tokens[:, None] - take_tokens[None, :] <= token_cap
+        room_home = block_held[home] - give_tokens[:, None] + take_tokens[None, :] <= token_cap
+        attn_delta = give_attn[:, None] - layout.attention[others][None, :] / degree
+        ok = (delta > 0) & (new_max < peak) & room_other & room_home
+        ok &= block_attn[other_block][None, :] + attn_delta <= attn_ceiling
+        ok &= block_attn[home] - attn_delta <= attn_ceiling
+        if ok.any():
+            masked = np.where(ok, np.maximum(new_max, peak - delta), np.inf)
+            g, t = np.unravel_index(int(np.argmin(masked)), masked.shape)
+            candidate = (float(masked[g, t]), int(givers[g]), int(others[t]), int(other_block[t]) * degree)
+            if best is None or candidate[0] < best[0]:
+                best = candidate
     return best
+
+
+def _shift(layout: Layout, item: int, target: int, loads: np.ndarray, held: np.ndarray,
+           attn: np.ndarray) -> None:
+    degree = int(layout.degrees[item])
+    source = int(layout.starts[item])
+    for array, value in ((loads, layout.cost), (held, layout.tokens), (attn, layout.attention)):
+        array[source:source + degree] -= value[item] / degree
+        array[target:target + degree] += value[item] / degree
+    layout.starts[item] = target

@@ -31,9 +31,9 @@ import numpy as np
 
 from flexrl_ds.config.flexrl_config import SPConfig
 from flexrl_ds.sp.cost_model import CostModel
-from flexrl_ds.sp.metrics import PlanMetrics, compute_metrics
+from flexrl_ds.sp.metrics import PlanMetrics, compute_metrics, rank_sums
 from flexrl_ds.sp.packing import PackingLimits, pack_group, packing_limits
-from flexrl_ds.sp.placement import CapacityError, place_lpt, refine_single
+from flexrl_ds.sp.placement import CapacityError, Layout, place_lpt, refine
 from flexrl_ds.sp.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
 from flexrl_ds.sp.schedule import hsf_key, hsf_rank_order
 
@@ -44,12 +44,14 @@ class PlannerOptions:
 
     head_rule: str = "uneven"
     """"uneven": any power-of-two degree (uneven-heads all-to-all); "divisible": d | num_heads."""
-    sharding_thresholds: tuple[float, ...] = (1.0, 0.5, 0.25)
+    sharding_thresholds: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 0.0625)
     """θ candidates: a sequence is sharded until cost/d ≤ θ·LB; smaller θ shards more."""
     balance_tolerance: float = 0.01
     """Prefer less sharding if its busiest rank is within this fraction of the best candidate's."""
-    refine_steps: int = 256
+    refine_steps: int = 128
     """Upper bound on move/swap steps of the local refinement."""
+    attention_goal: float = 1.05
+    """Attention balance the search tries to reach (by sharding more) once cost is balanced."""
 
 
 @dataclass(frozen=True)
@@ -115,32 +117,79 @@ def apply_oversize(workload: Workload, sp: SPConfig, max_degree: int
     return Workload(tuple(kept)), tuple(dropped), truncated
 
 
-def choose_degrees(costs: np.ndarray, tokens: np.ndarray, target: float, allowed: tuple[int, ...],
-                   token_cap: float) -> np.ndarray:
-    """Smallest allowed degree with cost/d ≤ target and tokens/d ≤ cap (else the largest)."""
-    degrees = np.full(len(costs), allowed[-1], dtype=np.int64)
-    undecided = np.ones(len(costs), dtype=bool)
+def choose_degrees(values: tuple[np.ndarray, ...], targets: tuple[float, ...], tokens: np.ndarray,
+                   allowed: tuple[int, ...], token_cap: float) -> np.ndarray:
+    """Smallest allowed degree with value/d ≤ target for every (value, target) pair and
+    tokens/d ≤ cap; the largest allowed degree where none does."""
+    degrees = np.full(len(tokens), allowed[-1], dtype=np.int64)
+    undecided = np.ones(len(tokens), dtype=bool)
     for degree in allowed:
-        fits = undecided & (costs / degree <= target) & (tokens / degree <= token_cap)
+        fits = undecided & (tokens / degree <= token_cap)
+        for value, target in zip(values, targets):
+            fits &= value / degree <= target
         degrees[fits] = degree
         undecided &= ~fits
     return degrees
 
 
-def _candidate(costs, tokens, target, allowed, world_size, token_cap, steps):
-    degrees = choose_degrees(costs, tokens, target, allowed, token_cap)
-    per_rank_cost = costs / degrees
-    per_rank_tokens = tokens / degrees
-    starts = place_lpt(per_rank_cost, degrees, per_rank_tokens, world_size=world_size,
-                       token_cap=token_cap, max_degree=allowed[-1], allowed=allowed)
-    refine_single(per_rank_cost, degrees, per_rank_tokens, starts, world_size=world_size,
-                  token_cap=token_cap, max_steps=steps)
-    diff = np.zeros(world_size + 1)
-    np.add.at(diff, starts, per_rank_cost)
-    np.add.at(diff, starts + degrees, -per_rank_cost)
-    max_load = float(np.cumsum(diff[:-1]).max())
-    volume = float((tokens * (degrees - 1) / degrees).sum())
-    return max_load, volume, degrees, starts
+@dataclass
+class _Candidate:
+    max_cost: float
+    attention_balance: float
+    volume: float
+    layout: Layout
+
+
+def _schedule_of_tries(thresholds: tuple[float, ...]) -> list[tuple[float, bool]]:
+    """Least sharding first: cost-only at the first θ, then attention-aware at every θ."""
+    return [(thresholds[0], False)] + [(theta, True) for theta in thresholds]
+
+
+def _try(tokens: np.ndarray, costs: np.ndarray, attention: np.ndarray, degrees: np.ndarray,
+         attention_aware: bool, bounds: tuple[float, float], allowed: tuple[int, ...], world_size: int,
+         token_cap: float, options: PlannerOptions) -> _Candidate:
+    cost_bound, attn_bound = bounds
+    layout = Layout(degrees, costs, attention, tokens, np.zeros(len(tokens), dtype=np.int64))
+    place_lpt(layout, world_size=world_size, token_cap=token_cap, allowed=allowed,
+              cost_target=cost_bound, attn_target=attn_bound if attention_aware else None)
+    refine(layout, world_size=world_size, token_cap=token_cap, max_steps=options.refine_steps,
+           good_enough=cost_bound * (1 + options.balance_tolerance / 2))
+    rank_cost = rank_sums(costs, layout.degrees, layout.starts, world_size)
+    rank_attn = rank_sums(attention, layout.degrees, layout.starts, world_size)
+    mean_attn = float(rank_attn.mean())
+    volume = float((tokens * (layout.degrees - 1) / layout.degrees).sum())
+    return _Candidate(float(rank_cost.max()), float(rank_attn.max()) / mean_attn if mean_attn else 1.0,
+                      volume, layout)
+
+
+def _search(tokens: np.ndarray, cost: CostModel, allowed: tuple[int, ...], world_size: int,
+            token_cap: float, options: PlannerOptions) -> Layout:
+    """Try θ × (cost-only, attention-aware) from least to most sharding; keep the best (module doc)."""
+    costs = tokens * tokens + cost.c * tokens
+    attention = tokens * tokens
+    bounds = (max(float(costs.sum()) / world_size, float(costs.max()) / allowed[-1]),
+              max(float(attention.sum()) / world_size, float(attention.max()) / allowed[-1]))
+    tried: list[_Candidate] = []
+    seen: set[tuple[bool, bytes]] = set()
+    for theta, attention_aware in _schedule_of_tries(options.sharding_thresholds):
+        targets = (theta * bounds[0], theta * bounds[1]) if attention_aware else (theta * bounds[0],)
+        degrees = choose_degrees((costs, attention)[:len(targets)], targets, tokens, allowed, token_cap)
+        key = (attention_aware, degrees.tobytes())
+        if key in seen:
+            continue
+        seen.add(key)
+        found = _try(tokens, costs, attention, degrees, attention_aware, bounds, allowed, world_size,
+                     token_cap, options)
+        tried.append(found)
+        if found.max_cost <= bounds[0] * (1 + options.balance_tolerance) \
+                and found.attention_balance <= options.attention_goal:
+            return found.layout
+    best_cost = min(c.max_cost for c in tried)
+    good = [c for c in tried if c.max_cost <= best_cost * (1 + options.balance_tolerance)]
+    balanced = [c for c in good if c.attention_balance <= options.attention_goal]
+    if balanced:
+        return min(balanced, key=lambda c: (c.volume, c.max_cost)).layout
+    return min(good, key=lambda c: (c.attention_balance, c.volume)).layout
 
 
 def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig,
@@ -156,24 +205,16 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
         raise ValueError(
             f"max_tokens_per_rank={sp.max_tokens_per_rank}: the step's {int(tokens.sum())} tokens exceed "
             f"{world_size} ranks × the cap")
-    costs = tokens * tokens + cost.c * tokens
-    lower_bound = max(float(costs.sum()) / world_size, float(costs.max()) / allowed[-1])
-    candidates = []
-    for theta in options.sharding_thresholds:
-        try:
-            candidates.append(_candidate(costs, tokens, theta * lower_bound, allowed, world_size,
-                                         token_cap, options.refine_steps))
-        except CapacityError as error:
-            seq = planned.sequences[error.args[0]]
-            raise ValueError(
-                f"sequence {seq.id!r}: no group of ranks has room for its {seq.tokens} tokens under "
-                f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
-    best_load = min(c[0] for c in candidates)
-    good = [c for c in candidates if c[0] <= best_load * (1 + options.balance_tolerance)]
-    _, _, degrees, starts = min(good, key=lambda c: (c[1], c[0]))
-    plan = build_plan(planned.sequences, degrees, starts, world_size, sp.p_max, limits)
-    metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=sp.p_max, c=cost.c,
-                              num_packs=len(plan.packs))
+    try:
+        layout = _search(tokens, cost, allowed, world_size, token_cap, options)
+    except CapacityError as error:
+        seq = planned.sequences[error.args[0]]
+        raise ValueError(
+            f"sequence {seq.id!r}: no group of ranks has room for its {seq.tokens} tokens under "
+            f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
+    plan = build_plan(planned.sequences, layout.degrees, layout.starts, world_size, sp.p_max, limits)
+    metrics = compute_metrics(tokens, layout.degrees, layout.starts, world_size=world_size, p_max=sp.p_max,
+                              c=cost.c, num_packs=len(plan.packs))
     extra = {"metrics": metrics.summary(), "cost_model": {"name": cost.name, "c": cost.c},
              "h_pack": limits.h_pack, "H_pack": limits.H_pack, "head_rule": options.head_rule,
              "dropped": list(dropped), "truncated": {k: v[1] for k, v in truncated.items()}}
