@@ -1,0 +1,195 @@
+"""Worker-side Materializer: pull exactly the slices this worker needs, ahead of time.
+
+The controller hands each worker a `WorkerAssignment` per step: the placeholders it must fill
+(`SliceRequest`: a prompt, a media item, temporal groups [t_start, t_stop)) and, per prompt, a
+`PromptSource` — either the reference of the preprocessing task that returns the prompt's
+`{SliceKey: ObjectRef}` map (ShadowLoader), or the tensors themselves (centralised baseline).
+
+`prefetch(assignment)` returns at once; background threads resolve the task reference, then fetch
+only the chunks covering the requested groups straight from the owning actor's object store.
+`get(step)` waits for that step (the wait is the exposed data time) and cuts each request's rows
+exactly. If the owner died (the task or its objects are lost), the Materializer asks `repair` for a
+fresh source of that prompt — the controller re-routes it to a live actor — and retries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flexrl_ds.data.metastore import ItemLayout, PromptKey, SliceKey
+
+
+@dataclass(frozen=True)
+class SliceRequest:
+    """Pixels a worker needs: temporal groups [t_start, t_stop) of one item of one prompt."""
+
+    prompt: PromptKey
+    """The prompt (step, slot)."""
+    item_index: int
+    """Media item within the prompt."""
+    t_start: int = 0
+    """First temporal group."""
+    t_stop: int | None = None
+    """One past the last temporal group; None: to the item's end."""
+
+    @classmethod
+    def from_placeholder(cls, prompt: PromptKey, placeholder: Any) -> SliceRequest:
+        """Request for what a `TensorPlaceholder` (whole item or group range) stands for."""
+        return cls(prompt, placeholder.item_index, placeholder.t_start, placeholder.t_stop)
+
+
+@dataclass
+class PromptSource:
+    """Where a worker gets one prompt's slices."""
+
+    key: PromptKey
+    """The prompt."""
+    layouts: tuple[ItemLayout, ...]
+    """Slice layout per media item."""
+    generation: int = 1
+    """Routing generation of `task_ref` (see MetaStore); repair compares it."""
+    task_ref: Any = None
+    """Reference to `{SliceKey: ObjectRef}` (ShadowLoader path)."""
+    inline: dict[SliceKey, dict] | None = None
+    """The slices themselves (centralised path: shipped through the controller)."""
+
+
+@dataclass
+class WorkerAssignment:
+    """One worker's data for one step."""
+
+    step: int
+    """Loader step."""
+    requests: tuple[SliceRequest, ...]
+    """What to materialise, in the order the worker will consume it."""
+    sources: dict[PromptKey, PromptSource]
+    """A source for every prompt named in `requests`."""
+
+
+@dataclass
+class MaterializedStep:
+    step: int
+    """Loader step."""
+    tensors: list[dict[str, Any]]
+    """Per request: {"pixel_values": (rows, patch_dim) tensor, "grid_thw": (t, h, w)}."""
+    wait_s: float
+    """Seconds `get` blocked: data time the training loop could not hide."""
+    bytes_fetched: int
+    """Pixel bytes this worker pulled (or received inline) for the step."""
+    num_repairs: int
+    """Prompts re-fetched after their owner died."""
+
+
+class RayFetcher:
+    """`ray.get` with a timeout; names the errors that mean "owner gone, re-route"."""
+
+    def __init__(self, timeout_s: float = 600.0):
+        import ray
+
+        self._ray = ray
+        self.timeout_s = timeout_s
+        self.lost_errors = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+
+    def get(self, refs: Sequence[Any]) -> list[Any]:
+        return self._ray.get(list(refs), timeout=self.timeout_s)
+
+
+def chunk_keys_for(source: PromptSource, requests: Sequence[SliceRequest]) -> list[SliceKey]:
+    """The cached slices covering `requests` (each once, in order)."""
+    keys: dict[SliceKey, None] = {}
+    for request in requests:
+        layout = source.layouts[request.item_index]
+        stop = layout.grid_thw[0] if request.t_stop is None else request.t_stop
+        for chunk in layout.chunks_for(request.t_start, stop):
+            keys[SliceKey(source.key, request.item_index, chunk)] = None
+    return list(keys)
+
+
+def cut_request(layout: ItemLayout, request: SliceRequest, slices: dict[SliceKey, dict]) -> dict[str, Any]:
+    """Rows of exactly groups [t_start, t_stop) from the chunks that cover them."""
+    stop = layout.grid_thw[0] if request.t_stop is None else request.t_stop
+    chunks = layout.chunks_for(request.t_start, stop)
+    parts = [slices[SliceKey(request.prompt, request.item_index, c)]["pixel_values"] for c in chunks]
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+    first_group = layout.chunks[chunks[0]][0]
+    per_group = layout.rows_per_group
+    pixels = rows[(request.t_start - first_group) * per_group : (stop - first_group) * per_group]
+    return {"pixel_values": pixels, "grid_thw": (stop - request.t_start, layout.grid_thw[1], layout.grid_thw[2])}
+
+
+@dataclass
+class _PendingStep:
+    assignment: WorkerAssignment
+    futures: dict[PromptKey, Future]
+    repairs: list[int] = field(default_factory=list)
+
+
+class Materializer:
+    """Fetch a worker's slices for upcoming steps in the background; hand them out per step."""
+
+    def __init__(self, fetcher: Any = None, repair: Callable[[PromptKey, int], PromptSource] | None = None,
+                 num_threads: int = 4, max_attempts: int = 3):
+        self.fetcher = fetcher if fetcher is not None else RayFetcher()
+        self.repair = repair
+        self.max_attempts = max_attempts
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="materializer")
+        self._steps: dict[int, _PendingStep] = {}
+        self._lock = threading.Lock()
+
+    def prefetch(self, assignment: WorkerAssignment) -> None:
+        """Start fetching `assignment`'s slices; returns immediately."""
+        by_prompt: dict[PromptKey, list[SliceRequest]] = {}
+        for request in assignment.requests:
+            if request.prompt not in assignment.sources:
+                raise ValueError(f"step {assignment.step}: no source for prompt {request.prompt}")
+            by_prompt.setdefault(request.prompt, []).append(request)
+        pending = _PendingStep(assignment, {})
+        for key, requests in by_prompt.items():
+            source = assignment.sources[key]
+            pending.futures[key] = self._pool.submit(self._fetch_prompt, source, requests, pending.repairs)
+        with self._lock:
+            assert assignment.step not in self._steps, f"step {assignment.step} prefetched twice"
+            self._steps[assignment.step] = pending
+
+    def get(self, step: int) -> MaterializedStep:
+        """Block until `step`'s slices are here; returns them in request order."""
+        with self._lock:
+            pending = self._steps.pop(step, None)
+        if pending is None:
+            raise KeyError(f"step {step} was never prefetched on this worker")
+        started = time.perf_counter()
+        fetched = {key: future.result() for key, future in pending.futures.items()}
+        wait_s = time.perf_counter() - started
+        tensors, num_bytes = [], 0
+        for request in pending.assignment.requests:
+            source_slices, source = fetched[request.prompt]
+            tensors.append(cut_request(source.layouts[request.item_index], request, source_slices))
+        for source_slices, _ in fetched.values():
+            num_bytes += sum(value["pixel_values"].nbytes for value in source_slices.values())
+        return MaterializedStep(step, tensors, wait_s, num_bytes, len(pending.repairs))
+
+    def _fetch_prompt(self, source: PromptSource, requests: list[SliceRequest], repairs: list[int]):
+        for attempt in range(self.max_attempts):
+            keys = chunk_keys_for(source, requests)
+            if source.inline is not None:
+                return {key: source.inline[key] for key in keys}, source
+            try:
+                (slice_refs,) = self.fetcher.get([source.task_ref])
+                values = self.fetcher.get([slice_refs[key] for key in keys])
+                return dict(zip(keys, values)), source
+            except self.fetcher.lost_errors:
+                if self.repair is None or attempt + 1 == self.max_attempts:
+                    raise
+                source = self.repair(source.key, source.generation)
+                repairs.append(1)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,308 @@
+"""ProxyLoader: the controller's data loader that never touches pixels.
+
+Each `next_step()` returns a `LoaderStep`: B prompts (global batch) chosen in a seeded order, their
+`SampleMeta` (probed on the preprocessing actors) with shape-only placeholders, the ids of the
+B*n GRPO samples, and the step's bad-record report. By the time a step is returned, the
+preprocess tasks of the next `lookahead_steps` steps are already running on the actors, so
+workers' Materializers can prefetch them while the current step computes.
+
+`assignment(step, requests)` builds what one worker needs (`materializer.WorkerAssignment`):
+references only. `repair(prompt, generation)` re-routes the prompts of a dead actor to live ones
+(idempotent: concurrent repairs of one failure re-route once) and is what Materializers call.
+
+Order and bad records (same for the centralised baseline, which shares `StepSource`):
+- Epoch e visits every dataset row once in a permutation seeded by (seed, e); step s takes the
+  next B positions. A step that would run past the epoch's end starts the next epoch instead.
+- Policy `skip`: bad rows are dropped and reported; the step trains on fewer prompts.
+  Policy `replace`: each bad row is replaced by the next good row taken from the *tail* of the
+  epoch's permutation, so every other step keeps exactly its window; the substitute's id is
+  `<bad id>-><substitute id>` and `LoaderStep.replacements` records the pair. Policy `error`:
+  `ValueError` naming the record. Either way `LoaderStep.bad_records` lists every bad row.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from flexrl_ds.data.metastore import MetaStore, PromptEntry, PromptKey, SampleId
+from flexrl_ds.data.materializer import PromptSource, SliceRequest, WorkerAssignment
+
+BAD_RECORD_POLICIES = ("skip", "replace", "error")
+
+
+@dataclass
+class LoaderConfig:
+    """Step composition and look-ahead of ShadowLoader and the centralised baseline."""
+
+    global_batch: int
+    """Prompts per step (B)."""
+    num_samples_per_prompt: int = 1
+    """GRPO group size n: samples per prompt, all sharing the prompt's one decode."""
+    seed: int = 0
+    """Seed of the per-epoch permutation."""
+    shuffle: bool = True
+    """Visit rows in a seeded permutation (False: file order)."""
+    bad_record_policy: str = "skip"
+    """skip | replace | error (see the module docstring)."""
+    lookahead_steps: int = 1
+    """Steps whose preprocessing is dispatched ahead of the step being trained on."""
+    groups_per_chunk: int = 4
+    """Temporal patch groups per cached video slice."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch: must be at least 1, got {self.global_batch}")
+        if self.num_samples_per_prompt < 1:
+            raise ValueError(f"num_samples_per_prompt: must be at least 1, got {self.num_samples_per_prompt}")
+        if self.bad_record_policy not in BAD_RECORD_POLICIES:
+            raise ValueError(f"bad_record_policy: {self.bad_record_policy!r} is not one of skip, replace, error")
+        if self.lookahead_steps < 0 or self.groups_per_chunk < 1:
+            raise ValueError("lookahead_steps must be >= 0 and groups_per_chunk >= 1")
+
+
+class RecordOrder:
+    """Seeded per-epoch permutation consumed in windows from the head, replacements from the tail."""
+
+    def __init__(self, num_records: int, seed: int, shuffle: bool):
+        if num_records < 1:
+            raise ValueError("the dataset has no rows")
+        self.num_records, self.seed, self.shuffle = num_records, seed, shuffle
+        self.epoch = -1
+        self._start_epoch()
+
+    def _start_epoch(self) -> None:
+        self.epoch += 1
+        self._order = list(range(self.num_records))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self._order)
+        self._head, self._tail = 0, self.num_records
+
+    def take(self, count: int) -> list[int]:
+        """The next `count` rows (a new epoch starts when fewer remain)."""
+        if count > self.num_records:
+            raise ValueError(f"global batch {count} exceeds the dataset's {self.num_records} rows")
+        if self._tail - self._head < count:
+            self._start_epoch()
+        window = self._order[self._head : self._head + count]
+        self._head += count
+        return window
+
+    def reserve(self) -> int | None:
+        """A row from the end of the epoch, for a replacement; None when the epoch is used up."""
+        if self._tail <= self._head:
+            return None
+        self._tail -= 1
+        return self._order[self._tail]
+
+
+@dataclass
+class StepPrompt:
+    key: PromptKey
+    """(step, slot) of the prompt."""
+    meta: Any
+    """Its `SampleMeta` (metadata and predicted shapes; no pixels)."""
+
+    def placeholders(self) -> list[Any]:
+        return self.meta.placeholders()
+
+
+@dataclass
+class LoaderStep:
+    step: int
+    """Step index (0-based)."""
+    epoch: int
+    """Epoch the step's rows come from."""
+    prompts: list[StepPrompt]
+    """The prompts trained on, in slot order."""
+    num_samples_per_prompt: int
+    """GRPO group size n."""
+    bad_records: list[Any] = field(default_factory=list)
+    """Every bad row met while composing the step (`BadRecord`s)."""
+    replacements: dict[str, str] = field(default_factory=dict)
+    """Bad record id -> id of the record that stood in for it (policy replace)."""
+
+    def sample_ids(self) -> list[SampleId]:
+        return [SampleId(p.key.step, p.key.slot, k) for p in self.prompts for k in range(self.num_samples_per_prompt)]
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "epoch": self.epoch, "prompts": [p.meta.id for p in self.prompts],
+            "num_bad": len(self.bad_records), "replacements": dict(self.replacements),
+            "bad_records": [{"id": b.id, "reason": b.reason, "stage": b.stage} for b in self.bad_records],
+        }
+
+
+@dataclass
+class LoaderStats:
+    bytes_through_controller: int = 0
+    """Serialized bytes the controller sent or received for data (refs counted as their ids)."""
+    num_bad: int = 0
+    """Bad rows met so far."""
+    num_replaced: int = 0
+    """Bad rows replaced (policy replace)."""
+    num_rerouted: int = 0
+    """Prompts re-routed after their actor died."""
+    loader_s: float = 0.0
+    """Controller seconds spent inside next_step (probing, dispatch, or decoding for the baseline)."""
+
+
+def payload_bytes(obj: Any) -> int:
+    """Pickled size of `obj`, with each Ray ObjectRef counted as its id (what Ray ships for it)."""
+    import io
+
+    import ray
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, value):
+            return value.binary() if isinstance(value, ray.ObjectRef) else None
+
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.tell()
+
+
+def requests_for_samples(step: LoaderStep, samples: Sequence[SampleId]) -> list[SliceRequest]:
+    """Whole-item requests for the prompts of `samples` (a prompt's items once per worker)."""
+    metas = {p.key: p.meta for p in step.prompts}
+    prompts = list(dict.fromkeys(sample.prompt for sample in samples))
+    return [SliceRequest(key, index) for key in prompts for index in range(len(metas[key].items))]
+
+
+class StepSource:
+    """Step composition shared by ProxyLoader and the centralised baseline."""
+
+    def __init__(self, records: Sequence[Any], config: LoaderConfig, probe: Callable[[list], list]):
+        self.records, self.config, self._probe = list(records), config, probe
+        self.order = RecordOrder(len(self.records), config.seed, config.shuffle)
+        self.stats = LoaderStats()
+        self._next_index = 0
+
+    def compose(self) -> LoaderStep:
+        """Choose and probe the next step's prompts, applying the bad-record policy."""
+        index, self._next_index = self._next_index, self._next_index + 1
+        window = self.order.take(self.config.global_batch)
+        epoch = self.order.epoch
+        results = self._probe_rows(window)
+        step = LoaderStep(index, epoch, [], self.config.num_samples_per_prompt)
+        for result in results:
+            if _is_bad(result):
+                step.bad_records.append(result)
+                substitute = self._replacement(step) if self.config.bad_record_policy == "replace" else None
+                if substitute is None:
+                    continue
+                step.replacements[result.id] = substitute.id
+                result = replace(substitute, id=f"{result.id}->{substitute.id}")
+            step.prompts.append(StepPrompt(PromptKey(index, len(step.prompts)), result))
+        self.stats.num_bad += len(step.bad_records)
+        self.stats.num_replaced += len(step.replacements)
+        if step.bad_records and self.config.bad_record_policy == "error":
+            bad = step.bad_records[0]
+            raise ValueError(f"step {index}: record {bad.id!r}: {bad.reason}")
+        return step
+
+    def _probe_rows(self, rows: list[int]) -> list[Any]:
+        entries = [self.records[row] for row in rows]
+        good = [entry for entry in entries if not _is_bad(entry)]
+        probed = iter(self._probe(good) if good else [])
+        return [entry if _is_bad(entry) else next(probed) for entry in entries]
+
+    def _replacement(self, step: LoaderStep) -> Any | None:
+        while (row := self.order.reserve()) is not None:
+            (result,) = self._probe_rows([row])
+            if not _is_bad(result):
+                return result
+            step.bad_records.append(result)
+        return None
+
+
+def _is_bad(entry: Any) -> bool:
+    return hasattr(entry, "reason") and not hasattr(entry, "items")
+
+
+class ProxyLoader:
+    """ShadowLoader's controller side: metadata, routing and references only."""
+
+    def __init__(self, records: Sequence[Any], pool: Any, config: LoaderConfig):
+        self.pool, self.config = pool, config
+        self.source = StepSource(records, config, self._probe)
+        self.store = MetaStore(config.num_samples_per_prompt)
+        self._ready: deque[LoaderStep] = deque()
+        self._metas: dict[PromptKey, Any] = {}  # kept for re-routing
+        self._lock = threading.Lock()
+
+    @property
+    def stats(self) -> LoaderStats:
+        return self.source.stats
+
+    def _probe(self, records: list) -> list:
+        metas = self.pool.probe(records)
+        self.stats.bytes_through_controller += payload_bytes(records) + payload_bytes(metas)
+        return metas
+
+    def next_step(self) -> LoaderStep:
+        """The next step; preprocessing of the following `lookahead_steps` steps is under way."""
+        started = time.perf_counter()
+        while len(self._ready) < self.config.lookahead_steps + 1:
+            step = self.source.compose()
+            with self._lock:
+                for prompt in step.prompts:
+                    self._dispatch(prompt)
+            self._ready.append(step)
+        self.stats.loader_s += time.perf_counter() - started
+        return self._ready.popleft()
+
+    def _dispatch(self, prompt: StepPrompt) -> None:
+        from flexrl_ds.data.actors import item_layouts
+
+        layouts = item_layouts(prompt.meta, self.config.groups_per_chunk)
+        cost = max(1.0, float(sum(layout.num_patches for layout in layouts)))
+        self.store.add(PromptEntry(prompt.key, prompt.meta.id, layouts, cost))
+        self._route(prompt.key, prompt.meta)
+
+    def _route(self, key: PromptKey, meta: Any) -> None:
+        entry = self.store.entry(key)
+        owner, ref = self.pool.submit(key, meta, entry.layouts, entry.cost)
+        self.stats.bytes_through_controller += payload_bytes((key, meta, entry.layouts, ref))
+        self.store.route(key, owner, ref)
+        self._metas[key] = meta
+
+    def _source(self, key: PromptKey) -> PromptSource:
+        entry = self.store.entry(key)
+        return PromptSource(key, entry.layouts, entry.generation, task_ref=entry.task_ref)
+
+    def assignment(self, step: LoaderStep, requests: Sequence[SliceRequest]) -> WorkerAssignment:
+        """A worker's share of `step`: its requests plus a reference per prompt (no pixels)."""
+        with self._lock:
+            sources = {request.prompt: self._source(request.prompt) for request in requests}
+        assignment = WorkerAssignment(step.step, tuple(requests), sources)
+        self.stats.bytes_through_controller += payload_bytes(assignment)
+        return assignment
+
+    def repair(self, key: PromptKey, failed_generation: int) -> PromptSource:
+        """Re-route every prompt of the actor that failed `key` (once per failure)."""
+        with self._lock:
+            entry = self.store.entry(key)
+            if entry.generation == failed_generation:
+                dead = entry.owner
+                if dead in self.pool.alive:
+                    self.pool.mark_dead(dead)
+                for lost in self.store.owned_by(dead):
+                    self._route(lost, self._metas[lost])
+                    self.stats.num_rerouted += 1
+            return self._source(key)
+
+    def release(self, step: LoaderStep) -> None:
+        """Forget `step`: actors drop its cached slices."""
+        with self._lock:
+            released = self.store.release_step(step.step)
+            for keys in released.values():
+                for key in keys:
+                    self._metas.pop(key, None)
+        self.pool.release(released)
