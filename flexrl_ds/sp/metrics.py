@@ -9,7 +9,7 @@ sharded at `min(p_max, W)`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import numpy as np
@@ -52,9 +52,8 @@ class PlanMetrics:
 
     def summary(self) -> dict[str, Any]:
         """The scalar fields (what goes into plan files and tables)."""
-        out = asdict(self)
-        for key in ("rank_cost", "rank_attention", "rank_tokens"):
-            out.pop(key)
+        skip = ("rank_cost", "rank_attention", "rank_tokens")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["degree_histogram"] = {str(k): v for k, v in sorted(self.degree_histogram.items())}
         return out
 

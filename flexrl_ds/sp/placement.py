@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 
+ATTENTION_SHARE_2D = 0.1
+"""Degree-1 sequences above this fraction of the per-rank attention target are placed 2-D."""
 SWAP_BLOCKS = 8
 """Refinement looks for swap partners on this many least-loaded blocks (keeps a step O(n))."""
 
@@ -60,38 +62,51 @@ def place_lpt(layout: Layout, *, world_size: int, token_cap: float, allowed: tup
     loads, attn, held = np.zeros(world_size), np.zeros(world_size), np.zeros(world_size)
     cost_scale = 1.0 / cost_target
     attn_scale = 1.0 / attn_target if attn_target else 0.0
-    multi_positions = np.nonzero(layout.degrees[order] > 1)[0]
-    split = int(multi_positions[-1]) + 1 if len(multi_positions) else 0
-    if attn_scale:  # big degree-1 sequences also carry attention: place them 2-D as well
-        split = max(split, int(np.searchsorted(-per_rank[order], -0.25 * cost_target, side="right")))
-    for item in order[:split].tolist():
-        _place_on_block(item, layout, loads, attn, held, token_cap, allowed, cost_scale, attn_scale)
-    heap = [(float(loads[r]), r) for r in range(world_size)]
-    heapq.heapify(heap)
-    for item in order[split:].tolist():
-        cost, tokens = float(layout.cost[item]), float(layout.tokens[item])
-        skipped = []
-        while heap and held[heap[0][1]] + tokens > token_cap:
-            skipped.append(heapq.heappop(heap))
-        if not heap:
-            _place_on_block(item, layout, loads, attn, held, token_cap, allowed, cost_scale, attn_scale)
-            heap = [(float(loads[r]), r) for r in range(world_size)]
-            heapq.heapify(heap)
+    cost_of, tokens_of, degree_of = layout.cost.tolist(), layout.tokens.tolist(), layout.degrees.tolist()
+    heap = [(0.0, rank) for rank in range(world_size)]  # lazy: stale entries are skipped on pop
+    capped = token_cap != float("inf")
+    # With attention balancing, degree-1 sequences carrying a sizeable share of a rank's attention
+    # are also placed 2-D; the rest (linear-dominated) fill by cost through the heap.
+    two_d = (layout.attention * attn_scale > ATTENTION_SHARE_2D).tolist()
+    for item in order.tolist():
+        if degree_of[item] > 1 or two_d[item]:
+            first = _place_on_block(item, layout, loads, attn, held, token_cap, allowed, cost_scale, attn_scale)
+            for rank in range(first, first + int(layout.degrees[item])):
+                heapq.heappush(heap, (float(loads[rank]), rank))
             continue
-        load, rank = heapq.heappop(heap)
-        layout.starts[item] = rank
-        loads[rank] = load + cost
-        attn[rank] += layout.attention[item]
-        held[rank] += tokens
-        heapq.heappush(heap, (loads[rank], rank))
+        tokens, skipped, chosen = tokens_of[item], [], None
+        while heap:
+            load, rank = heapq.heappop(heap)
+            if load != loads[rank]:
+                continue  # stale entry
+            if capped and held[rank] + tokens > token_cap:
+                skipped.append((load, rank))
+                continue
+            chosen = (load, rank)
+            break
         for entry in skipped:
             heapq.heappush(heap, entry)
+        if chosen is None:  # no single rank has room: shard it (CapacityError if nothing fits)
+            first = _place_on_block(item, layout, loads, attn, held, token_cap, allowed, cost_scale, attn_scale)
+            for rank in range(first, first + int(layout.degrees[item])):
+                heapq.heappush(heap, (float(loads[rank]), rank))
+            continue
+        load, rank = chosen
+        layout.starts[item] = rank
+        loads[rank] = load + cost_of[item]
+        attn[rank] += layout.attention[item]
+        held[rank] += tokens
+        heapq.heappush(heap, (float(loads[rank]), rank))
 
 
 def _place_on_block(item: int, layout: Layout, loads: np.ndarray, attn: np.ndarray, held: np.ndarray,
-                    token_cap: float, allowed: tuple[int, ...], cost_scale: float, attn_scale: float) -> None:
-    """Put one sequence on the best feasible block, doubling its degree if no block has room."""
-    for degree in (d for d in allowed if d >= layout.degrees[item]):
+                    token_cap: float, allowed: tuple[int, ...], cost_scale: float, attn_scale: float) -> int:
+    """Put one sequence on the best feasible block (doubling its degree if no block has room);
+    return the block's first rank."""
+    current = int(layout.degrees[item])
+    for degree in allowed:
+        if degree < current:
+            continue
         cost, tokens = layout.cost[item] / degree, layout.tokens[item] / degree
         add_attn = layout.attention[item] / degree
         score = _block_score(loads, attn, degree, cost, add_attn, cost_scale, attn_scale)
@@ -107,7 +122,7 @@ def _place_on_block(item: int, layout: Layout, loads: np.ndarray, attn: np.ndarr
         held[first:first + degree] += tokens
         layout.starts[item] = first
         layout.degrees[item] = degree
-        return
+        return first
     raise CapacityError(item)
 
 
@@ -179,7 +194,9 @@ def _best_step(layout: Layout, givers: np.ndarray, degree: int, loads: np.ndarra
     # Swap partners: sequences of this degree on the few least-loaded other blocks.
     light = np.argsort(block_max)[:SWAP_BLOCKS + 1]
     light = light[light != home][:SWAP_BLOCKS]
-    others = np.nonzero((layout.degrees == degree) & np.isin(layout.starts // degree, light))[0]
+    is_light = np.zeros(len(block_max), dtype=bool)
+    is_light[light] = True
+    others = np.nonzero((layout.degrees == degree) & is_light[layout.starts // degree])[0]
     if len(others):
         take_share = layout.cost[others] / degree
         take_tokens = layout.tokens[others] / degree

@@ -170,11 +170,11 @@ def _search(tokens: np.ndarray, cost: CostModel, allowed: tuple[int, ...], world
     bounds = (max(float(costs.sum()) / world_size, float(costs.max()) / allowed[-1]),
               max(float(attention.sum()) / world_size, float(attention.max()) / allowed[-1]))
     tried: list[_Candidate] = []
-    seen: set[tuple[bool, bytes]] = set()
+    seen: set[bytes] = set()
     for theta, attention_aware in _schedule_of_tries(options.sharding_thresholds):
         targets = (theta * bounds[0], theta * bounds[1]) if attention_aware else (theta * bounds[0],)
         degrees = choose_degrees((costs, attention)[:len(targets)], targets, tokens, allowed, token_cap)
-        key = (attention_aware, degrees.tobytes())
+        key = degrees.tobytes()  # same degrees place alike: attention only steers sharded ones
         if key in seen:
             continue
         seen.add(key)
@@ -229,11 +229,12 @@ def build_plan(sequences: tuple[SequenceSpec, ...], degrees: np.ndarray, starts:
     for index, (degree, start) in enumerate(zip(degrees.tolist(), starts.tolist())):
         groups.setdefault((degree, start), []).append(index)
     tokens = [s.tokens for s in sequences]
+    ids = [s.id for s in sequences]
     packs: list[Pack] = []
     for (degree, start), members in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        ranks = tuple(range(start, start + degree))
         for pack_members in pack_group(members, tokens, limits):
-            packs.append(Pack(id=len(packs), degree=degree, ranks=tuple(range(start, start + degree)),
-                              sequences=tuple(sequences[i].id for i in pack_members)))
+            packs.append(Pack(len(packs), degree, ranks, tuple([ids[i] for i in pack_members])))
     assert [p.id for p in sorted(packs, key=hsf_key)] == list(range(len(packs)))
     return Plan(world_size=world_size, p_max=p_max, packs=tuple(packs),
                 rank_order=hsf_rank_order(packs, world_size))

@@ -77,6 +77,7 @@ def _vl_base(model):
 
 
 def local_position_ids(layout, positions_by_seq: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """This rank's positions in local token order, with a batch axis: (3|1, 1, local_tokens)."""
+    """This rank's positions in local token order with a batch axis of 1: (3, 1, local) for mRoPE
+    positions, (1, local) for 1D positions (text models)."""
     local = layout.slice_tokens(positions_by_seq, dim=-1)
-    return local.unsqueeze(1)
+    return local.unsqueeze(1) if local.shape[0] == 3 else local

@@ -1,0 +1,186 @@
+"""Vision-tower balancing: the SP domain's images/frames spread evenly over its ranks by patch count.
+
+The vision tower's cost follows patches, not text, and has nothing to do with which rank holds which
+LLM tokens. So (1) every image and every temporal patch group of a video becomes a *unit*
+(Qwen2.5-VL's vision tower attends within one temporal group only: a video with grid (t, h, w) encodes
+exactly like t grids (1, h, w)); (2) `assign_units` spreads units over the domain's ranks by patch
+count (largest first onto the least loaded rank, deterministic); (3) each rank encodes only its
+units; (4) merged embeddings travel with ONE autograd all-to-all over the domain to the ranks that
+hold those token positions in the FlexUlysses layout (the backward is the reverse all-to-all).
+
+Planning (`vision_units`, `assign_units`, `build_route`) is pure and identical on every rank (it only
+reads the step's shared metadata); `encode_and_route` executes. Under ZeRO-3 every rank must run the
+vision tower every step: a rank without units encodes a minimal dummy grid whose output enters the
+graph multiplied by zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class VisionUnit:
+    """One image, or one temporal patch group of a video: the granule of vision balancing."""
+
+    seq_id: str
+    item_index: int
+    """Index of the media item inside its sequence (prompt order, images and videos mixed)."""
+    t_index: int
+    """Temporal group inside the item (0 for an image)."""
+    grid_hw: tuple[int, int]
+    """Patch rows and columns of one temporal group."""
+    token_start: int
+    """Position (in the whole sequence) of the unit's first merged token."""
+    num_tokens: int
+    """Merged LLM tokens of the unit (h*w / merge**2)."""
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_hw[0] * self.grid_hw[1]
+
+
+def vision_units(seq_order: Sequence[str], input_ids: Mapping[str, torch.Tensor],
+                 items: Mapping[str, Sequence], vision_token_ids: Sequence[int], merge_size: int = 2
+                 ) -> list[VisionUnit]:
+    """All units of a step, in a global order every rank agrees on (sequence, item, temporal group).
+
+    `items[seq]` are the sequence's VisionItems (kind, grid_thw) in prompt order; their merged tokens
+    are the sequence's vision-pad tokens, in order.
+    """
+    units = []
+    for seq_id in seq_order:
+        ids = input_ids[seq_id]
+        positions = torch.isin(ids, torch.tensor(list(vision_token_ids))).nonzero().flatten().tolist()
+        cursor = 0
+        for item_index, item in enumerate(items.get(seq_id, ())):
+            t, h, w = item.grid_thw
+            per_group = h * w // (merge_size * merge_size)
+            for t_index in range(t):
+                start = positions[cursor] if cursor < len(positions) else -1
+                if cursor + per_group > len(positions) or positions[cursor + per_group - 1] != start + per_group - 1:
+                    raise ValueError(f"sequence {seq_id!r}: vision pad tokens do not match item {item_index} "
+                                     f"grid {tuple(item.grid_thw)}")
+                units.append(VisionUnit(seq_id, item_index, t_index, (h, w), start, per_group))
+                cursor += per_group
+        if cursor != len(positions):
+            raise ValueError(f"sequence {seq_id!r}: {len(positions)} vision pad tokens but its items "
+                             f"account for {cursor}")
+    return units
+
+
+def assign_units(num_patches: Sequence[int], num_ranks: int) -> list[int]:
+    """Rank of every unit: largest first onto the least loaded rank (ties: lower rank, earlier unit)."""
+    if num_ranks < 1:
+        raise ValueError(f"vision balancing: num_ranks must be >= 1, got {num_ranks}")
+    loads = [0] * num_ranks
+    owner = [0] * len(num_patches)
+    for index in sorted(range(len(num_patches)), key=lambda i: (-num_patches[i], i)):
+        rank = min(range(num_ranks), key=lambda r: (loads[r], r))
+        owner[index] = rank
+        loads[rank] += num_patches[index]
+    return owner
+
+
+@dataclass(frozen=True)
+class VisionRoute:
+    """One rank's part of the step's vision work and of the embedding all-to-all."""
+
+    my_units: tuple[VisionUnit, ...]
+    """Units this rank encodes, in global order (its merged rows come out in this order)."""
+    send_index: torch.Tensor
+    """Rows of this rank's merged output, grouped by destination rank (int64)."""
+    send_splits: tuple[int, ...]
+    """Rows sent to each rank of the domain."""
+    recv_splits: tuple[int, ...]
+    """Rows received from each rank of the domain."""
+    recv_local_index: torch.Tensor
+    """Local token index (this rank's layout) of every received row, in receive order (int64)."""
+    patches_per_rank: tuple[int, ...]
+    """Patches each rank encodes (balance report)."""
+
+
+def token_owners(layouts: Sequence) -> dict[str, list[tuple[int, int, int, int]]]:
+    """seq id -> [(first pos, end pos, rank, local index of first pos)] from every rank's layout."""
+    owners: dict[str, list[tuple[int, int, int, int]]] = {}
+    for rank, layout in enumerate(layouts):
+        for seq_id, lo, hi, local in layout.segments():
+            owners.setdefault(seq_id, []).append((lo, hi, rank, local))
+    return owners
+
+
+def _owner_of(pieces, position: int) -> tuple[int, int]:
+    for lo, hi, rank, local in pieces:
+        if lo <= position < hi:
+            return rank, local + position - lo
+    raise AssertionError(f"position {position} is on no rank")
+
+
+def build_route(units: Sequence[VisionUnit], unit_rank: Sequence[int], layouts: Sequence, rank: int) -> VisionRoute:
+    """This rank's route, from the step's units, their encoder ranks and EVERY rank's layout."""
+    num_ranks = len(layouts)
+    owners = token_owners(layouts)
+    mine = [u for u, r in zip(units, unit_rank) if r == rank]
+    send: list[list[int]] = [[] for _ in range(num_ranks)]
+    recv: list[list[int]] = [[] for _ in range(num_ranks)]
+    row = 0
+    for unit, encoder in zip(units, unit_rank):
+        for j in range(unit.num_tokens):
+            owner, local = _owner_of(owners[unit.seq_id], unit.token_start + j)
+            if encoder == rank:
+                send[owner].append(row + j)
+            if owner == rank:
+                recv[encoder].append(local)
+        if encoder == rank:
+            row += unit.num_tokens
+    patches = [0] * num_ranks
+    for unit, encoder in zip(units, unit_rank):
+        patches[encoder] += unit.num_patches
+    return VisionRoute(
+        my_units=tuple(mine),
+        send_index=torch.tensor([i for dest in send for i in dest], dtype=torch.long),
+        send_splits=tuple(len(dest) for dest in send),
+        recv_splits=tuple(len(src) for src in recv),
+        recv_local_index=torch.tensor([i for src in recv for i in src], dtype=torch.long),
+        patches_per_rank=tuple(patches),
+    )
+
+
+def unit_pixels(unit: VisionUnit, item) -> torch.Tensor:
+    """The pixel rows of one unit inside its item's `pixel_values` (temporal groups are contiguous)."""
+    rows = unit.num_patches
+    return item.pixel_values[unit.t_index * rows:(unit.t_index + 1) * rows]
+
+
+def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], group=None,
+                     merge_size: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode this rank's units and exchange merged rows; returns (received rows, zero term).
+
+    received rows: (sum(recv_splits), hidden) in `route.recv_local_index` order. zero term: a scalar
+    that is 0 but depends on the vision tower's output (add it to the loss so that a rank without
+    units still gives the tower's parameters a gradient, as ZeRO-3 needs).
+    """
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_fn
+
+    param = next(visual.parameters())
+    if route.my_units:
+        pixels = torch.cat([unit_pixels(u, items[u.seq_id][u.item_index]) for u in route.my_units])
+        grids = torch.tensor([[1, *u.grid_hw] for u in route.my_units], dtype=torch.long)
+    else:  # ZeRO-3: run the tower anyway on the smallest valid grid
+        side = merge_size
+        patch_dim = visual.config.in_channels * visual.config.temporal_patch_size * visual.config.patch_size ** 2
+        pixels = torch.zeros(side * side, patch_dim)
+        grids = torch.tensor([[1, side, side]], dtype=torch.long)
+    merged = visual(pixels.to(device=param.device, dtype=param.dtype), grid_thw=grids.to(param.device)).pooler_output
+    zero_term = merged.sum() * 0.0
+    send = merged.index_select(0, route.send_index.to(merged.device)) if route.my_units else merged[:0]
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return send, zero_term
+    recv = merged.new_empty((sum(route.recv_splits), merged.shape[1]))
+    recv = dist_fn.all_to_all_single(recv, send, list(route.recv_splits), list(route.send_splits), group=group)
+    return recv, zero_term
