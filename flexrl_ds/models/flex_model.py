@@ -1,0 +1,168 @@
+"""An HF causal LM (Qwen2.5-VL or Qwen2) running one FlexUlysses step on one rank.
+
+`build_step_batch` turns the step's encoded samples, the plan and this rank's place into a `StepBatch`:
+local token ids, local position ids (computed per whole sequence, then sliced), next-token targets,
+the response mask and, for a VLM, the vision route (which units this rank encodes and where their
+embeddings go). It reads only metadata every rank has, so all ranks agree without communicating.
+
+`FlexUlyssesLM` is a plain `nn.Module` around the HF model (so DeepSpeed can wrap it): its forward
+embeds the local tokens, encodes this rank's vision units and routes their embeddings into place,
+runs the HF model on `inputs_embeds` with FlexUlysses attention (the layout travels as the
+`flexrl_step` forward keyword, see flexrl_ds/sp/hf_adapter.py) and returns per-token log-probs of
+the targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from flexrl_ds.sp import hf_adapter
+from flexrl_ds.sp.layout import RankLayout, build_rank_layout
+from flexrl_ds.sp.positions import local_position_ids, sequence_positions
+from flexrl_ds.sp.vision_balance import VisionRoute, assign_units, build_route, vision_units
+
+IGNORE = -100
+
+
+@dataclass
+class StepBatch:
+    """One rank's inputs for one FlexUlysses step."""
+
+    layout: RankLayout
+    """This rank's packs (HSF order) and local token order."""
+    input_ids: torch.Tensor
+    """(local,) token ids."""
+    position_ids: torch.Tensor
+    """(3, 1, local) mRoPE positions for a VLM, (1, local) for a text model."""
+    targets: torch.Tensor
+    """(local,) id of the NEXT token of each local token's sequence; IGNORE at a sequence's end."""
+    response_mask: torch.Tensor
+    """(local,) True where the target is a response token (what log-probs and losses cover)."""
+    route: VisionRoute | None = None
+    """Vision units this rank encodes and the embedding exchange (VLM only)."""
+    items: Mapping[str, Any] | None = None
+    """seq id -> its VisionItems (pixel rows); needed for the units in `route.my_units`."""
+
+
+def _targets_and_mask(sample) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = sample.input_ids
+    targets = torch.full_like(ids, IGNORE)
+    targets[:-1] = ids[1:]
+    mask = torch.zeros(ids.shape[0], dtype=torch.bool)
+    mask[sample.response_start - 1:ids.shape[0] - 1] = True
+    return targets, mask
+
+
+def build_step_batch(model, plan, samples: Mapping[str, Any], rank: int, group_tree=None,
+                     positions: Mapping[str, torch.Tensor] | None = None) -> StepBatch:
+    """This rank's `StepBatch` for `plan` over `samples` (EncodedSample by id; all ranks pass the same).
+
+    `model`: the HF model (for its config and rope-index logic). `positions`: precomputed
+    whole-sequence positions by id (else computed here).
+    """
+    config = hf_adapter.text_config(model)
+    lengths = {seq_id: sample.length for seq_id, sample in samples.items()}
+    layouts = [build_rank_layout(plan, lengths, r, group_tree if r == rank else None,
+                                 num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads)
+               for r in range(plan.world_size)]
+    layout = layouts[rank]
+    if positions is None:
+        positions = {s: sequence_positions(model, samples[s].input_ids, samples[s].items) for s in samples}
+    targets, masks = zip(*(_targets_and_mask(samples[s]) for s in samples))
+    by_id = dict(zip(samples, zip(targets, masks)))
+    batch = StepBatch(
+        layout=layout,
+        input_ids=layout.slice_tokens({s: x.input_ids for s, x in samples.items()}),
+        position_ids=local_position_ids(layout, positions),
+        targets=layout.slice_tokens({s: t for s, (t, _) in by_id.items()}),
+        response_mask=layout.slice_tokens({s: m for s, (_, m) in by_id.items()}),
+    )
+    if hf_adapter.is_vision_language(model):
+        batch.route = vision_route(model, plan, samples, layouts, rank)
+        batch.items = {s: x.items for s, x in samples.items()}
+    return batch
+
+
+def vision_route(model, plan, samples: Mapping[str, Any], layouts, rank: int) -> VisionRoute:
+    """Balanced vision work of the step (units spread by patches over the domain) for `rank`."""
+    config = model.config
+    seq_order = [seq_id for pack in plan.packs for seq_id in pack.sequences]
+    units = vision_units(seq_order, {s: samples[s].input_ids for s in seq_order},
+                         {s: samples[s].items for s in seq_order},
+                         (config.image_token_id, config.video_token_id), config.vision_config.spatial_merge_size)
+    owners = assign_units([u.num_patches for u in units], plan.world_size)
+    return build_route(units, owners, layouts, rank)
+
+
+class FlexUlyssesLM(torch.nn.Module):
+    """HF causal LM + FlexUlysses: `forward(batch) -> (token log-probs (local,), zero term)`."""
+
+    def __init__(self, hf_model, attention=None, vision_group=None):
+        """attention: a FlexUlyssesAttention (default one with overlap). vision_group: the SP domain's
+        process group for the vision embedding exchange (None: the default group)."""
+        super().__init__()
+        from flexrl_ds.sp.attention import FlexUlyssesAttention
+
+        self.hf_model = hf_adapter.use_flex_ulysses(hf_model)
+        self.attention = attention if attention is not None else FlexUlyssesAttention()
+        self.vision_group = vision_group
+
+    def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local input embeddings with routed vision embeddings in place; and the zero term."""
+        from flexrl_ds.sp.vision_balance import encode_and_route
+
+        embed_tokens = self.hf_model.get_input_embeddings()
+        device = embed_tokens.weight.device
+        embeds = embed_tokens(batch.input_ids.to(device))
+        zero = embeds.new_zeros(())
+        if batch.route is None:
+            return embeds, zero
+        visual = self.hf_model.model.visual
+        merge = self.hf_model.config.vision_config.spatial_merge_size
+        rows, zero = encode_and_route(visual, batch.route, batch.items, self.vision_group, merge)
+        index = batch.route.recv_local_index.to(device)
+        embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
+        return embeds, zero
+
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, zero = self.embed(batch)
+        step = hf_adapter.FlexStep(batch.layout, self.attention)
+        out = self.hf_model(inputs_embeds=embeds.unsqueeze(0), position_ids=batch.position_ids.to(embeds.device),
+                            use_cache=False, **{hf_adapter.STEP_KWARG: step})
+        logits = out.logits[0].float()
+        targets = batch.targets.to(logits.device)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+        return logprobs, zero
+
+
+def reference_logprobs(model, sample) -> torch.Tensor:
+    """Plain single-process HF log-probs of a sample's response tokens (model.forward, HF positions)."""
+    kwargs = reference_inputs(model, sample)
+    logits = model(**kwargs).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, sample.input_ids[1:].unsqueeze(1)).squeeze(1)
+    return logprobs[sample.response_start - 1:]
+
+
+def reference_inputs(model, sample) -> dict:
+    """What the HF processor would hand the model for one sample (batch of 1)."""
+    from flexrl_ds.sp.positions import mm_token_type_ids
+
+    kwargs: dict[str, Any] = {"input_ids": sample.input_ids.unsqueeze(0)}
+    if not hf_adapter.is_vision_language(model):
+        return kwargs
+    dtype = next(model.parameters()).dtype
+    images = [i for i in sample.items if i.kind == "image"]
+    videos = [i for i in sample.items if i.kind == "video"]
+    if images:
+        kwargs["pixel_values"] = torch.cat([i.pixel_values for i in images]).to(dtype)
+        kwargs["image_grid_thw"] = torch.tensor([list(i.grid_thw) for i in images])
+    if videos:
+        kwargs["pixel_values_videos"] = torch.cat([i.pixel_values for i in videos]).to(dtype)
+        kwargs["video_grid_thw"] = torch.tensor([list(i.grid_thw) for i in videos])
+        kwargs["second_per_grid_ts"] = torch.tensor([i.second_per_grid_t for i in videos])
+    kwargs["mm_token_type_ids"] = mm_token_type_ids(kwargs["input_ids"], model.config.image_token_id,
+                                                    model.config.video_token_id)
+    return kwargs
