@@ -11,6 +11,7 @@ same shapes; pixels may differ slightly through the decoders' YUV->RGB conversio
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -124,8 +125,12 @@ class OpenCVBackend:
 
 
 def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else type(error).__name__
+    """The first line of a decoder error, without C++ source locations."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return type(error).__name__
+    text = re.sub(r"\(?\w+, \S+\.(?:cpp|h):\d+, ", "", lines[0])
+    return text[:200]
 
 
 @functools.lru_cache(maxsize=None)

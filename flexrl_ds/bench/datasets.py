@@ -1,0 +1,181 @@
+"""Seeded generator of real multimodal datasets (media files + train.jsonl) for tests, demos and
+loader benchmarks: `flexrl make-dataset`.
+
+Records follow the three public workload profiles of docs (workloads.md), scaled down so that media
+are small and fast to encode: `image` (Geo3K-like geometry diagrams, PNG or JPEG, 1 in 10 records
+has two), `short_video` (NExTQA-like clips) and `long_video` (LongVILA-like, longer and wider).
+Videos are H.264 MP4 written by torchcodec's `VideoEncoder`: a moving shape over a drifting
+gradient, so that frames differ. Mixes weight the profiles as in the FlexRL paper.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MIXES = {
+    "image-heavy": {"image": 5, "short_video": 2, "long_video": 1},
+    "video-heavy": {"image": 1, "short_video": 2, "long_video": 5},
+    "only-video": {"image": 0, "short_video": 1, "long_video": 1},
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Media sizes of one scale (all ranges inclusive)."""
+
+    image_side: tuple[int, int]
+    """Image sides in pixels."""
+    short_video_size: tuple[tuple[int, int], tuple[int, int]]
+    """(smallest (w, h), largest (w, h)) of short videos; sides are made even (H.264 4:2:0)."""
+    short_video_seconds: tuple[float, float]
+    long_video_size: tuple[tuple[int, int], tuple[int, int]]
+    long_video_seconds: tuple[float, float]
+    video_fps: int
+    """Frame rate of generated videos."""
+    prompt_words: tuple[int, int]
+    """Words of prompt text."""
+
+
+SCALES = {
+    "small": Scale(image_side=(40, 200), short_video_size=((64, 48), (128, 96)),
+                   short_video_seconds=(1.0, 3.0), long_video_size=((96, 54), (160, 90)),
+                   long_video_seconds=(3.0, 6.0), video_fps=8, prompt_words=(10, 40)),
+    "medium": Scale(image_side=(200, 1000), short_video_size=((320, 240), (640, 480)),
+                    short_video_seconds=(4.0, 15.0), long_video_size=((448, 252), (640, 360)),
+                    long_video_seconds=(15.0, 60.0), video_fps=10, prompt_words=(30, 200)),
+}
+
+WORDS = ("angle triangle circle radius chord tangent segment measure find the of what is why did "
+         "boy girl ball pick up walk run after before happen scene show person table door").split()
+
+
+@dataclass
+class DatasetSummary:
+    path: Path
+    num_records: int
+    num_images: int
+    num_videos: int
+    bytes_on_disk: int
+
+
+def make_dataset(out: str | Path, mix: str, num: int, scale: str = "small", seed: int = 0,
+                 parquet: bool = False, progress: Callable[[int, int], None] | None = None) -> DatasetSummary:
+    """Write `num` records of `mix` with their media under `out`; returns counts."""
+    if mix not in MIXES:
+        raise ValueError(f"--mix {mix!r}: choose one of {', '.join(MIXES)}")
+    if scale not in SCALES:
+        raise ValueError(f"--scale {scale!r}: choose one of {', '.join(SCALES)}")
+    if num <= 0:
+        raise ValueError(f"--num must be positive, got {num}")
+    out = Path(out)
+    (out / "media" / "img").mkdir(parents=True, exist_ok=True)
+    (out / "media" / "vid").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    profiles, weights = zip(*[(name, weight) for name, weight in MIXES[mix].items() if weight > 0])
+    rows, num_images, num_videos = [], 0, 0
+    for index in range(num):
+        profile = rng.choices(profiles, weights)[0]
+        row = _make_record(out, index, profile, SCALES[scale], rng)
+        num_images += len(row["images"])
+        num_videos += len(row["videos"])
+        rows.append(row)
+        if progress is not None:
+            progress(index + 1, num)
+    path = out / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if parquet:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), out / "train.parquet")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    return DatasetSummary(path, len(rows), num_images, num_videos, size)
+
+
+def _make_record(out: Path, index: int, profile: str, scale: Scale, rng: random.Random) -> dict:
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*scale.prompt_words)))
+    if profile == "image":
+        count = 2 if rng.random() < 0.1 else 1
+        images = []
+        for k in range(count):
+            suffix = "png" if rng.random() < 0.5 else "jpg"
+            relative = f"media/img/{index:05d}_{k}.{suffix}"
+            _write_image(out / relative, rng.randint(*scale.image_side), rng.randint(*scale.image_side), rng)
+            images.append(relative)
+        prompt = "<image>\n" * count + text + "?"
+        return {"id": f"img-{index:05d}", "prompt": prompt, "images": images, "videos": [],
+                "answer": str(rng.randint(1, 180)), "data_source": "geo3k"}
+    if profile == "short_video":
+        size_range, seconds, source = scale.short_video_size, scale.short_video_seconds, "nextqa"
+    else:
+        size_range, seconds, source = scale.long_video_size, scale.long_video_seconds, "longvila"
+    (min_w, min_h), (max_w, max_h) = size_range
+    width, height = _even(rng.randint(min_w, max_w)), _even(rng.randint(min_h, max_h))
+    num_frames = max(2, round(rng.uniform(*seconds) * scale.video_fps))
+    relative = f"media/vid/{index:05d}.mp4"
+    write_video(out / relative, num_frames, width, height, scale.video_fps, seed=rng.randrange(2**31))
+    options = " ".join(f"{letter}. {rng.choice(WORDS)}" for letter in "ABCD")
+    return {"id": f"{'sv' if profile == 'short_video' else 'lv'}-{index:05d}",
+            "prompt": f"<video>\n{text}? {options}", "images": [], "videos": [relative],
+            "answer": rng.choice("ABCD"), "data_source": source}
+
+
+def _even(value: int) -> int:
+    return max(2, value - value % 2)
+
+
+def _write_image(path: Path, width: int, height: int, rng: random.Random) -> None:
+    """A geometry-like diagram: a triangle, a circle and labelled points on a light background."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (width, height), tuple(rng.randint(200, 255) for _ in range(3)))
+    draw = ImageDraw.Draw(image)
+    points = [(rng.randint(0, width - 1), rng.randint(0, height - 1)) for _ in range(3)]
+    draw.polygon(points, outline=(20, 20, 20), fill=tuple(rng.randint(100, 220) for _ in range(3)))
+    radius = max(2, min(width, height) // 5)
+    centre = (rng.randint(0, width - 1), rng.randint(0, height - 1))
+    draw.ellipse([centre[0] - radius, centre[1] - radius, centre[0] + radius, centre[1] + radius],
+                 outline=(200, 30, 30), width=2)
+    for label, point in zip("ABC", points):
+        draw.text(point, label, fill=(0, 0, 120))
+    if path.suffix == ".jpg":
+        image.save(path, quality=90)
+    else:
+        image.save(path)
+
+
+def video_frames(num_frames: int, width: int, height: int, seed: int = 0) -> torch.Tensor:
+    """uint8 (num_frames, 3, height, width): a square moving over a drifting colour gradient."""
+    generator = np.random.default_rng(seed)
+    colour = torch.tensor(generator.integers(40, 255, 3), dtype=torch.float32).view(3, 1, 1)
+    ys = torch.linspace(0, 1, height).view(1, height, 1)
+    xs = torch.linspace(0, 1, width).view(1, 1, width)
+    t = torch.arange(num_frames, dtype=torch.float32).view(num_frames, 1, 1, 1) / max(1, num_frames - 1)
+    base = torch.stack([xs.expand(1, height, width), ys.expand(1, height, width),
+                        (xs + ys).expand(1, height, width) / 2], dim=1)  # (1, 3, H, W)
+    frames = 255 * (0.5 * base + 0.5 * torch.sin(6.28 * (base + t)) ** 2)
+    side = max(2, min(width, height) // 4)
+    for index in range(num_frames):
+        x0 = int((width - side) * index / max(1, num_frames - 1))
+        y0 = int((height - side) * (0.5 + 0.4 * np.sin(index / 3)))
+        frames[index, :, y0:y0 + side, x0:x0 + side] = colour
+    return frames.clamp(0, 255).to(torch.uint8)
+
+
+def write_video(path: str | Path, num_frames: int, width: int, height: int, fps: float, seed: int = 0) -> None:
+    """Encode a generated clip as H.264 MP4 (yuv420p; width and height must be even)."""
+    from torchcodec.encoders import VideoEncoder
+
+    if width % 2 or height % 2:
+        raise ValueError(f"H.264 4:2:0 needs even sides, got {width}x{height}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    VideoEncoder(video_frames(num_frames, width, height, seed), frame_rate=fps).to_file(
+        str(path), codec="libx264", pixel_format="yuv420p"
+    )

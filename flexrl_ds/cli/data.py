@@ -1,0 +1,137 @@
+"""`flexrl make-dataset` and `flexrl inspect-data` (ShadowLoader data layer)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(commands, bench) -> None:
+    make = commands.add_parser(
+        "make-dataset", help="generate a dataset with real media (PNG/JPEG, H.264 MP4) and train.jsonl",
+        description="Generate records following the image / short_video / long_video workload "
+                    "profiles (scaled down) with real media files, and DIR/train.jsonl.",
+    )
+    make.add_argument("--mix", required=True, choices=["image-heavy", "video-heavy", "only-video"])
+    make.add_argument("--num", type=int, required=True, help="number of records")
+    make.add_argument("--scale", default="small", choices=["small", "medium"], help="media sizes (default small)")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--out", required=True, help="output folder")
+    make.add_argument("--parquet", action="store_true", help="also write DIR/train.parquet")
+    make.set_defaults(func=_make_dataset)
+
+    inspect = commands.add_parser(
+        "inspect-data", help="predicted (and with --materialize actual) vision shapes per record",
+        description="Probe every record's media (metadata only) and print the predicted vision "
+                    "tokens and tensor shapes; --materialize also decodes and compares. Bad records "
+                    "are listed with their reasons. Exit code 1 if any prediction mismatches.",
+    )
+    inspect.add_argument("--data", required=True, help="dataset file (.jsonl or .parquet)")
+    inspect.add_argument("--model", help="model folder whose preprocessor_config.json sets the geometry")
+    inspect.add_argument("--config", help="DeepSpeed JSON whose flexrl.data section configures the loader")
+    inspect.add_argument("--materialize", action="store_true", help="decode and compare actual shapes")
+    inspect.add_argument("--json", action="store_true", help="one JSON object per record on stdout")
+    inspect.add_argument("--backend", choices=["auto", "torchcodec", "opencv"], help="video backend")
+    inspect.add_argument("--media-root", help="folder under which absolute media paths are allowed")
+    inspect.set_defaults(func=_inspect_data)
+
+
+def _progress(label: str):
+    interactive = sys.stderr.isatty()
+    start = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        if interactive or done == total or done % 50 == 0:
+            end = "\n" if done == total else ("\r" if interactive else "\n")
+            print(f"{label}: {done}/{total} ({time.monotonic() - start:.1f} s)", end=end,
+                  file=sys.stderr, flush=True)
+
+    return report
+
+
+def _make_dataset(args: argparse.Namespace) -> int:
+    from flexrl_ds.bench.datasets import make_dataset
+
+    start = time.monotonic()
+    summary = make_dataset(args.out, args.mix, args.num, args.scale, args.seed, parquet=args.parquet,
+                           progress=_progress("make-dataset"))
+    print(f"wrote {summary.path}: {summary.num_records} records, {summary.num_images} images, "
+          f"{summary.num_videos} videos, {summary.bytes_on_disk / 1e6:.2f} MB in "
+          f"{time.monotonic() - start:.1f} s")
+    return 0
+
+
+def _data_config(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from flexrl_ds.data.config import DataConfig
+
+    config = DataConfig()
+    if args.config:
+        from flexrl_ds.config.flexrl_config import load_run_config
+
+        config = DataConfig.from_dict(load_run_config(args.config).flexrl.data)
+    if args.model:
+        config = config.with_processor_dir(args.model)
+    if args.backend:
+        config = replace(config, video_backend=args.backend)
+    if args.media_root:
+        config = replace(config, media_root=args.media_root)
+    return config
+
+
+def _inspect_data(args: argparse.Namespace) -> int:
+    from flexrl_ds.data.dataset import probe_entries
+    from flexrl_ds.data.preprocess import SamplePreprocessor
+
+    preprocessor = SamplePreprocessor(_data_config(args))
+    entries = probe_entries(args.data, preprocessor, progress=None if args.json else _progress("probe"))
+    counts = {"ok": 0, "bad": 0, "mismatch": 0, "vision_tokens": 0}
+    for entry in entries:
+        result = inspect_entry(entry, preprocessor, args.materialize)
+        counts["ok" if result["ok"] else "bad"] += 1
+        counts["mismatch"] += bool(result["mismatch"])
+        counts["vision_tokens"] += result["vision_tokens"] or 0
+        print(json.dumps(result) if args.json else _text_line(result), flush=True)
+    summary = (f"{len(entries)} records: {counts['ok']} ok, {counts['bad']} bad, "
+               f"{counts['vision_tokens']} vision tokens"
+               + (f", {counts['mismatch']} shape mismatches" if args.materialize else ""))
+    print(summary, file=sys.stderr if args.json else sys.stdout)
+    return 1 if counts["mismatch"] else 0
+
+
+def inspect_entry(entry, preprocessor, materialize: bool) -> dict:
+    """The `inspect-data --json` object of one probed entry (SampleMeta or BadRecord)."""
+    from flexrl_ds.data.preprocess import collate
+    from flexrl_ds.data.types import BadMediaError, BadRecord
+
+    if isinstance(entry, BadRecord):
+        return {"id": entry.id, "ok": False, "reason": f"{entry.stage}: {entry.reason}",
+                "vision_tokens": None, "predicted_shapes": None, "actual_shapes": None, "mismatch": None}
+    predicted = {key: list(shape) for key, shape in entry.predicted_shapes().items()}
+    result = {"id": entry.id, "ok": True, "reason": None, "vision_tokens": entry.vision_tokens,
+              "predicted_shapes": predicted, "actual_shapes": None, "mismatch": None}
+    if materialize:
+        try:
+            outputs = collate(entry, preprocessor.materialize(entry))
+        except BadMediaError as error:
+            result.update(ok=False, reason=f"materialize: {error.bad.reason}")
+            return result
+        actual = {key: list(value.shape) for key, value in outputs.items() if hasattr(value, "shape")}
+        result["actual_shapes"] = actual
+        result["mismatch"] = actual != predicted
+    return result
+
+
+def _text_line(result: dict) -> str:
+    if not result["ok"] and result["predicted_shapes"] is None:
+        return f"{result['id']:<16} BAD  {result['reason']}"
+    shapes = " ".join(f"{key}={'x'.join(map(str, shape))}" for key, shape in result["predicted_shapes"].items())
+    line = f"{result['id']:<16} ok   {result['vision_tokens']:>7} vision tokens  {shapes}"
+    if not result["ok"]:
+        return f"{result['id']:<16} BAD  {result['reason']}  (predicted {shapes})"
+    if result["actual_shapes"] is not None:
+        line += "  MISMATCH actual " + json.dumps(result["actual_shapes"]) if result["mismatch"] else "  [actual: same]"
+    return line
