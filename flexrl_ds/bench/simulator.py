@@ -1,0 +1,139 @@
+"""`flexrl simulate`: FlexUlysses against bucketing and fixed-degree SP on generated GRPO steps.
+
+For each seed one step (`gbs` prompts × `n_samples`) of a mix is generated and planned by every
+method; the table reports the mean over seeds of each metric, the plot the per-rank loads of the
+first seed. Nothing runs on devices: loads are the cost model's (plan-schema.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flexrl_ds.bench.workloads import make_step
+from flexrl_ds.config.flexrl_config import SPConfig
+from flexrl_ds.sp.baselines import MethodResult, fixed_sp, lpt_bucketing, verl_bucketing
+from flexrl_ds.sp.cost_model import CostModel
+from flexrl_ds.sp.plan import validate_plan
+from flexrl_ds.sp.planner import PlannerOptions, plan_step
+from flexrl_ds.sp.schedule import check_schedule
+
+TABLE_METRICS = ("attention_balance", "cost_balance", "token_balance", "efficiency", "all_to_all_relative",
+                 "num_packs", "plan_ms")
+"""Columns of the table (PlanMetrics fields plus planning time)."""
+
+
+@dataclass
+class SimulationResult:
+    """Mean metrics per method, and the first seed's per-rank loads for the plot."""
+
+    mix: str
+    world_size: int
+    gbs: int
+    n_samples: int
+    seeds: int
+    means: dict[str, dict[str, float]] = field(default_factory=dict)
+    """method -> metric -> mean over seeds."""
+    first_seed: dict[str, MethodResult] = field(default_factory=dict)
+    """method -> its result on seed 0 (per-rank loads for plots)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mix": self.mix, "world_size": self.world_size, "gbs": self.gbs, "n_samples": self.n_samples,
+                "seeds": self.seeds, "methods": self.means}
+
+
+def run_methods(workload, world_size: int, cost: CostModel, sp: SPConfig,
+                options: PlannerOptions | None = None) -> list[tuple[MethodResult, float]]:
+    """Every method on one workload: (result, planning seconds); all plans are validated."""
+    p_max = sp.p_max
+    runs: list[tuple[str, Any]] = [
+        ("bucketing (veRL)", lambda: verl_bucketing(workload, world_size, cost, p_max)),
+        ("bucketing (LPT)", lambda: lpt_bucketing(workload, world_size, cost, p_max)),
+    ]
+    for degree in (2, 4, 8):
+        if degree <= world_size and world_size % degree == 0:
+            runs.append((f"SP={degree}", lambda d=degree: fixed_sp(workload, world_size, cost, d, max(p_max, d))))
+
+    def flex() -> MethodResult:
+        result = plan_step(workload, world_size, cost, sp, options)
+        return MethodResult("FlexUlysses", result.plan, result.metrics)
+
+    runs.append(("FlexUlysses", flex))
+    out = []
+    for _, run in runs:
+        start = time.perf_counter()
+        result = run()
+        seconds = time.perf_counter() - start
+        validate_plan(result.plan, workload)
+        assert check_schedule(result.plan).deadlock_free, result.name
+        out.append((result, seconds))
+    return out
+
+
+def simulate(mix: str, world_size: int, gbs: int, n_samples: int, seeds: int, cost: CostModel, sp: SPConfig,
+             options: PlannerOptions | None = None, progress=None) -> SimulationResult:
+    """Mean metrics over `seeds` generated steps (seeds 0..seeds-1)."""
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    sim = SimulationResult(mix, world_size, gbs, n_samples, seeds)
+    samples: dict[str, list[list[float]]] = {}
+    for seed in range(seeds):
+        workload = make_step(mix, gbs, n_samples, seed)
+        for result, seconds in run_methods(workload, world_size, cost, sp, options):
+            summary = result.metrics.summary()
+            row = [float(summary[k]) for k in TABLE_METRICS if k != "plan_ms"] + [seconds * 1000]
+            samples.setdefault(result.name, []).append(row)
+            if seed == 0:
+                sim.first_seed[result.name] = result
+        if progress is not None:
+            progress(seed + 1, seeds)
+    for name, rows in samples.items():
+        sim.means[name] = dict(zip(TABLE_METRICS, np.mean(rows, axis=0).tolist()))
+    return sim
+
+
+def format_table(sim: SimulationResult) -> str:
+    header = (f"{sim.mix}, {sim.world_size} ranks, {sim.gbs} prompts x {sim.n_samples} samples, "
+              f"mean over {sim.seeds} seed(s)")
+    names = ("attn bal", "cost bal", "tok bal", "effic.", "a2a/SPmax", "packs", "plan ms")
+    lines = [header, f"{'method':<18}" + "".join(f"{n:>11}" for n in names)]
+    for method, values in sim.means.items():
+        cells = "".join(f"{values[k]:>11.3f}" if k not in ("num_packs", "plan_ms") else f"{values[k]:>11.1f}"
+                        for k in TABLE_METRICS)
+        lines.append(f"{method:<18}{cells}")
+    return "\n".join(lines)
+
+
+def plot_loads(sim: SimulationResult, path: str) -> None:
+    """Per-rank attention and cost (÷ mean) for each method on seed 0, as bar charts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(sim.first_seed)
+    fig, axes = plt.subplots(len(methods), 2, figsize=(13, 1.9 * len(methods) + 0.8), sharex=True,
+                             squeeze=False)
+    ranks = np.arange(sim.world_size)
+    for row, method in enumerate(methods):
+        metrics = sim.first_seed[method].metrics
+        for col, (label, loads, ratio) in enumerate((
+                ("attention L²/d", metrics.rank_attention, metrics.attention_balance),
+                ("cost (L²+cL)/d", metrics.rank_cost, metrics.cost_balance))):
+            values = np.asarray(loads) / max(float(np.mean(loads)), 1e-30)
+            ax = axes[row][col]
+            ax.bar(ranks, values, color="tab:red" if ratio > 1.5 else "tab:blue", width=0.85)
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+            ax.set_title(f"{method}: {label}, max/mean = {ratio:.2f}", fontsize=9, loc="left")
+            ax.set_ylabel("÷ mean", fontsize=8)
+            ax.tick_params(labelsize=7)
+    for col in range(2):
+        axes[-1][col].set_xlabel("rank")
+    fig.suptitle(f"Per-rank load, {sim.mix}, {sim.world_size} ranks, {sim.gbs}×{sim.n_samples} sequences "
+                 f"(seed 0)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,172 @@
+"""Planner commands: `flexrl make-workload`, `flexrl plan`, `flexrl simulate`, `flexrl bench planner`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+
+def register(commands, bench) -> None:
+    make = commands.add_parser("make-workload", help="generate a seeded GRPO workload file (workloads.md mixes)")
+    make.add_argument("--mix", required=True, help="image-heavy | video-heavy | only-video")
+    make.add_argument("--num", type=int, required=True, help="number of sequences")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--n-samples", type=int, default=8, help="samples per prompt (share prompt + vision)")
+    make.add_argument("--out", required=True, help="output workload JSON")
+    make.set_defaults(func=_make_workload)
+
+    plan = commands.add_parser("plan", help="plan one step: degrees, groups, packs, HSF order")
+    plan.add_argument("--workload", required=True, help="workload JSON (plan-schema.md)")
+    plan.add_argument("--world-size", type=int, required=True, help="ranks of the SP domain")
+    _add_sp_options(plan)
+    plan.add_argument("--out", help="write the plan JSON here")
+    plan.add_argument("--json", action="store_true", help="print the summary as JSON")
+    plan.set_defaults(func=_plan)
+
+    sim = commands.add_parser("simulate", help="FlexUlysses vs bucketing vs fixed SP on generated steps")
+    sim.add_argument("--mix", required=True, help="image-heavy | video-heavy | only-video")
+    sim.add_argument("--world-size", type=int, required=True)
+    sim.add_argument("--gbs", type=int, required=True, help="prompts per step")
+    sim.add_argument("--n-samples", type=int, default=8, help="samples per prompt")
+    sim.add_argument("--seeds", type=int, default=3, help="steps (seeds 0..K-1) to average over")
+    sim.add_argument("--plot", help="write a PNG of per-rank loads per method (seed 0)")
+    sim.add_argument("--json", action="store_true", help="print results as JSON")
+    _add_sp_options(sim)
+    sim.set_defaults(func=_simulate)
+
+    bench_planner = bench.add_parser("planner", help="planning time and plan quality, 64..2048 seqs x 8..128 ranks")
+    bench_planner.add_argument("--json", action="store_true", help="print results as JSON")
+    bench_planner.add_argument("--repeats", type=int, default=7, help="timed runs per cell (median)")
+    bench_planner.add_argument("--timing-mix", default="image-heavy", help="mix used for timing")
+    bench_planner.add_argument("--seeds", type=int, default=3, help="seeds per quality cell")
+    bench_planner.add_argument("--no-quality", action="store_true", help="timing only")
+    bench_planner.add_argument("--no-timing", action="store_true", help="quality only")
+    _add_sp_options(bench_planner)
+    bench_planner.set_defaults(func=_bench_planner)
+
+
+def _add_sp_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("planning options (override the config's flexrl.sp section)")
+    group.add_argument("--config", help="DeepSpeed JSON with a flexrl section")
+    group.add_argument("--model", help="qwen2.5-vl-7b | qwen2.5-vl-32b | mimo-vl-7b | path to config.json/dir")
+    group.add_argument("--calibration", help="calibration JSON (see flexrl_ds/sp/cost_model.py)")
+    group.add_argument("--p-max", type=int, help="largest Ulysses degree (power of two); default 8")
+    group.add_argument("--max-tokens-per-rank", type=int, help="per-rank token cap")
+    group.add_argument("--h-pack", type=int, help="sequences shorter than this are packed")
+    group.add_argument("--H-pack", type=int, help="token budget of one pack")
+    group.add_argument("--oversize", choices=("error", "drop", "truncate"), help="sequence too long at p_max")
+    group.add_argument("--head-rule", choices=("uneven", "divisible"), default="uneven",
+                       help="allow degrees not dividing the head count (uneven-heads all-to-all) or not")
+
+
+def _resolve(args):
+    """(SPConfig, CostModel, PlannerOptions) from --config plus flag overrides."""
+    from flexrl_ds.config.flexrl_config import SPConfig, load_run_config
+    from flexrl_ds.sp.cost_model import load_cost_model
+    from flexrl_ds.sp.planner import PlannerOptions
+
+    base = load_run_config(args.config).flexrl.sp if args.config else SPConfig()
+    overrides = {key: getattr(args, key) for key in ("p_max", "max_tokens_per_rank", "h_pack", "H_pack", "oversize")
+                 if getattr(args, key) is not None}
+    if args.model:
+        overrides["cost_model"] = args.model
+    if args.calibration:
+        overrides["calibration"] = args.calibration
+    for key, value in overrides.items():
+        if key != "oversize" and key not in ("cost_model", "calibration") and value <= 0:
+            raise ValueError(f"--{key.replace('_', '-')}: must be positive, got {value}")
+    sp = dataclasses.replace(base, **overrides)
+    cost = load_cost_model(sp.cost_model, sp.calibration)
+    return sp, cost, PlannerOptions(head_rule=args.head_rule)
+
+
+def _make_workload(args) -> int:
+    from flexrl_ds.bench.workloads import make_workload
+
+    workload = make_workload(args.mix, args.num, args.seed, args.n_samples)
+    Path(args.out).write_text(json.dumps(workload.to_json(), indent=1) + "\n")
+    tokens = [s.tokens for s in workload.sequences]
+    print(f"wrote {args.out}: {len(tokens)} sequences ({args.mix}, seed {args.seed}, {args.n_samples} samples/prompt), "
+          f"tokens min {min(tokens)} / mean {sum(tokens) / len(tokens):.0f} / max {max(tokens)}")
+    return 0
+
+
+def _plan(args) -> int:
+    from flexrl_ds.sp.plan import load_workload, validate_plan
+    from flexrl_ds.sp.planner import plan_step
+    from flexrl_ds.sp.schedule import check_schedule
+
+    workload = load_workload(args.workload)
+    sp, cost, options = _resolve(args)
+    result = plan_step(workload, args.world_size, cost, sp, options)
+    validate_plan(result.plan, result.workload)
+    check = check_schedule(result.plan)
+    assert check.deadlock_free, check.describe()
+    if args.out:
+        result.plan.save(args.out)
+    summary = result.metrics.summary()
+    summary.update(dropped=list(result.dropped), truncated={k: v[1] for k, v in result.truncated.items()},
+                   schedule=check.describe(), h_pack=result.limits.h_pack, H_pack=result.limits.H_pack)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    m = result.metrics
+    hist = ", ".join(f"d={d}: {n}" for d, n in sorted(m.degree_histogram.items()))
+    print(f"plan for {len(result.workload.sequences)} sequences on {args.world_size} ranks "
+          f"(model {cost.name}, c={cost.c:.0f}, p_max {sp.p_max}, h_pack {result.limits.h_pack}, "
+          f"H_pack {result.limits.H_pack})")
+    print(f"  attention balance {m.attention_balance:.3f}   cost balance {m.cost_balance:.3f}   "
+          f"token balance {m.token_balance:.3f}   efficiency {m.efficiency:.3f}")
+    print(f"  degrees: {hist}   packs: {m.num_packs}   schedule: {check.describe()}")
+    print(f"  all-to-all volume {m.all_to_all_volume:.0f} tokens = {m.all_to_all_relative:.3f} x fixed SP at p_max")
+    if result.dropped:
+        print(f"  dropped (oversize): {', '.join(result.dropped)}")
+    for seq_id, (before, after) in result.truncated.items():
+        print(f"  truncated (oversize): {seq_id} {before} -> {after} tokens")
+    if args.out:
+        print(f"  wrote {args.out}")
+    return 0
+
+
+def _simulate(args) -> int:
+    from flexrl_ds.bench.simulator import format_table, plot_loads, simulate
+
+    sp, cost, options = _resolve(args)
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    progress = None if args.json else (lambda done, total: print(f"  seed {done}/{total} done", file=sys.stderr))
+    sim = simulate(args.mix, args.world_size, args.gbs, args.n_samples, args.seeds, cost, sp, options, progress)
+    if args.plot:
+        plot_loads(sim, args.plot)
+    if args.json:
+        print(json.dumps(sim.to_json(), indent=1))
+    else:
+        print(format_table(sim))
+        if args.plot:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def _bench_planner(args) -> int:
+    from flexrl_ds.bench.planner_bench import PlannerBench, format_quality, format_timing, measure_quality, time_planner
+
+    sp, cost, _ = _resolve(args)
+    out = PlannerBench()
+    say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+    if not args.no_timing:
+        out.timing = time_planner(cost, sp, args.timing_mix, args.repeats, progress=lambda r: say(
+            f"  timing N={r['num_sequences']} W={r['world_size']}: {r['plan_ms']:.1f} ms"))
+    if not args.no_quality:
+        out.quality = measure_quality(cost, sp, args.seeds, progress=lambda r: say(
+            f"  quality {r['mix']} W={r['world_size']} N={r['num_sequences']}: eff {r['efficiency_min']:.3f}"))
+    if args.json:
+        print(json.dumps(out.to_json(), indent=1))
+        return 0
+    if out.timing:
+        print(format_timing(out.timing))
+    if out.quality:
+        print(format_quality(out.quality))
+    return 0
