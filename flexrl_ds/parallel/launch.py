@@ -1,0 +1,99 @@
+"""Start torch.distributed from the launcher's environment (torchrun, `deepspeed`, mpirun, or by hand).
+
+torchrun and DeepSpeed's launcher both export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT; mpirun exports OMPI_COMM_WORLD_*. `read_launch_env` reads them (validated, with a
+message naming the variable), `init_distributed` creates the default process group on the backend
+`flexrl_ds.parallel.device` chooses and wraps it for `deepspeed.comm` when DeepSpeed is installed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from flexrl_ds.parallel import device as device_mod
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int
+    """Global rank (RANK / OMPI_COMM_WORLD_RANK)."""
+    world_size: int
+    """Processes in the job (WORLD_SIZE / OMPI_COMM_WORLD_SIZE)."""
+    local_rank: int
+    """Rank on this host, selects the GPU (LOCAL_RANK / OMPI_COMM_WORLD_LOCAL_RANK)."""
+    master_addr: str
+    """Rendezvous host (MASTER_ADDR, default 127.0.0.1)."""
+    master_port: int
+    """Rendezvous port (MASTER_PORT, default 29500)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"launch env: rank {self.rank} is not inside world size {self.world_size}")
+        if self.local_rank < 0:
+            raise ValueError(f"launch env: LOCAL_RANK must be >= 0, got {self.local_rank}")
+
+
+def _int_var(env: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int:
+    for name in names:
+        if name in env:
+            try:
+                return int(env[name])
+            except ValueError:
+                raise ValueError(f"launch env: {name}={env[name]!r} is not an integer") from None
+    if default is None:
+        raise ValueError(f"launch env: none of {', '.join(names)} is set (start with torchrun or deepspeed)")
+    return default
+
+
+def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """The launcher's variables; a single process without any of them is rank 0 of 1."""
+    env = os.environ if env is None else env
+    rank = _int_var(env, ("RANK", "OMPI_COMM_WORLD_RANK"), 0)
+    return LaunchEnv(
+        rank=rank,
+        world_size=_int_var(env, ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"), 1),
+        local_rank=_int_var(env, ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"), rank),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int_var(env, ("MASTER_PORT",), 29500),
+    )
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """An initialized process: its launch position, device and backend."""
+
+    launch: LaunchEnv
+    info: device_mod.DeviceInfo
+    device: object
+    """torch.device this process computes on."""
+    deepspeed_comm: bool
+    """True if deepspeed.comm wraps the default group (DeepSpeed's sequence primitives usable)."""
+
+
+def init_distributed(env: Mapping[str, str] | None = None, force_cpu: bool | None = None,
+                     timeout_s: float = 300.0, with_deepspeed: bool = True) -> DistContext:
+    """Create the default process group from the launch env (idempotent).
+
+    with_deepspeed: also wrap it in deepspeed.comm (imports DeepSpeed, a few seconds) when installed.
+    """
+    import torch.distributed as dist
+
+    from flexrl_ds.sp.all_to_all import ensure_deepspeed_comm
+
+    launch = read_launch_env(env)
+    info = device_mod.detect(force_cpu)
+    device_mod.configure_deepspeed_accelerator(info)
+    device = device_mod.set_local_device(info, launch.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=info.backend, rank=launch.rank, world_size=launch.world_size,
+            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return DistContext(launch=launch, info=info, device=device,
+                       deepspeed_comm=with_deepspeed and ensure_deepspeed_comm(info.backend))
