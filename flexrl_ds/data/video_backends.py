@@ -52,6 +52,9 @@ class TorchcodecBackend:
         metadata = self._open(path).metadata
         if metadata.width is None or metadata.height is None:
             raise ValueError("video stream has no frame size")
+        in_header, in_file = metadata.num_frames_from_header, metadata.num_frames_from_content
+        if in_header and in_file is not None and in_file < in_header:
+            raise ValueError(f"truncated video: header lists {in_header} frames, the file holds {in_file}")
         return MediaInfo(
             width=int(metadata.width), height=int(metadata.height),
             num_frames=int(metadata.num_frames or 0),
