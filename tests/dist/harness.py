@@ -113,6 +113,18 @@ def _worker(rank: int, world_size: int, port: int, with_deepspeed: bool, tasks, 
             results.put((rank, "error", traceback.format_exc()))
 
 
+# Ranks fork from one forkserver that imported torch (and DeepSpeed) once: a fresh, thread-free
+# process per rank without paying the imports N times on a 2-core machine.
+_PRELOAD = ["torch", "torch.distributed", "flexrl_ds.parallel.launch", "flexrl_ds.sp.attention",
+            "flexrl_ds.sp.fixed_sp", "deepspeed.comm", "deepspeed.sequence.layer"]
+
+
+def _context():
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
 class DistPool:
     """N gloo ranks in spawned processes, reused across tests."""
 
@@ -130,7 +142,7 @@ class DistPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def start(self) -> None:
-        context = mp.get_context("spawn")
+        context = _context()
         port = _free_port()
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(self.world_size)]
@@ -173,14 +185,16 @@ class DistPool:
             raise RankError(f"{what} failed on ranks {sorted(errors)}:\n{text}", errors)
         return [values[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 3.0) -> None:
         for task_queue in self._tasks:
             try:
                 task_queue.put(None)
             except Exception:
                 pass
+        deadline = time.monotonic() + grace_s
         for proc in self._procs:
-            proc.join(timeout=2)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)

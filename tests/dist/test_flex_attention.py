@@ -135,8 +135,8 @@ def test_fixed_sp_baseline_through_deepspeed(dist_pools):
 
 
 def test_hundreds_of_random_plans_without_hang(dist_pools):
-    """300 random plans on 8 ranks (tiny shapes), overlap on: every one completes and is correct."""
-    seeds = list(range(1000, 1300))
+    """200 random plans on 8 ranks (tiny shapes), overlap on: every one completes; a sample is checked."""
+    seeds = list(range(1000, 1200))
     args = dict(domain_size=8, p_max=8, num_heads=8, num_kv_heads=2, head_dim=2, dtype="float64", max_len=6)
     per_rank = dist_pools(8).run(rank_run_plans, seeds, overlap=True, timeout_s=200, **args)
     assert all(len(results) == len(seeds) for results in per_rank)
