@@ -44,8 +44,20 @@ def register(commands, bench) -> None:
     bench_planner.add_argument("--seeds", type=int, default=3, help="seeds per quality cell")
     bench_planner.add_argument("--no-quality", action="store_true", help="timing only")
     bench_planner.add_argument("--no-timing", action="store_true", help="quality only")
+    bench_planner.add_argument("--counts", type=_int_list, help="sequence counts, comma-separated (default 64..2048)")
+    bench_planner.add_argument("--world-sizes", type=_int_list, help="world sizes, comma-separated (default 8..128)")
     _add_sp_options(bench_planner)
     bench_planner.set_defaults(func=_bench_planner)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def _add_sp_options(parser: argparse.ArgumentParser) -> None:
@@ -151,16 +163,18 @@ def _simulate(args) -> int:
 
 
 def _bench_planner(args) -> int:
-    from flexrl_ds.bench.planner_bench import PlannerBench, format_quality, format_timing, measure_quality, time_planner
+    from flexrl_ds.bench.planner_bench import (SEQUENCE_COUNTS, WORLD_SIZES, PlannerBench, format_quality,
+                                               format_timing, measure_quality, time_planner)
 
     sp, cost, _ = _resolve(args)
     out = PlannerBench()
     say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+    grid = {"counts": args.counts or SEQUENCE_COUNTS, "world_sizes": args.world_sizes or WORLD_SIZES}
     if not args.no_timing:
-        out.timing = time_planner(cost, sp, args.timing_mix, args.repeats, progress=lambda r: say(
+        out.timing = time_planner(cost, sp, args.timing_mix, args.repeats, **grid, progress=lambda r: say(
             f"  timing N={r['num_sequences']} W={r['world_size']}: {r['plan_ms']:.1f} ms"))
     if not args.no_quality:
-        out.quality = measure_quality(cost, sp, args.seeds, progress=lambda r: say(
+        out.quality = measure_quality(cost, sp, args.seeds, **grid, progress=lambda r: say(
             f"  quality {r['mix']} W={r['world_size']} N={r['num_sequences']}: eff {r['efficiency_min']:.3f}"))
     if args.json:
         print(json.dumps(out.to_json(), indent=1))
