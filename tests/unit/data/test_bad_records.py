@@ -1,0 +1,126 @@
+"""Bad media and records: reported with id and reason, never a crash; skip / replace / error policies."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from flexrl_ds.data.config import DataConfig
+from flexrl_ds.data.dataset import apply_policy, probe_dataset, probe_entries
+from flexrl_ds.data.preprocess import SamplePreprocessor
+from flexrl_ds.data.types import BadMediaError, BadRecord, MediaItem, Record, SampleMeta
+
+CONFIG = DataConfig(image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 64,
+                    video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 16, video_max_frames=8)
+
+
+def record(record_id: str, path, index: int = 0) -> Record:
+    kind = "video" if str(path).endswith(".mp4") else "image"
+    return Record(id=record_id, prompt=f"<{kind}>", items=(MediaItem(kind, str(path), source=str(path)),), index=index)
+
+
+@pytest.mark.parametrize("backend", ["torchcodec", "opencv"])
+@pytest.mark.parametrize("name, expected", [
+    ("missing.png", "missing file"),
+    ("garbage.png", "cannot read image"),
+    ("cut.png", "cannot read image"),
+    ("cut.mp4", "cannot open video"),
+    ("zero.mp4", "cannot open video"),
+    ("one.mp4", "at least 2 are needed"),
+])
+def test_bad_media_found_while_probing(media, backend, name, expected):
+    path = media.bad.get(name, media.folder / name)
+    preprocessor = SamplePreprocessor(DataConfig(video_backend=backend))
+    bad = preprocessor.probe(record(f"rec-{name}", path, index=3))
+    assert isinstance(bad, BadRecord), bad
+    assert (bad.id, bad.index, bad.stage) == (f"rec-{name}", 3, "probe")
+    assert expected in bad.reason and name in bad.reason
+
+
+def test_truncated_video_with_intact_index(media):
+    """torchcodec sees the missing frames while probing; OpenCV only while decoding."""
+    path = media.bad["faststart_cut.mp4"]
+    bad = SamplePreprocessor(CONFIG).probe(record("cut", path))
+    assert isinstance(bad, BadRecord) and "truncated video" in bad.reason
+    preprocessor = SamplePreprocessor(DataConfig(**{**CONFIG.__dict__, "video_backend": "opencv"}))
+    meta = preprocessor.probe(record("cut", path))
+    assert isinstance(meta, SampleMeta)
+    with pytest.raises(BadMediaError) as caught:
+        preprocessor.materialize(meta)
+    assert caught.value.bad.id == "cut" and caught.value.bad.stage == "materialize"
+    assert isinstance(preprocessor.process(record("cut", path)), BadRecord)
+
+
+def test_oversized_sample(media):
+    preprocessor = SamplePreprocessor(DataConfig(**{**CONFIG.__dict__, "max_vision_tokens_per_sample": 10}))
+    bad = preprocessor.probe(record("big", media.videos[0]))
+    assert isinstance(bad, BadRecord) and "oversized" in bad.reason and "10" in bad.reason
+
+
+def test_image_corrupted_after_probing_fails_at_materialise(media, tmp_path):
+    path = tmp_path / "later.png"
+    shutil.copy(media.images[0], path)
+    preprocessor = SamplePreprocessor(CONFIG)
+    meta = preprocessor.probe(record("later", path))
+    path.write_bytes(b"now broken")
+    with pytest.raises(BadMediaError, match="later"):
+        preprocessor.materialize(meta)
+
+
+@pytest.fixture
+def mixed_dataset(media, tmp_path):
+    for name in ("garbage.png", "cut.mp4"):
+        shutil.copy(media.bad[name], tmp_path / name)
+    for index, source in enumerate(media.images[:2] + media.videos[:1]):
+        shutil.copy(source, tmp_path / f"good{index}{source.suffix}")
+    rows = [
+        {"id": "g0", "prompt": "<image>", "images": ["good0.png"]},
+        {"id": "b-garbage", "prompt": "<image>", "images": ["garbage.png"]},
+        {"id": "g1", "prompt": "<image>", "images": ["good1.jpg"]},
+        {"id": "b-count", "prompt": "<image>", "images": []},
+        {"id": "b-cut", "prompt": "<video>", "videos": ["cut.mp4"]},
+        {"id": "g2", "prompt": "<video>", "videos": ["good2.mp4"]},
+        {"id": "b-missing", "prompt": "<video>", "videos": ["nothing.mp4"]},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_skip_policy_keeps_order_and_reports_every_bad_record(mixed_dataset):
+    dataset = probe_dataset(mixed_dataset, SamplePreprocessor(CONFIG))
+    assert [meta.id for meta in dataset.samples] == ["g0", "g1", "g2"]
+    assert [(bad.id, bad.stage) for bad in dataset.bad] == [
+        ("b-garbage", "probe"), ("b-count", "read"), ("b-cut", "probe"), ("b-missing", "probe")]
+    assert dataset.summary() == "3 good, 4 bad (probe 3, read 1), policy skip"
+
+
+def test_replace_policy_fills_each_slot_with_the_next_good_record(mixed_dataset):
+    config = DataConfig(**{**CONFIG.__dict__, "bad_record_policy": "replace"})
+    dataset = probe_dataset(mixed_dataset, SamplePreprocessor(config))
+    assert [meta.id for meta in dataset.samples] == [
+        "g0", "b-garbage->g1", "g1", "b-count->g2", "b-cut->g2", "g2", "b-missing->g0"]
+    assert dataset.replacements == {"b-garbage": "g1", "b-count": "g2", "b-cut": "g2", "b-missing": "g0"}
+    replaced = dataset.samples[1]
+    assert replaced.record.id == "g1" and replaced.placeholders()[0].sample_id == "b-garbage->g1"
+    again = probe_dataset(mixed_dataset, SamplePreprocessor(config))
+    assert [meta.id for meta in again.samples] == [meta.id for meta in dataset.samples]  # deterministic
+
+
+def test_error_policy_names_the_first_bad_record(mixed_dataset):
+    config = DataConfig(**{**CONFIG.__dict__, "bad_record_policy": "error"})
+    with pytest.raises(ValueError, match="record 'b-garbage': image 0 \\(garbage.png\\): cannot read image"):
+        probe_dataset(mixed_dataset, SamplePreprocessor(config))
+
+
+def test_failure_at_materialise_follows_the_policy(mixed_dataset):
+    entries = probe_entries(mixed_dataset, SamplePreprocessor(CONFIG))
+    dataset = apply_policy(entries, "replace")
+    failed = dataset.samples[0]  # g0 breaks later, while decoding
+    bad = BadRecord("g0", "cannot decode frames", failed.record.index, "materialize")
+    substitute = dataset.resolve_failure(failed, bad)
+    assert substitute.id == "g0->g1" and dataset.bad[-1] is bad
+    assert all(meta.record.id != "g0" for meta in dataset.good)
+    assert apply_policy(entries, "skip").resolve_failure(failed, bad) is None
