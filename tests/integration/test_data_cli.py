@@ -1,0 +1,72 @@
+"""`flexrl make-dataset` then `flexrl inspect-data --materialize --json` on the generated data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from flexrl_ds.cli.main import main
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dataset")
+    assert main(["make-dataset", "--mix", "image-heavy", "--num", "12", "--scale", "small",
+                 "--seed", "3", "--out", str(out), "--parquet"]) == 0
+    return out
+
+
+def test_make_dataset_writes_records_and_media(dataset):
+    rows = [json.loads(line) for line in (dataset / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and len({row["id"] for row in rows}) == 12
+    for row in rows:
+        assert set(row) >= {"id", "prompt", "images", "videos", "answer", "data_source"}
+        for path in row["images"] + row["videos"]:
+            assert (dataset / path).stat().st_size > 0
+        assert row["prompt"].count("<image>") == len(row["images"])
+        assert row["prompt"].count("<video>") == len(row["videos"])
+    assert any(row["videos"] for row in rows) and any(row["images"] for row in rows)
+    assert (dataset / "train.parquet").exists()
+
+
+def test_make_dataset_is_seeded(dataset, tmp_path):
+    assert main(["make-dataset", "--mix", "image-heavy", "--num", "12", "--seed", "3", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "train.jsonl").read_text() == (dataset / "train.jsonl").read_text()
+
+
+def test_inspect_data_materialize_json(dataset, tmp_path, capsys):
+    shutil.copytree(dataset, tmp_path / "d")
+    data = tmp_path / "d" / "train.jsonl"
+    (tmp_path / "d" / "broken.mp4").write_bytes(b"\x00" * 100)
+    with data.open("a") as handle:
+        handle.write(json.dumps({"id": "bad-video", "prompt": "<video>", "videos": ["broken.mp4"]}) + "\n")
+        handle.write(json.dumps({"id": "bad-escape", "prompt": "<image>", "images": ["../x.png"]}) + "\n")
+    capsys.readouterr()
+    assert main(["inspect-data", "--data", str(data), "--materialize", "--json"]) == 0
+    captured = capsys.readouterr()
+    results = [json.loads(line) for line in captured.out.splitlines()]
+    assert len(results) == 14
+    for result in results:
+        assert set(result) == {"id", "ok", "reason", "vision_tokens", "predicted_shapes", "actual_shapes", "mismatch"}
+    good, bad = results[:12], results[12:]
+    assert all(r["ok"] and r["reason"] is None and r["mismatch"] is False for r in good)
+    assert all(r["actual_shapes"] == r["predicted_shapes"] and r["vision_tokens"] > 0 for r in good)
+    assert [r["id"] for r in bad] == ["bad-video", "bad-escape"]
+    assert "cannot open video" in bad[0]["reason"] and "escapes the dataset folder" in bad[1]["reason"]
+    assert "14 records: 12 ok, 2 bad" in captured.err
+
+
+def test_inspect_data_text_and_parquet(dataset, capsys):
+    assert main(["inspect-data", "--data", str(dataset / "train.parquet")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 13 and out[-1].startswith("12 records: 12 ok, 0 bad")
+    assert all(" ok " in line and "vision tokens" in line for line in out[:12])
+
+
+def test_inspect_data_user_errors(tmp_path, capsys):
+    assert main(["inspect-data", "--data", str(tmp_path / "none.jsonl")]) == 2
+    assert "dataset file not found" in capsys.readouterr().err
