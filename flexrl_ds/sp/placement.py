@@ -46,70 +46,78 @@ class Layout:
     """First rank of each sequence's block."""
 
 
-def _block_score(loads: np.ndarray, attn: np.ndarray, degree: int, add_cost: float, add_attn: float,
-                 cost_scale: float, attn_scale: float) -> np.ndarray:
-    score = (loads.reshape(-1, degree).max(axis=1) + add_cost) * cost_scale
-    if attn_scale > 0:
-        score = np.maximum(score, (attn.reshape(-1, degree).max(axis=1) + add_attn) * attn_scale)
-    return score
+@dataclass
+class _RankState:
+    """Per-rank running sums as Python lists (fast scalar updates in the heap loop)."""
+
+    cost: list[float]
+    attn: list[float]
+    held: list[float]
+
+    def add(self, first: int, degree: int, cost: float, attn: float, tokens: float) -> None:
+        for rank in range(first, first + degree):
+            self.cost[rank] += cost
+            self.attn[rank] += attn
+            self.held[rank] += tokens
 
 
 def place_lpt(layout: Layout, *, world_size: int, token_cap: float, allowed: tuple[int, ...],
               cost_target: float, attn_target: float | None) -> None:
     """Fill `layout.starts` (LPT); `attn_target=None` balances cost only."""
-    per_rank = layout.cost / layout.degrees
-    order = np.argsort(-per_rank, kind="stable")
-    loads, attn, held = np.zeros(world_size), np.zeros(world_size), np.zeros(world_size)
-    cost_scale = 1.0 / cost_target
-    attn_scale = 1.0 / attn_target if attn_target else 0.0
-    cost_of, tokens_of, degree_of = layout.cost.tolist(), layout.tokens.tolist(), layout.degrees.tolist()
+    order = np.argsort(-(layout.cost / layout.degrees), kind="stable").tolist()
+    state = _RankState([0.0] * world_size, [0.0] * world_size, [0.0] * world_size)
+    scales = (1.0 / cost_target, 1.0 / attn_target if attn_target else 0.0)
+    cost_of, tokens_of = layout.cost.tolist(), layout.tokens.tolist()
+    attention_of, degree_of = layout.attention.tolist(), layout.degrees.tolist()
+    starts = [0] * len(order)
     heap = [(0.0, rank) for rank in range(world_size)]  # lazy: stale entries are skipped on pop
     capped = token_cap != float("inf")
     # With attention balancing, degree-1 sequences carrying a sizeable share of a rank's attention
     # are also placed 2-D; the rest (linear-dominated) fill by cost through the heap.
-    two_d = (layout.attention * attn_scale > ATTENTION_SHARE_2D).tolist()
-    for item in order.tolist():
-        if degree_of[item] > 1 or two_d[item]:
-            first = _place_on_block(item, layout, loads, attn, held, token_cap, allowed, cost_scale, attn_scale)
-            for rank in range(first, first + int(layout.degrees[item])):
-                heapq.heappush(heap, (float(loads[rank]), rank))
+    two_d = (layout.attention * scales[1] > ATTENTION_SHARE_2D).tolist()
+    for item in order:
+        chosen = None
+        if degree_of[item] == 1 and not two_d[item]:
+            tokens, skipped = tokens_of[item], []
+            while heap:
+                load, rank = heapq.heappop(heap)
+                if load != state.cost[rank]:
+                    continue  # stale entry
+                if capped and state.held[rank] + tokens > token_cap:
+                    skipped.append((load, rank))
+                    continue
+                chosen = rank
+                break
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+        if chosen is None:  # sharded, attention-heavy, or no single rank has room
+            first, degree = _place_on_block(item, layout, state, token_cap, allowed, scales)
+            starts[item] = first
+            for rank in range(first, first + degree):
+                heapq.heappush(heap, (state.cost[rank], rank))
             continue
-        tokens, skipped, chosen = tokens_of[item], [], None
-        while heap:
-            load, rank = heapq.heappop(heap)
-            if load != loads[rank]:
-                continue  # stale entry
-            if capped and held[rank] + tokens > token_cap:
-                skipped.append((load, rank))
-                continue
-            chosen = (load, rank)
-            break
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        if chosen is None:  # no single rank has room: shard it (CapacityError if nothing fits)
-            first = _place_on_block(item, layout, loads, attn, held, token_cap, allowed, cost_scale, attn_scale)
-            for rank in range(first, first + int(layout.degrees[item])):
-                heapq.heappush(heap, (float(loads[rank]), rank))
-            continue
-        load, rank = chosen
-        layout.starts[item] = rank
-        loads[rank] = load + cost_of[item]
-        attn[rank] += layout.attention[item]
-        held[rank] += tokens
-        heapq.heappush(heap, (float(loads[rank]), rank))
+        starts[item] = chosen
+        state.add(chosen, 1, cost_of[item], attention_of[item], tokens_of[item])
+        heapq.heappush(heap, (state.cost[chosen], chosen))
+    layout.starts[:] = starts
 
 
-def _place_on_block(item: int, layout: Layout, loads: np.ndarray, attn: np.ndarray, held: np.ndarray,
-                    token_cap: float, allowed: tuple[int, ...], cost_scale: float, attn_scale: float) -> int:
+def _place_on_block(item: int, layout: Layout, state: _RankState, token_cap: float, allowed: tuple[int, ...],
+                    scales: tuple[float, float]) -> tuple[int, int]:
     """Put one sequence on the best feasible block (doubling its degree if no block has room);
-    return the block's first rank."""
+    return (first rank, degree). Score of a block: its busiest rank after adding, in units of the
+    cost target — or the larger of cost and attention in units of their targets."""
+    loads, attn = np.array(state.cost), np.array(state.attn)
+    held = np.array(state.held)
     current = int(layout.degrees[item])
     for degree in allowed:
         if degree < current:
             continue
         cost, tokens = layout.cost[item] / degree, layout.tokens[item] / degree
         add_attn = layout.attention[item] / degree
-        score = _block_score(loads, attn, degree, cost, add_attn, cost_scale, attn_scale)
+        score = (loads.reshape(-1, degree).max(axis=1) + cost) * scales[0]
+        if scales[1] > 0:
+            score = np.maximum(score, (attn.reshape(-1, degree).max(axis=1) + add_attn) * scales[1])
         if token_cap != float("inf"):
             room = held.reshape(-1, degree).max(axis=1) + tokens <= token_cap
             score = np.where(room, score, np.inf)
@@ -117,12 +125,9 @@ def _place_on_block(item: int, layout: Layout, loads: np.ndarray, attn: np.ndarr
         if score[block] == np.inf:
             continue
         first = block * degree
-        loads[first:first + degree] += cost
-        attn[first:first + degree] += add_attn
-        held[first:first + degree] += tokens
-        layout.starts[item] = first
+        state.add(first, degree, float(cost), float(add_attn), float(tokens))
         layout.degrees[item] = degree
-        return first
+        return first, degree
     raise CapacityError(item)
 
 
