@@ -86,10 +86,13 @@ def _load_function(path: str, name: str) -> Callable:
     return getattr(module, name)
 
 
-def _worker(rank: int, world_size: int, port: int, with_deepspeed: bool, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, with_deepspeed: bool, use_gpu: bool, tasks, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FLEXRL_FORCE_CPU="1",
-                      DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      FLEXRL_FORCE_CPU="0" if use_gpu else "1")
+    from flexrl_ds.parallel import device
+
+    os.environ["DS_ACCELERATOR"] = (device.GPU if use_gpu else device.CPU).deepspeed_accelerator
     try:
         import torch
 
@@ -128,10 +131,13 @@ def _context():
 class DistPool:
     """N gloo ranks in spawned processes, reused across tests."""
 
-    def __init__(self, world_size: int, with_deepspeed: bool = False, start_timeout_s: float = 180.0):
-        """with_deepspeed: wrap the job in deepspeed.comm (DeepSpeed's primitives usable; slower start)."""
+    def __init__(self, world_size: int, with_deepspeed: bool = False, use_gpu: bool = False,
+                 start_timeout_s: float = 180.0):
+        """with_deepspeed: wrap the job in deepspeed.comm (DeepSpeed's primitives usable; slower start).
+        use_gpu: one GPU per rank and the GPU backend (tests/gpu); default CPU + gloo."""
         self.world_size = world_size
         self.with_deepspeed = with_deepspeed
+        self.use_gpu = use_gpu
         self.start_timeout_s = start_timeout_s
         self._procs: list = []
         self._tasks: list = []
@@ -146,8 +152,11 @@ class DistPool:
         port = _free_port()
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(self.world_size)]
-        self._procs = [context.Process(target=_worker, args=(r, self.world_size, port, self.with_deepspeed, self._tasks[r], self._results),
-                                       daemon=True) for r in range(self.world_size)]
+        self._procs = [
+            context.Process(target=_worker, daemon=True,
+                            args=(r, self.world_size, port, self.with_deepspeed, self.use_gpu, self._tasks[r], self._results))
+            for r in range(self.world_size)
+        ]
         for proc in self._procs:
             proc.start()
         self._collect(self.start_timeout_s, what="start-up")

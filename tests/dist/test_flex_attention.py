@@ -7,73 +7,12 @@ import torch
 import torch.distributed as dist
 
 from harness import cached_group_tree
-from plans import random_plan, reference, sequence_tensors
+from plans import check_against_reference as _check
+from plans import random_plan, rank_run_plans
 
-from flexrl_ds.sp.attention import FlexUlyssesAttention
-from flexrl_ds.sp.fixed_sp import FixedUlyssesAttention, fixed_sp_plan
 from flexrl_ds.sp.layout import build_rank_layout
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
-TOLERANCE = {"float64": 1e-11, "float32": 2e-5}
-
-
-def _local_inputs(layout, tensors):
-    pieces = {name: layout.slice_tokens({s: t[name] for s, t in tensors.items()}, dim=0) for name in "qkvw"}
-    q, k, v = (pieces[name].clone().requires_grad_(True) for name in "qkv")
-    return q, k, v, pieces["w"]
-
-
-def _domain_seed(seed: int, domain: int) -> int:
-    return seed * 31 + domain
-
-
-def rank_run_plans(seeds, domain_size, p_max, num_heads, num_kv_heads, head_dim, dtype, overlap,
-                   use_deepspeed=True, max_len=24, fixed=False):
-    """On every rank: run each random plan of its domain, return local out / grads / paths."""
-    tree = cached_group_tree(domain_size, p_max)
-    results = []
-    for seed in seeds:
-        seed = _domain_seed(seed, tree.domain)
-        plan, lengths = random_plan(seed, domain_size, p_max, max_len=max_len)
-        if fixed:
-            plan, lengths = fixed_sp_plan(lengths, domain_size, p_max)
-        tensors = sequence_tensors(seed, lengths, num_heads, num_kv_heads, head_dim, DTYPES[dtype])
-        layout = build_rank_layout(plan, lengths, tree.local_rank, tree, num_heads=num_heads,
-                                   num_kv_heads=num_kv_heads)
-        q, k, v, w = _local_inputs(layout, tensors)
-        attention = FixedUlyssesAttention() if fixed else FlexUlyssesAttention(overlap=overlap,
-                                                                               use_deepspeed=use_deepspeed)
-        out = attention(q, k, v, layout)
-        (out * w).sum().backward()
-        paths = attention.backend if fixed else attention.last_paths
-        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "paths": paths})
-    return results
-
-
-def _check(per_rank, seeds, world_size, domain_size, p_max, num_heads, num_kv_heads, head_dim, dtype,
-           max_len=24, fixed=False):
-    """Compare every rank's local results with the single-process reference."""
-    worst = 0.0
-    for index, seed in enumerate(seeds):
-        for rank in range(world_size):
-            domain, local_rank = divmod(rank, domain_size)
-            dseed = _domain_seed(seed, domain)
-            plan, lengths = random_plan(dseed, domain_size, p_max, max_len=max_len)
-            if fixed:
-                plan, lengths = fixed_sp_plan(lengths, domain_size, p_max)
-            tensors = sequence_tensors(dseed, lengths, num_heads, num_kv_heads, head_dim, DTYPES[dtype])
-            ref = reference(tensors)
-            layout = build_rank_layout(plan, lengths, local_rank)
-            got = per_rank[rank][index]
-            for name in ("out", "dq", "dk", "dv"):
-                expected = layout.slice_tokens({s: r[name] for s, r in ref.items()}, dim=0)
-                assert got[name].shape == expected.shape, (seed, rank, name)
-                if expected.numel():
-                    worst = max(worst, (got[name] - expected).abs().max().item())
-                assert worst <= TOLERANCE[dtype], f"plan seed {seed}, rank {rank}, {name}: error {worst:.3g}"
-    return worst
 
 
 @pytest.mark.parametrize("overlap", [True, False])
