@@ -28,7 +28,7 @@ class PlannerBench:
     """Results of one benchmark run."""
 
     timing: list[dict[str, Any]] = field(default_factory=list)
-    """Rows: mix, num_sequences, world_size, plan_ms (median), verl_ms (median)."""
+    """Rows: mix, num_sequences, world_size, plan_ms / plan_cpu_ms / verl_ms (medians)."""
     quality: list[dict[str, Any]] = field(default_factory=list)
     """Rows: mix, world_size, num_sequences, worst efficiency/balances, mean a2a relative."""
 
@@ -36,14 +36,20 @@ class PlannerBench:
         return {"timing": self.timing, "quality": self.quality}
 
 
-def _median_ms(run, repeats: int) -> float:
+def _median_ms(run, repeats: int) -> tuple[float, float]:
+    """(median wall ms, median CPU ms of this process) over `repeats` runs after one warm-up.
+
+    CPU time is reported too because the benchmark machine may be shared: wall time then includes
+    waiting for a core, CPU time does not.
+    """
     run()
-    samples = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         run()
-        samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples)
+        wall.append((time.perf_counter() - start) * 1000)
+        cpu.append((time.process_time() - start_cpu) * 1000)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def time_planner(cost: CostModel, sp: SPConfig, mix: str, repeats: int, counts=SEQUENCE_COUNTS,
@@ -52,11 +58,10 @@ def time_planner(cost: CostModel, sp: SPConfig, mix: str, repeats: int, counts=S
     for num in counts:
         workload = make_workload(mix, num, seed=0)
         for world_size in world_sizes:
-            rows.append({
-                "mix": mix, "num_sequences": num, "world_size": world_size,
-                "plan_ms": _median_ms(lambda: plan_step(workload, world_size, cost, sp), repeats),
-                "verl_ms": _median_ms(lambda: verl_bucketing(workload, world_size, cost, sp.p_max), repeats),
-            })
+            plan_wall, plan_cpu = _median_ms(lambda: plan_step(workload, world_size, cost, sp), repeats)
+            verl_wall, _ = _median_ms(lambda: verl_bucketing(workload, world_size, cost, sp.p_max), repeats)
+            rows.append({"mix": mix, "num_sequences": num, "world_size": world_size, "plan_ms": plan_wall,
+                         "plan_cpu_ms": plan_cpu, "verl_ms": verl_wall})
             if progress is not None:
                 progress(rows[-1])
     return rows
@@ -85,12 +90,13 @@ def measure_quality(cost: CostModel, sp: SPConfig, seeds: int, counts=SEQUENCE_C
 
 def format_timing(rows: list[dict[str, Any]]) -> str:
     world_sizes = sorted({r["world_size"] for r in rows})
-    lines = ["planning time, median ms: FlexUlysses plan_step (veRL KK bucketing)",
-             f"{'sequences':>10}" + "".join(f"{f'W={w}':>17}" for w in world_sizes)]
+    lines = ["planning time, median ms: FlexUlysses wall / CPU (veRL KK bucketing wall)",
+             f"{'sequences':>10}" + "".join(f"{f'W={w}':>22}" for w in world_sizes)]
     for num in sorted({r["num_sequences"] for r in rows}):
         cells = {r["world_size"]: r for r in rows if r["num_sequences"] == num}
         lines.append(f"{num:>10}" + "".join(
-            f"{cells[w]['plan_ms']:>8.1f} ({cells[w]['verl_ms']:>5.1f})" for w in world_sizes))
+            f"{cells[w]['plan_ms']:>7.1f}/{cells[w]['plan_cpu_ms']:>5.1f} ({cells[w]['verl_ms']:>5.1f})"
+            for w in world_sizes))
     return "\n".join(lines)
 
 

@@ -8,13 +8,16 @@ Public API (stable; the executor calls it once per step and SP domain):
     result.dropped / result.truncated / result.metrics
 
 Algorithm (docs/ARCHITECTURE.md "Planner" has the argument):
-1. Lower bound `LB = max(Σ cost / W, max cost / p)`, p the largest allowed degree.
-2. For a sharding threshold θ ∈ {1, ½, ¼}: each sequence gets the smallest allowed degree d with
-   `cost/d ≤ θ·LB` and `L/d ≤ max_tokens_per_rank` — only what balance or memory needs.
-3. LPT placement on aligned blocks (placement.py), then local moves/swaps of degree-1 sequences.
-4. Keep the candidate with the least all-to-all volume whose busiest rank is within
-   `balance_tolerance` of the best candidate's.
-5. Pack sequences sharing a group (packing.py); order packs HSF (schedule.py).
+1. Lower bounds `LBc = max(Σ cost / W, max cost / p)` and `LBa` (same with attention L²), p the
+   largest allowed degree.
+2. Candidates, least sharding first: cost-only at θ = 1, then attention-aware at θ = 1, ½, ¼, ⅛,
+   1/16. A sequence gets the smallest allowed degree d with `cost/d ≤ θ·LBc` (attention-aware: also
+   `L²/d ≤ θ·LBa`) and `L/d ≤ max_tokens_per_rank` — only what balance or memory needs.
+3. Each candidate: LPT on aligned blocks (placement.py), then moves/swaps off the busiest rank.
+4. Stop at the first candidate within `balance_tolerance` of LBc whose attention balance is at most
+   `attention_goal`. Otherwise: among candidates within tolerance of the best busiest-rank cost, the
+   least all-to-all volume that meets the attention goal, else the lowest busiest-rank cost.
+5. Pack sequences sharing a group (packing.py); number packs in HSF order (schedule.py).
 
 Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the group. "uneven"
 (default) allows every power-of-two degree ≤ p_max; when d does not divide num_heads the executor
@@ -189,7 +192,8 @@ def _search(tokens: np.ndarray, cost: CostModel, allowed: tuple[int, ...], world
     balanced = [c for c in good if c.attention_balance <= options.attention_goal]
     if balanced:
         return min(balanced, key=lambda c: (c.volume, c.max_cost)).layout
-    return min(good, key=lambda c: (c.attention_balance, c.volume)).layout
+    # No candidate reaches the attention goal: cost (the time model) decides.
+    return min(tried, key=lambda c: (c.max_cost, c.volume)).layout
 
 
 def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig,
