@@ -129,6 +129,10 @@ class PreprocessActor:
         return refs
 
     @ray.method(concurrency_group="meta")
+    def set_decode_delay(self, seconds: float) -> None:
+        self.decode_delay_s = seconds
+
+    @ray.method(concurrency_group="meta")
     def release(self, keys: Sequence[PromptKey]) -> int:
         for key in keys:
             self.cache.pop(key, None)
@@ -205,8 +209,10 @@ class PreprocessPool:
             for i, ref in refs.items():
                 try:
                     results[i] = ray.get(ref, timeout=self.config.timeout_s)
-                except LOST_ERRORS:
+                except LOST_ERRORS as error:
                     self._find_dead_actors()
+                    if not self.tracker.alive:
+                        raise RuntimeError(f"every preprocessing actor died; last error: {error}") from error
         return [meta for chunk in results for meta in chunk]
 
     def _next_probe_actor(self) -> Any:
@@ -235,9 +241,26 @@ class PreprocessPool:
         refs = {name: self.actors[name].stats.remote() for name in self.tracker.alive}
         return [ray.get(ref, timeout=self.config.timeout_s) for ref in refs.values()]
 
-    def kill(self, name: str) -> None:
-        """Kill one actor (fault-injection for tests and benchmarks); routing learns of it on failure."""
-        ray.kill(self.actors[name], no_restart=True)
+    def set_decode_delay(self, seconds: float) -> None:
+        """Fault-injection aid: every later decode first sleeps `seconds` (0 turns it off)."""
+        ray.get([self.actors[name].set_decode_delay.remote(seconds) for name in self.alive])
+
+    def wait_ready(self) -> None:
+        """Block until every actor has started (imports done, preprocessor built)."""
+        self.stats()
+
+    def kill(self, name: str, wait: bool = True) -> None:
+        """Kill one actor (fault injection for tests and benchmarks); routing learns of it on the
+        first failed fetch. `wait`: return only once Ray reports the actor dead."""
+        handle = self.actors[name]
+        ray.kill(handle, no_restart=True)
+        deadline = time.monotonic() + self.config.timeout_s
+        while wait and time.monotonic() < deadline:
+            try:
+                ray.get(handle.stats.remote(), timeout=self.config.timeout_s)
+            except LOST_ERRORS:
+                return
+            time.sleep(0.05)
 
     def shutdown(self) -> None:
         for handle in self.actors.values():

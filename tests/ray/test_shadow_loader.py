@@ -1,0 +1,159 @@
+"""ShadowLoader on a real local Ray cluster with real (tiny) media.
+
+References are independent: the data subsystem's `SamplePreprocessor.materialize` run directly in
+the test process on the same `SampleMeta`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import pytest
+import ray
+import torch
+
+from flexrl_ds.bench.loader_media import MediaDatasetSpec, write_media_dataset
+from flexrl_ds.data.actors import PoolConfig, PreprocessPool
+from flexrl_ds.data.central_loader import CentralLoader
+from flexrl_ds.data.config import DataConfig
+from flexrl_ds.data.materializer import Materializer, RayFetcher, SliceRequest
+from flexrl_ds.data.preprocess import SamplePreprocessor
+from flexrl_ds.data.proxy_loader import LoaderConfig, ProxyLoader, requests_for_samples
+from flexrl_ds.data.records import read_dataset
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+DATA_CONFIG = DataConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 16, video_fps=4.0)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    path = write_media_dataset(tmp_path_factory.mktemp("media"),
+                               MediaDatasetSpec(num_videos=4, num_images=2, num_bad=1, video_seconds=3.0))
+    return read_dataset(path)
+
+
+# a partial of an importable class: actors unpickle it without importing this test module
+_make_preprocessor = functools.partial(SamplePreprocessor, DATA_CONFIG)
+
+
+def _reference(meta, request):
+    pixels = SamplePreprocessor(DATA_CONFIG).materialize(meta, [request.item_index])[request.item_index].pixel_values
+    grid_t, grid_h, grid_w = meta.items[request.item_index].grid_thw
+    stop = grid_t if request.t_stop is None else request.t_stop
+    return pixels[request.t_start * grid_h * grid_w : stop * grid_h * grid_w]
+
+
+def _check_step(step, requests, out):
+    metas = {prompt.key: prompt.meta for prompt in step.prompts}
+    for request, tensors in zip(requests, out.tensors):
+        assert torch.equal(tensors["pixel_values"], _reference(metas[request.prompt], request)), request
+
+
+@pytest.fixture(scope="module")
+def shared_pool(ray_session):
+    pool = PreprocessPool(_make_preprocessor, PoolConfig(num_actors_per_node=3, num_cpus_per_actor=0.5))
+    yield pool
+    pool.shutdown()
+
+
+def test_workers_get_exact_slices_from_actors_with_one_decode_per_prompt(shared_pool, records):
+    pool = shared_pool
+    decoded_before = sum(stats["num_decoded"] for stats in pool.stats())
+    config = LoaderConfig(global_batch=3, num_samples_per_prompt=2, seed=1, bad_record_policy="skip",
+                          groups_per_chunk=2)
+    loader = ProxyLoader(records, pool, config)
+    workers = [Materializer(RayFetcher(timeout_s=60), repair=loader.repair) for _ in range(2)]
+    pixel_bytes, num_prompts = 0, 0
+    for _ in range(2):
+        step = loader.next_step()
+        num_prompts += len(step.prompts)
+        samples = step.sample_ids()
+        # sample k of every prompt goes to worker k: both workers need every prompt
+        shares = [requests_for_samples(step, samples[k::2]) for k in range(2)]
+        video = next(p for p in step.prompts if p.meta.items and p.meta.items[0].kind == "video")
+        shares[1] = shares[1] + [SliceRequest(video.key, 0, 1, 3)]  # a planner-style frame range
+        for worker, share in zip(workers, shares):
+            worker.prefetch(loader.assignment(step, share))
+        for worker, share in zip(workers, shares):
+            out = worker.get(step.step)
+            _check_step(step, share, out)
+            pixel_bytes += out.bytes_fetched
+        loader.release(step)
+    num_decoded = sum(stats["num_decoded"] for stats in pool.stats()) - decoded_before
+    # the look-ahead step is dispatched too; samples never cause extra decodes
+    assert num_prompts <= num_decoded <= num_prompts + config.global_batch
+    assert loader.stats.bytes_through_controller < 0.05 * pixel_bytes
+
+
+def test_central_baseline_trains_on_the_same_samples_with_the_same_tensors(shared_pool, records):
+    pool = shared_pool
+    config = LoaderConfig(global_batch=4, seed=2, bad_record_policy="replace")
+    proxy, central = ProxyLoader(records, pool, config), CentralLoader(records, _make_preprocessor, config)
+    a, b = proxy.next_step(), central.next_step()
+    assert a.report() == b.report()
+    requests = requests_for_samples(a, a.sample_ids())
+    m_proxy, m_central = Materializer(RayFetcher(60)), Materializer(RayFetcher(60))
+    m_proxy.prefetch(proxy.assignment(a, requests))
+    m_central.prefetch(central.assignment(b, requests))
+    for x, y in zip(m_proxy.get(a.step).tensors, m_central.get(b.step).tensors):
+        assert torch.equal(x["pixel_values"], y["pixel_values"])
+    assert central.stats.bytes_through_controller > 100 * proxy.stats.bytes_through_controller
+
+
+def test_killing_an_actor_mid_step_loses_and_duplicates_nothing(shared_pool, records):
+    """Runs last: it kills two of the shared pool's three actors."""
+    pool = shared_pool
+    pool.set_decode_delay(1.0)  # keep work queued on every actor
+    config = LoaderConfig(global_batch=5, num_samples_per_prompt=2, seed=3, bad_record_policy="skip")
+    loader = ProxyLoader(records, pool, config)
+    step = loader.next_step()  # step 0 and the look-ahead step 1 are queued on the actors
+    victim = loader.store.owner_of(step.sample_ids()[0])
+    unfinished = [key for key in loader.store.owned_by(victim)
+                  if not ray_wait_done(loader.store.entry(key).task_ref)]
+    assert unfinished, "the victim finished all its work before being killed: not mid-step"
+    pool.kill(victim)
+    worker = Materializer(RayFetcher(timeout_s=60), repair=loader.repair)
+    num_repairs = 0
+    for current in (step, loader.next_step()):
+        requests = requests_for_samples(current, current.sample_ids())
+        worker.prefetch(loader.assignment(current, requests))
+        out = worker.get(current.step)
+        _check_step(current, requests, out)  # every sample's pixels, exactly once, correct
+        assert [(r.prompt, r.item_index) for r in requests] == [
+            (p.key, i) for p in current.prompts for i in range(len(p.meta.items))]
+        num_repairs += out.num_repairs
+    # the first failed fetch re-routes all of the victim's prompts, later ones find them moved
+    assert num_repairs >= 1 and loader.stats.num_rerouted >= len(unfinished)
+    assert victim not in pool.alive and not loader.store.owned_by(victim)
+
+    # objects already cached by an actor that then dies are lost too: re-routed on fetch
+    pool.set_decode_delay(0.0)
+    step2 = loader.next_step()
+    tasks = [loader.store.entry(p.key).task_ref for p in step2.prompts]
+    ray.wait(tasks, num_returns=len(tasks), timeout=60, fetch_local=False)
+    victim = loader.store.entry(step2.prompts[0].key).owner
+    probe_ref = next(iter(ray.get(tasks[0]).values()))
+    pool.kill(victim)
+    _wait_until_lost(probe_ref)
+    requests = requests_for_samples(step2, step2.sample_ids())
+    worker.prefetch(loader.assignment(step2, requests))
+    out = worker.get(step2.step)
+    _check_step(step2, requests, out)
+    assert out.num_repairs > 0 and len(pool.alive) == 1
+
+
+def ray_wait_done(ref) -> bool:
+    return bool(ray.wait([ref], timeout=0, fetch_local=False)[0])
+
+
+def _wait_until_lost(ref, timeout_s: float = 20.0) -> None:
+    """Ray frees a dead owner's objects shortly after noticing the death."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.ObjectLostError:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the dead actor's objects stayed readable")
