@@ -170,12 +170,27 @@ def video_frames(num_frames: int, width: int, height: int, seed: int = 0) -> tor
 
 
 def write_video(path: str | Path, num_frames: int, width: int, height: int, fps: float, seed: int = 0) -> None:
-    """Encode a generated clip as H.264 MP4 (yuv420p; width and height must be even)."""
-    from torchcodec.encoders import VideoEncoder
-
+    """Encode a generated clip as H.264 MP4 (yuv420p; width and height must be even) with
+    torchcodec; where torchcodec cannot load, as MPEG-4 part 2 MP4 with OpenCV."""
     if width % 2 or height % 2:
         raise ValueError(f"H.264 4:2:0 needs even sides, got {width}x{height}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    VideoEncoder(video_frames(num_frames, width, height, seed), frame_rate=fps).to_file(
-        str(path), codec="libx264", pixel_format="yuv420p"
-    )
+    frames = video_frames(num_frames, width, height, seed)
+    try:
+        from torchcodec.encoders import VideoEncoder
+    except Exception:  # ImportError, or RuntimeError when FFmpeg's libraries are missing
+        _write_video_opencv(path, frames, fps)
+        return
+    VideoEncoder(frames, frame_rate=fps).to_file(str(path), codec="libx264", pixel_format="yuv420p")
+
+
+def _write_video_opencv(path: str | Path, frames_NCHW: torch.Tensor, fps: float) -> None:
+    import cv2
+
+    height, width = frames_NCHW.shape[-2:]
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    try:
+        for frame in frames_NCHW.permute(0, 2, 3, 1).numpy():
+            writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+    finally:
+        writer.release()

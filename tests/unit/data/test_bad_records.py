@@ -10,6 +10,7 @@ import pytest
 from flexrl_ds.data.config import DataConfig
 from flexrl_ds.data.dataset import apply_policy, probe_dataset, probe_entries
 from flexrl_ds.data.preprocess import SamplePreprocessor
+from flexrl_ds.data.video_backends import available_backends
 from flexrl_ds.data.types import BadMediaError, BadRecord, MediaItem, Record, SampleMeta
 
 CONFIG = DataConfig(image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 64,
@@ -31,6 +32,8 @@ def record(record_id: str, path, index: int = 0) -> Record:
     ("one.mp4", "at least 2 are needed"),
 ])
 def test_bad_media_found_while_probing(media, backend, name, expected):
+    if backend not in available_backends():
+        pytest.skip(f"video backend {backend} not available")
     path = media.bad.get(name, media.folder / name)
     preprocessor = SamplePreprocessor(DataConfig(video_backend=backend))
     bad = preprocessor.probe(record(f"rec-{name}", path, index=3))
@@ -41,6 +44,8 @@ def test_bad_media_found_while_probing(media, backend, name, expected):
 
 def test_truncated_video_with_intact_index(media):
     """torchcodec sees the missing frames while probing; OpenCV only while decoding."""
+    if set(available_backends()) != {"torchcodec", "opencv"}:
+        pytest.skip("needs both torchcodec and OpenCV")
     path = media.bad["faststart_cut.mp4"]
     bad = SamplePreprocessor(CONFIG).probe(record("cut", path))
     assert isinstance(bad, BadRecord) and "truncated video" in bad.reason

@@ -50,6 +50,22 @@ def test_images_equal_hf_image_processor(media):
         torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0)
 
 
+def test_images_equal_hf_torchvision_image_processor_where_torchvision_exists(media):
+    pytest.importorskip("torchvision", reason="transformers' torchvision image backend needs torchvision")
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessor
+
+    hf = Qwen2VLImageProcessor(min_pixels=CONFIG.image_min_pixels, max_pixels=CONFIG.image_max_pixels)
+    preprocessor = SamplePreprocessor(DataConfig(**{**CONFIG.__dict__, "resize_impl": "auto"}))
+    assert preprocessor.image_resize_impl == "torch"
+    for path in media.images:
+        meta, outputs = preprocessor.process(record_of(path))
+        with Image.open(path) as image:
+            expected = hf(images=[image], return_tensors="pt")
+        assert torch.equal(outputs["image_grid_thw"], expected["image_grid_thw"]), path.name
+        torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0)
+
+
 def test_several_images_in_one_sample_equal_hf_batch(media):
     from PIL import Image
     from transformers import Qwen2VLImageProcessorPil
@@ -64,7 +80,8 @@ def test_several_images_in_one_sample_equal_hf_batch(media):
 
 def reference_video(path, hf_video_functions, config: DataConfig, fps=None):
     """HF's Qwen2-VL video pipeline from its own pieces (see module docstring)."""
-    from torchcodec.decoders import VideoDecoder
+    decoders = pytest.importorskip("torchcodec.decoders", reason="the reference decodes with torchcodec")
+    VideoDecoder = decoders.VideoDecoder
 
     decoder = VideoDecoder(str(path), seek_mode="exact")
     total, video_fps = decoder.metadata.num_frames, decoder.metadata.average_fps
@@ -95,12 +112,19 @@ def test_videos_equal_hf_video_processor_where_torchvision_exists(media):
     pytest.importorskip("torchvision", reason="transformers' Qwen2-VL video processor needs torchvision")
     from transformers import Qwen2VLVideoProcessor
 
+    from flexrl_ds.data.video_backends import get_video_backend
+
     hf = Qwen2VLVideoProcessor(min_pixels=CONFIG.video_min_pixels, max_pixels=CONFIG.video_max_pixels,
                                min_frames=CONFIG.video_min_frames, max_frames=CONFIG.video_max_frames)
     preprocessor = SamplePreprocessor(CONFIG)
+    backend = get_video_backend("auto")
     for path in media.videos:
         meta, outputs = preprocessor.process(record_of(path))
-        expected = hf(videos=[str(path)], do_sample_frames=True, fps=CONFIG.video_fps, video_load_backend="torchcodec",
+        info = backend.probe(str(path))
+        frames = backend.decode(str(path), list(range(info.num_frames)))  # HF samples from all frames
+        metadata = {"total_num_frames": info.num_frames, "fps": info.fps, "duration": info.duration,
+                    "height": info.height, "width": info.width}
+        expected = hf(videos=[frames], video_metadata=[metadata], do_sample_frames=True, fps=CONFIG.video_fps,
                       cap_pixels_per_frame=False, return_tensors="pt")
         assert torch.equal(outputs["video_grid_thw"], expected["video_grid_thw"]), path.name
         torch.testing.assert_close(outputs["pixel_values_videos"], expected["pixel_values_videos"], atol=1e-5, rtol=0)
