@@ -139,12 +139,14 @@ def _rank_sum(values: np.ndarray, layout: Layout, world_size: int) -> np.ndarray
     return np.cumsum(diff[:-1])
 
 
-def refine(layout: Layout, *, world_size: int, token_cap: float, max_steps: int, good_enough: float = 0.0) -> None:
-    """Move/swap equal-degree sequences off the busiest rank's blocks while its cost drops.
+def refine(layout: Layout, *, world_size: int, token_cap: float, max_steps: int, allowed: tuple[int, ...],
+           good_enough: float = 0.0) -> None:
+    """Move/swap equal-degree sequences off the busiest rank's blocks while its cost drops; when
+    no such step exists, re-place one of its sequences at another allowed degree.
 
     A step is taken only if the receiving block's busiest rank stays strictly below the current
-    maximum (so the maximum never rises and each step removes load from a busiest rank) and no rank
-    exceeds the token cap.
+    maximum (so the maximum never rises and each step removes load from a busiest rank), no rank
+    exceeds the token cap, and no rank's attention exceeds the current attention maximum.
     """
     loads = _rank_sum(layout.cost, layout, world_size)
     held = _rank_sum(layout.tokens, layout, world_size)
@@ -163,7 +165,13 @@ def refine(layout: Layout, *, world_size: int, token_cap: float, max_steps: int,
             best = _best_step(layout, on_top[layout.degrees[on_top] == degree], degree, loads, held,
                               attn, peak, token_cap, best)
         if best is None:
-            return
+            regree = _best_regree(layout, on_top, loads, held, attn, peak, token_cap, allowed)
+            if regree is None:
+                return
+            _, give, degree, target = regree
+            _shift(layout, give, target, loads, held, attn, new_degree=degree)
+            ends = layout.starts + layout.degrees
+            continue
         _, give, take, target = best
         home_start = int(layout.starts[give])
         _shift(layout, give, target, loads, held, attn)
@@ -223,11 +231,37 @@ def _best_step(layout: Layout, givers: np.ndarray, degree: int, loads: np.ndarra
     return best
 
 
+def _best_regree(layout: Layout, givers: np.ndarray, loads: np.ndarray, held: np.ndarray, attn: np.ndarray,
+                 peak: float, token_cap: float, allowed: tuple[int, ...]):
+    """Best re-placement of one giver at a different degree: (new max, item, degree, first rank)."""
+    best = None
+    attn_ceiling = attn.max()
+    for item in givers.tolist():
+        degree, first = int(layout.degrees[item]), int(layout.starts[item])
+        without = [array.copy() for array in (loads, held, attn)]
+        for array, value in zip(without, (layout.cost, layout.tokens, layout.attention)):
+            array[first:first + degree] -= value[item] / degree
+        for other in allowed:
+            if other == degree:
+                continue
+            new_max = without[0].reshape(-1, other).max(axis=1) + layout.cost[item] / other
+            ok = (new_max < peak) & (without[1].reshape(-1, other).max(axis=1) + layout.tokens[item] / other
+                                     <= token_cap)
+            ok &= without[2].reshape(-1, other).max(axis=1) + layout.attention[item] / other <= attn_ceiling
+            if ok.any():
+                block = int(np.argmin(np.where(ok, new_max, np.inf)))
+                if best is None or new_max[block] < best[0]:
+                    best = (float(new_max[block]), item, other, block * other)
+    return best
+
+
 def _shift(layout: Layout, item: int, target: int, loads: np.ndarray, held: np.ndarray,
-           attn: np.ndarray) -> None:
+           attn: np.ndarray, new_degree: int | None = None) -> None:
     degree = int(layout.degrees[item])
+    new_degree = new_degree or degree
     source = int(layout.starts[item])
     for array, value in ((loads, layout.cost), (held, layout.tokens), (attn, layout.attention)):
         array[source:source + degree] -= value[item] / degree
-        array[target:target + degree] += value[item] / degree
+        array[target:target + new_degree] += value[item] / new_degree
+    layout.degrees[item] = new_degree
     layout.starts[item] = target

@@ -155,7 +155,7 @@ def _try(tokens: np.ndarray, costs: np.ndarray, attention: np.ndarray, degrees: 
     layout = Layout(degrees, costs, attention, tokens, np.zeros(len(tokens), dtype=np.int64))
     place_lpt(layout, world_size=world_size, token_cap=token_cap, allowed=allowed,
               cost_target=cost_bound, attn_target=attn_bound if attention_aware else None)
-    refine(layout, world_size=world_size, token_cap=token_cap, max_steps=options.refine_steps,
+    refine(layout, world_size=world_size, token_cap=token_cap, max_steps=options.refine_steps, allowed=allowed,
            good_enough=cost_bound * (1 + options.balance_tolerance / 2))
     rank_cost = rank_sums(costs, layout.degrees, layout.starts, world_size)
     rank_attn = rank_sums(attention, layout.degrees, layout.starts, world_size)
