@@ -164,7 +164,6 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
     units still gives the tower's parameters a gradient, as ZeRO-3 needs).
     """
     import torch.distributed as dist
-    import torch.distributed.nn.functional as dist_fn
 
     param = next(visual.parameters())
     if route.my_units:
@@ -181,6 +180,27 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return send, zero_term
-    recv = merged.new_empty((sum(route.recv_splits), merged.shape[1]))
-    recv = dist_fn.all_to_all_single(recv, send, list(route.recv_splits), list(route.send_splits), group=group)
+    recv = _RowExchange.apply(send, group, route.send_splits, route.recv_splits)
     return recv, zero_term
+
+
+class _RowExchange(torch.autograd.Function):
+    """all_to_all_single of (rows, hidden) with per-rank row counts; backward runs the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, send, group, send_splits, recv_splits):
+        import torch.distributed as dist
+
+        ctx.group, ctx.send_splits, ctx.recv_splits = group, send_splits, recv_splits
+        recv = send.new_empty((sum(recv_splits), send.shape[1]))
+        dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits), group=group)
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad_recv):
+        import torch.distributed as dist
+
+        grad_send = grad_recv.new_empty((sum(ctx.send_splits), grad_recv.shape[1]))
+        dist.all_to_all_single(grad_send, grad_recv.contiguous(), list(ctx.send_splits), list(ctx.recv_splits),
+                               group=ctx.group)
+        return grad_send, None, None, None

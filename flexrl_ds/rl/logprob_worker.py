@@ -1,0 +1,119 @@
+"""Per-rank half of `flexrl logprobs`: one FlexUlysses forward over this rank's local tokens.
+
+`rank_logprobs(job, rank, group_tree)` is plain (no Ray, no spawning) and returns this rank's pieces:
+{seq id: [(first position, log-probs of the next tokens at positions first..)]}. `spawn` runs it on N
+fresh processes that join one process group (backend from flexrl_ds.parallel.device), gathers the
+pieces to rank 0 with `gather_object`, and hands them back; a crash or a hang (timeout) on any rank
+fails the whole call with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LogprobJob:
+    """Everything a rank needs (the same on all ranks)."""
+
+    model_dir: str
+    dtype: str
+    plan_json: dict
+    """The step's plan (plan-schema.md object)."""
+    samples: dict[str, Any]
+    """EncodedSample per sequence id."""
+    timeout_s: float = 600.0
+
+
+def rank_logprobs(job: LogprobJob, rank: int, group_tree=None) -> dict[str, list]:
+    """This rank's pieces of next-token log-probs (all local positions of its sequences)."""
+    from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch
+    from flexrl_ds.rl.logprobs import load_model
+    from flexrl_ds.sp.plan import parse_plan
+
+    model = load_model(job.model_dir, job.dtype)
+    plan = parse_plan(job.plan_json)
+    batch = build_step_batch(model, plan, job.samples, rank, group_tree)
+    flex = FlexUlyssesLM(model)
+    with torch.no_grad():
+        logprobs, _ = flex(batch)
+    pieces: dict[str, list] = {}
+    for seq_id, lo, hi, local in batch.layout.segments():
+        pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].tolist()))
+    return pieces
+
+
+def assemble(samples: dict[str, Any], per_rank: list[dict[str, list]]) -> dict[str, list[float]]:
+    """Response log-probs per sequence from every rank's pieces; checks full coverage."""
+    out = {}
+    for seq_id, sample in samples.items():
+        values: list[float | None] = [None] * sample.length
+        for pieces in per_rank:
+            for lo, chunk in pieces.get(seq_id, ()):
+                values[lo:lo + len(chunk)] = chunk
+        wanted = values[sample.response_start - 1:sample.length - 1]
+        if any(v is None for v in wanted):
+            raise RuntimeError(f"sequence {seq_id!r}: some positions came back from no rank")
+        out[seq_id] = wanted
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, p_max: int, job: LogprobJob, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch.distributed as dist
+
+        from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
+        from flexrl_ds.parallel.launch import init_distributed
+
+        init_distributed(timeout_s=job.timeout_s)
+        tree = GroupTree.create(SPTopology(world_size=world_size, domain_size=world_size, p_max=p_max), rank)
+        pieces = rank_logprobs(job, rank, tree)
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(pieces, gathered, dst=0)
+        if rank == 0:
+            results.put(("ok", gathered))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+
+
+def spawn(job: LogprobJob, world_size: int) -> list[dict[str, list]]:
+    """Run `rank_logprobs` on `world_size` new processes; per-rank pieces (rank order)."""
+    import multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    p_max = int(job.plan_json["p_max"])
+    port = _free_port()
+    procs = [context.Process(target=_worker, args=(r, world_size, port, p_max, job, results), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    status, payload = "error", f"no rank: no result within {job.timeout_s:.0f} s (hang or crash)"
+    try:
+        status, payload = results.get(timeout=job.timeout_s)
+    except queue.Empty:
+        pass
+    for proc in procs:
+        proc.join(timeout=30 if status == "ok" else 1)
+        if proc.is_alive():
+            proc.kill()
+    if status != "ok":
+        raise RuntimeError(f"flexrl logprobs failed on {payload}")
+    return payload

@@ -1,0 +1,132 @@
+"""`flexrl logprobs`: the reference / old-policy pass of GRPO as a tool.
+
+Flow (the planner sees sequence lengths before any forward):
+1. read the records and encode them (tokens + vision items, flexrl_ds/models/processing.py);
+2. plan the step with the FlexUlysses planner over `--nproc` ranks (`--plan-out` writes it);
+3. spawn N processes (gloo on CPU, NCCL on GPU) that each run the model once over their local tokens
+   with FlexUlysses attention and balanced vision encoding (flexrl_ds/rl/logprob_worker.py);
+4. rank 0 gathers every rank's pieces and writes one line per record:
+   {"id", "input_ids", "response_start", "logprobs"}, logprobs[i] = log p(input_ids[response_start+i]).
+
+With `--nproc 1` everything runs in this process (no process group).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class LogprobsConfig:
+    """Options of `flexrl logprobs`."""
+
+    model_dir: str
+    """HF model directory (weights, tokenizer, processor files)."""
+    data_path: str
+    """Records (.jsonl / .parquet) with prompt, media and a `response` to score."""
+    out_path: str
+    """Output JSONL, one line per record, in input order."""
+    num_procs: int = 1
+    """Processes (ranks) of the single SP domain."""
+    p_max: int | None = None
+    """Largest Ulysses degree; None: num_procs."""
+    plan_out: str | None = None
+    """If set, the plan used is written here (plan-schema.md)."""
+    dtype: str = "float32"
+    """Model dtype."""
+    timeout_s: float = 600.0
+    """Collective timeout of the worker process group."""
+
+    def __post_init__(self) -> None:
+        if self.num_procs < 1 or self.num_procs & (self.num_procs - 1):
+            raise ValueError(f"--nproc must be a power of two >= 1, got {self.num_procs}")
+        if self.p_max is not None and (self.p_max < 1 or self.p_max & (self.p_max - 1) or self.p_max > self.num_procs):
+            raise ValueError(f"--p-max must be a power of two <= --nproc ({self.num_procs}), got {self.p_max}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not Path(self.model_dir, "config.json").exists():
+            raise ValueError(f"--model {self.model_dir}: no config.json there (make one with flexrl make-tiny-model)")
+
+    @property
+    def resolved_p_max(self) -> int:
+        return self.p_max or self.num_procs
+
+
+def load_model(model_dir: str, dtype: str = "float32"):
+    """The HF model of a directory: AutoModelForImageTextToText for VLMs, AutoModelForCausalLM else."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    cls = transformers.AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None \
+        else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+
+def encode_dataset(model_dir: str, data_path: str) -> dict[str, Any]:
+    """EncodedSample per record id, in file order."""
+    from flexrl_ds.models.processing import SampleEncoder, read_records
+
+    encoder = SampleEncoder(model_dir)
+    samples = {}
+    for record in read_records(data_path):
+        if record.id in samples:
+            raise ValueError(f"record {record.id!r}: duplicate id in {data_path}")
+        samples[record.id] = encoder.encode(record)
+    if not samples:
+        raise ValueError(f"{data_path}: no records")
+    return samples
+
+
+def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_max: int):
+    """The FlexUlysses planner's plan for these sequences over `num_procs` ranks."""
+    from flexrl_ds.config.flexrl_config import SPConfig
+    from flexrl_ds.sp.cost_model import load_cost_model
+    from flexrl_ds.sp.plan import SequenceSpec, Workload
+    from flexrl_ds.sp.planner import plan_step
+
+    sequences = tuple(
+        SequenceSpec(id=seq_id, tokens=s.length, vision_tokens=sum(i.num_tokens() for i in s.items),
+                     images=sum(1 for i in s.items if i.kind == "image"),
+                     frames=sum(i.grid_thw[0] * 2 for i in s.items if i.kind == "video"))
+        for seq_id, s in samples.items())
+    cost = load_cost_model(str(Path(model_dir) / "config.json"))
+    return plan_step(Workload(sequences), num_procs, cost, SPConfig(p_max=p_max)).plan
+
+
+def run_logprobs(config: LogprobsConfig) -> str:
+    """Run the whole tool; returns a one-line summary."""
+    from flexrl_ds.rl import logprob_worker
+
+    start = time.perf_counter()
+    samples = encode_dataset(config.model_dir, config.data_path)
+    plan = plan_for_samples(config.model_dir, samples, config.num_procs, config.resolved_p_max)
+    if config.plan_out:
+        plan.save(config.plan_out)
+    print(f"planned {len(samples)} sequences ({sum(s.length for s in samples.values())} tokens) on "
+          f"{config.num_procs} ranks: degrees {sorted({p.degree for p in plan.packs})}, {len(plan.packs)} packs",
+          flush=True)
+    job = logprob_worker.LogprobJob(model_dir=config.model_dir, dtype=config.dtype, plan_json=plan.to_json(),
+                                    samples=samples, timeout_s=config.timeout_s)
+    if config.num_procs == 1:
+        pieces = [logprob_worker.rank_logprobs(job, rank=0, group_tree=None)]
+    else:
+        pieces = logprob_worker.spawn(job, config.num_procs)
+    results = logprob_worker.assemble(samples, pieces)
+    write_results(config.out_path, samples, results)
+    elapsed = time.perf_counter() - start
+    return f"wrote log-probs of {len(results)} records to {config.out_path} ({elapsed:.1f} s, {config.num_procs} ranks)"
+
+
+def write_results(path: str, samples: dict[str, Any], logprobs: dict[str, list[float]]) -> None:
+    lines = []
+    for seq_id, sample in samples.items():
+        lines.append(json.dumps({"id": seq_id, "input_ids": sample.input_ids.tolist(),
+                                 "response_start": sample.response_start, "logprobs": logprobs[seq_id]}))
+    Path(path).write_text("\n".join(lines) + "\n")
