@@ -54,7 +54,10 @@ def _to_wire(value):
     import torch
 
     if isinstance(value, torch.Tensor):
-        return ("__tensor__", value.detach().cpu().numpy())
+        value = value.detach().cpu()
+        if value.dtype in (torch.bfloat16, torch.float16):  # numpy has no bfloat16; float32 is exact
+            value = value.float()
+        return ("__tensor__", value.numpy())
     if isinstance(value, (list, tuple)):
         return type(value)(_to_wire(v) for v in value)
     if isinstance(value, dict):
