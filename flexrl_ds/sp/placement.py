@@ -46,36 +46,74 @@ class Layout:
     """First rank of each sequence's block."""
 
 
-@dataclass
 class _RankState:
-    """Per-rank running sums as Python lists (fast scalar updates in the heap loop)."""
+    """Per-rank running sums, as Python lists (fast scalar reads in the heap loop) mirrored in
+    numpy arrays (fast block maxima for sharded sequences)."""
 
-    cost: list[float]
-    attn: list[float]
-    held: list[float]
+    def __init__(self, world_size: int) -> None:
+        self.cost, self.attn, self.held = [0.0] * world_size, [0.0] * world_size, [0.0] * world_size
+        self.cost_np, self.attn_np, self.held_np = np.zeros(world_size), np.zeros(world_size), np.zeros(world_size)
 
     def add(self, first: int, degree: int, cost: float, attn: float, tokens: float) -> None:
         for rank in range(first, first + degree):
             self.cost[rank] += cost
             self.attn[rank] += attn
             self.held[rank] += tokens
+        if degree == 1:  # scalar stores are much cheaper than slice updates
+            self.cost_np[first] = self.cost[first]
+            self.attn_np[first] = self.attn[first]
+            self.held_np[first] = self.held[first]
+        else:
+            end = first + degree
+            self.cost_np[first:end] += cost
+            self.attn_np[first:end] += attn
+            self.held_np[first:end] += tokens
 
 
 def place_lpt(layout: Layout, *, world_size: int, token_cap: float, allowed: tuple[int, ...],
               cost_target: float, attn_target: float | None) -> None:
     """Fill `layout.starts` (LPT); `attn_target=None` balances cost only."""
     order = np.argsort(-(layout.cost / layout.degrees), kind="stable").tolist()
-    state = _RankState([0.0] * world_size, [0.0] * world_size, [0.0] * world_size)
+    state = _RankState(world_size)
     scales = (1.0 / cost_target, 1.0 / attn_target if attn_target else 0.0)
-    cost_of, tokens_of = layout.cost.tolist(), layout.tokens.tolist()
-    attention_of, degree_of = layout.attention.tolist(), layout.degrees.tolist()
-    starts = [0] * len(order)
-    heap = [(0.0, rank) for rank in range(world_size)]  # lazy: stale entries are skipped on pop
     capped = token_cap != float("inf")
     # With attention balancing, degree-1 sequences carrying a sizeable share of a rank's attention
     # are also placed 2-D; the rest (linear-dominated) fill by cost through the heap.
     two_d = (layout.attention * scales[1] > ATTENTION_SHARE_2D).tolist()
-    for item in order:
+    degree_of, cost_of = layout.degrees.tolist(), layout.cost.tolist()
+    per_item = (degree_of, cost_of, layout.attention.tolist(), layout.tokens.tolist(), two_d)
+    last_special = max((k for k, i in enumerate(order) if degree_of[i] > 1 or two_d[i]), default=-1)
+    position = 0
+    while position < len(order):
+        chunk = order[position:position + world_size]
+        if not capped and position > last_special \
+                and max(state.cost) - min(state.cost) <= cost_of[chunk[-1]]:
+            # Loads differ by less than any item of this round: LPT places it one item per rank,
+            # largest on least loaded — done as one numpy round.
+            _round(layout, np.array(chunk, dtype=np.int64), state)
+        else:
+            _lpt_items(layout, chunk, state, token_cap, allowed, scales, per_item)
+        position += len(chunk)
+
+
+def _round(layout: Layout, items: np.ndarray, state: _RankState) -> None:
+    ranks = np.argsort(state.cost_np, kind="stable")[:len(items)]
+    layout.starts[items] = ranks
+    for array, values in ((state.cost_np, layout.cost), (state.attn_np, layout.attention),
+                          (state.held_np, layout.tokens)):
+        array[ranks] += values[items]
+    state.cost, state.attn, state.held = state.cost_np.tolist(), state.attn_np.tolist(), state.held_np.tolist()
+
+
+def _lpt_items(layout: Layout, items: list[int], state: _RankState, token_cap: float, allowed: tuple[int, ...],
+               scales: tuple[float, float], per_item: tuple[list, ...]) -> None:
+    """One-at-a-time LPT: degree-1 items to the least-loaded rank with room (heap), the others
+    (sharded, attention-heavy, or finding no single rank with room) through block scoring."""
+    heap = [(load, rank) for rank, load in enumerate(state.cost)]
+    heapq.heapify(heap)  # lazy: stale entries are skipped on pop
+    capped = token_cap != float("inf")
+    degree_of, cost_of, attention_of, tokens_of, two_d = per_item
+    for item in items:
         chosen = None
         if degree_of[item] == 1 and not two_d[item]:
             tokens, skipped = tokens_of[item], []
@@ -90,16 +128,15 @@ def place_lpt(layout: Layout, *, world_size: int, token_cap: float, allowed: tup
                 break
             for entry in skipped:
                 heapq.heappush(heap, entry)
-        if chosen is None:  # sharded, attention-heavy, or no single rank has room
+        if chosen is None:
             first, degree = _place_on_block(item, layout, state, token_cap, allowed, scales)
-            starts[item] = first
+            layout.starts[item] = first
             for rank in range(first, first + degree):
                 heapq.heappush(heap, (state.cost[rank], rank))
             continue
-        starts[item] = chosen
-        state.add(chosen, 1, cost_of[item], attention_of[item], tokens_of[item])
+        layout.starts[item] = chosen
+        state.add(chosen, 1, cost_of[item], attention_of[item], tokens)
         heapq.heappush(heap, (state.cost[chosen], chosen))
-    layout.starts[:] = starts
 
 
 def _place_on_block(item: int, layout: Layout, state: _RankState, token_cap: float, allowed: tuple[int, ...],
@@ -107,8 +144,7 @@ def _place_on_block(item: int, layout: Layout, state: _RankState, token_cap: flo
     """Put one sequence on the best feasible block (doubling its degree if no block has room);
     return (first rank, degree). Score of a block: its busiest rank after adding, in units of the
     cost target — or the larger of cost and attention in units of their targets."""
-    loads, attn = np.array(state.cost), np.array(state.attn)
-    held = np.array(state.held)
+    loads, attn, held = state.cost_np, state.attn_np, state.held_np
     current = int(layout.degrees[item])
     for degree in allowed:
         if degree < current:
