@@ -55,7 +55,7 @@ class PlannerOptions:
     (θ = ¼ first: on the benchmark grid it meets the goals most often, θ = ½ rarely adds any)."""
     balance_tolerance: float = 0.01
     """Prefer less sharding if its busiest rank is within this fraction of the best candidate's."""
-    refine_steps: int = 128
+    refine_steps: int = 48
     """Upper bound on move/swap steps of the local refinement."""
     attention_goal: float = 1.05
     """Attention balance the search tries to reach (by sharding more) once cost is balanced."""
