@@ -75,12 +75,19 @@ def _worker(rank: int, world_size: int, port: int, p_max: int, job: LogprobJob, 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
+        import datetime
+
         import torch.distributed as dist
 
+        from flexrl_ds.parallel import device as device_mod
         from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
-        from flexrl_ds.parallel.launch import init_distributed
 
-        init_distributed(timeout_s=job.timeout_s)
+        info = device_mod.detect()
+        device_mod.set_local_device(info, rank)
+        # Plain process group (no deepspeed.comm: the overlapped FlexUlysses path does not need it).
+        dist.init_process_group(backend=info.backend, rank=rank, world_size=world_size,
+                                init_method=f"tcp://127.0.0.1:{port}",
+                                timeout=datetime.timedelta(seconds=job.timeout_s))
         tree = GroupTree.create(SPTopology(world_size=world_size, domain_size=world_size, p_max=p_max), rank)
         pieces = rank_logprobs(job, rank, tree)
         gathered = [None] * world_size if rank == 0 else None

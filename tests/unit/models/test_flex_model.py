@@ -1,0 +1,77 @@
+"""Adapter + positions + FlexUlyssesLM on one rank equal plain HF (VL and text models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch, reference_inputs, reference_logprobs
+from flexrl_ds.models.sample_data import random_plan_for
+from flexrl_ds.rl.logprobs import encode_dataset, load_model
+from flexrl_ds.rl.logprob_worker import assemble
+from flexrl_ds.sp import hf_adapter
+from flexrl_ds.sp.positions import sequence_positions
+
+
+def test_whole_sequence_positions_equal_hf_own_mrope(vl_samples):
+    model, samples = vl_samples
+    with torch.no_grad():
+        for sample in samples.values():
+            kwargs = reference_inputs(model, sample)
+            auto = model(**kwargs).logits
+            positions = sequence_positions(model, sample.input_ids, sample.items)
+            assert positions.shape == (3, sample.length)
+            explicit = model(**kwargs, position_ids=positions.unsqueeze(1)).logits
+            torch.testing.assert_close(explicit, auto, atol=0, rtol=0)
+    video_sample = next(s for s in samples.values() if s.of_kind("video") and s.of_kind("image"))
+    positions = sequence_positions(model, video_sample.input_ids, video_sample.items)
+    assert not torch.equal(positions[0], positions[1])  # really 3-D
+
+
+def _one_rank_logprobs(model, samples, plan):
+    batch = build_step_batch(model, plan, samples, 0)
+    flex = FlexUlyssesLM(model)
+    with torch.no_grad():
+        logprobs, _ = flex(batch)
+    pieces = {}
+    for seq_id, lo, hi, local in batch.layout.segments():
+        pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].tolist()))
+    return assemble(samples, [pieces]), flex
+
+
+@pytest.mark.parametrize("arch", ["vl", "q2"])
+def test_flex_ulysses_lm_on_one_rank_equals_hf(tiny_assets, arch):
+    model = load_model(tiny_assets[arch])
+    data = tiny_assets["data"]
+    if arch == "q2":  # the text model scores the same records without media
+        import json
+        from pathlib import Path
+
+        rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
+        text_rows = [dict(r, prompt=r["prompt"].replace("<image>", "").replace("<video>", ""), images=[], videos=[])
+                     for r in rows]
+        data = str(Path(data).with_name("text_only.jsonl"))
+        Path(data).write_text("".join(json.dumps(r) + "\n" for r in text_rows))
+    samples = encode_dataset(tiny_assets[arch], data)
+    with torch.no_grad():
+        expected = {s: reference_logprobs(model, x) for s, x in samples.items()}
+    plan = random_plan_for({s: x.length for s, x in samples.items()}, 1, 1, seed=0)
+    got, flex = _one_rank_logprobs(model, samples, plan)
+    for seq_id in samples:
+        torch.testing.assert_close(torch.tensor(got[seq_id]), expected[seq_id], atol=2e-5, rtol=1e-5)
+    config = model.config
+    assert hf_adapter.text_config(model)._attn_implementation == hf_adapter.ATTENTION_NAME
+    if arch == "vl":
+        assert config.vision_config._attn_implementation == "sdpa"
+    assert flex.attention.last_paths == ["local"] * len(plan.packs)
+
+
+def test_attention_without_step_kwarg_is_an_error(vl_samples):
+    model, samples = vl_samples
+    hf_adapter.register()
+    query = torch.zeros(1, 6, 3, 8)
+    with pytest.raises(ValueError, match=hf_adapter.STEP_KWARG):
+        hf_adapter.flex_ulysses_attention(None, query, query[:, :2], query[:, :2], None)
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert ALL_MASK_ATTENTION_FUNCTIONS[hf_adapter.ATTENTION_NAME]() is None
