@@ -52,6 +52,8 @@ class SPBenchConfig:
     seed: int = 0
     overlap: bool = True
     """FlexUlysses overlap of pack j+1's all-to-all with pack j's attention."""
+    calibrate: bool = False
+    """Measure the cost model's constants (flexrl_ds/bench/sp_calibrate.py) instead of comparing systems."""
 
 
 @dataclass
@@ -205,11 +207,18 @@ def run_rank(config: SPBenchConfig) -> dict[str, Any] | None:
 
     ctx = init_distributed()
     world = ctx.launch.world_size
-    lengths = skewed_lengths(config)
-    plans = make_plans(lengths, world, config)
     tree = GroupTree.create(SPTopology(world_size=world, domain_size=world,
                                        p_max=max(min(config.p_max, world), config.fixed_degree)), ctx.launch.rank)
-    layer = DecoderLayer(config.shape, config.layer == "decoder", ctx.device, _dtype(config.dtype), config.seed)
+    layer = DecoderLayer(config.shape, config.layer == "decoder" or config.calibrate, ctx.device,
+                         _dtype(config.dtype), config.seed)
+    if config.calibrate:
+        from flexrl_ds.bench.sp_calibrate import calibrate_rank
+
+        record = calibrate_rank(config, tree, layer, ctx)
+        dist.barrier()
+        return {"calibration": record} if ctx.launch.rank == 0 else None
+    lengths = skewed_lengths(config)
+    plans = make_plans(lengths, world, config)
     results = []
     for name, (plan, plan_lengths) in plans.items():
         if ctx.launch.rank == 0:

@@ -30,6 +30,9 @@ def register(commands, bench) -> None:
     sp.add_argument("--warmup", type=int, default=2)
     sp.add_argument("--iters", type=int, default=5)
     sp.add_argument("--no-overlap", action="store_true", help="FlexUlysses without all-to-all prefetch")
+    sp.add_argument("--calibrate", metavar="OUT.json",
+                    help="measure attention / linear / all-to-all constants and write the cost-model "
+                         "calibration file (flexrl.sp.calibration) instead of comparing systems")
     sp.add_argument("--json", help="write the result record here")
     sp.add_argument("--plot", help="write a PNG bar chart here")
     sp.set_defaults(func=_bench_sp)
@@ -59,7 +62,8 @@ def _config(args):
                          num_short=args.num_short, short_min=short[0], short_max=short[1],
                          workload=args.workload, p_max=args.p_max, fixed_degree=args.fixed_degree,
                          systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
-                         dtype=dtype, warmup=args.warmup, iters=args.iters, overlap=not args.no_overlap)
+                         dtype=dtype, warmup=args.warmup, iters=args.iters, overlap=not args.no_overlap,
+                         calibrate=bool(args.calibrate))
 
 
 def _bench_sp(args) -> int:
@@ -80,6 +84,16 @@ def _bench_sp(args) -> int:
 def _report(record, args) -> None:
     from flexrl_ds.bench.sp_bench import dumps, format_table, write_plot
 
+    if "calibration" in record:
+        calibration = record["calibration"]
+        Path(args.calibrate).write_text(dumps(calibration) + "\n")
+        c = calibration["linear_s_per_token"] / calibration["attention_s_per_token2"]
+        print(f"[bench sp] attention {calibration['attention_s_per_token2']:.3g} s/L^2, linear "
+              f"{calibration['linear_s_per_token']:.3g} s/token (c = {c:,.0f}); all-to-all "
+              + ", ".join(f"d={d}: {v['latency_s'] * 1e6:.0f} us + {v['bytes_per_s'] / 1e9:.0f} GB/s"
+                          for d, v in calibration["all_to_all"].items()))
+        print(f"[bench sp] wrote {args.calibrate}")
+        return
     print(format_table(record))
     if args.json:
         Path(args.json).write_text(dumps(record) + "\n")
