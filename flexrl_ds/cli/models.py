@@ -29,6 +29,8 @@ def register(commands, bench) -> None:
     logprobs.add_argument("--nproc", type=int, default=1, help="processes (gloo on CPU, NCCL on GPU)")
     logprobs.add_argument("--p-max", type=int, default=None, help="largest Ulysses degree (default: nproc)")
     logprobs.add_argument("--plan-out", default=None, help="write the plan used (plan-schema.md format)")
+    logprobs.add_argument("--plan", default=None,
+                          help="use this plan file instead of planning (its sequences must be the record ids)")
     logprobs.add_argument("--out", required=True, help="output .jsonl")
     logprobs.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
     logprobs.set_defaults(func=_logprobs)
@@ -46,7 +48,8 @@ def _logprobs(args: argparse.Namespace) -> int:
     from flexrl_ds.rl.logprobs import LogprobsConfig, run_logprobs
 
     config = LogprobsConfig(model_dir=args.model, data_path=args.data, out_path=args.out,
-                            num_procs=args.nproc, p_max=args.p_max, plan_out=args.plan_out, dtype=args.dtype)
+                            num_procs=args.nproc, p_max=args.p_max, plan_out=args.plan_out, dtype=args.dtype,
+                            plan_in=args.plan)
     summary = run_logprobs(config)
     print(summary)
     return 0

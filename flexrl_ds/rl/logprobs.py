@@ -42,6 +42,8 @@ class LogprobsConfig:
     """Model dtype."""
     timeout_s: float = 600.0
     """Collective timeout of the worker process group."""
+    plan_in: str | None = None
+    """If set, run this plan file instead of planning (validated against the records and --nproc)."""
 
     def __post_init__(self) -> None:
         if self.num_procs < 1 or self.num_procs & (self.num_procs - 1):
@@ -100,13 +102,27 @@ def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_
     return plan_step(Workload(sequences), num_procs, cost, SPConfig(p_max=p_max)).plan
 
 
+def load_given_plan(path: str, samples: dict[str, Any], num_procs: int):
+    """A plan file checked against the records and the number of processes."""
+    from flexrl_ds.sp.plan import load_plan, validate_plan
+
+    plan = load_plan(path)
+    if plan.world_size != num_procs:
+        raise ValueError(f"--plan {path}: plan is for world_size {plan.world_size}, but --nproc is {num_procs}")
+    validate_plan(plan, list(samples))
+    return plan
+
+
 def run_logprobs(config: LogprobsConfig) -> str:
     """Run the whole tool; returns a one-line summary."""
     from flexrl_ds.rl import logprob_worker
 
     start = time.perf_counter()
     samples = encode_dataset(config.model_dir, config.data_path)
-    plan = plan_for_samples(config.model_dir, samples, config.num_procs, config.resolved_p_max)
+    if config.plan_in:
+        plan = load_given_plan(config.plan_in, samples, config.num_procs)
+    else:
+        plan = plan_for_samples(config.model_dir, samples, config.num_procs, config.resolved_p_max)
     if config.plan_out:
         plan.save(config.plan_out)
     print(f"planned {len(samples)} sequences ({sum(s.length for s in samples.values())} tokens) on "
