@@ -10,8 +10,8 @@ Public API (stable; the executor calls it once per step and SP domain):
 Algorithm (docs/ARCHITECTURE.md "Planner" has the argument):
 1. Lower bounds `LBc = max(Σ cost / W, max cost / p)` and `LBa` (same with attention L²), p the
    largest allowed degree.
-2. Candidates (`PlannerOptions.tries`): cost-only at θ = 1, then attention-aware at θ = ¼, ½, ⅛,
-   1/16. A sequence gets the smallest allowed degree d with `cost/d ≤ θ·LBc` (attention-aware: also
+2. Candidates (`PlannerOptions.tries`): cost-only at θ = 1, then attention-aware at θ = ¼, ⅛,
+   1/16, ½. A sequence gets the smallest allowed degree d with `cost/d ≤ θ·LBc` (attention-aware: also
    `L²/d ≤ θ·LBa`) and `L/d ≤ max_tokens_per_rank` — only what balance or memory needs.
 3. Each candidate: LPT on aligned blocks (placement.py), then moves/swaps off the busiest rank.
 4. Stop at the first candidate within `balance_tolerance` of LBc whose attention balance is at most
@@ -47,12 +47,13 @@ class PlannerOptions:
 
     head_rule: str = "uneven"
     """"uneven": any power-of-two degree (uneven-heads all-to-all); "divisible": d | num_heads."""
-    tries: tuple[tuple[float, bool], ...] = ((1.0, False), (0.25, True), (0.5, True), (0.125, True),
-                                            (0.0625, True))
+    tries: tuple[tuple[float, bool], ...] = ((1.0, False), (0.25, True), (0.125, True), (0.0625, True),
+                                            (0.5, True))
     """Candidates in the order tried: (θ, attention-aware). A sequence is sharded until
     cost/d ≤ θ·LBc (and, attention-aware, L²/d ≤ θ·LBa); smaller θ shards more. The first candidate
     meeting both goals is taken, so the order trades planning time against all-to-all volume
-    (θ = ¼ first: on the benchmark grid it meets the goals most often, θ = ½ rarely adds any)."""
+    (θ = ¼ first: on the benchmark grid it meets the goals most often; θ = ½ last: when ¼ misses the
+    attention goal, sharding less rarely reaches it)."""
     balance_tolerance: float = 0.01
     """Prefer less sharding if its busiest rank is within this fraction of the best candidate's."""
     refine_steps: int = 48
