@@ -216,6 +216,7 @@ def run_rank(config: SPBenchConfig) -> dict[str, Any] | None:
 
         record = calibrate_rank(config, tree, layer, ctx)
         dist.barrier()
+        dist.destroy_process_group()
         return {"calibration": record} if ctx.launch.rank == 0 else None
     lengths = skewed_lengths(config)
     plans = make_plans(lengths, world, config)
@@ -225,6 +226,7 @@ def run_rank(config: SPBenchConfig) -> dict[str, Any] | None:
             print(f"[bench sp] {name}: {len(plan.packs)} packs, timing {config.iters} steps ...", flush=True)
         results.append(_time_system(name, plan, plan_lengths, tree, layer, config, ctx))
     dist.barrier()
+    dist.destroy_process_group()
     if ctx.launch.rank != 0:
         return None
     return {
