@@ -2,7 +2,7 @@
 
 `rank_logprobs(job, rank, group_tree)` is plain (no Ray, no spawning) and returns this rank's pieces:
 {seq id: [(first position, log-probs of the next tokens at positions first..)]}. `spawn` runs it on N
-fresh processes that join one process group (backend from flexrl_ds.parallel.device), gathers the
+fresh processes (forked from a forkserver that pre-imported torch and transformers) that join one process group (backend from flexrl_ds.parallel.device), gathers the
 pieces to rank 0 with `gather_object`, and hands them back; a crash or a hang (timeout) on any rank
 fails the whole call with that rank's traceback.
 """
@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+PRELOAD = ("torch", "torch.distributed", "transformers", "flexrl_ds.models.flex_model",
+           "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.qwen2.modeling_qwen2")
 
 
 @dataclass
@@ -104,7 +108,9 @@ def spawn(job: LogprobJob, world_size: int) -> list[dict[str, list]]:
     """Run `rank_logprobs` on `world_size` new processes; per-rank pieces (rank order)."""
     import multiprocessing as mp
 
-    context = mp.get_context("spawn")
+    # Fork the ranks from a server that imported torch/transformers once (not N times in parallel).
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
     results = context.Queue()
     p_max = int(job.plan_json["p_max"])
     port = _free_port()
