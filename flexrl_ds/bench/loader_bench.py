@@ -1,0 +1,315 @@
+"""`flexrl bench loader`: centralised (veRL-style) loading vs ShadowLoader on real media.
+
+Setup per run (one mode, one global batch B, one actor count K), each in its own controller
+process connected to one shared local Ray cluster, so that the controller's memory is measured
+alone and from a clean start:
+- W worker actors (`BenchWorker`) stand in for training ranks. Each holds a `Materializer`; a step
+  is "wait for my data, then simulate `compute_ms` of compute". The B*n samples of a step are dealt
+  round-robin to the workers; a worker requests every media item of the prompts it holds.
+- centralised: the controller probes and decodes every prompt itself (`CentralLoader`) right
+  before the step, and ships the pixel tensors to the workers inside their assignments.
+- shadow: the controller probes metadata on K preprocessing actors and dispatches decode tasks
+  one step ahead (`ProxyLoader`); workers prefetch the next step's slices from the actors'
+  object stores while the current step computes.
+
+Measured per step (after `warmup_steps`): exposed data time = step wall time - compute_ms (what
+the training loop waits for data, including Ray call latency), the workers' own wait in
+`Materializer.get`, bytes through the controller (serialized data the controller sent/received,
+object refs counted as their ids), controller peak RSS and the summed RSS of controller + actors
++ workers (sampled every 20 ms with psutil), and samples/s.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MODES = ("central", "shadow")
+
+
+@dataclass
+class LoaderBenchConfig:
+    """What `flexrl bench loader` runs."""
+
+    data: str
+    """Dataset file (JSONL/Parquet with media), e.g. from `flexrl make-dataset --mix video-heavy`."""
+    global_batches: list[int]
+    """Global batch sizes B (prompts per step) to measure."""
+    steps: int
+    """Measured steps per run."""
+    actors: list[int]
+    """Preprocessing actor counts K for the shadow runs."""
+    compute_ms: float = 0.0
+    """Simulated compute per step (ms): the time decoding can hide behind."""
+    num_workers: int = 2
+    """Worker actors standing in for training ranks."""
+    num_samples_per_prompt: int = 1
+    """GRPO group size n (samples share their prompt's decode)."""
+    warmup_steps: int = 1
+    """Steps run before measuring (actor start, first decode)."""
+    num_cpus_per_actor: float = 0.5
+    """Ray CPUs reserved per preprocessing actor."""
+    seed: int = 0
+    """Sample order seed."""
+    model_dir: str | None = None
+    """Saved HF processor to take vision geometry from; None: Qwen2.5-VL defaults."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.warmup_steps < 0:
+            raise ValueError("--steps must be at least 1 and warm-up steps non-negative")
+        if min(self.global_batches) < 1 or min(self.actors) < 1 or self.num_workers < 1:
+            raise ValueError("--global-batch, --actors and --workers must be at least 1")
+        if self.compute_ms < 0:
+            raise ValueError(f"--compute-ms must be non-negative, got {self.compute_ms}")
+        if not os.path.isfile(self.data):
+            raise ValueError(f"--data {self.data}: file not found")
+
+
+@dataclass
+class RunResult:
+    mode: str
+    global_batch: int
+    actors: int
+    steps: int
+    compute_ms: float
+    exposed_ms: float
+    """Mean exposed data time per step."""
+    exposed_ms_max: float
+    worker_wait_ms: float
+    """Mean over steps of the slowest worker's wait in Materializer.get."""
+    controller_loader_ms: float
+    """Mean controller time per step inside the loader (probe/dispatch, or decode for central)."""
+    controller_bytes_per_step: float
+    pixel_bytes_per_step: float
+    """Pixel bytes the workers received per step."""
+    controller_rss_start_mb: float
+    controller_rss_peak_mb: float
+    total_rss_peak_mb: float
+    samples_per_s: float
+    num_bad: int = 0
+    step_ms: list[float] = field(default_factory=list)
+
+
+class _RssSampler:
+    """Peak RSS of this process and of the sum over `pids`, sampled in a thread."""
+
+    def __init__(self, interval_s: float = 0.02):
+        import psutil
+
+        self._psutil, self.interval_s = psutil, interval_s
+        self.me = psutil.Process()
+        self.start_rss = self.peak_self = self.me.memory_info().rss
+        self.peak_total = self.peak_self
+        self.pids: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            own = self.me.memory_info().rss
+            total = own
+            for pid in self.pids:
+                try:
+                    total += self._psutil.Process(pid).memory_info().rss
+                except self._psutil.Error:
+                    pass
+            self.peak_self, self.peak_total = max(self.peak_self, own), max(self.peak_total, total)
+
+    def __enter__(self) -> _RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _make_worker_class():
+    import ray
+
+    from flexrl_ds.data.materializer import Materializer, RayFetcher
+
+    @ray.remote(num_cpus=0.01)
+    class BenchWorker:
+        """A training rank's data side: prefetch, then wait + simulated compute per step."""
+
+        def __init__(self):
+            self.materializer = Materializer(RayFetcher(timeout_s=600))
+
+        def prefetch(self, assignment) -> None:
+            self.materializer.prefetch(assignment)
+
+        def run_step(self, step: int, compute_ms: float) -> dict[str, float]:
+            out = self.materializer.get(step)
+            time.sleep(compute_ms / 1000.0)
+            return {"wait_s": out.wait_s, "bytes": out.bytes_fetched}
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    return BenchWorker
+
+
+def _build_loader(mode: str, records: list, config: LoaderBenchConfig, batch: int, num_actors: int):
+    from flexrl_ds.data.actors import PoolConfig, PreprocessPool
+    from flexrl_ds.data.central_loader import CentralLoader
+    from flexrl_ds.data.config import DataConfig
+    from flexrl_ds.data.preprocess import SamplePreprocessor
+    from flexrl_ds.data.proxy_loader import LoaderConfig, ProxyLoader
+
+    data_config = DataConfig()
+    if config.model_dir:
+        data_config = data_config.with_processor_dir(config.model_dir)
+    make_preprocessor = functools.partial(SamplePreprocessor, data_config)
+    loader_config = LoaderConfig(global_batch=batch, num_samples_per_prompt=config.num_samples_per_prompt,
+                                 seed=config.seed, bad_record_policy="skip")
+    if mode == "central":
+        return CentralLoader(records, make_preprocessor, loader_config), None
+    pool = PreprocessPool(make_preprocessor, PoolConfig(num_actors_per_node=num_actors,
+                                                        num_cpus_per_actor=config.num_cpus_per_actor))
+    pool.wait_ready()
+    return ProxyLoader(records, pool, loader_config), pool
+
+
+def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -> RunResult:
+    """One measured run in this (controller) process; Ray must already be initialised."""
+    import ray
+
+    from flexrl_ds.data.proxy_loader import requests_for_samples
+    from flexrl_ds.data.records import read_dataset
+
+    records = read_dataset(config.data)
+    workers = [_make_worker_class().remote() for _ in range(config.num_workers)]
+    loader, pool = _build_loader(mode, records, config, batch, num_actors)
+    pids = ray.get([w.pid.remote() for w in workers]) + ([s["pid"] for s in pool.stats()] if pool else [])
+
+    def send(step) -> None:
+        samples = step.sample_ids()
+        for index, worker in enumerate(workers):
+            worker.prefetch.remote(loader.assignment(step, requests_for_samples(step, samples[index::len(workers)])))
+
+    total = config.warmup_steps + config.steps
+    step = loader.next_step()
+    send(step)
+    walls, waits, pixel_bytes = [], [], 0
+    with _RssSampler() as rss:
+        rss.pids = pids
+        for index in range(total):
+            if index == config.warmup_steps:
+                loader_s_start, started = loader.stats.loader_s, time.perf_counter()
+            begin = time.perf_counter()
+            upcoming = loader.next_step() if index + 1 < total else None
+            if upcoming is not None:
+                send(upcoming)
+            outs = ray.get([w.run_step.remote(step.step, config.compute_ms) for w in workers])
+            loader.release(step)
+            pixel_bytes += sum(out["bytes"] for out in outs)
+            if index >= config.warmup_steps:
+                walls.append(time.perf_counter() - begin)
+                waits.append(max(out["wait_s"] for out in outs))
+            print(f"  {mode} B={batch} K={num_actors}: step {index + 1}/{total} "
+                  f"{(time.perf_counter() - begin) * 1e3:.0f} ms", file=sys.stderr, flush=True)
+            step = upcoming
+        elapsed = time.perf_counter() - started
+    exposed = [max(0.0, wall * 1e3 - config.compute_ms) for wall in walls]
+    result = RunResult(
+        mode=mode, global_batch=batch, actors=num_actors if mode == "shadow" else 0, steps=config.steps,
+        compute_ms=config.compute_ms, exposed_ms=statistics.mean(exposed), exposed_ms_max=max(exposed),
+        worker_wait_ms=1e3 * statistics.mean(waits),
+        controller_loader_ms=1e3 * (loader.stats.loader_s - loader_s_start) / config.steps,
+        # bytes: over all steps trained on (warm-up included); the shadow loader's count also holds
+        # the look-ahead step's probe and dispatch, so it slightly over-counts
+        controller_bytes_per_step=loader.stats.bytes_through_controller / total,
+        pixel_bytes_per_step=pixel_bytes / total,
+        controller_rss_start_mb=rss.start_rss / 2**20, controller_rss_peak_mb=rss.peak_self / 2**20,
+        total_rss_peak_mb=rss.peak_total / 2**20,
+        samples_per_s=batch * config.num_samples_per_prompt * config.steps / elapsed,
+        num_bad=loader.stats.num_bad, step_ms=[1e3 * wall for wall in walls],
+    )
+    if pool is not None:
+        pool.shutdown()
+    for worker in workers:
+        ray.kill(worker)
+    return result
+
+
+def _child_main(spec_json: str) -> int:
+    import ray
+
+    spec = json.loads(spec_json)
+    config = LoaderBenchConfig(**spec["config"])
+    ray.init(address=spec["address"], log_to_driver=False, configure_logging=False)
+    result = run_one(spec["mode"], config, spec["batch"], spec["actors"])
+    print("RESULT " + json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
+    """Start a local Ray cluster, then one controller process per (mode, B, K)."""
+    import ray
+
+    runs = [("central", batch, 0) for batch in config.global_batches]
+    runs += [("shadow", batch, k) for batch in config.global_batches for k in config.actors]
+    num_cpus = max(4, int(max(config.actors) * config.num_cpus_per_actor) + 2)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    address = ray.get_runtime_context().gcs_address
+    results = []
+    try:
+        for mode, batch, actors in runs:
+            print(f"bench loader: {mode} B={batch}" + (f" K={actors}" if actors else ""), file=sys.stderr, flush=True)
+            spec = {"config": asdict(config), "mode": mode, "batch": batch, "actors": actors, "address": address}
+            proc = subprocess.run([sys.executable, "-m", "flexrl_ds.bench.loader_bench", "--child", json.dumps(spec)],
+                                  stdout=subprocess.PIPE, text=True, timeout=3600)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"bench loader: the {mode} B={batch} run failed (exit {proc.returncode})")
+            results.append(RunResult(**json.loads(lines[-1][len("RESULT "):])))
+    finally:
+        ray.shutdown()
+    return results
+
+
+def format_table(results: list[RunResult]) -> str:
+    header = (f"{'mode':8} {'B':>4} {'K':>3} {'exposed ms/step':>16} {'worker wait ms':>15} {'ctrl loader ms':>15} "
+              f"{'ctrl MB/step':>13} {'pixel MB/step':>14} {'ctrl RSS peak MB':>17} {'total RSS MB':>13} {'samples/s':>10}")
+    lines = [header]
+    for r in results:
+        lines.append(
+            f"{r.mode:8} {r.global_batch:>4} {r.actors or '-':>3} {r.exposed_ms:>16.1f} {r.worker_wait_ms:>15.1f} "
+            f"{r.controller_loader_ms:>15.1f} {r.controller_bytes_per_step / 2**20:>13.4f} "
+            f"{r.pixel_bytes_per_step / 2**20:>14.1f} {r.controller_rss_peak_mb:>17.0f} {r.total_rss_peak_mb:>13.0f} "
+            f"{r.samples_per_s:>10.2f}"
+        )
+    return "\n".join(lines)
+
+
+def summary(results: list[RunResult]) -> dict[str, Any]:
+    """ShadowLoader / centralised ratios per global batch (shadow run with the most actors)."""
+    out = {}
+    for batch in sorted({r.global_batch for r in results}):
+        central = next((r for r in results if r.mode == "central" and r.global_batch == batch), None)
+        shadows = [r for r in results if r.mode == "shadow" and r.global_batch == batch]
+        if central is None or not shadows:
+            continue
+        shadow = max(shadows, key=lambda r: r.actors)
+        out[str(batch)] = {
+            "exposed_ratio": shadow.exposed_ms / central.exposed_ms if central.exposed_ms else None,
+            "controller_bytes_ratio": shadow.controller_bytes_per_step / central.controller_bytes_per_step,
+            "controller_rss_growth_mb": {"central": central.controller_rss_peak_mb - central.controller_rss_start_mb,
+                                         "shadow": shadow.controller_rss_peak_mb - shadow.controller_rss_start_mb},
+        }
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        raise SystemExit(_child_main(sys.argv[2]))
+    raise SystemExit("usage: flexrl bench loader ... (this module's __main__ is the per-run controller process)")
