@@ -22,6 +22,8 @@ import numpy as np
 
 ATTENTION_SHARE_2D = 0.1
 """Degree-1 sequences above this fraction of the per-rank attention target are placed 2-D."""
+ATTENTION_REFINE_REACH = 0.05
+"""Attention refinement only starts within goal + this of the goal (closer gaps are cheap to close)."""
 SWAP_BLOCKS = 8
 """Refinement looks for swap partners on this many least-loaded blocks (keeps a step O(n))."""
 
@@ -197,9 +199,10 @@ def refine(layout: Layout, *, world_size: int, token_cap: float, max_steps: int,
             return
         on_top = np.nonzero((layout.starts <= top) & (ends > top))[0]
         best = None  # (new receiving max, give, take or -1, target start)
+        guard = (attn, layout.attention, attn.max())
         for degree in np.unique(layout.degrees[on_top]).tolist():
-            best = _best_step(layout, on_top[layout.degrees[on_top] == degree], degree, loads, held,
-                              attn, peak, token_cap, best)
+            best = _best_step(layout, on_top[layout.degrees[on_top] == degree], degree, (loads, layout.cost),
+                              guard, held, peak, token_cap, best)
         if best is None:
             regree = _best_regree(layout, on_top, loads, held, attn, peak, token_cap, allowed)
             if regree is None:
@@ -216,48 +219,80 @@ def refine(layout: Layout, *, world_size: int, token_cap: float, max_steps: int,
         ends = layout.starts + layout.degrees
 
 
-def _best_step(layout: Layout, givers: np.ndarray, degree: int, loads: np.ndarray, held: np.ndarray,
-               attn: np.ndarray, peak: float, token_cap: float, best):
-    """Best move or swap of one of `givers` (degree `degree`, all on the busiest rank's block)."""
+def refine_attention(layout: Layout, *, world_size: int, token_cap: float, max_steps: int,
+                     cost_ceiling: float, goal: float) -> None:
+    """Move/swap equal-degree sequences off the rank with the most attention while its attention
+    balance is above `goal`, never letting any rank's cost exceed `cost_ceiling` (nor the cap)."""
+    loads = _rank_sum(layout.cost, layout, world_size)
+    held = _rank_sum(layout.tokens, layout, world_size)
+    attn = _rank_sum(layout.attention, layout, world_size)
+    mean = float(attn.mean())
+    ceiling = max(cost_ceiling, float(loads.max()))
+    if mean <= 0 or attn.max() > (goal + ATTENTION_REFINE_REACH) * mean:
+        return  # too far off: only more sharding (another candidate) gets there
+    for _ in range(max_steps):
+        top = int(np.argmax(attn))
+        peak = attn[top]
+        if mean <= 0 or peak <= goal * mean:
+            return
+        ends = layout.starts + layout.degrees
+        on_top = np.nonzero((layout.starts <= top) & (ends > top))[0]
+        best = None
+        for degree in np.unique(layout.degrees[on_top]).tolist():
+            best = _best_step(layout, on_top[layout.degrees[on_top] == degree], degree,
+                              (attn, layout.attention), (loads, layout.cost, ceiling), held, peak, token_cap, best)
+        if best is None:
+            return
+        _, give, take, target = best
+        home_start = int(layout.starts[give])
+        _shift(layout, give, target, loads, held, attn)
+        if take >= 0:
+            _shift(layout, take, home_start, loads, held, attn)
+
+
+def _best_step(layout: Layout, givers: np.ndarray, degree: int, objective: tuple[np.ndarray, np.ndarray],
+               guard: tuple[np.ndarray, np.ndarray, float], held: np.ndarray, peak: float, token_cap: float,
+               best):
+    """Best move or swap of one of `givers` (degree `degree`, all on the block of the rank where
+    `objective` peaks): it must lower that rank, keep the receiving block below `peak`, keep the
+    `guard` quantity under its ceiling and every rank under the token cap.
+    `objective` / `guard` are (per-rank sums, per-sequence values)."""
+    loads, values = objective
+    guard_ranks, guard_values, guard_ceiling = guard
     block_max = loads.reshape(-1, degree).max(axis=1)
     block_held = held.reshape(-1, degree).max(axis=1)
-    block_attn = attn.reshape(-1, degree).max(axis=1)
-    attn_ceiling = attn.max()
+    block_guard = guard_ranks.reshape(-1, degree).max(axis=1)
     home = int(layout.starts[givers[0]]) // degree
-    give_share = layout.cost[givers] / degree
+    give_share = values[givers] / degree
     give_tokens = layout.tokens[givers] / degree
-    # Moves: giver to another block.
+    give_guard = guard_values[givers] / degree
+    # Moves: giver to another block; prefer the one leaving the receiving block lowest.
     new_max = block_max[None, :] + give_share[:, None]
-    give_attn = layout.attention[givers] / degree
     ok = (new_max < peak) & (block_held[None, :] + give_tokens[:, None] <= token_cap)
-    ok &= block_attn[None, :] + give_attn[:, None] <= attn_ceiling
+    ok &= block_guard[None, :] + give_guard[:, None] <= guard_ceiling
     ok[:, home] = False
-    # Prefer the move that leaves the receiving block lowest.
     if ok.any():
         masked = np.where(ok, new_max, np.inf)
         g, b = np.unravel_index(int(np.argmin(masked)), masked.shape)
         candidate = (float(masked[g, b]), int(givers[g]), -1, int(b) * degree)
         if best is None or candidate[0] < best[0]:
             best = candidate
-    # Swaps: giver with a smaller sequence of the same degree on another block.
-    # Swap partners: sequences of this degree on the few least-loaded other blocks.
+    # Swaps with a smaller sequence of the same degree on one of the few least-loaded other blocks.
     light = np.argsort(block_max)[:SWAP_BLOCKS + 1]
     light = light[light != home][:SWAP_BLOCKS]
     is_light = np.zeros(len(block_max), dtype=bool)
     is_light[light] = True
     others = np.nonzero((layout.degrees == degree) & is_light[layout.starts // degree])[0]
     if len(others):
-        take_share = layout.cost[others] / degree
-        take_tokens = layout.tokens[others] / degree
         other_block = layout.starts[others] // degree
-        delta = give_share[:, None] - take_share[None, :]
+        delta = give_share[:, None] - values[others][None, :] / degree
+        tokens_delta = give_tokens[:, None] - layout.tokens[others][None, :] / degree
+        guard_delta = give_guard[:, None] - guard_values[others][None, :] / degree
         new_max = block_max[other_block][None, :] + delta
-        room_other = block_held[other_block][None, :] + give_tokens[:, None] - take_tokens[None, :] <= token_cap
-        room_home = block_held[home] - give_tokens[:, None] + take_tokens[None, :] <= token_cap
-        attn_delta = give_attn[:, None] - layout.attention[others][None, :] / degree
-        ok = (delta > 0) & (new_max < peak) & room_other & room_home
-        ok &= block_attn[other_block][None, :] + attn_delta <= attn_ceiling
-        ok &= block_attn[home] - attn_delta <= attn_ceiling
+        ok = (delta > 0) & (new_max < peak)
+        ok &= (block_held[other_block][None, :] + tokens_delta <= token_cap) & (block_held[home] - tokens_delta <= token_cap)
+        ok &= block_guard[other_block][None, :] + guard_delta <= guard_ceiling
+        ok &= block_guard[home] - guard_delta <= guard_ceiling
         if ok.any():
             masked = np.where(ok, np.maximum(new_max, peak - delta), np.inf)
             g, t = np.unravel_index(int(np.argmin(masked)), masked.shape)

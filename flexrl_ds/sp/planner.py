@@ -36,7 +36,7 @@ from flexrl_ds.config.flexrl_config import SPConfig
 from flexrl_ds.sp.cost_model import CostModel
 from flexrl_ds.sp.metrics import PlanMetrics, compute_metrics, rank_sums
 from flexrl_ds.sp.packing import PackingLimits, pack_group, packing_limits
-from flexrl_ds.sp.placement import CapacityError, Layout, place_lpt, refine
+from flexrl_ds.sp.placement import CapacityError, Layout, place_lpt, refine, refine_attention
 from flexrl_ds.sp.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
 from flexrl_ds.sp.schedule import hsf_key, hsf_rank_order
 
@@ -157,6 +157,8 @@ def _try(tokens: np.ndarray, costs: np.ndarray, attention: np.ndarray, degrees: 
               cost_target=cost_bound, attn_target=attn_bound if attention_aware else None)
     refine(layout, world_size=world_size, token_cap=token_cap, max_steps=options.refine_steps, allowed=allowed,
            good_enough=cost_bound * (1 + options.balance_tolerance / 2))
+    refine_attention(layout, world_size=world_size, token_cap=token_cap, max_steps=options.refine_steps // 2,
+                     cost_ceiling=cost_bound * (1 + options.balance_tolerance / 2), goal=options.attention_goal)
     rank_cost = rank_sums(costs, layout.degrees, layout.starts, world_size)
     rank_attn = rank_sums(attention, layout.degrees, layout.starts, world_size)
     mean_attn = float(rank_attn.mean())
@@ -188,7 +190,7 @@ def _search(tokens: np.ndarray, cost: CostModel, allowed: tuple[int, ...], world
                 and found.attention_balance <= options.attention_goal:
             return found.layout
     best_cost = min(c.max_cost for c in tried)
-    good = [c for c in tried if c.max_cost <= best_cost * (1 + options.balance_tolerance)]
+    good = [c for c in tried if c.max_cost <= best_cost * (1 + options.balance_tolerance / 2)]
     balanced = [c for c in good if c.attention_balance <= options.attention_goal]
     if balanced:
         return min(balanced, key=lambda c: (c.volume, c.max_cost)).layout
