@@ -95,7 +95,9 @@ def _domain_seed(seed: int, domain: int) -> int:
     return seed * 31 + domain
 
 
-def _plan_for(seed, domain_size, p_max, max_len, fixed):
+def _plan_for(seed, domain_size, p_max, max_len, fixed, explicit=None):
+    if explicit is not None:  # seeds index a given list of (plan, lengths)
+        return explicit[seed // 31]
     plan, lengths = random_plan(seed, domain_size, p_max, max_len=max_len)
     if fixed:
         plan, lengths = fixed_sp_plan(lengths, domain_size, p_max)
@@ -103,14 +105,14 @@ def _plan_for(seed, domain_size, p_max, max_len, fixed):
 
 
 def rank_run_plans(seeds, domain_size, p_max, num_heads, num_kv_heads, head_dim, dtype, overlap,
-                   use_deepspeed=True, max_len=24, fixed=False, backend="auto"):
+                   use_deepspeed=True, max_len=24, fixed=False, backend="auto", explicit=None):
     """On every rank: run each random plan of its domain; return local out, grads and the paths taken."""
     tree = cached_group_tree(domain_size, p_max)
     device = worker_state()["context"].device
     results = []
     for seed in seeds:
         seed = _domain_seed(seed, tree.domain)
-        plan, lengths = _plan_for(seed, domain_size, p_max, max_len, fixed)
+        plan, lengths = _plan_for(seed, domain_size, p_max, max_len, fixed, explicit)
         tensors = sequence_tensors(seed, lengths, num_heads, num_kv_heads, head_dim, DTYPES[dtype])
         layout = build_rank_layout(plan, lengths, tree.local_rank, tree, num_heads=num_heads,
                                    num_kv_heads=num_kv_heads)
@@ -127,13 +129,13 @@ def rank_run_plans(seeds, domain_size, p_max, num_heads, num_kv_heads, head_dim,
 
 
 def check_against_reference(per_rank, seeds, world_size, domain_size, p_max, num_heads, num_kv_heads,
-                            head_dim, dtype, max_len=24, fixed=False, **_):
+                            head_dim, dtype, max_len=24, fixed=False, explicit=None, **_):
     """Compare every rank's local results with single-process float64 attention; return the worst error."""
     worst = 0.0
     for index, seed in enumerate(seeds):
         for domain in range(world_size // domain_size):
             dseed = _domain_seed(seed, domain)
-            plan, lengths = _plan_for(dseed, domain_size, p_max, max_len, fixed)
+            plan, lengths = _plan_for(dseed, domain_size, p_max, max_len, fixed, explicit)
             tensors = sequence_tensors(dseed, lengths, num_heads, num_kv_heads, head_dim, DTYPES[dtype])
             ref = reference({s: {n: t.double() for n, t in ts.items()} for s, ts in tensors.items()})
             for local_rank in range(domain_size):

@@ -83,6 +83,23 @@ def test_hundreds_of_random_plans_without_hang(dist_pools):
     _check([[r[seeds.index(s)] for s in sample] for r in per_rank], sample, world_size=8, **args)
 
 
+def test_empty_shards_and_idle_ranks(dist_pools):
+    """A 3-token pack at degree 4 (one rank holds nothing of it) and a rank with no pack at all."""
+    from flexrl_ds.sp.plan import Pack, Plan
+
+    tiny = Plan(world_size=4, p_max=4, packs=(Pack(0, 4, (0, 1, 2, 3), ("a",)), Pack(1, 2, (0, 1), ("b", "c")),
+                                              Pack(2, 1, (2,), ("d",))),
+                rank_order={0: (0, 1), 1: (0, 1), 2: (0, 2), 3: (0,)})
+    idle = Plan(world_size=4, p_max=4, packs=(Pack(0, 2, (2, 3), ("e",)), Pack(1, 1, (0,), ("f",))),
+                rank_order={0: (1,), 1: (), 2: (0,), 3: (0,)})
+    explicit = [(tiny, {"a": 3, "b": 5, "c": 1, "d": 4}), (idle, {"e": 9, "f": 2})]
+    args = dict(domain_size=4, p_max=4, num_heads=4, num_kv_heads=2, head_dim=4, dtype="float64",
+                explicit=explicit)
+    per_rank = dist_pools(4).run(rank_run_plans, [0, 1], overlap=True, **args)
+    _check(per_rank, [0, 1], world_size=4, **args)
+    assert per_rank[1][1]["out"].shape[0] == 0
+
+
 def rank_bad_input(case):
     """Every rank must raise the same ValueError before any collective; then a barrier proves no one waits."""
     tree = cached_group_tree(4, 2 if case == "missing_group" else 4)
