@@ -38,7 +38,9 @@ class SPBenchConfig:
     num_short: int = 24
     """Number of short sequences (images), lengths drawn in [short_min, short_max]."""
     short_min: int = 600
+    """Shortest short sequence."""
     short_max: int = 3000
+    """Longest short sequence."""
     workload: str | None = None
     """A workload JSON (plan-schema.md) to use instead of the generated skewed batch."""
     p_max: int = 8
@@ -46,10 +48,15 @@ class SPBenchConfig:
     fixed_degree: int = 2
     """Degree of the fixed-SP baseline."""
     systems: tuple[str, ...] = ("flex", "bucketing", "fixed")
+    """Systems to time, in order."""
     dtype: str = "bfloat16"
+    """Tensor dtype of the layer and activations."""
     warmup: int = 2
+    """Untimed steps per system."""
     iters: int = 5
+    """Timed steps per system (the table shows the median)."""
     seed: int = 0
+    """Seed of the batch lengths, weights and activations."""
     overlap: bool = True
     """FlexUlysses overlap of pack j+1's all-to-all with pack j's attention."""
     calibrate: bool = False
@@ -58,13 +65,21 @@ class SPBenchConfig:
 
 @dataclass
 class SystemResult:
+    """Timing of one system on the batch."""
+
     name: str
+    """flex | bucketing | fixed SP=d."""
     step_ms: list[float] = field(default_factory=list)
+    """Forward+backward time of each timed step (slowest rank)."""
     max_local_tokens: int = 0
+    """Tokens on the fullest rank."""
     min_local_tokens: int = 0
+    """Tokens on the emptiest rank."""
     num_packs: int = 0
     degrees: dict[str, int] = field(default_factory=dict)
+    """Degree -> number of packs of that degree in the plan."""
     attention_backend: str = ""
+    """Local attention kernel and exchange used."""
 
     @property
     def median_ms(self) -> float:

@@ -6,7 +6,6 @@ otherwise `--nproc N` spawns N local processes with a torchrun-style environment
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile

@@ -108,14 +108,16 @@ class _AllToAllFlat(torch.autograd.Function):
 class PendingHeads:
     """An issued sequence->head exchange; `wait()` gives the pack's full tokens for this rank's heads."""
 
-    def __init__(self, post):
+    def __init__(self):
         self.work = None
-        self._post = post
+        """The async collective's handle (None: already complete)."""
+        self.post = None
+        """Turns the received buffer into (q, k, v); set once the exchange is issued."""
 
     def wait(self):
         if self.work is not None:
             self.work.wait()
-        return self._post()
+        return self.post()
 
 
 def issue_seq_to_heads(q, k, v, group, shard_sizes: Sequence[int], heads: Sequence[HeadSlice],
@@ -135,7 +137,7 @@ def issue_seq_to_heads(q, k, v, group, shard_sizes: Sequence[int], heads: Sequen
     send_splits = [num_local * (p.num_q + 2 * p.num_kv) * head_dim for p in heads]
     mine = heads[rank_in_group]
     recv_splits = [n * (mine.num_q + 2 * mine.num_kv) * head_dim for n in shard_sizes]
-    holder = PendingHeads(post=None)
+    holder = PendingHeads()
     recv = _AllToAllFlat.apply(send, group, tuple(send_splits), tuple(recv_splits), holder if async_op else None)
 
     def post():
@@ -148,7 +150,7 @@ def issue_seq_to_heads(q, k, v, group, shard_sizes: Sequence[int], heads: Sequen
             vs.append(v_part.view(n, mine.num_kv, head_dim))
         return torch.cat(qs), torch.cat(ks), torch.cat(vs)
 
-    holder._post = post
+    holder.post = post
     return holder
 
 

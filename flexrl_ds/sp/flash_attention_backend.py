@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
 
 def flash_attn_available() -> bool:
     try:

@@ -30,6 +30,7 @@ class PackShard:
     """One pack as seen from one of its ranks."""
 
     pack_id: int
+    """The plan's pack id."""
     degree: int
     """Ulysses degree of the pack (size of its group)."""
     ranks: tuple[int, ...]
@@ -39,6 +40,7 @@ class PackShard:
     rank_in_group: int
     """This rank's index inside `ranks`."""
     sequence_ids: tuple[str, ...]
+    """The pack's sequences, in pack (concatenation) order."""
     sequence_lengths: tuple[int, ...]
     """Full lengths of the pack's sequences, in pack order."""
     cu_seqlens: tuple[int, ...]

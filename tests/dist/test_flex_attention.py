@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from harness import cached_group_tree
