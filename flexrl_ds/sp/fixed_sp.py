@@ -76,7 +76,8 @@ class FixedUlyssesAttention:
         if len(layout.packs) != 1 or len(set(layout.packs[0].shard_sizes)) != 1:
             raise ValueError("fixed SP: needs exactly one pack per rank with equal shards (use fixed_sp_plan)")
         pack = layout.packs[0]
-        if self.backend != "deepspeed" or pack.degree == 1:
+        if self.backend != "deepspeed" or pack.degree == 1 or q.shape[1] % pack.degree or k.shape[1] % pack.degree:
+            # DeepSpeed's uneven-heads path reads its global SP group, not this one: use our exchange.
             return self._fallback(q, k, v, layout, scaling)
         attention = self._attention_for(pack.group)
         out = attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), 1, None,
