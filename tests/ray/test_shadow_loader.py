@@ -157,3 +157,4 @@ def _wait_until_lost(ref, timeout_s: float = 20.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError("the dead actor's objects stayed readable")
+
