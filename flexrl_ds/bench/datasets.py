@@ -47,9 +47,9 @@ SCALES = {
     "small": Scale(image_side=(40, 200), short_video_size=((64, 48), (128, 96)),
                    short_video_seconds=(1.0, 3.0), long_video_size=((96, 54), (160, 90)),
                    long_video_seconds=(3.0, 6.0), video_fps=8, prompt_words=(10, 40)),
-    "medium": Scale(image_side=(200, 1000), short_video_size=((320, 240), (640, 480)),
-                    short_video_seconds=(4.0, 15.0), long_video_size=((448, 252), (640, 360)),
-                    long_video_seconds=(15.0, 60.0), video_fps=10, prompt_words=(30, 200)),
+    "medium": Scale(image_side=(200, 1000), short_video_size=((320, 240), (480, 360)),
+                    short_video_seconds=(4.0, 12.0), long_video_size=((448, 252), (640, 360)),
+                    long_video_seconds=(10.0, 24.0), video_fps=8, prompt_words=(30, 200)),
 }
 
 WORDS = ("angle triangle circle radius chord tangent segment measure find the of what is why did "
@@ -152,21 +152,22 @@ def _write_image(path: Path, width: int, height: int, rng: random.Random) -> Non
 
 
 def video_frames(num_frames: int, width: int, height: int, seed: int = 0) -> torch.Tensor:
-    """uint8 (num_frames, 3, height, width): a square moving over a drifting colour gradient."""
+    """uint8 (num_frames, 3, height, width): a square moving over a scrolling colour gradient."""
     generator = np.random.default_rng(seed)
-    colour = torch.tensor(generator.integers(40, 255, 3), dtype=torch.float32).view(3, 1, 1)
-    ys = torch.linspace(0, 1, height).view(1, height, 1)
-    xs = torch.linspace(0, 1, width).view(1, 1, width)
-    t = torch.arange(num_frames, dtype=torch.float32).view(num_frames, 1, 1, 1) / max(1, num_frames - 1)
-    base = torch.stack([xs.expand(1, height, width), ys.expand(1, height, width),
-                        (xs + ys).expand(1, height, width) / 2], dim=1)  # (1, 3, H, W)
-    frames = 255 * (0.5 * base + 0.5 * torch.sin(6.28 * (base + t)) ** 2)
+    colour = torch.tensor(generator.integers(40, 255, 3), dtype=torch.uint8).view(3, 1, 1)
+    ys = torch.linspace(0, 1, height).view(height, 1).expand(height, width)
+    xs = torch.linspace(0, 1, width).view(1, width).expand(height, width)
+    base = torch.stack([xs, ys, (xs + ys) / 2]) * 0.5 + 0.5 * torch.sin(6.28 * (xs + 2 * ys)) ** 2
+    base = (255 * base).to(torch.uint8)  # (3, H, W)
+    frames = torch.empty(num_frames, 3, height, width, dtype=torch.uint8)
     side = max(2, min(width, height) // 4)
+    step = max(1, width // 40)
     for index in range(num_frames):
+        frames[index] = torch.roll(base, shifts=index * step, dims=2)
         x0 = int((width - side) * index / max(1, num_frames - 1))
         y0 = int((height - side) * (0.5 + 0.4 * np.sin(index / 3)))
         frames[index, :, y0:y0 + side, x0:x0 + side] = colour
-    return frames.clamp(0, 255).to(torch.uint8)
+    return frames
 
 
 def write_video(path: str | Path, num_frames: int, width: int, height: int, fps: float, seed: int = 0) -> None:
@@ -181,7 +182,8 @@ def write_video(path: str | Path, num_frames: int, width: int, height: int, fps:
     except Exception:  # ImportError, or RuntimeError when FFmpeg's libraries are missing
         _write_video_opencv(path, frames, fps)
         return
-    VideoEncoder(frames, frame_rate=fps).to_file(str(path), codec="libx264", pixel_format="yuv420p")
+    VideoEncoder(frames, frame_rate=fps).to_file(str(path), codec="libx264", pixel_format="yuv420p",
+                                                 preset="veryfast")
 
 
 def _write_video_opencv(path: str | Path, frames_NCHW: torch.Tensor, fps: float) -> None:

@@ -37,6 +37,19 @@ def register(commands, bench) -> None:
     inspect.add_argument("--media-root", help="folder under which absolute media paths are allowed")
     inspect.set_defaults(func=_inspect_data)
 
+    probe = bench.add_parser(
+        "probe", help="controller-side probing vs decoding cost per record",
+        description="Time metadata probing (what the controller does) against materialisation "
+                    "(what the preprocessing actors do) on one dataset, and compare bytes.",
+    )
+    probe.add_argument("--data", required=True, help="dataset file (.jsonl or .parquet)")
+    probe.add_argument("--model", help="model folder whose preprocessor_config.json sets the geometry")
+    probe.add_argument("--config", help="DeepSpeed JSON whose flexrl.data section configures the loader")
+    probe.add_argument("--backend", choices=["auto", "torchcodec", "opencv"], help="video backend")
+    probe.add_argument("--media-root", help="folder under which absolute media paths are allowed")
+    probe.add_argument("--json", action="store_true", help="print the result as JSON")
+    probe.set_defaults(func=_bench_probe)
+
 
 def _progress(label: str):
     interactive = sys.stderr.isatty()
@@ -100,6 +113,15 @@ def _inspect_data(args: argparse.Namespace) -> int:
                + (f", {counts['mismatch']} shape mismatches" if args.materialize else ""))
     print(summary, file=sys.stderr if args.json else sys.stdout)
     return 1 if counts["mismatch"] else 0
+
+
+def _bench_probe(args: argparse.Namespace) -> int:
+    from flexrl_ds.bench.data_probe import bench_probe
+    from flexrl_ds.data.preprocess import SamplePreprocessor
+
+    result = bench_probe(args.data, SamplePreprocessor(_data_config(args)))
+    print(json.dumps(result.to_json()) if args.json else result.table())
+    return 0
 
 
 def inspect_entry(entry, preprocessor, materialize: bool) -> dict:

@@ -170,6 +170,12 @@ class SampleMeta:
                 shapes[grid_key] = (len(chosen), 3)
         return shapes
 
+    def workload_entry(self, text_tokens: int) -> dict[str, Any]:
+        """This sample as a planner workload sequence (plan-schema.md): `tokens` = the given text
+        tokens (prompt text + response) + vision tokens."""
+        return {"id": self.id, "tokens": text_tokens + self.vision_tokens, "vision_tokens": self.vision_tokens,
+                "images": self.num_images, "frames": self.num_frames}
+
     def to_json(self) -> dict[str, Any]:
         """Summary for reports and `flexrl inspect-data` (not a full serialisation)."""
         return {

@@ -50,7 +50,12 @@ def sample_frame_positions(num_frames: int, video_fps: float, target_fps: float,
                            max_frames: int, temporal_patch_size: int) -> list[int]:
     """Positions (0-based, within the `num_frames` given) sampled at `target_fps`: the count is
     clamped to [min_frames, max_frames] and to the frames present, then rounded down to whole
-    temporal patches; positions are spread evenly (HF Qwen2-VL video processor, fps mode)."""
+    temporal patches; positions are spread evenly (HF Qwen2-VL video processor, fps mode).
+
+    HF computes the positions as `arange(0, n, n / count)` in float32; for many (n, count) pairs
+    (e.g. 185 frames, count 46) rounding adds one more position, equal to n, past the last frame,
+    where HF's own decoding then fails. That position is dropped here; every other position, and
+    the extra one when it lands on n - 1, is kept exactly as HF has it."""
     cap = math.floor(min(max_frames, num_frames) / temporal_patch_size) * temporal_patch_size
     wanted = num_frames / video_fps * target_fps
     count = min(max(wanted, min_frames), cap, num_frames)
@@ -59,7 +64,8 @@ def sample_frame_positions(num_frames: int, video_fps: float, target_fps: float,
         raise ValueError(
             f"video has {num_frames} frame(s) in range; at least {temporal_patch_size} are needed"
         )
-    return torch.arange(0, num_frames, num_frames / count).int().tolist()
+    positions = torch.arange(0, num_frames, num_frames / count).int().tolist()
+    return [position for position in positions if position < num_frames]
 
 
 def plan_image(item: MediaItem, info: MediaInfo, config: DataConfig) -> ItemMeta:

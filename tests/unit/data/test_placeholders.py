@@ -57,3 +57,5 @@ def test_sample_meta_placeholders_and_predicted_shapes_agree():
     assert (meta.num_images, meta.num_frames) == (1, 10)
     assert pickle.loads(pickle.dumps(meta)) == meta
     assert placeholders[1].to_json()["shape"] == [120, 1176]
+    assert meta.workload_entry(text_tokens=100) == {"id": "s", "tokens": 142, "vision_tokens": 42,
+                                                    "images": 1, "frames": 10}

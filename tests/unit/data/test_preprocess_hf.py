@@ -186,3 +186,18 @@ def test_tiny_model_processor_dir_sets_geometry(tmp_path, media):
     meta, outputs = SamplePreprocessor(data_config).process(record_of(media.images[0]))
     expected = hf(images=[Image.open(media.images[0])], return_tensors="pt")
     torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_video_where_hf_sampling_runs_past_the_end(tmp_path):
+    """185 frames at 8 fps sampled at 2 fps: HF's float32 positions are 47, the last one 185 (past
+    the end, HF's own decode fails); ours are the other 46, and the sample decodes fine."""
+    from flexrl_ds.bench.datasets import write_video
+
+    path = tmp_path / "v185.mp4"
+    write_video(path, 185, 32, 24, 8)
+    config = DataConfig(**{**CONFIG.__dict__, "video_max_frames": 768})
+    meta, outputs = SamplePreprocessor(config).process(record_of(path))
+    assert len(meta.items[0].frame_indices) == 46 and meta.items[0].frame_indices[-1] == 180
+    assert meta.items[0].grid_thw[0] == 23
+    actual = {key: tuple(value.shape) for key, value in outputs.items() if isinstance(value, torch.Tensor)}
+    assert actual == meta.predicted_shapes()

@@ -18,7 +18,7 @@ from flexrl_ds.data.vision_geometry import (
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(height=st.integers(1, 4000), width=st.integers(1, 4000),
        min_tokens=st.integers(1, 300), extra_tokens=st.integers(0, 3000))
 def test_fit_to_patch_grid_equals_hf_smart_resize(height, width, min_tokens, extra_tokens):
@@ -32,7 +32,7 @@ def test_fit_to_patch_grid_equals_hf_smart_resize(height, width, min_tokens, ext
     assert fit_to_patch_grid(height, width, 28, min_pixels, max_pixels) == expected
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(total=st.integers(1, 3000), video_fps=st.sampled_from([1.0, 5.0, 6.0, 8.0, 12.5, 23.976, 24.0, 29.97, 30.0, 60.0]),
        fps=st.sampled_from([0.5, 1.0, 2.0, 3.0, 4.5]), min_frames=st.integers(1, 8),
        max_frames=st.integers(1, 800))
@@ -44,7 +44,18 @@ def test_frame_sampling_equals_hf_sample_frames(hf_video_functions, total, video
         with pytest.raises(ValueError):
             sample_frame_positions(total, video_fps, fps, min_frames, max_frames, 2)
         return
-    assert sample_frame_positions(total, video_fps, fps, min_frames, max_frames, 2) == expected
+    # HF's float32 arange sometimes adds a position equal to `total` (past the end: its own decode
+    # then fails); that one is dropped, all others must match.
+    assert sample_frame_positions(total, video_fps, fps, min_frames, max_frames, 2) == [
+        index for index in expected if index < total]
+
+
+def test_frame_sampling_never_leaves_the_video():
+    for total in range(2, 400):
+        for video_fps in (5.0, 8.0, 29.97):
+            positions = sample_frame_positions(total, video_fps, 2.0, 4, 768, 2)
+            assert 0 <= min(positions) and max(positions) < total
+            assert positions == sorted(positions)
 
 
 def test_clip_range_selects_frames_by_timestamp():
