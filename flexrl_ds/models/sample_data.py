@@ -93,3 +93,15 @@ def random_plan_for(lengths: dict[str, int], world_size: int, p_max: int, seed: 
     plan = Plan(world_size=world_size, p_max=p_max, packs=packs, rank_order=rank_order)
     validate_plan(plan, list(lengths))
     return plan
+
+
+def text_only_copy(data_path: str | Path, out_name: str = "text_only.jsonl") -> Path:
+    """The same records without media (markers, images, videos removed), next to the original."""
+    data_path = Path(data_path)
+    rows = [json.loads(line) for line in data_path.read_text().splitlines() if line.strip()]
+    for row in rows:
+        row["prompt"] = row["prompt"].replace("<image>", "").replace("<video>", "")
+        row["images"], row["videos"] = [], []
+    out = data_path.with_name(out_name)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out

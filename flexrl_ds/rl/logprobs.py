@@ -72,18 +72,10 @@ def load_model(model_dir: str, dtype: str = "float32"):
 
 
 def encode_dataset(model_dir: str, data_path: str) -> dict[str, Any]:
-    """EncodedSample per record id, in file order."""
-    from flexrl_ds.models.processing import SampleEncoder, read_records
+    """EncodedSample per usable record id, in file order (bad records reported and skipped)."""
+    from flexrl_ds.models.processing import encode_records
 
-    encoder = SampleEncoder(model_dir)
-    samples = {}
-    for record in read_records(data_path):
-        if record.id in samples:
-            raise ValueError(f"record {record.id!r}: duplicate id in {data_path}")
-        samples[record.id] = encoder.encode(record)
-    if not samples:
-        raise ValueError(f"{data_path}: no records")
-    return samples
+    return encode_records(model_dir, data_path)
 
 
 def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_max: int):

@@ -44,14 +44,9 @@ def test_flex_ulysses_lm_on_one_rank_equals_hf(tiny_assets, arch):
     model = load_model(tiny_assets[arch])
     data = tiny_assets["data"]
     if arch == "q2":  # the text model scores the same records without media
-        import json
-        from pathlib import Path
+        from flexrl_ds.models.sample_data import text_only_copy
 
-        rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
-        text_rows = [dict(r, prompt=r["prompt"].replace("<image>", "").replace("<video>", ""), images=[], videos=[])
-                     for r in rows]
-        data = str(Path(data).with_name("text_only.jsonl"))
-        Path(data).write_text("".join(json.dumps(r) + "\n" for r in text_rows))
+        data = str(text_only_copy(data))
     samples = encode_dataset(tiny_assets[arch], data)
     with torch.no_grad():
         expected = {s: reference_logprobs(model, x) for s, x in samples.items()}
