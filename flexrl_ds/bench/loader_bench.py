@@ -32,7 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-MODES = ("central", "shadow")
+MODES = ("none", "central", "shadow")
+"""none: the same loop with no data at all: the loop's own cost (Ray calls, sleep granularity)."""
 
 
 @dataclass
@@ -158,6 +159,29 @@ def _make_worker_class():
     return BenchWorker
 
 
+class _NoDataLoader:
+    """Steps without prompts: measures the bench loop's own overhead."""
+
+    def __init__(self):
+        from flexrl_ds.data.proxy_loader import LoaderStats
+
+        self.stats, self._index = LoaderStats(), 0
+
+    def next_step(self):
+        from flexrl_ds.data.proxy_loader import LoaderStep
+
+        self._index += 1
+        return LoaderStep(self._index - 1, 0, [], 1)
+
+    def assignment(self, step, requests):
+        from flexrl_ds.data.materializer import WorkerAssignment
+
+        return WorkerAssignment(step.step, (), {})
+
+    def release(self, step) -> None:
+        pass
+
+
 def _build_loader(mode: str, records: list, config: LoaderBenchConfig, batch: int, num_actors: int):
     from flexrl_ds.data.actors import PoolConfig, PreprocessPool
     from flexrl_ds.data.central_loader import CentralLoader
@@ -171,6 +195,8 @@ def _build_loader(mode: str, records: list, config: LoaderBenchConfig, batch: in
     make_preprocessor = functools.partial(SamplePreprocessor, data_config)
     loader_config = LoaderConfig(global_batch=batch, num_samples_per_prompt=config.num_samples_per_prompt,
                                  seed=config.seed, bad_record_policy="skip")
+    if mode == "none":
+        return _NoDataLoader(), None
     if mode == "central":
         return CentralLoader(records, make_preprocessor, loader_config), None
     pool = PreprocessPool(make_preprocessor, PoolConfig(num_actors_per_node=num_actors,
@@ -256,7 +282,8 @@ def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
     """Start a local Ray cluster, then one controller process per (mode, B, K)."""
     import ray
 
-    runs = [("central", batch, 0) for batch in config.global_batches]
+    runs = [("none", config.global_batches[0], 0)]
+    runs += [("central", batch, 0) for batch in config.global_batches]
     runs += [("shadow", batch, k) for batch in config.global_batches for k in config.actors]
     num_cpus = max(4, int(max(config.actors) * config.num_cpus_per_actor) + 2)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -294,7 +321,7 @@ def format_table(results: list[RunResult]) -> str:
 def summary(results: list[RunResult]) -> dict[str, Any]:
     """ShadowLoader / centralised ratios per global batch (shadow run with the most actors)."""
     out = {}
-    for batch in sorted({r.global_batch for r in results}):
+    for batch in sorted({r.global_batch for r in results if r.mode != "none"}):
         central = next((r for r in results if r.mode == "central" and r.global_batch == batch), None)
         shadows = [r for r in results if r.mode == "shadow" and r.global_batch == batch]
         if central is None or not shadows:
