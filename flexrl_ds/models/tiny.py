@@ -10,8 +10,8 @@ same model inputs without torchvision.
 The tokenizer is a byte-level BPE trained at build time on a small fixed corpus (deterministic), with
 Qwen's special tokens (<|im_start|>, <|vision_start|>, <|image_pad|>, <|video_pad|>, ...) and a chat
 template that renders images/videos as `<|vision_start|><|image_pad|><|vision_end|>` like Qwen2.5-VL's.
-Shapes are chosen to exercise the hard cases of FlexUlysses: 6 query heads and 2 KV heads (uneven
-heads at degrees 4/8, GQA with fewer KV heads than the degree), mRoPE with head_dim 8
+Shapes are chosen to exercise the hard cases of FlexUlysses: 10 query heads and 2 KV heads (uneven
+heads at degrees 4 and 8, GQA with fewer KV heads than the degree), mRoPE with head_dim 8
 (`mrope_section` sums to head_dim/2).
 """
 
@@ -81,15 +81,15 @@ class TinyModelConfig:
     """Seed of the random weights."""
     bpe_vocab_size: int = 600
     """Size of the trained byte-level BPE vocabulary (before special tokens)."""
-    hidden_size: int = 48
+    hidden_size: int = 80
     """LLM hidden size (= num_attention_heads * head_dim)."""
-    num_attention_heads: int = 6
-    """LLM query heads (6: uneven at degrees 4 and 8)."""
+    num_attention_heads: int = 10
+    """LLM query heads (10: uneven over degree 4 (3,3,2,2) and degree 8 (2,2,1,...))."""
     num_key_value_heads: int = 2
     """LLM KV heads (2: fewer than degrees 4/8, so KV heads are replicated)."""
     num_hidden_layers: int = 2
     """LLM decoder layers."""
-    intermediate_size: int = 96
+    intermediate_size: int = 128
     """LLM MLP width."""
     vision_hidden_size: int = 32
     """Vision tower width."""

@@ -36,13 +36,17 @@ class LogprobJob:
     timeout_s: float = 600.0
 
 
-def rank_logprobs(job: LogprobJob, rank: int, group_tree=None) -> dict[str, list]:
-    """This rank's pieces of next-token log-probs (all local positions of its sequences)."""
+def rank_logprobs(job: LogprobJob, rank: int, group_tree=None, device=None) -> dict[str, list]:
+    """This rank's pieces of next-token log-probs (all local positions of its sequences).
+
+    device: where the model runs (None: CPU)."""
     from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch
     from flexrl_ds.rl.logprobs import load_model
     from flexrl_ds.sp.plan import parse_plan
 
     model = load_model(job.model_dir, job.dtype)
+    if device is not None:
+        model = model.to(device)
     plan = parse_plan(job.plan_json)
     batch = build_step_batch(model, plan, job.samples, rank, group_tree)
     flex = FlexUlyssesLM(model)
@@ -87,13 +91,13 @@ def _worker(rank: int, world_size: int, port: int, p_max: int, job: LogprobJob, 
         from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 
         info = device_mod.detect()
-        device_mod.set_local_device(info, rank)
+        device = device_mod.set_local_device(info, rank)
         # Plain process group (no deepspeed.comm: the overlapped FlexUlysses path does not need it).
         dist.init_process_group(backend=info.backend, rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}",
                                 timeout=datetime.timedelta(seconds=job.timeout_s))
         tree = GroupTree.create(SPTopology(world_size=world_size, domain_size=world_size, p_max=p_max), rank)
-        pieces = rank_logprobs(job, rank, tree)
+        pieces = rank_logprobs(job, rank, tree, device)
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(pieces, gathered, dst=0)
         if rank == 0:

@@ -1,4 +1,4 @@
-"""Tiny Qwen2.5-VL / Qwen2 under DeepSpeed ZeRO-3 + FlexUlysses on 4 gloo ranks equals plain HF.
+"""Tiny Qwen2.5-VL / Qwen2 under DeepSpeed ZeRO-3 + FlexUlysses on 4 and 8 gloo ranks equals plain HF.
 
 Reference: the single-process HF model (its own positions, its own vision tower calls, sdpa
 attention), mean NLL of all response tokens. Checked: the summed loss over ranks and every
@@ -15,9 +15,6 @@ import torch
 from harness import cached_group_tree
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
-
-WORLD = 4
-
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
@@ -65,7 +62,7 @@ def rank_zero3_step(model_dir: str, data_path: str, plan_json: dict, p_max: int)
     from flexrl_ds.sp.plan import parse_plan
 
     torch.manual_seed(0)
-    tree = cached_group_tree(WORLD, p_max)
+    tree = cached_group_tree(dist.get_world_size(), p_max)
     samples = _samples(model_dir, data_path)
     model = _load(model_dir)
     plan = parse_plan(plan_json)
@@ -101,16 +98,17 @@ def _reference(model_dir: str, data_path: str):
     return total_nll, total_tokens, grads, {s: x.length for s, x in samples.items()}
 
 
-@pytest.mark.parametrize("arch,seed,dataset", [("vl", 0, "many"), ("q2", 1, "many"), ("vl", 2, "few")])
-def test_zero3_flex_ulysses_matches_single_process(assets, dist_pools, arch, seed, dataset):
+@pytest.mark.parametrize("arch,seed,dataset,world", [("vl", 0, "many", 4), ("q2", 1, "many", 4), ("vl", 2, "few", 4),
+                                                     ("vl", 3, "many", 8)])
+def test_zero3_flex_ulysses_matches_single_process(assets, dist_pools, arch, seed, dataset, world):
     from flexrl_ds.models.sample_data import random_plan_for
 
     root, datasets = assets
     data = datasets[dataset]
     model_dir = str(root / arch)
     ref_nll, ref_tokens, ref_grads, lengths = _reference(model_dir, str(data))
-    plan = random_plan_for(lengths, WORLD, p_max=4, seed=seed)
-    per_rank = dist_pools(WORLD).run(rank_zero3_step, model_dir, str(data), plan.to_json(), 4, timeout_s=240)
+    plan = random_plan_for(lengths, world, p_max=min(world, 8), seed=seed)
+    per_rank = dist_pools(world).run(rank_zero3_step, model_dir, str(data), plan.to_json(), plan.p_max, timeout_s=240)
     assert all(r["num_global"] == ref_tokens for r in per_rank)
     assert sum(r["nll"] for r in per_rank) == pytest.approx(ref_nll, rel=1e-5)
     paths = {p for r in per_rank for p in r["paths"]}
@@ -124,6 +122,6 @@ def test_zero3_flex_ulysses_matches_single_process(assets, dist_pools, arch, see
     if arch == "vl":
         patches = per_rank[0]["patches"]
         if dataset == "many":
-            assert all(p > 0 for p in patches), patches
+            assert sum(p > 0 for p in patches) >= min(world, 4), patches
         else:
             assert sorted(p > 0 for p in patches) == [False, False, True, True], patches

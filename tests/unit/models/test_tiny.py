@@ -21,7 +21,7 @@ def test_cli_builds_loadable_qwen25_vl(tmp_path):
     config = model.config
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     text = config.text_config
-    assert (text.num_attention_heads, text.num_key_value_heads) == (6, 2)
+    assert (text.num_attention_heads, text.num_key_value_heads) == (10, 2)
     head_dim = text.hidden_size // text.num_attention_heads
     assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
     for token in SPECIAL_TOKENS:
