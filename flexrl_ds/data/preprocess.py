@@ -129,10 +129,11 @@ class SamplePreprocessor:
     def _decode(self, item: ItemMeta, start: int, stop: int) -> torch.Tensor:
         """uint8 (frames, 3, H, W) of groups [start, stop): a video's frames, or the image once."""
         if item.kind != VIDEO:
-            return image_io.load_image_rgb(item.item.path).unsqueeze(0)
-        size = item.temporal_patch_size
-        positions = range(start * size, min(stop * size, len(item.frame_indices)))
-        frames = self.video_backend.decode(item.item.path, [item.frame_indices[p] for p in positions])
+            frames = image_io.load_image_rgb(item.item.path).unsqueeze(0)
+        else:
+            size = item.temporal_patch_size
+            positions = range(start * size, min(stop * size, len(item.frame_indices)))
+            frames = self.video_backend.decode(item.item.path, [item.frame_indices[p] for p in positions])
         if tuple(frames.shape[-2:]) != (item.info.height, item.info.width):
             raise ValueError(f"decoded frames are {frames.shape[-1]}x{frames.shape[-2]}, metadata said "
                              f"{item.info.width}x{item.info.height}")

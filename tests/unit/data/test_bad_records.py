@@ -72,6 +72,9 @@ def test_image_corrupted_after_probing_fails_at_materialise(media, tmp_path):
     path.write_bytes(b"now broken")
     with pytest.raises(BadMediaError, match="later"):
         preprocessor.materialize(meta)
+    shutil.copy(media.images[1], path)  # a different size than probed: shapes would not match
+    with pytest.raises(BadMediaError, match="metadata said"):
+        preprocessor.materialize(meta)
 
 
 @pytest.fixture
