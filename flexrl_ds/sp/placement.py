@@ -1,15 +1,23 @@
-"""Placement of sharded sequences on aligned power-of-two rank blocks (LPT + local refinement). Pure.
+"""Nested placement of sequences on aligned power-of-two rank blocks. Pure (numpy only).
 
-Per sequence: degree `d`, per-rank cost `cost/d`, attention `L²/d` and tokens `L/d`. A sequence of
-degree `d` goes on a block `[k·d, (k+1)·d)` and adds its per-rank shares to every rank of the block.
+A sequence of degree `d ≤ p` runs on an aligned block `[k·d, (k+1)·d)` and adds `cost/d`,
+`attention/d` and `tokens/d` to every rank of it. Such a block lies inside exactly one aligned
+`p`-block (`p` the largest allowed degree), so every plan is
 
-Greedy longest-processing-time: sequences in decreasing per-rank cost, each onto the block whose
-busiest rank ends up least loaded, among blocks that keep every rank under the token cap. "Load" is
-the cost normalised by its target, or — with `attention_aware` — the larger of cost and attention
-each normalised by its target, so attention-heavy long sequences and linear-heavy short ones spread
-evenly in both. Degree-1 sequences after the last sharded one go through a heap (cost only: they
-carry little attention). `refine` then moves or swaps sequences of equal degree between blocks
-while that lowers the busiest rank's cost.
+1. a partition of the sequences over the `W/p` p-blocks — the busiest rank of a p-block carries at
+   least the block's total ÷ p, so this partition bounds every plan (metrics.partition_bound); fixed
+   SP at p reaches exactly block total ÷ p on every block; and
+2. inside each p-block, a nested layout: which sequences stay at degree p, which go to one half at
+   a lower degree, and so on down to single ranks.
+
+`partition_blocks` does (1): LPT on cost over the p-blocks (token room respected; the same LPT as
+fixed SP), then moves/swaps off the busiest block while its cost drops, then moves/swaps lowering the
+busiest block's attention while no block's cost exceeds a ceiling. `split_block` does (2) by
+recursive halving under per-rank rooms (cost, attention, tokens): on a block of `b` ranks the `k`
+largest shardable sequences stay at degree `b` (the same share on every rank), the others are split
+over the two halves so that both fit the rooms left; the smallest `k` that works is taken
+(exponential, then binary search), so only what balance needs is sharded. Each half recurses with
+the room the degree-`b` sequences left.
 """
 
 from __future__ import annotations
@@ -19,13 +27,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-ATTENTION_SHARE_2D = 0.1
-"""Degree-1 sequences above this fraction of the per-rank attention target are placed 2-D."""
-ATTENTION_REFINE_REACH = 0.05
-"""Attention refinement only starts within goal + this of the goal (closer gaps are cheap to close)."""
+ATTENTION_SHARE_2D = 0.02
+"""In the 2-D block LPT, sequences above this share of a block's mean attention are placed 2-D."""
 SWAP_BLOCKS = 8
-"""Refinement looks for swap partners on this many least-loaded blocks (keeps a step O(n))."""
+"""Block refinement looks for swap partners on this many least-loaded blocks (keeps a step O(n))."""
+FIX_STEPS = 4
+"""Move/swap steps that try to repair a greedy two-way split exceeding its rooms."""
+FIX_SAMPLE = 192
+"""At most this many items per side are considered by one repair step."""
+SLACK = 1e-9
+"""Relative slack on room checks (float rounding)."""
 
 
 class CapacityError(ValueError):
@@ -33,306 +44,269 @@ class CapacityError(ValueError):
 
 
 @dataclass
-class Layout:
-    """Per-sequence placement state (arrays are indexed by sequence)."""
+class Items:
+    """Per-sequence quantities (indexed by sequence) and the placement being built."""
 
+    values: np.ndarray
+    """(3, n): cost L² + c·L, attention L², tokens L of each whole sequence."""
+    pinned: np.ndarray
+    """(n,) bool: sequence kept at degree 1 unless the token cap needs more."""
     degrees: np.ndarray
-    """Degree of each sequence (may be raised by placement when the token cap needs it)."""
-    cost: np.ndarray
-    """Whole-sequence cost L² + c·L."""
-    attention: np.ndarray
-    """Whole-sequence attention L²."""
-    tokens: np.ndarray
-    """Whole-sequence tokens L."""
+    """(n,) degree chosen for each sequence."""
     starts: np.ndarray
-    """First rank of each sequence's block."""
+    """(n,) first rank of each sequence's block."""
+
+    def __post_init__(self) -> None:
+        self.cost, self.attention, self.tokens = (row.tolist() for row in self.values)
 
 
-class _RankState:
-    """Per-rank running sums, as Python lists (fast scalar reads in the heap loop) mirrored in
-    numpy arrays (fast block maxima for sharded sequences)."""
+def partition_blocks(items: Items, num_blocks: int, block_size: int, token_cap: float, steps: int,
+                     cost_slack: float) -> np.ndarray:
+    """Block index of every sequence (module doc). Two starts — LPT on cost (as fixed SP) and a
+    2-D LPT placing attention-heavy sequences by max(cost, attention) against their mean block
+    targets — each refined on cost, then on attention with block cost ≤ (1 + cost_slack) × its
+    busiest block; the result with the least attention among those within `cost_slack` of the
+    lowest busiest-block cost wins."""
+    token_room = block_size * token_cap
+    if num_blocks == 1:
+        if sum(items.tokens) > token_room:
+            raise CapacityError(int(np.argmax(items.values[2])))
+        return np.zeros(len(items.cost), dtype=np.int64)
+    results = []
+    for two_d in (False, True):
+        blocks = _lpt_blocks(items, num_blocks, token_room, two_d)
+        attn_max = float(np.bincount(blocks, weights=items.values[1], minlength=num_blocks).max())
+        _improve(blocks, items.values, 0, np.array([np.inf, attn_max, token_room]), steps, num_blocks)
+        cost_max = float(np.bincount(blocks, weights=items.values[0], minlength=num_blocks).max())
+        _improve(blocks, items.values, 1, np.array([cost_max * (1 + cost_slack), np.inf, token_room]), steps,
+                 num_blocks)
+        sums = [float(np.bincount(blocks, weights=row, minlength=num_blocks).max()) for row in items.values[:2]]
+        results.append((sums[0], sums[1], blocks))
+    best_cost = min(r[0] for r in results)
+    return min((r for r in results if r[0] <= best_cost * (1 + cost_slack)), key=lambda r: r[1])[2]
 
-    def __init__(self, world_size: int) -> None:
-        self.cost, self.attn, self.held = [0.0] * world_size, [0.0] * world_size, [0.0] * world_size
-        self.cost_np, self.attn_np, self.held_np = np.zeros(world_size), np.zeros(world_size), np.zeros(world_size)
 
-    def add(self, first: int, degree: int, cost: float, attn: float, tokens: float) -> None:
-        for rank in range(first, first + degree):
-            self.cost[rank] += cost
-            self.attn[rank] += attn
-            self.held[rank] += tokens
-        if degree == 1:  # scalar stores are much cheaper than slice updates
-            self.cost_np[first] = self.cost[first]
-            self.attn_np[first] = self.attn[first]
-            self.held_np[first] = self.held[first]
+def _lpt_blocks(items: Items, num_blocks: int, token_room: float, two_d: bool) -> np.ndarray:
+    """LPT in decreasing cost over the blocks (lazy heap on cost). With `two_d`, sequences holding
+    more than ATTENTION_SHARE_2D of a block's mean attention go to the block minimising
+    max(cost/mean block cost, attention/mean block attention) instead."""
+    order = np.argsort(-items.values[0], kind="stable").tolist()
+    blocks = np.zeros(len(order), dtype=np.int64)
+    heap = [(0.0, block) for block in range(num_blocks)]
+    held, cost_sum, attn_sum = [0.0] * num_blocks, [0.0] * num_blocks, [0.0] * num_blocks
+    cost_scale = num_blocks / max(sum(items.cost), 1e-30)
+    attn_scale = num_blocks / max(sum(items.attention), 1e-30)
+    capped = token_room != float("inf")
+    for item in order:
+        cost, attn, tokens = items.cost[item], items.attention[item], items.tokens[item]
+        if two_d and attn * attn_scale > ATTENTION_SHARE_2D:
+            scores = [max((cost_sum[b] + cost) * cost_scale, (attn_sum[b] + attn) * attn_scale)
+                      if not capped or held[b] + tokens <= token_room else float("inf") for b in range(num_blocks)]
+            block = min(range(num_blocks), key=scores.__getitem__)
+            if scores[block] == float("inf"):
+                raise CapacityError(item)
         else:
-            end = first + degree
-            self.cost_np[first:end] += cost
-            self.attn_np[first:end] += attn
-            self.held_np[first:end] += tokens
-
-
-def place_lpt(layout: Layout, *, world_size: int, token_cap: float, allowed: tuple[int, ...],
-              cost_target: float, attn_target: float | None) -> None:
-    """Fill `layout.starts` (LPT); `attn_target=None` balances cost only."""
-    order = np.argsort(-(layout.cost / layout.degrees), kind="stable").tolist()
-    state = _RankState(world_size)
-    scales = (1.0 / cost_target, 1.0 / attn_target if attn_target else 0.0)
-    capped = token_cap != float("inf")
-    # With attention balancing, degree-1 sequences carrying a sizeable share of a rank's attention
-    # are also placed 2-D; the rest (linear-dominated) fill by cost through the heap.
-    two_d = (layout.attention * scales[1] > ATTENTION_SHARE_2D).tolist()
-    degree_of, cost_of = layout.degrees.tolist(), layout.cost.tolist()
-    per_item = (degree_of, cost_of, layout.attention.tolist(), layout.tokens.tolist(), two_d)
-    last_special = max((k for k, i in enumerate(order) if degree_of[i] > 1 or two_d[i]), default=-1)
-    position = 0
-    while position < len(order):
-        chunk = order[position:position + world_size]
-        if not capped and position > last_special \
-                and max(state.cost) - min(state.cost) <= cost_of[chunk[-1]]:
-            # Loads differ by less than any item of this round: LPT places it one item per rank,
-            # largest on least loaded — done as one numpy round.
-            _round(layout, np.array(chunk, dtype=np.int64), state)
-        else:
-            _lpt_items(layout, chunk, state, token_cap, allowed, scales, per_item)
-        position += len(chunk)
-
-
-def _round(layout: Layout, items: np.ndarray, state: _RankState) -> None:
-    ranks = np.argsort(state.cost_np, kind="stable")[:len(items)]
-    layout.starts[items] = ranks
-    for array, values in ((state.cost_np, layout.cost), (state.attn_np, layout.attention),
-                          (state.held_np, layout.tokens)):
-        array[ranks] += values[items]
-    state.cost, state.attn, state.held = state.cost_np.tolist(), state.attn_np.tolist(), state.held_np.tolist()
-
-
-def _lpt_items(layout: Layout, items: list[int], state: _RankState, token_cap: float, allowed: tuple[int, ...],
-               scales: tuple[float, float], per_item: tuple[list, ...]) -> None:
-    """One-at-a-time LPT: degree-1 items to the least-loaded rank with room (heap), the others
-    (sharded, attention-heavy, or finding no single rank with room) through block scoring."""
-    heap = [(load, rank) for rank, load in enumerate(state.cost)]
-    heapq.heapify(heap)  # lazy: stale entries are skipped on pop
-    capped = token_cap != float("inf")
-    degree_of, cost_of, attention_of, tokens_of, two_d = per_item
-    for item in items:
-        chosen = None
-        if degree_of[item] == 1 and not two_d[item]:
-            tokens, skipped = tokens_of[item], []
+            skipped = []
             while heap:
-                load, rank = heapq.heappop(heap)
-                if load != state.cost[rank]:
-                    continue  # stale entry
-                if capped and state.held[rank] + tokens > token_cap:
-                    skipped.append((load, rank))
+                load, block = heapq.heappop(heap)
+                if load != cost_sum[block] or (capped and held[block] + tokens > token_room):
+                    if load == cost_sum[block]:
+                        skipped.append((load, block))
                     continue
-                chosen = rank
                 break
+            else:
+                raise CapacityError(item)
             for entry in skipped:
                 heapq.heappush(heap, entry)
-        if chosen is None:
-            first, degree = _place_on_block(item, layout, state, token_cap, allowed, scales)
-            layout.starts[item] = first
-            for rank in range(first, first + degree):
-                heapq.heappush(heap, (state.cost[rank], rank))
-            continue
-        layout.starts[item] = chosen
-        state.add(chosen, 1, cost_of[item], attention_of[item], tokens)
-        heapq.heappush(heap, (state.cost[chosen], chosen))
+        blocks[item] = block
+        held[block] += tokens
+        cost_sum[block] += cost
+        attn_sum[block] += attn
+        heapq.heappush(heap, (cost_sum[block], block))
+    return blocks
 
 
-def _place_on_block(item: int, layout: Layout, state: _RankState, token_cap: float, allowed: tuple[int, ...],
-                    scales: tuple[float, float]) -> tuple[int, int]:
-    """Put one sequence on the best feasible block (doubling its degree if no block has room);
-    return (first rank, degree). Score of a block: its busiest rank after adding, in units of the
-    cost target — or the larger of cost and attention in units of their targets."""
-    loads, attn, held = state.cost_np, state.attn_np, state.held_np
-    current = int(layout.degrees[item])
-    for degree in allowed:
-        if degree < current:
-            continue
-        cost, tokens = layout.cost[item] / degree, layout.tokens[item] / degree
-        add_attn = layout.attention[item] / degree
-        score = (loads.reshape(-1, degree).max(axis=1) + cost) * scales[0]
-        if scales[1] > 0:
-            score = np.maximum(score, (attn.reshape(-1, degree).max(axis=1) + add_attn) * scales[1])
-        if token_cap != float("inf"):
-            room = held.reshape(-1, degree).max(axis=1) + tokens <= token_cap
-            score = np.where(room, score, np.inf)
-        block = int(np.argmin(score))
-        if score[block] == np.inf:
-            continue
-        first = block * degree
-        state.add(first, degree, float(cost), float(add_attn), float(tokens))
-        layout.degrees[item] = degree
-        return first, degree
-    raise CapacityError(item)
+def _improve(blocks: np.ndarray, values: np.ndarray, dim: int, ceilings: np.ndarray, steps: int,
+             num_blocks: int) -> None:
+    """Moves/swaps off the block where `values[dim]` peaks while that peak drops; other dimensions'
+    block sums stay under `ceilings` (the entry of `dim` is ignored)."""
+    guard = np.arange(3) != dim
+    sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
+    for _ in range(steps):
+        top = int(np.argmax(sums[dim]))
+        peak = sums[dim, top]
+        givers = np.nonzero(blocks == top)[0]
+        give = values[:, givers]
+        best = (peak * (1 - SLACK), None)
+        # Moves: one giver to another block.
+        new = sums[:, None, :] + give[:, :, None]
+        ok = np.all(new[guard] <= ceilings[guard, None, None], axis=0)
+        ok[:, top] = False
+        score = np.where(ok, np.maximum(new[dim], peak - give[dim][:, None]), np.inf)
+        g, b = np.unravel_index(int(np.argmin(score)), score.shape)
+        if score[g, b] < best[0]:
+            best = (score[g, b], (givers[g], -1, b))
+        # Swaps with a smaller item on one of the least-loaded blocks.
+        light = np.argsort(sums[dim])[:SWAP_BLOCKS + 1]
+        light = light[light != top][:SWAP_BLOCKS]
+        takers = np.nonzero(np.isin(blocks, light))[0]
+        if len(takers):
+            delta = give[:, :, None] - values[:, takers][:, None, :]
+            receive = sums[:, blocks[takers]][:, None, :] + delta
+            home = sums[:, top][:, None, None] - delta
+            ok = (delta[dim] > 0) & np.all(receive[guard] <= ceilings[guard, None, None], axis=0)
+            ok &= np.all(home[guard] <= np.maximum(ceilings[guard], sums[guard, top])[:, None, None], axis=0)
+            score = np.where(ok, np.maximum(receive[dim], home[dim]), np.inf)
+            g, t = np.unravel_index(int(np.argmin(score)), score.shape)
+            if score[g, t] < best[0]:
+                best = (score[g, t], (givers[g], takers[t], int(blocks[takers[t]])))
+        if best[1] is None:
+            return
+        give_item, take_item, target = best[1]
+        sums[:, top] -= values[:, give_item]
+        sums[:, target] += values[:, give_item]
+        blocks[give_item] = target
+        if take_item >= 0:
+            sums[:, target] -= values[:, take_item]
+            sums[:, top] += values[:, take_item]
+            blocks[take_item] = top
 
 
-def _rank_sum(values: np.ndarray, layout: Layout, world_size: int) -> np.ndarray:
-    diff = np.zeros(world_size + 1)
-    share = values / layout.degrees
-    np.add.at(diff, layout.starts, share)
-    np.add.at(diff, layout.starts + layout.degrees, -share)
-    return np.cumsum(diff[:-1])
-
-
-def refine(layout: Layout, *, world_size: int, token_cap: float, max_steps: int, allowed: tuple[int, ...],
-           good_enough: float = 0.0) -> None:
-    """Move/swap equal-degree sequences off the busiest rank's blocks while its cost drops; when
-    no such step exists, re-place one of its sequences at another allowed degree.
-
-    A step is taken only if the receiving block's busiest rank stays strictly below the current
-    maximum (so the maximum never rises and each step removes load from a busiest rank), no rank
-    exceeds the token cap, and no rank's attention exceeds the current attention maximum.
-    """
-    loads = _rank_sum(layout.cost, layout, world_size)
-    held = _rank_sum(layout.tokens, layout, world_size)
-    attn = _rank_sum(layout.attention, layout, world_size)
-    if loads.max() <= good_enough:
+def split_block(items: Items, members: list[int], first: int, size: int, room: tuple[float, float, float]) -> None:
+    """Place `members` (sorted by decreasing cost) on ranks [first, first+size) under per-rank
+    `room` (cost, attention, tokens) by recursive halving (module doc). Soft rooms (cost,
+    attention) may be exceeded when pinned sequences leave no choice; the token room is hard."""
+    if not members:
         return
-    ends = layout.starts + layout.degrees
-    for _ in range(max_steps):
-        top = int(np.argmax(loads))
-        peak = loads[top]
-        if peak <= good_enough:
-            return
-        on_top = np.nonzero((layout.starts <= top) & (ends > top))[0]
-        best = None  # (new receiving max, give, take or -1, target start)
-        guard = (attn, layout.attention, attn.max())
-        for degree in np.unique(layout.degrees[on_top]).tolist():
-            best = _best_step(layout, on_top[layout.degrees[on_top] == degree], degree, (loads, layout.cost),
-                              guard, held, peak, token_cap, best)
-        if best is None:
-            regree = _best_regree(layout, on_top, loads, held, attn, peak, token_cap, allowed)
-            if regree is None:
-                return
-            _, give, degree, target = regree
-            _shift(layout, give, target, loads, held, attn, new_degree=degree)
-            ends = layout.starts + layout.degrees
-            continue
-        _, give, take, target = best
-        home_start = int(layout.starts[give])
-        _shift(layout, give, target, loads, held, attn)
-        if take >= 0:
-            _shift(layout, take, home_start, loads, held, attn)
-        ends = layout.starts + layout.degrees
+    if size == 1:
+        items.degrees[members] = 1
+        items.starts[members] = first
+        return
+    shardable = [i for i in members if not items.pinned[i]]
+    attempt = _search_k(items, members, shardable, size, room)
+    if attempt[4][2] > 0 and any(items.pinned[i] for i in members):
+        # The token cap is hard: release pinned sequences (degree `size` for all always fits).
+        shardable = list(members)
+        attempt = _search_k(items, members, shardable, size, room)
+    k, rest_room, left, right, _ = attempt
+    top = shardable[:k]
+    items.degrees[top] = size
+    items.starts[top] = first
+    half = size // 2
+    split_block(items, left, first, half, rest_room)
+    split_block(items, right, first + half, half, rest_room)
 
 
-def refine_attention(layout: Layout, *, world_size: int, token_cap: float, max_steps: int,
-                     cost_ceiling: float, goal: float) -> None:
-    """Move/swap equal-degree sequences off the rank with the most attention while its attention
-    balance is above `goal`, never letting any rank's cost exceed `cost_ceiling` (nor the cap)."""
-    loads = _rank_sum(layout.cost, layout, world_size)
-    held = _rank_sum(layout.tokens, layout, world_size)
-    attn = _rank_sum(layout.attention, layout, world_size)
-    mean = float(attn.mean())
-    ceiling = max(cost_ceiling, float(loads.max()))
-    if mean <= 0 or attn.max() > (goal + ATTENTION_REFINE_REACH) * mean:
-        return  # too far off: only more sharding (another candidate) gets there
-    for _ in range(max_steps):
-        top = int(np.argmax(attn))
-        peak = attn[top]
-        if mean <= 0 or peak <= goal * mean:
-            return
-        ends = layout.starts + layout.degrees
-        on_top = np.nonzero((layout.starts <= top) & (ends > top))[0]
-        best = None
-        for degree in np.unique(layout.degrees[on_top]).tolist():
-            best = _best_step(layout, on_top[layout.degrees[on_top] == degree], degree,
-                              (attn, layout.attention), (loads, layout.cost, ceiling), held, peak, token_cap, best)
-        if best is None:
-            return
-        _, give, take, target = best
-        home_start = int(layout.starts[give])
-        _shift(layout, give, target, loads, held, attn)
-        if take >= 0:
-            _shift(layout, take, home_start, loads, held, attn)
+def _search_k(items: Items, members: list[int], shardable: list[int], size: int, room):
+    """Smallest k (exponential, then binary search) whose split fits; else the least-excess try."""
+    tried: dict[int, tuple] = {}
+
+    def run(k: int):
+        if k not in tried:
+            tried[k] = _attempt(items, members, shardable, k, size, room)
+        return tried[k]
+
+    fits = lambda result: max(result[4]) <= 0  # noqa: E731
+    if fits(run(0)):
+        return tried[0]
+    low, high = 0, None
+    k = 1
+    while k < len(shardable):
+        if fits(run(k)):
+            high = k
+            break
+        low, k = k, 2 * k
+    if high is None:
+        if not fits(run(len(shardable))):
+            return min(tried.values(), key=lambda r: (r[4][2] > 0, max(r[4]), r[0]))
+        high = len(shardable)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(run(middle)):
+            high = middle
+        else:
+            low = middle
+    return tried[high]
 
 
-def _best_step(layout: Layout, givers: np.ndarray, degree: int, objective: tuple[np.ndarray, np.ndarray],
-               guard: tuple[np.ndarray, np.ndarray, float], held: np.ndarray, peak: float, token_cap: float,
-               best):
-    """Best move or swap of one of `givers` (degree `degree`, all on the block of the rank where
-    `objective` peaks): it must lower that rank, keep the receiving block below `peak`, keep the
-    `guard` quantity under its ceiling and every rank under the token cap.
-    `objective` / `guard` are (per-rank sums, per-sequence values)."""
-    loads, values = objective
-    guard_ranks, guard_values, guard_ceiling = guard
-    block_max = loads.reshape(-1, degree).max(axis=1)
-    block_held = held.reshape(-1, degree).max(axis=1)
-    block_guard = guard_ranks.reshape(-1, degree).max(axis=1)
-    home = int(layout.starts[givers[0]]) // degree
-    give_share = values[givers] / degree
-    give_tokens = layout.tokens[givers] / degree
-    give_guard = guard_values[givers] / degree
-    # Moves: giver to another block; prefer the one leaving the receiving block lowest.
-    new_max = block_max[None, :] + give_share[:, None]
-    ok = (new_max < peak) & (block_held[None, :] + give_tokens[:, None] <= token_cap)
-    ok &= block_guard[None, :] + give_guard[:, None] <= guard_ceiling
-    ok[:, home] = False
-    if ok.any():
-        masked = np.where(ok, new_max, np.inf)
-        g, b = np.unravel_index(int(np.argmin(masked)), masked.shape)
-        candidate = (float(masked[g, b]), int(givers[g]), -1, int(b) * degree)
-        if best is None or candidate[0] < best[0]:
-            best = candidate
-    # Swaps with a smaller sequence of the same degree on one of the few least-loaded other blocks.
-    light = np.argsort(block_max)[:SWAP_BLOCKS + 1]
-    light = light[light != home][:SWAP_BLOCKS]
-    is_light = np.zeros(len(block_max), dtype=bool)
-    is_light[light] = True
-    others = np.nonzero((layout.degrees == degree) & is_light[layout.starts // degree])[0]
-    if len(others):
-        other_block = layout.starts[others] // degree
-        delta = give_share[:, None] - values[others][None, :] / degree
-        tokens_delta = give_tokens[:, None] - layout.tokens[others][None, :] / degree
-        guard_delta = give_guard[:, None] - guard_values[others][None, :] / degree
-        new_max = block_max[other_block][None, :] + delta
-        ok = (delta > 0) & (new_max < peak)
-        ok &= (block_held[other_block][None, :] + tokens_delta <= token_cap) & (block_held[home] - tokens_delta <= token_cap)
-        ok &= block_guard[other_block][None, :] + guard_delta <= guard_ceiling
-        ok &= block_guard[home] - guard_delta <= guard_ceiling
-        if ok.any():
-            masked = np.where(ok, np.maximum(new_max, peak - delta), np.inf)
-            g, t = np.unravel_index(int(np.argmin(masked)), masked.shape)
-            candidate = (float(masked[g, t]), int(givers[g]), int(others[t]), int(other_block[t]) * degree)
-            if best is None or candidate[0] < best[0]:
-                best = candidate
-    return best
+def _attempt(items: Items, members: list[int], shardable: list[int], k: int, size: int, room):
+    """(k, room left per rank, left half, right half, (cost/attn excess, 0, token excess))."""
+    top = shardable[:k]
+    chosen = set(top)
+    rest = [i for i in members if i not in chosen] if k else members
+    used = [sum(column[i] for i in top) / size for column in (items.cost, items.attention, items.tokens)]
+    left_room = tuple(r - u for r, u in zip(room, used))
+    half = size // 2
+    left, right, excess = _bisect(items, rest, tuple(r * half for r in left_room))
+    return k, left_room, left, right, excess
 
 
-def _best_regree(layout: Layout, givers: np.ndarray, loads: np.ndarray, held: np.ndarray, attn: np.ndarray,
-                 peak: float, token_cap: float, allowed: tuple[int, ...]):
-    """Best re-placement of one giver at a different degree: (new max, item, degree, first rank)."""
-    best = None
-    attn_ceiling = attn.max()
-    for item in givers.tolist():
-        degree, first = int(layout.degrees[item]), int(layout.starts[item])
-        without = [array.copy() for array in (loads, held, attn)]
-        for array, value in zip(without, (layout.cost, layout.tokens, layout.attention)):
-            array[first:first + degree] -= value[item] / degree
-        for other in allowed:
-            if other == degree:
-                continue
-            new_max = without[0].reshape(-1, other).max(axis=1) + layout.cost[item] / other
-            ok = (new_max < peak) & (without[1].reshape(-1, other).max(axis=1) + layout.tokens[item] / other
-                                     <= token_cap)
-            ok &= without[2].reshape(-1, other).max(axis=1) + layout.attention[item] / other <= attn_ceiling
-            if ok.any():
-                block = int(np.argmin(np.where(ok, new_max, np.inf)))
-                if best is None or new_max[block] < best[0]:
-                    best = (float(new_max[block]), item, other, block * other)
-    return best
+def _bisect(items: Items, rest: list[int], half_room: tuple[float, float, float]):
+    """Greedy two-way split of `rest` (decreasing cost) minimising the larger normalised load, then
+    a few repair moves/swaps. Returns (left, right, (soft excess, 0, token excess)); excess ≤ 0 fits."""
+    scale = tuple(0.0 if r == float("inf") else 1.0 / max(r, 1e-30) for r in half_room)
+    sc, sa, st = scale
+    cost, attention, tokens = items.cost, items.attention, items.tokens
+    left, right = [], []
+    lc = la = lt = rc = ra = rt = 0.0
+    for i in rest:
+        c, a, t = cost[i], attention[i], tokens[i]
+        if max((lc + c) * sc, (la + a) * sa, (lt + t) * st) <= max((rc + c) * sc, (ra + a) * sa, (rt + t) * st):
+            left.append(i)
+            lc, la, lt = lc + c, la + a, lt + t
+        else:
+            right.append(i)
+            rc, ra, rt = rc + c, ra + a, rt + t
+    loads = np.array([[lc, la, lt], [rc, ra, rt]])
+    if _excess(loads, scale)[0] > SLACK and len(rest) > 1:
+        left, right, loads = _repair(items, left, right, loads, scale)
+    return left, right, _excess(loads, scale)
 
 
-def _shift(layout: Layout, item: int, target: int, loads: np.ndarray, held: np.ndarray,
-           attn: np.ndarray, new_degree: int | None = None) -> None:
-    degree = int(layout.degrees[item])
-    new_degree = new_degree or degree
-    source = int(layout.starts[item])
-    for array, value in ((loads, layout.cost), (held, layout.tokens), (attn, layout.attention)):
-        array[source:source + degree] -= value[item] / degree
-        array[target:target + new_degree] += value[item] / new_degree
-    layout.degrees[item] = new_degree
-    layout.starts[item] = target
+def _excess(loads: np.ndarray, scale) -> tuple[float, float, float]:
+    normalised = loads * np.asarray(scale)
+    soft = float(normalised[:, :2].max()) - 1 - SLACK
+    hard = float(normalised[:, 2].max()) - 1 - SLACK if scale[2] else -1.0
+    return max(soft, hard), 0.0, hard
+
+
+def _repair(items: Items, left: list[int], right: list[int], loads: np.ndarray, scale):
+    """Moves/swaps between the halves while the larger normalised load drops."""
+    scale_arr = np.asarray(scale)[:, None, None]
+    sides = [np.array(left, dtype=np.int64), np.array(right, dtype=np.int64)]
+    for _ in range(FIX_STEPS):
+        normalised = loads * np.asarray(scale)
+        current = float(normalised.max())
+        if current <= 1 + SLACK:
+            break
+        heavy = int(np.argmax(normalised.max(axis=1)))
+        light = 1 - heavy
+        give = _sample(sides[heavy])
+        take = _sample(sides[light])
+        give_v = items.values[:, give]
+        delta = give_v[:, :, None] - np.concatenate([np.zeros((3, 1)), items.values[:, take]], axis=1)[:, None, :]
+        new_heavy = loads[heavy][:, None, None] - delta
+        new_light = loads[light][:, None, None] + delta
+        score = np.maximum((new_heavy * scale_arr).max(axis=0), (new_light * scale_arr).max(axis=0))
+        g, t = np.unravel_index(int(np.argmin(score)), score.shape)
+        if score[g, t] >= current * (1 - SLACK):
+            break
+        moved, back = int(give[g]), (int(take[t - 1]) if t > 0 else -1)
+        sides[heavy] = sides[heavy][sides[heavy] != moved]
+        sides[light] = np.append(sides[light], moved)
+        loads[heavy] -= items.values[:, moved]
+        loads[light] += items.values[:, moved]
+        if back >= 0:
+            sides[light] = sides[light][sides[light] != back]
+            sides[heavy] = np.append(sides[heavy], back)
+            loads[light] -= items.values[:, back]
+            loads[heavy] += items.values[:, back]
+    order = items.values[0]
+    return ([int(i) for i in sorted(sides[0].tolist(), key=lambda i: -order[i])],
+            [int(i) for i in sorted(sides[1].tolist(), key=lambda i: -order[i])], loads)
+
+
+def _sample(side: np.ndarray) -> np.ndarray:
+    if len(side) <= FIX_SAMPLE:
+        return side
+    return side[np.linspace(0, len(side) - 1, FIX_SAMPLE).astype(np.int64)]

@@ -36,7 +36,7 @@ from flexrl_ds.config.flexrl_config import SPConfig
 from flexrl_ds.sp.cost_model import CostModel
 from flexrl_ds.sp.metrics import PlanMetrics, compute_metrics, rank_sums
 from flexrl_ds.sp.packing import PackingLimits, pack_group, packing_limits
-from flexrl_ds.sp.placement import CapacityError, Layout, place_lpt, refine, refine_attention
+from flexrl_ds.sp.placement import CapacityError, Items, partition_blocks, split_block
 from flexrl_ds.sp.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
 from flexrl_ds.sp.schedule import hsf_key, hsf_rank_order
 
@@ -47,19 +47,20 @@ class PlannerOptions:
 
     head_rule: str = "uneven"
     """"uneven": any power-of-two degree (uneven-heads all-to-all); "divisible": d | num_heads."""
-    tries: tuple[tuple[float, bool], ...] = ((1.0, False), (0.25, True), (0.125, True), (0.0625, True),
-                                            (0.5, True))
-    """Candidates in the order tried: (θ, attention-aware). A sequence is sharded until
-    cost/d ≤ θ·LBc (and, attention-aware, L²/d ≤ θ·LBa); smaller θ shards more. The first candidate
-    meeting both goals is taken, so the order trades planning time against all-to-all volume
-    (θ = ¼ first: on the benchmark grid it meets the goals most often; θ = ½ last: when ¼ misses the
-    attention goal, sharding less rarely reaches it)."""
-    balance_tolerance: float = 0.01
-    """Prefer less sharding if its busiest rank is within this fraction of the best candidate's."""
+    balance_tolerance: float = 0.001
+    """Per-rank cost room = (1 + this) × the busiest p-block's cost ÷ p after partitioning (what
+    fixed SP at p reaches): less sharding is accepted only within this fraction of it."""
+    attention_goal: float = 1.02
+    """Per-rank attention room = max((1 + balance_tolerance) × busiest p-block's attention ÷ p,
+    this × mean): attention balance stays at the partition's bound or within this goal."""
+    min_shard_tokens: int = 1024
+    """Sequences shorter than this stay at degree 1 (a sharded chunk of under ~512 tokens per rank
+    is latency-bound) unless the token cap needs more; they are packed instead."""
+    short_tolerance: float = 0.01
+    """Short sequences stay whole if the busiest rank then stays within (1 + this) × the cost room;
+    otherwise the step is re-split with every sequence shardable."""
     refine_steps: int = 48
-    """Upper bound on move/swap steps of the local refinement."""
-    attention_goal: float = 1.05
-    """Attention balance the search tries to reach (by sharding more) once cost is balanced."""
+    """Upper bound on move/swap steps of each block-partition refinement."""
 
 
 @dataclass(frozen=True)
@@ -125,77 +126,36 @@ def apply_oversize(workload: Workload, sp: SPConfig, max_degree: int
     return Workload(tuple(kept)), tuple(dropped), truncated
 
 
-def choose_degrees(values: tuple[np.ndarray, ...], targets: tuple[float, ...], tokens: np.ndarray,
-                   allowed: tuple[int, ...], token_cap: float) -> np.ndarray:
-    """Smallest allowed degree with value/d ≤ target for every (value, target) pair and
-    tokens/d ≤ cap; the largest allowed degree where none does."""
-    degrees = np.full(len(tokens), allowed[-1], dtype=np.int64)
-    undecided = np.ones(len(tokens), dtype=bool)
-    for degree in allowed:
-        fits = undecided & (tokens / degree <= token_cap)
-        for value, target in zip(values, targets):
-            fits &= value / degree <= target
-        degrees[fits] = degree
-        undecided &= ~fits
-    return degrees
-
-
-@dataclass
-class _Candidate:
-    max_cost: float
-    attention_balance: float
-    volume: float
-    layout: Layout
-
-
-def _try(tokens: np.ndarray, costs: np.ndarray, attention: np.ndarray, degrees: np.ndarray,
-         attention_aware: bool, bounds: tuple[float, float], allowed: tuple[int, ...], world_size: int,
-         token_cap: float, options: PlannerOptions) -> _Candidate:
-    cost_bound, attn_bound = bounds
-    layout = Layout(degrees, costs, attention, tokens, np.zeros(len(tokens), dtype=np.int64))
-    place_lpt(layout, world_size=world_size, token_cap=token_cap, allowed=allowed,
-              cost_target=cost_bound, attn_target=attn_bound if attention_aware else None)
-    refine(layout, world_size=world_size, token_cap=token_cap, max_steps=options.refine_steps, allowed=allowed,
-           good_enough=cost_bound * (1 + options.balance_tolerance / 2))
-    refine_attention(layout, world_size=world_size, token_cap=token_cap, max_steps=options.refine_steps // 2,
-                     cost_ceiling=cost_bound * (1 + options.balance_tolerance / 2), goal=options.attention_goal)
-    rank_cost = rank_sums(costs, layout.degrees, layout.starts, world_size)
-    rank_attn = rank_sums(attention, layout.degrees, layout.starts, world_size)
-    mean_attn = float(rank_attn.mean())
-    volume = float((tokens * (layout.degrees - 1) / layout.degrees).sum())
-    return _Candidate(float(rank_cost.max()), float(rank_attn.max()) / mean_attn if mean_attn else 1.0,
-                      volume, layout)
-
-
-def _search(tokens: np.ndarray, cost: CostModel, allowed: tuple[int, ...], world_size: int,
-            token_cap: float, options: PlannerOptions) -> Layout:
-    """Try θ × (cost-only, attention-aware) from least to most sharding; keep the best (module doc)."""
-    costs = tokens * tokens + cost.c * tokens
-    attention = tokens * tokens
-    bounds = (max(float(costs.sum()) / world_size, float(costs.max()) / allowed[-1]),
-              max(float(attention.sum()) / world_size, float(attention.max()) / allowed[-1]))
-    tried: list[_Candidate] = []
-    seen: set[bytes] = set()
-    for theta, attention_aware in options.tries:
-        targets = (theta * bounds[0], theta * bounds[1]) if attention_aware else (theta * bounds[0],)
-        degrees = choose_degrees((costs, attention)[:len(targets)], targets, tokens, allowed, token_cap)
-        key = degrees.tobytes()  # same degrees place alike: attention only steers sharded ones
-        if key in seen:
-            continue
-        seen.add(key)
-        found = _try(tokens, costs, attention, degrees, attention_aware, bounds, allowed, world_size,
-                     token_cap, options)
-        tried.append(found)
-        if found.max_cost <= bounds[0] * (1 + options.balance_tolerance) \
-                and found.attention_balance <= options.attention_goal:
-            return found.layout
-    best_cost = min(c.max_cost for c in tried)
-    good = [c for c in tried if c.max_cost <= best_cost * (1 + options.balance_tolerance / 2)]
-    balanced = [c for c in good if c.attention_balance <= options.attention_goal]
-    if balanced:
-        return min(balanced, key=lambda c: (c.volume, c.max_cost)).layout
-    # No candidate reaches the attention goal: cost (the time model) decides.
-    return min(tried, key=lambda c: (c.max_cost, c.volume)).layout
+def nested_layout(tokens: np.ndarray, c: float, allowed: tuple[int, ...], world_size: int, token_cap: float,
+                  options: PlannerOptions) -> tuple[np.ndarray, np.ndarray]:
+    """(degree, first rank) of every sequence: p-block partition, then recursive halving under
+    per-rank rooms (placement.py; module docstring)."""
+    block_size = allowed[-1]
+    assert allowed == tuple(1 << k for k in range(len(allowed))), allowed  # a prefix of powers of two
+    num_blocks = world_size // block_size
+    values = np.stack([tokens * tokens + c * tokens, tokens * tokens, tokens])
+    items = Items(values, tokens < options.min_shard_tokens, np.ones(len(tokens), dtype=np.int64),
+                  np.zeros(len(tokens), dtype=np.int64))
+    blocks = partition_blocks(items, num_blocks, block_size, token_cap, options.refine_steps,
+                              options.balance_tolerance / 2)
+    block_sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
+    tolerance = 1 + options.balance_tolerance
+    room = (float(block_sums[0].max()) / block_size * tolerance,
+            max(float(block_sums[1].max()) / block_size * tolerance,
+                options.attention_goal * float(values[1].sum()) / world_size),
+            token_cap)
+    order = np.argsort(-values[0], kind="stable")
+    by_block = order[np.argsort(blocks[order], kind="stable")]
+    bounds = np.searchsorted(blocks[by_block], np.arange(num_blocks + 1))
+    members = [by_block[bounds[b]:bounds[b + 1]].tolist() for b in range(num_blocks)]
+    for _ in ("keep short sequences whole", "shard freely"):
+        for block in range(num_blocks):
+            split_block(items, members[block], block * block_size, block_size, room)
+        busiest = float(rank_sums(values[0], items.degrees, items.starts, world_size).max())
+        if not items.pinned.any() or busiest <= room[0] * (1 + options.short_tolerance):
+            break
+        items.pinned[:] = False
+    return items.degrees, items.starts
 
 
 def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig,
@@ -212,14 +172,14 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
             f"max_tokens_per_rank={sp.max_tokens_per_rank}: the step's {int(tokens.sum())} tokens exceed "
             f"{world_size} ranks × the cap")
     try:
-        layout = _search(tokens, cost, allowed, world_size, token_cap, options)
+        degrees, starts = nested_layout(tokens, cost.c, allowed, world_size, token_cap, options)
     except CapacityError as error:
         seq = planned.sequences[error.args[0]]
         raise ValueError(
             f"sequence {seq.id!r}: no group of ranks has room for its {seq.tokens} tokens under "
             f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
-    plan = build_plan(planned.sequences, layout.degrees, layout.starts, world_size, sp.p_max, limits)
-    metrics = compute_metrics(tokens, layout.degrees, layout.starts, world_size=world_size, p_max=sp.p_max,
+    plan = build_plan(planned.sequences, degrees, starts, world_size, sp.p_max, limits)
+    metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=sp.p_max,
                               c=cost.c, num_packs=len(plan.packs))
     extra = {"metrics": metrics.summary(), "cost_model": {"name": cost.name, "c": cost.c},
              "h_pack": limits.h_pack, "H_pack": limits.H_pack, "head_rule": options.head_rule,
