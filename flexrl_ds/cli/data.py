@@ -35,6 +35,7 @@ def register(commands, bench) -> None:
     inspect.add_argument("--json", action="store_true", help="one JSON object per record on stdout")
     inspect.add_argument("--backend", choices=["auto", "torchcodec", "opencv"], help="video backend")
     inspect.add_argument("--media-root", help="folder under which absolute media paths are allowed")
+    inspect.add_argument("--plot", help="write a PNG histogram of vision tokens per record here")
     inspect.set_defaults(func=_inspect_data)
 
     probe = bench.add_parser(
@@ -102,6 +103,8 @@ def _inspect_data(args: argparse.Namespace) -> int:
     preprocessor = SamplePreprocessor(_data_config(args))
     entries = probe_entries(args.data, preprocessor, progress=None if args.json else _progress("probe"))
     counts = {"ok": 0, "bad": 0, "mismatch": 0, "vision_tokens": 0}
+    if args.plot:
+        plot_vision_tokens(entries, args.plot)
     for entry in entries:
         result = inspect_entry(entry, preprocessor, args.materialize)
         counts["ok" if result["ok"] else "bad"] += 1
@@ -145,6 +148,33 @@ def inspect_entry(entry, preprocessor, materialize: bool) -> dict:
         result["actual_shapes"] = actual
         result["mismatch"] = actual != predicted
     return result
+
+
+def plot_vision_tokens(entries, path: str) -> None:
+    """Histogram of vision tokens per good record, split by media kind (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flexrl_ds.data.types import SampleMeta
+
+    groups: dict[str, list[int]] = {}
+    for entry in entries:
+        if isinstance(entry, SampleMeta):
+            kind = "video" if entry.num_frames else ("image" if entry.num_images else "text")
+            groups.setdefault(kind, []).append(entry.vision_tokens)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    if groups:
+        axis.hist(list(groups.values()), bins=30, label=list(groups), stacked=True)
+        axis.legend()
+    axis.set_xlabel("vision tokens per record (predicted from metadata)")
+    axis.set_ylabel("records")
+    axis.set_title(f"{sum(map(len, groups.values()))} good records")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def _text_line(result: dict) -> str:

@@ -60,8 +60,9 @@ def test_inspect_data_materialize_json(dataset, tmp_path, capsys):
     assert "14 records: 12 ok, 2 bad" in captured.err
 
 
-def test_inspect_data_text_and_parquet(dataset, capsys):
-    assert main(["inspect-data", "--data", str(dataset / "train.parquet")]) == 0
+def test_inspect_data_text_and_parquet(dataset, tmp_path, capsys):
+    assert main(["inspect-data", "--data", str(dataset / "train.parquet"), "--plot", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 13 and out[-1].startswith("12 records: 12 ok, 0 bad")
     assert all(" ok " in line and "vision tokens" in line for line in out[:12])
