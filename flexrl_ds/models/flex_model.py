@@ -100,10 +100,12 @@ def vision_route(model, plan, samples: Mapping[str, Any], layouts, rank: int) ->
 class FlexUlyssesLM(torch.nn.Module):
     """HF causal LM + FlexUlysses: `forward(batch) -> (token log-probs (local,), zero term)`."""
 
-    def __init__(self, hf_model, attention=None, vision_group=None):
+    def __init__(self, hf_model, attention=None, vision_group=None, logits_chunk: int = 4096):
         """attention: a FlexUlyssesAttention (default one with overlap). vision_group: the SP domain's
-        process group for the vision embedding exchange (None: the default group)."""
+        process group for the vision embedding exchange (None: the default group). logits_chunk:
+        tokens per lm_head chunk in no-grad passes (bounds the (tokens, vocab) logits memory)."""
         super().__init__()
+        self.logits_chunk = logits_chunk
         from flexrl_ds.sp.attention import FlexUlyssesAttention
 
         self.hf_model = hf_adapter.use_flex_ulysses(hf_model)
@@ -130,12 +132,23 @@ class FlexUlyssesLM(torch.nn.Module):
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, zero = self.embed(batch)
         step = hf_adapter.FlexStep(batch.layout, self.attention)
-        out = self.hf_model(inputs_embeds=embeds.unsqueeze(0), position_ids=batch.position_ids.to(embeds.device),
-                            use_cache=False, **{hf_adapter.STEP_KWARG: step})
-        logits = out.logits[0].float()
-        targets = batch.targets.to(logits.device)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
-        return logprobs, zero
+        kwargs = dict(inputs_embeds=embeds.unsqueeze(0), position_ids=batch.position_ids.to(embeds.device),
+                      use_cache=False, **{hf_adapter.STEP_KWARG: step})
+        targets = batch.targets.to(embeds.device)
+        if torch.is_grad_enabled():
+            return _target_logprobs(self.hf_model(**kwargs).logits[0], targets), zero
+        # No gradient (reference / old-policy pass): never hold (tokens, vocab) fp32 logits at once.
+        hidden = self.hf_model.model(**kwargs).last_hidden_state[0]
+        size = self.logits_chunk
+        chunks = [_target_logprobs(self.hf_model.lm_head(hidden[i:i + size]), targets[i:i + size])
+                  for i in range(0, hidden.shape[0], size)]
+        return (torch.cat(chunks) if chunks else hidden.new_zeros(0)), zero
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per row, in fp32 (targets < 0 give an arbitrary value the caller masks)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return logprobs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
 
 
 def reference_logprobs(model, sample) -> torch.Tensor:

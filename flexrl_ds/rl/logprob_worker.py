@@ -2,9 +2,10 @@
 
 `rank_logprobs(job, rank, group_tree)` is plain (no Ray, no spawning) and returns this rank's pieces:
 {seq id: [(first position, log-probs of the next tokens at positions first..)]}. `spawn` runs it on N
-fresh processes (forked from a forkserver that pre-imported torch and transformers) that join one process group (backend from flexrl_ds.parallel.device), gathers the
-pieces to rank 0 with `gather_object`, and hands them back; a crash or a hang (timeout) on any rank
-fails the whole call with that rank's traceback.
+fresh processes (forked from a forkserver that pre-imported torch and transformers) that join one
+process group (backend from flexrl_ds.parallel.device), gathers the pieces to rank 0 with
+`gather_object`, and hands them back; a crash or a hang (timeout) on any rank fails the whole call
+with that rank's traceback.
 """
 
 from __future__ import annotations

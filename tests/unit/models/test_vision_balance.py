@@ -80,7 +80,8 @@ def test_exchange_emulated_over_all_ranks_equals_hf_vision_embeddings(vl_samples
             embeds = model.get_input_embeddings()(sample.input_ids)
             kwargs = reference_inputs(model, sample)
             if "pixel_values" in kwargs:
-                image = torch.cat(model.model.get_image_features(kwargs["pixel_values"], kwargs["image_grid_thw"]).pooler_output)
+                image = torch.cat(model.model.get_image_features(kwargs["pixel_values"],
+                                                                 kwargs["image_grid_thw"]).pooler_output)
                 embeds[sample.input_ids == model.config.image_token_id] = image
             if "pixel_values_videos" in kwargs:
                 video = torch.cat(model.model.get_video_features(kwargs["pixel_values_videos"],
