@@ -180,9 +180,9 @@ def test_tiny_model_processor_dir_sets_geometry(tmp_path, media):
     assert (data_config.image_min_pixels, data_config.image_max_pixels) == (config.min_pixels, config.max_pixels)
     assert (data_config.video_min_pixels, data_config.video_max_pixels) == (config.min_pixels, config.max_pixels)
     from PIL import Image
-    from transformers import Qwen2VLImageProcessorPil
+    from transformers import AutoImageProcessor
 
-    hf = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
+    hf = AutoImageProcessor.from_pretrained(tmp_path)  # the backend transformers picks here (PIL without torchvision)
     meta, outputs = SamplePreprocessor(data_config).process(record_of(media.images[0]))
     expected = hf(images=[Image.open(media.images[0])], return_tensors="pt")
     torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0)
