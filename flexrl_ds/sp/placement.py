@@ -35,6 +35,8 @@ FIX_STEPS = 4
 """Move/swap steps that try to repair a greedy two-way split exceeding its rooms."""
 FIX_SAMPLE = 192
 """At most this many items per side are considered by one repair step."""
+SMALL_REPAIR = 24
+"""Two-way splits of at most this many items are repaired in plain Python (numpy overhead)."""
 SLACK = 1e-9
 """Relative slack on room checks (float rounding)."""
 
@@ -61,25 +63,30 @@ class Items:
 
 
 def partition_blocks(items: Items, num_blocks: int, block_size: int, token_cap: float, steps: int,
-                     cost_slack: float) -> np.ndarray:
+                     cost_slack: float, attention_goal: float) -> np.ndarray:
     """Block index of every sequence (module doc). Two starts — LPT on cost (as fixed SP) and a
     2-D LPT placing attention-heavy sequences by max(cost, attention) against their mean block
     targets — each refined on cost, then on attention with block cost ≤ (1 + cost_slack) × its
     busiest block; the result with the least attention among those within `cost_slack` of the
-    lowest busiest-block cost wins."""
+    lowest busiest-block cost wins. Refinement stops once the busiest block is within `cost_slack`
+    of the mean (cost) or within `attention_goal` × the mean (attention)."""
     token_room = block_size * token_cap
     if num_blocks == 1:
         if sum(items.tokens) > token_room:
             raise CapacityError(int(np.argmax(items.values[2])))
         return np.zeros(len(items.cost), dtype=np.int64)
     results = []
-    for two_d in (False, True):
+    means = items.values[:2].sum(axis=1) / num_blocks
+    good_enough = (means[0] * (1 + cost_slack), means[1] * attention_goal)
+    heavy = bool((items.values[1] > ATTENTION_SHARE_2D * means[1]).any())
+    for two_d in (False, True) if heavy else (False,):
         blocks = _lpt_blocks(items, num_blocks, token_room, two_d)
         attn_max = float(np.bincount(blocks, weights=items.values[1], minlength=num_blocks).max())
-        _improve(blocks, items.values, 0, np.array([np.inf, attn_max, token_room]), steps, num_blocks)
+        _improve(blocks, items.values, 0, np.array([np.inf, attn_max, token_room]), steps, num_blocks,
+                 good_enough[0])
         cost_max = float(np.bincount(blocks, weights=items.values[0], minlength=num_blocks).max())
         _improve(blocks, items.values, 1, np.array([cost_max * (1 + cost_slack), np.inf, token_room]), steps,
-                 num_blocks)
+                 num_blocks, good_enough[1])
         sums = [float(np.bincount(blocks, weights=row, minlength=num_blocks).max()) for row in items.values[:2]]
         results.append((sums[0], sums[1], blocks))
     best_cost = min(r[0] for r in results)
@@ -127,15 +134,18 @@ def _lpt_blocks(items: Items, num_blocks: int, token_room: float, two_d: bool) -
 
 
 def _improve(blocks: np.ndarray, values: np.ndarray, dim: int, ceilings: np.ndarray, steps: int,
-             num_blocks: int) -> None:
-    """Moves/swaps off the block where `values[dim]` peaks while that peak drops; other dimensions'
-    block sums stay under `ceilings` (the entry of `dim` is ignored)."""
+             num_blocks: int, good_enough: float) -> None:
+    """Moves/swaps off the block where `values[dim]` peaks while that peak drops and exceeds
+    `good_enough`; other dimensions' block sums stay under `ceilings` (the entry of `dim` is
+    ignored). Candidates are sampled (FIX_SAMPLE per side) so a step stays cheap."""
     guard = np.arange(3) != dim
     sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
     for _ in range(steps):
         top = int(np.argmax(sums[dim]))
         peak = sums[dim, top]
-        givers = np.nonzero(blocks == top)[0]
+        if peak <= good_enough:
+            return
+        givers = _sample(np.nonzero(blocks == top)[0])
         give = values[:, givers]
         best = (peak * (1 - SLACK), None)
         # Moves: one giver to another block.
@@ -149,7 +159,9 @@ def _improve(blocks: np.ndarray, values: np.ndarray, dim: int, ceilings: np.ndar
         # Swaps with a smaller item on one of the least-loaded blocks.
         light = np.argsort(sums[dim])[:SWAP_BLOCKS + 1]
         light = light[light != top][:SWAP_BLOCKS]
-        takers = np.nonzero(np.isin(blocks, light))[0]
+        is_light = np.zeros(num_blocks, dtype=bool)
+        is_light[light] = True
+        takers = _sample(np.nonzero(is_light[blocks])[0])
         if len(takers):
             delta = give[:, :, None] - values[:, takers][:, None, :]
             receive = sums[:, blocks[takers]][:, None, :] + delta
@@ -257,41 +269,89 @@ def _bisect(items: Items, rest: list[int], half_room: tuple[float, float, float]
         else:
             right.append(i)
             rc, ra, rt = rc + c, ra + a, rt + t
-    loads = np.array([[lc, la, lt], [rc, ra, rt]])
-    if _excess(loads, scale)[0] > SLACK and len(rest) > 1:
-        left, right, loads = _repair(items, left, right, loads, scale)
+    loads = [[lc, la, lt], [rc, ra, rt]]
+    if _excess(loads, scale)[0] > 0 and len(rest) > 1:
+        repair = _repair_small if len(rest) <= SMALL_REPAIR else _repair
+        left, right, loads = repair(items, left, right, loads, scale)
     return left, right, _excess(loads, scale)
 
 
-def _excess(loads: np.ndarray, scale) -> tuple[float, float, float]:
-    normalised = loads * np.asarray(scale)
-    soft = float(normalised[:, :2].max()) - 1 - SLACK
-    hard = float(normalised[:, 2].max()) - 1 - SLACK if scale[2] else -1.0
+def _excess(loads, scale) -> tuple[float, float, float]:
+    sc, sa, st = scale
+    soft = max(loads[0][0] * sc, loads[0][1] * sa, loads[1][0] * sc, loads[1][1] * sa) - 1 - SLACK
+    hard = max(loads[0][2], loads[1][2]) * st - 1 - SLACK if st else -1.0
     return max(soft, hard), 0.0, hard
 
 
+def _repair_small(items: Items, left: list[int], right: list[int], loads, scale):
+    """`_repair` for a few items: plain Python over all moves and swaps."""
+    sides = [list(left), list(right)]
+    loads = [list(loads[0]), list(loads[1])]
+    column = (items.cost, items.attention, items.tokens)
+
+    def norm(side):
+        return max(side[0] * scale[0], side[1] * scale[1], side[2] * scale[2])
+
+    for _ in range(FIX_STEPS):
+        current = max(norm(loads[0]), norm(loads[1]))
+        if current <= 1 + SLACK:
+            break
+        heavy = 0 if norm(loads[0]) >= norm(loads[1]) else 1
+        light = 1 - heavy
+        best = (current * (1 - SLACK), None)
+        for i in sides[heavy]:
+            for j in [-1] + sides[light]:
+                delta = [column[k][i] - (column[k][j] if j >= 0 else 0.0) for k in range(3)]
+                score = max(norm([loads[heavy][k] - delta[k] for k in range(3)]),
+                            norm([loads[light][k] + delta[k] for k in range(3)]))
+                if score < best[0]:
+                    best = (score, (i, j, delta))
+        if best[1] is None:
+            break
+        i, j, delta = best[1]
+        sides[heavy].remove(i)
+        sides[light].append(i)
+        if j >= 0:
+            sides[light].remove(j)
+            sides[heavy].append(j)
+        for k in range(3):
+            loads[heavy][k] -= delta[k]
+            loads[light][k] += delta[k]
+    order = items.cost
+    return sorted(sides[0], key=lambda i: -order[i]), sorted(sides[1], key=lambda i: -order[i]), loads
+
+
 def _repair(items: Items, left: list[int], right: list[int], loads: np.ndarray, scale):
-    """Moves/swaps between the halves while the larger normalised load drops."""
-    scale_arr = np.asarray(scale)[:, None, None]
+    """Moves/swaps between the halves while the larger normalised load drops. Per step, in the most
+    loaded dimension, each giver is paired with the takers whose value is nearest to leaving both
+    halves even (sorted search, O(n log n)); all dimensions then score those pairs."""
+    scale_vec = np.asarray(scale)
+    loads = np.array(loads)
     sides = [np.array(left, dtype=np.int64), np.array(right, dtype=np.int64)]
     for _ in range(FIX_STEPS):
-        normalised = loads * np.asarray(scale)
+        normalised = loads * scale_vec
         current = float(normalised.max())
         if current <= 1 + SLACK:
             break
         heavy = int(np.argmax(normalised.max(axis=1)))
         light = 1 - heavy
-        give = _sample(sides[heavy])
-        take = _sample(sides[light])
-        give_v = items.values[:, give]
-        delta = give_v[:, :, None] - np.concatenate([np.zeros((3, 1)), items.values[:, take]], axis=1)[:, None, :]
-        new_heavy = loads[heavy][:, None, None] - delta
-        new_light = loads[light][:, None, None] + delta
-        score = np.maximum((new_heavy * scale_arr).max(axis=0), (new_light * scale_arr).max(axis=0))
-        g, t = np.unravel_index(int(np.argmin(score)), score.shape)
-        if score[g, t] >= current * (1 - SLACK):
+        dim = int(np.argmax(normalised[heavy]))
+        give, take = sides[heavy], sides[light]
+        take_values = np.concatenate([[0.0], items.values[dim, take]])  # 0: a plain move
+        sorted_at = np.argsort(take_values, kind="stable")
+        wanted = items.values[dim, give] - (loads[heavy, dim] - loads[light, dim]) / 2
+        spot = np.searchsorted(take_values[sorted_at], wanted)
+        pairs_give = np.concatenate([np.arange(len(give))] * 2)
+        pairs_take = sorted_at[np.clip(np.concatenate([spot - 1, spot]), 0, len(take_values) - 1)]
+        taken = np.concatenate([np.zeros((3, 1)), items.values[:, take]], axis=1)[:, pairs_take]
+        delta = items.values[:, give[pairs_give]] - taken
+        score = np.maximum(((loads[heavy][:, None] - delta) * scale_vec[:, None]).max(axis=0),
+                           ((loads[light][:, None] + delta) * scale_vec[:, None]).max(axis=0))
+        best = int(np.argmin(score))
+        if score[best] >= current * (1 - SLACK):
             break
-        moved, back = int(give[g]), (int(take[t - 1]) if t > 0 else -1)
+        moved, back = int(give[pairs_give[best]]), int(pairs_take[best]) - 1
+        back = int(take[back]) if back >= 0 else -1
         sides[heavy] = sides[heavy][sides[heavy] != moved]
         sides[light] = np.append(sides[light], moved)
         loads[heavy] -= items.values[:, moved]
@@ -302,8 +362,8 @@ def _repair(items: Items, left: list[int], right: list[int], loads: np.ndarray, 
             loads[light] -= items.values[:, back]
             loads[heavy] += items.values[:, back]
     order = items.values[0]
-    return ([int(i) for i in sorted(sides[0].tolist(), key=lambda i: -order[i])],
-            [int(i) for i in sorted(sides[1].tolist(), key=lambda i: -order[i])], loads)
+    return (sorted(sides[0].tolist(), key=lambda i: -order[i]),
+            sorted(sides[1].tolist(), key=lambda i: -order[i]), loads.tolist())
 
 
 def _sample(side: np.ndarray) -> np.ndarray:

@@ -56,9 +56,13 @@ class PlannerOptions:
     min_shard_tokens: int = 1024
     """Sequences shorter than this stay at degree 1 (a sharded chunk of under ~512 tokens per rank
     is latency-bound) unless the token cap needs more; they are packed instead."""
+    short_share: float = 0.25
+    """Short sequences stay whole in a p-block only where they carry at least this share of its
+    cost (the block's work is mostly short sequences: sharding them would multiply tiny,
+    latency-bound collectives) ..."""
     short_tolerance: float = 0.01
-    """Short sequences stay whole if the busiest rank then stays within (1 + this) × the cost room;
-    otherwise the step is re-split with every sequence shardable."""
+    """... and the busiest rank then stays within (1 + this) × that of the block split with every
+    sequence shardable. Elsewhere every sequence may be sharded (efficiency first)."""
     refine_steps: int = 48
     """Upper bound on move/swap steps of each block-partition refinement."""
 
@@ -137,7 +141,7 @@ def nested_layout(tokens: np.ndarray, c: float, allowed: tuple[int, ...], world_
     items = Items(values, tokens < options.min_shard_tokens, np.ones(len(tokens), dtype=np.int64),
                   np.zeros(len(tokens), dtype=np.int64))
     blocks = partition_blocks(items, num_blocks, block_size, token_cap, options.refine_steps,
-                              options.balance_tolerance / 2)
+                              options.balance_tolerance / 2, options.attention_goal)
     block_sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
     tolerance = 1 + options.balance_tolerance
     room = (float(block_sums[0].max()) / block_size * tolerance,
@@ -148,14 +152,37 @@ def nested_layout(tokens: np.ndarray, c: float, allowed: tuple[int, ...], world_
     by_block = order[np.argsort(blocks[order], kind="stable")]
     bounds = np.searchsorted(blocks[by_block], np.arange(num_blocks + 1))
     members = [by_block[bounds[b]:bounds[b + 1]].tolist() for b in range(num_blocks)]
-    for _ in ("keep short sequences whole", "shard freely"):
-        for block in range(num_blocks):
-            split_block(items, members[block], block * block_size, block_size, room)
-        busiest = float(rank_sums(values[0], items.degrees, items.starts, world_size).max())
-        if not items.pinned.any() or busiest <= room[0] * (1 + options.short_tolerance):
-            break
-        items.pinned[:] = False
+    for block in range(num_blocks):
+        _split_p_block(items, members[block], block * block_size, block_size, room, options)
     return items.degrees, items.starts
+
+
+def _split_p_block(items: Items, members: list[int], first: int, block_size: int,
+                   room: tuple[float, float, float], options: PlannerOptions) -> None:
+    """Split one p-block, keeping short sequences whole where they carry at least `short_share`
+    of its cost and that leaves its busiest rank within `short_tolerance` of the block split with
+    every sequence shardable; otherwise every sequence is shardable."""
+    pinned = items.pinned[members]
+    share = float(items.values[0, members][pinned].sum()) / max(float(items.values[0, members].sum()), 1e-30)
+    if share < options.short_share:
+        items.pinned[members] = False
+    split_block(items, members, first, block_size, room)
+    if not items.pinned[members].any():
+        return
+    kept = _busiest(items, members, first, block_size)
+    if kept <= room[0]:
+        return
+    whole = (items.degrees[members].copy(), items.starts[members].copy())
+    items.pinned[members] = False
+    split_block(items, members, first, block_size, room)
+    if kept <= _busiest(items, members, first, block_size) * (1 + options.short_tolerance):
+        items.degrees[members], items.starts[members] = whole
+
+
+def _busiest(items: Items, members: list[int], first: int, block_size: int) -> float:
+    """Cost of the busiest rank of the block [first, first + block_size) holding `members`."""
+    return float(rank_sums(items.values[0, members], items.degrees[members], items.starts[members] - first,
+                           block_size).max())
 
 
 def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig,
