@@ -71,3 +71,15 @@ def test_inspect_data_text_and_parquet(dataset, tmp_path, capsys):
 def test_inspect_data_user_errors(tmp_path, capsys):
     assert main(["inspect-data", "--data", str(tmp_path / "none.jsonl")]) == 2
     assert "dataset file not found" in capsys.readouterr().err
+
+
+def test_inspect_data_reads_the_flexrl_data_section(dataset, tmp_path, capsys):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 8, "flexrl": {"data": {
+        "video_min_pixels": 3136, "video_max_pixels": 25088, "max_vision_tokens_per_sample": 20}}}))
+    assert main(["inspect-data", "--data", str(dataset / "train.jsonl"), "--config", str(config), "--json"]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    oversized = [r for r in results if not r["ok"]]
+    assert oversized and all("oversized" in r["reason"] and "max_vision_tokens_per_sample=20" in r["reason"]
+                             for r in oversized)
+    assert all(r["vision_tokens"] <= 20 for r in results if r["ok"])
