@@ -56,6 +56,8 @@ class DataConfig:
     """Per-channel normalisation standard deviation."""
     video_backend: str = "auto"
     """Video decoder: torchcodec | opencv | auto (torchcodec if importable, else OpenCV)."""
+    decoder_threads: int = 1
+    """FFmpeg threads per torchcodec decode (0: FFmpeg decides); 1 suits many actors per node."""
     resize_impl: str = "auto"
     """Resize kernel: pil (HF PIL backend) | torch (HF torchvision backend: antialiased bicubic on
     tensors) | auto (what transformers picks here: torch if torchvision is importable, else pil).
@@ -80,6 +82,8 @@ class DataConfig:
             raise ValueError("flexrl.data.image_min_pixels exceeds flexrl.data.image_max_pixels")
         if self.video_min_pixels > self.video_max_pixels:
             raise ValueError("flexrl.data.video_min_pixels exceeds flexrl.data.video_max_pixels")
+        if self.decoder_threads < 0:
+            raise ValueError(f"flexrl.data.decoder_threads: must be >= 0, got {self.decoder_threads}")
         if self.video_fps <= 0:
             raise ValueError(f"flexrl.data.video_fps: must be positive, got {self.video_fps}")
         _check_choice("video_backend", self.video_backend, VIDEO_BACKENDS)

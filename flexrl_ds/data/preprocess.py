@@ -52,7 +52,7 @@ class SamplePreprocessor:
     @property
     def video_backend(self) -> VideoBackend:
         if self._video_backend is None:
-            self._video_backend = get_video_backend(self.config.video_backend)
+            self._video_backend = get_video_backend(self.config.video_backend, self.config.decoder_threads)
         return self._video_backend
 
     # ---- probing ------------------------------------------------------------------------------

@@ -149,8 +149,9 @@ def available_backends() -> tuple[str, ...]:
     return tuple(names)
 
 
-def get_video_backend(name: str = "auto") -> VideoBackend:
-    """The named backend, or for `auto` the first available of torchcodec, OpenCV."""
+def get_video_backend(name: str = "auto", num_threads: int = 1) -> VideoBackend:
+    """The named backend, or for `auto` the first available of torchcodec, OpenCV;
+    `num_threads` is torchcodec's FFmpeg thread count (0: FFmpeg decides)."""
     if name == "auto":
         names = available_backends()
         if not names:
@@ -158,7 +159,7 @@ def get_video_backend(name: str = "auto") -> VideoBackend:
         name = names[0]
     if name == "torchcodec":
         try:
-            return TorchcodecBackend()
+            return TorchcodecBackend(num_threads=num_threads)
         except Exception as error:
             raise ValueError(f"video backend 'torchcodec' unavailable ({_first_line(error)})") from None
     if name == "opencv":
