@@ -21,8 +21,8 @@ from flexrl_ds.sp.plan import validate_plan
 from flexrl_ds.sp.planner import PlannerOptions, plan_step
 from flexrl_ds.sp.schedule import check_schedule
 
-TABLE_METRICS = ("attention_balance", "cost_balance", "token_balance", "efficiency", "all_to_all_relative",
-                 "num_packs", "plan_ms")
+TABLE_METRICS = ("attention_balance", "attention_balance_bound", "cost_balance", "token_balance", "efficiency",
+                 "efficiency_bound", "all_to_all_relative", "num_packs", "plan_ms")
 """Columns of the table (PlanMetrics fields plus planning time)."""
 
 
@@ -98,13 +98,15 @@ def simulate(mix: str, world_size: int, gbs: int, n_samples: int, seeds: int, co
 def format_table(sim: SimulationResult) -> str:
     header = (f"{sim.mix}, {sim.world_size} ranks, {sim.gbs} prompts x {sim.n_samples} samples, "
               f"mean over {sim.seeds} seed(s)")
-    names = ("attn bal", "cost bal", "tok bal", "effic.", "a2a/SPmax", "packs", "plan ms")
+    names = ("attn bal", "attn LB", "cost bal", "tok bal", "effic.", "eff UB", "a2a/SPmax", "packs", "plan ms")
     lines = [header, f"{'method':<18}" + "".join(f"{n:>11}" for n in names)]
+    footer = ("attn LB / eff UB: no plan on aligned groups of <= p_max ranks has a lower attention balance / "
+              "a higher efficiency (bounds in flexrl_ds/sp/metrics.py)")
     for method, values in sim.means.items():
         cells = "".join(f"{values[k]:>11.3f}" if k not in ("num_packs", "plan_ms") else f"{values[k]:>11.1f}"
                         for k in TABLE_METRICS)
         lines.append(f"{method:<18}{cells}")
-    return "\n".join(lines)
+    return "\n".join(lines + [footer])
 
 
 def plot_loads(sim: SimulationResult, path: str) -> None:

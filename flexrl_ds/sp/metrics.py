@@ -5,6 +5,14 @@ Per rank, a sequence of `L` tokens in a pack of degree `d` contributes `L²/d` a
 ranks; efficiency is the lower bound `max(Σ cost / W, max_s cost(s) / p_max)` ÷ the max rank cost;
 all-to-all volume is `Σ L·(d−1)/d`, also given relative to fixed SP at `p_max` (every sequence
 sharded at `min(p_max, W)`).
+
+Bounds (what no plan on aligned groups of at most `p = min(p_max, W)` ranks can beat): every
+sequence lies inside one aligned p-block, and the busiest rank of a block carries at least the
+block's total ÷ p, so the busiest rank is at least `partition_bound(values, W/p) / p` — a lower
+bound on the best split of the sequences' values over W/p bins (`partition_bound`). With it:
+`attention_balance_bound = max(mean, max_s L²/p, partition_bound(L², W/p)/p) ÷ mean` and
+`efficiency_bound = lower_bound ÷ max(lower_bound, partition_bound(cost, W/p)/p)` (the best
+efficiency reachable; below 1 where the schema's lower bound is not attainable).
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ class PlanMetrics:
     """Σ L·(d−1)/d tokens moved per all-to-all."""
     all_to_all_relative: float
     """all_to_all_volume ÷ that of fixed SP at p_max (0 when the latter is 0)."""
+    attention_balance_bound: float = 1.0
+    """Lowest attention balance any aligned plan can reach (module doc); ≤ attention_balance."""
+    efficiency_bound: float = 1.0
+    """Highest efficiency any aligned plan can reach (module doc); ≥ efficiency."""
     rank_cost: list[float] = field(default_factory=list, repr=False)
     """Per-rank cost (for plots)."""
     rank_attention: list[float] = field(default_factory=list, repr=False)
@@ -67,6 +79,19 @@ def rank_sums(values: np.ndarray, degrees: np.ndarray, starts: np.ndarray, world
     return np.cumsum(diff[:-1])
 
 
+def partition_bound(values: np.ndarray, num_bins: int) -> float:
+    """Lower bound on the largest bin sum of any split of `values` over `num_bins` bins: the
+    largest value, and for every k ≥ 1 the k+1 smallest of the k·num_bins + 1 largest values (some
+    bin holds k+1 of those)."""
+    ranked = np.sort(np.asarray(values, dtype=float))[::-1]
+    prefix = np.concatenate([[0.0], np.cumsum(ranked)])
+    k = np.arange(1, (len(ranked) - 1) // num_bins + 1)
+    bound = float(ranked[0]) if len(ranked) else 0.0
+    if len(k):
+        bound = max(bound, float((prefix[k * num_bins + 1] - prefix[k * num_bins - k]).max()))
+    return bound
+
+
 def _ratio(loads: np.ndarray) -> float:
     mean = float(loads.mean())
     return float(loads.max()) / mean if mean > 0 else 1.0
@@ -85,6 +110,11 @@ def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
     rank_tokens = rank_sums(tokens, degrees, starts, world_size)
     p_eff = min(p_max, world_size)
     lower_bound = max(float(cost.sum()) / world_size, float(cost.max()) / p_eff)
+    num_blocks = world_size // p_eff
+    mean_attention = float(attention.sum()) / world_size
+    attention_floor = max(mean_attention, float(attention.max()) / p_eff,
+                          partition_bound(attention, num_blocks) / p_eff)
+    cost_floor = max(lower_bound, partition_bound(cost, num_blocks) / p_eff)
     volume = float((tokens * (degrees - 1) / degrees).sum())
     fixed = float(tokens.sum()) * (p_eff - 1) / p_eff
     values, counts = np.unique(degrees, return_counts=True)
@@ -95,6 +125,8 @@ def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
         max_rank_tokens=float(rank_tokens.max()),
         degree_histogram={int(v): int(n) for v, n in zip(values, counts)}, num_packs=num_packs,
         all_to_all_volume=volume, all_to_all_relative=volume / fixed if fixed > 0 else 0.0,
+        attention_balance_bound=attention_floor / mean_attention if mean_attention > 0 else 1.0,
+        efficiency_bound=lower_bound / cost_floor,
         rank_cost=rank_cost.tolist(), rank_attention=rank_attention.tolist(), rank_tokens=rank_tokens.tolist(),
     )
 
