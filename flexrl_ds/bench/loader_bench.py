@@ -232,9 +232,9 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
             if index == config.warmup_steps:
                 loader_s_start, started = loader.stats.loader_s, time.perf_counter()
             begin = time.perf_counter()
-            upcoming = loader.next_step() if index + 1 < total else None
-            if upcoming is not None:
-                send(upcoming)
+            # every step, the last included, loads the next one: the steady state of a long run
+            upcoming = loader.next_step()
+            send(upcoming)
             outs = ray.get([w.run_step.remote(step.step, config.compute_ms) for w in workers])
             loader.release(step)
             pixel_bytes += sum(out["bytes"] for out in outs)
@@ -251,9 +251,9 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
         compute_ms=config.compute_ms, exposed_ms=statistics.mean(exposed), exposed_ms_max=max(exposed),
         worker_wait_ms=1e3 * statistics.mean(waits),
         controller_loader_ms=1e3 * (loader.stats.loader_s - loader_s_start) / config.steps,
-        # bytes: over all steps trained on (warm-up included); the shadow loader's count also holds
-        # the look-ahead step's probe and dispatch, so it slightly over-counts
-        controller_bytes_per_step=loader.stats.bytes_through_controller / total,
+        # bytes: over all steps loaded (warm-up and the one extra included); the shadow loader's
+        # count also holds one more look-ahead step's probe and dispatch, so it over-counts a little
+        controller_bytes_per_step=loader.stats.bytes_through_controller / (total + 1),
         pixel_bytes_per_step=pixel_bytes / total,
         controller_rss_start_mb=rss.start_rss / 2**20, controller_rss_peak_mb=rss.peak_self / 2**20,
         total_rss_peak_mb=rss.peak_total / 2**20,
