@@ -86,9 +86,7 @@ def _data_config(args: argparse.Namespace):
     if args.config:
         from flexrl_ds.config.flexrl_config import load_run_config
 
-        section = load_run_config(args.config).flexrl.data
-        # FlexRLConfig.data is a free dict until it is typed as DataConfig; accept both.
-        config = section if isinstance(section, DataConfig) else DataConfig.from_dict(section)
+        config = load_run_config(args.config).flexrl.data
     if args.model:
         config = config.with_processor_dir(args.model)
     if args.backend:

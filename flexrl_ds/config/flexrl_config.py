@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flexrl_ds.config.typed import from_dict
+from flexrl_ds.data.config import DataConfig
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -65,8 +66,8 @@ class FlexRLConfig:
 
     sp: SPConfig = field(default_factory=SPConfig)
     """FlexUlysses planning and execution."""
-    data: dict[str, Any] = field(default_factory=dict)
-    """ShadowLoader settings; validated by `flexrl_ds.data` (see its config module)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """ShadowLoader data settings (flexrl_ds/data/config.py)."""
     rl: dict[str, Any] = field(default_factory=dict)
     """GRPO settings; validated by `flexrl_ds.rl`."""
 

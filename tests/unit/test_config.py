@@ -51,3 +51,13 @@ def test_bad_file(tmp_path):
     path.write_text(json.dumps([1]))
     with pytest.raises(ValueError, match="JSON object"):
         load_run_config(path)
+
+
+def test_data_section_is_typed():
+    from flexrl_ds.data.config import DataConfig
+
+    run = parse_run_config({"flexrl": {"data": {"video_fps": 1.0, "bad_record_policy": "replace"}}})
+    assert isinstance(run.flexrl.data, DataConfig)
+    assert run.flexrl.data.video_fps == 1.0
+    with pytest.raises(ValueError, match="flexrl.data: unknown key"):
+        parse_run_config({"flexrl": {"data": {"video_fpss": 1.0}}})
