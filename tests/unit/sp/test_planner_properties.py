@@ -61,7 +61,8 @@ def _check(workload, world_size, sp, head_rule):
         assert _tokens_per_rank(plan, workload).max() <= sp.max_tokens_per_rank + 1e-6
     if head_rule == "divisible":
         assert all(COST.num_heads % p.degree == 0 for p in plan.packs)
-    assert 0 < result.metrics.efficiency <= 1 + 1e-9
+    assert 0 < result.metrics.efficiency <= result.metrics.efficiency_bound + 1e-9 <= 1 + 2e-9
+    assert result.metrics.attention_balance >= result.metrics.attention_balance_bound - 1e-9
     ids = [s for p in plan.packs for s in p.sequences]
     assert sorted(ids) == sorted(s.id for s in workload.sequences)
 
