@@ -7,17 +7,24 @@ Public API (stable; the executor calls it once per step and SP domain):
     result.workload    # the workload actually planned (after oversize drop/truncate)
     result.dropped / result.truncated / result.metrics
 
-Algorithm (docs/ARCHITECTURE.md "Planner" has the argument):
-1. Lower bounds `LBc = max(Σ cost / W, max cost / p)` and `LBa` (same with attention L²), p the
-   largest allowed degree.
-2. Candidates (`PlannerOptions.tries`): cost-only at θ = 1, then attention-aware at θ = ¼, ⅛,
-   1/16, ½. A sequence gets the smallest allowed degree d with `cost/d ≤ θ·LBc` (attention-aware: also
-   `L²/d ≤ θ·LBa`) and `L/d ≤ max_tokens_per_rank` — only what balance or memory needs.
-3. Each candidate: LPT on aligned blocks (placement.py), then moves/swaps off the busiest rank.
-4. Stop at the first candidate within `balance_tolerance` of LBc whose attention balance is at most
-   `attention_goal`. Otherwise: among candidates within tolerance of the best busiest-rank cost, the
-   least all-to-all volume that meets the attention goal, else the lowest busiest-rank cost.
-5. Pack sequences sharing a group (packing.py); number packs in HSF order (schedule.py).
+Algorithm (docs/ARCHITECTURE.md "Planner" has the argument; p = the largest allowed degree):
+1. Every sequence of degree ≤ p lies in one aligned p-block, so a plan is first a partition of the
+   sequences over the W/p p-blocks. `partition_blocks` (placement.py): LPT on cost (exactly fixed
+   SP at p's) and a 2-D LPT (attention-heavy sequences by max(cost, attention)), each refined by
+   moves/swaps on cost, then on attention under a cost ceiling; least attention among those within
+   `balance_tolerance / 2` of the best busiest-block cost.
+2. Per-rank rooms: cost `(1 + balance_tolerance) ×` busiest block ÷ p (what fixed SP at p reaches
+   on this partition), attention `max((1 + balance_tolerance) × busiest block ÷ p,
+   attention_goal × mean)`, tokens `max_tokens_per_rank`.
+3. Each p-block is split by recursive halving (`split_block`): the k largest shardable sequences
+   stay at the block's degree, the rest go to the two halves (greedy + move/swap repair) so both fit
+   the rooms left; smallest such k; recurse. Degrees are thus chosen by the layout: a sequence is
+   sharded only as far as balance or the token cap needs. Sequences under `min_shard_tokens` stay
+   whole where they carry ≥ `short_share` of a block's cost and that costs ≤ `short_tolerance`.
+4. Pack sequences sharing a group (packing.py); number packs in HSF order (schedule.py).
+Guarantee (no token cap, no short sequences kept whole): busiest rank ≤ (1 + tolerance)² × fixed
+SP at p's, so efficiency ≥ fixed SP's − 2·tolerance; attention balance ≤ max(fixed SP's ×
+(1 + tolerance), attention_goal); all-to-all volume ≤ fixed SP's.
 
 Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the group. "uneven"
 (default) allows every power-of-two degree ≤ p_max; when d does not divide num_heads the executor
