@@ -78,6 +78,8 @@ def measure_quality(cost: CostModel, sp: SPConfig, seeds: int, counts=SEQUENCE_C
                 rows.append({
                     "mix": mix, "world_size": world_size, "num_sequences": num,
                     "efficiency_min": min(m.efficiency for m in metrics),
+                    "efficiency_bound_min": min(m.efficiency_bound for m in metrics),
+                    "attention_balance_bound_max": max(m.attention_balance_bound for m in metrics),
                     "cost_balance_max": max(m.cost_balance for m in metrics),
                     "attention_balance_max": max(m.attention_balance for m in metrics),
                     "lb_is_longest": any(m.lower_bound * world_size > sum(m.rank_cost) * 1.0001 for m in metrics),
@@ -102,7 +104,8 @@ def format_timing(rows: list[dict[str, Any]]) -> str:
 
 def format_quality(rows: list[dict[str, Any]]) -> str:
     lines = ["FlexUlysses plan quality (worst over seeds): efficiency / cost balance / attention balance / "
-             "a2a vs SP=p_max (mean); * = lower bound set by the longest sequence"]
+             "a2a vs SP=p_max (mean); * = lower bound set by the longest sequence; "
+             "! = no aligned plan reaches 0.97 (efficiency bound, metrics.py)"]
     counts = sorted({r["num_sequences"] for r in rows})
     for mix in dict.fromkeys(r["mix"] for r in rows):
         lines.append(f"{mix}")
@@ -112,5 +115,6 @@ def format_quality(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{world_size:>5}" + "".join(
                 f"{c['efficiency_min']:>7.3f}/{c['cost_balance_max']:.2f}/{c['attention_balance_max']:.2f}"
                 f"/{c['all_to_all_relative_mean']:.2f}{'*' if c['lb_is_longest'] else ' '}"
+                f"{'!' if c['efficiency_bound_min'] < 0.97 else ' '}"
                 for c in (cells[n] for n in counts)))
     return "\n".join(lines)

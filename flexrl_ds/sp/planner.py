@@ -24,7 +24,7 @@ Algorithm (docs/ARCHITECTURE.md "Planner" has the argument; p = the largest allo
 4. Pack sequences sharing a group (packing.py); number packs in HSF order (schedule.py).
 Guarantee (no token cap, no short sequences kept whole): busiest rank ≤ (1 + tolerance)² × fixed
 SP at p's, so efficiency ≥ fixed SP's − 2·tolerance; attention balance ≤ max(fixed SP's ×
-(1 + tolerance), attention_goal); all-to-all volume ≤ fixed SP's.
+(1 + tolerance), attention_goal) unless the 2-D start wins on cost; all-to-all ≤ fixed SP's.
 
 Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the group. "uneven"
 (default) allows every power-of-two degree ≤ p_max; when d does not divide num_heads the executor
