@@ -112,39 +112,48 @@ def token_owners(layouts: Sequence) -> dict[str, list[tuple[int, int, int, int]]
     return owners
 
 
-def _owner_of(pieces, position: int) -> tuple[int, int]:
-    for lo, hi, rank, local in pieces:
-        if lo <= position < hi:
-            return rank, local + position - lo
-    raise AssertionError(f"position {position} is on no rank")
+def _ranges_to_index(ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Concatenated aranges of (start, length) ranges as int64."""
+    if not ranges:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(start, start + length, dtype=torch.long) for start, length in ranges])
 
 
 def build_route(units: Sequence[VisionUnit], unit_rank: Sequence[int], layouts: Sequence, rank: int) -> VisionRoute:
-    """This rank's route, from the step's units, their encoder ranks and EVERY rank's layout."""
+    """This rank's route, from the step's units, their encoder ranks and EVERY rank's layout.
+
+    Works on token ranges (a unit's tokens are contiguous in its sequence, and so is each rank's
+    piece of it), so the cost is units x pieces, not vision tokens. Rows travel in the same order on
+    both sides: units in global order, then the unit's pieces in `token_owners` order.
+    """
     num_ranks = len(layouts)
     owners = token_owners(layouts)
-    mine = [u for u, r in zip(units, unit_rank) if r == rank]
-    send: list[list[int]] = [[] for _ in range(num_ranks)]
-    recv: list[list[int]] = [[] for _ in range(num_ranks)]
+    send: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
+    recv: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
+    patches = [0] * num_ranks
     row = 0
     for unit, encoder in zip(units, unit_rank):
-        for j in range(unit.num_tokens):
-            owner, local = _owner_of(owners[unit.seq_id], unit.token_start + j)
+        patches[encoder] += unit.num_patches
+        first, end = unit.token_start, unit.token_start + unit.num_tokens
+        covered = 0
+        for lo, hi, owner, local in owners[unit.seq_id]:
+            a, b = max(lo, first), min(hi, end)
+            if a >= b:
+                continue
+            covered += b - a
             if encoder == rank:
-                send[owner].append(row + j)
+                send[owner].append((row + a - first, b - a))
             if owner == rank:
-                recv[encoder].append(local)
+                recv[encoder].append((local + a - lo, b - a))
+        assert covered == unit.num_tokens, (unit, covered)
         if encoder == rank:
             row += unit.num_tokens
-    patches = [0] * num_ranks
-    for unit, encoder in zip(units, unit_rank):
-        patches[encoder] += unit.num_patches
     return VisionRoute(
-        my_units=tuple(mine),
-        send_index=torch.tensor([i for dest in send for i in dest], dtype=torch.long),
-        send_splits=tuple(len(dest) for dest in send),
-        recv_splits=tuple(len(src) for src in recv),
-        recv_local_index=torch.tensor([i for src in recv for i in src], dtype=torch.long),
+        my_units=tuple(u for u, r in zip(units, unit_rank) if r == rank),
+        send_index=_ranges_to_index([r for dest in send for r in dest]),
+        send_splits=tuple(sum(n for _, n in dest) for dest in send),
+        recv_splits=tuple(sum(n for _, n in src) for src in recv),
+        recv_local_index=_ranges_to_index([r for src in recv for r in src]),
         patches_per_rank=tuple(patches),
     )
 
