@@ -35,6 +35,16 @@ def register(commands, bench) -> None:
     logprobs.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
     logprobs.set_defaults(func=_logprobs)
 
+    vision = bench.add_parser("vision", help="vision-tower patches per rank: sequence owner vs pack group vs domain")
+    vision.add_argument("--mix", default="image-heavy")
+    vision.add_argument("--gbs", type=int, default=32, help="prompts in the step")
+    vision.add_argument("--n-samples", type=int, default=8, help="GRPO samples per prompt")
+    vision.add_argument("--world", type=int, default=32, help="ranks of the SP domain")
+    vision.add_argument("--p-max", type=int, default=8)
+    vision.add_argument("--seed", type=int, default=0)
+    vision.add_argument("--plot", default=None, help="PNG of patches per rank per policy")
+    vision.set_defaults(func=_bench_vision)
+
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
@@ -52,4 +62,16 @@ def _logprobs(args: argparse.Namespace) -> int:
                             plan_in=args.plan)
     summary = run_logprobs(config)
     print(summary)
+    return 0
+
+
+def _bench_vision(args: argparse.Namespace) -> int:
+    from flexrl_ds.bench.vision_balance_bench import run
+
+    rows = run(args.mix, args.gbs, args.n_samples, args.world, args.p_max, args.seed, args.plot)
+    print(f"{'policy':<16}{'max patches':>14}{'mean':>14}{'max/mean':>10}")
+    for row in rows:
+        print(f"{row.policy:<16}{row.max_patches:>14}{row.mean_patches:>14.0f}{row.balance:>10.3f}")
+    if args.plot:
+        print(f"plot: {args.plot}")
     return 0
