@@ -92,3 +92,17 @@ def test_exchange_emulated_over_all_ranks_equals_hf_vision_embeddings(vl_samples
         received = torch.cat([sent[r][o] for r in range(world)])
         expected = layout.slice_tokens(reference, dim=0)[route.recv_local_index]
         torch.testing.assert_close(received, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bench_vision_policies_encode_the_same_patches(tmp_path):
+    from flexrl_ds.bench.vision_balance_bench import run
+    from flexrl_ds.cli.main import main
+
+    rows = run("image-heavy", num_prompts=8, n_samples=4, world_size=8, p_max=4, seed=1)
+    by_policy = {row.policy: row for row in rows}
+    assert len({round(row.mean_patches, 6) for row in rows}) == 1  # same total work, only placed differently
+    assert by_policy["domain"].max_patches <= by_policy["pack-group"].max_patches
+    assert by_policy["domain"].max_patches <= by_policy["sequence-owner"].max_patches
+    assert main(["bench", "vision", "--gbs", "4", "--n-samples", "2", "--world", "4", "--p-max", "4",
+                 "--plot", str(tmp_path / "v.png")]) == 0
+    assert (tmp_path / "v.png").stat().st_size > 0
