@@ -35,6 +35,8 @@ FIX_STEPS = 4
 """Move/swap steps that try to repair a greedy two-way split exceeding its rooms."""
 FIX_SAMPLE = 192
 """At most this many items per side are considered by one repair step."""
+SNAKE_ABOVE = 64
+"""Two-way splits of more items than this start from the snake order (numpy) instead of greedy."""
 SMALL_REPAIR = 24
 """Two-way splits of at most this many items are repaired in plain Python (numpy overhead)."""
 SLACK = 1e-9
@@ -89,6 +91,8 @@ def partition_blocks(items: Items, num_blocks: int, block_size: int, token_cap: 
                  num_blocks, good_enough[1])
         sums = [float(np.bincount(blocks, weights=row, minlength=num_blocks).max()) for row in items.values[:2]]
         results.append((sums[0], sums[1], blocks))
+        if sums[1] <= good_enough[1]:
+            break  # attention already within its goal: no 2-D start needed
     best_cost = min(r[0] for r in results)
     return min((r for r in results if r[0] <= best_cost * (1 + cost_slack)), key=lambda r: r[1])[2]
 
@@ -257,6 +261,8 @@ def _bisect(items: Items, rest: list[int], half_room: tuple[float, float, float]
     """Greedy two-way split of `rest` (decreasing cost) minimising the larger normalised load, then
     a few repair moves/swaps. Returns (left, right, (soft excess, 0, token excess)); excess ≤ 0 fits."""
     scale = tuple(0.0 if r == float("inf") else 1.0 / max(r, 1e-30) for r in half_room)
+    if len(rest) > SNAKE_ABOVE:
+        return _bisect_snake(items, rest, scale)
     sc, sa, st = scale
     cost, attention, tokens = items.cost, items.attention, items.tokens
     left, right = [], []
@@ -276,6 +282,18 @@ def _bisect(items: Items, rest: list[int], half_room: tuple[float, float, float]
     return left, right, _excess(loads, scale)
 
 
+def _bisect_snake(items: Items, rest: list[int], scale):
+    """Many items: snake order (L R R L L R R L …, in decreasing cost; each half within one item of
+    the other) as one numpy step, then the sorted-search repair."""
+    index = np.asarray(rest, dtype=np.int64)
+    to_left = (np.arange(len(index)) + 1) % 4 < 2
+    loads = np.stack([items.values[:, index[to_left]].sum(axis=1), items.values[:, index[~to_left]].sum(axis=1)])
+    left, right = index[to_left].tolist(), index[~to_left].tolist()
+    if _excess(loads.tolist(), scale)[0] > 0:
+        left, right, loads = _repair(items, left, right, loads, scale)
+    return left, right, _excess(loads if isinstance(loads, list) else loads.tolist(), scale)
+
+
 def _excess(loads, scale) -> tuple[float, float, float]:
     sc, sa, st = scale
     soft = max(loads[0][0] * sc, loads[0][1] * sa, loads[1][0] * sc, loads[1][1] * sa) - 1 - SLACK
@@ -287,38 +305,36 @@ def _repair_small(items: Items, left: list[int], right: list[int], loads, scale)
     """`_repair` for a few items: plain Python over all moves and swaps."""
     sides = [list(left), list(right)]
     loads = [list(loads[0]), list(loads[1])]
-    column = (items.cost, items.attention, items.tokens)
-
-    def norm(side):
-        return max(side[0] * scale[0], side[1] * scale[1], side[2] * scale[2])
-
+    sc, sa, st = scale
+    cost, attention, tokens = items.cost, items.attention, items.tokens
     for _ in range(FIX_STEPS):
-        current = max(norm(loads[0]), norm(loads[1]))
+        normalised = [max(side[0] * sc, side[1] * sa, side[2] * st) for side in loads]
+        current = max(normalised)
         if current <= 1 + SLACK:
             break
-        heavy = 0 if norm(loads[0]) >= norm(loads[1]) else 1
-        light = 1 - heavy
-        best = (current * (1 - SLACK), None)
+        heavy = 0 if normalised[0] >= normalised[1] else 1
+        (hc, ha, ht), (lc, la, lt) = loads[heavy], loads[1 - heavy]
+        best, choice = current * (1 - SLACK), None
+        takers = [(-1, 0.0, 0.0, 0.0)] + [(j, cost[j], attention[j], tokens[j]) for j in sides[1 - heavy]]
         for i in sides[heavy]:
-            for j in [-1] + sides[light]:
-                delta = [column[k][i] - (column[k][j] if j >= 0 else 0.0) for k in range(3)]
-                score = max(norm([loads[heavy][k] - delta[k] for k in range(3)]),
-                            norm([loads[light][k] + delta[k] for k in range(3)]))
-                if score < best[0]:
-                    best = (score, (i, j, delta))
-        if best[1] is None:
+            ci, ai, ti = cost[i], attention[i], tokens[i]
+            for j, cj, aj, tj in takers:
+                dc, da, dt = ci - cj, ai - aj, ti - tj
+                score = max((hc - dc) * sc, (ha - da) * sa, (ht - dt) * st,
+                            (lc + dc) * sc, (la + da) * sa, (lt + dt) * st)
+                if score < best:
+                    best, choice = score, (i, j, dc, da, dt)
+        if choice is None:
             break
-        i, j, delta = best[1]
+        i, j, dc, da, dt = choice
         sides[heavy].remove(i)
-        sides[light].append(i)
+        sides[1 - heavy].append(i)
         if j >= 0:
-            sides[light].remove(j)
+            sides[1 - heavy].remove(j)
             sides[heavy].append(j)
-        for k in range(3):
-            loads[heavy][k] -= delta[k]
-            loads[light][k] += delta[k]
-    order = items.cost
-    return sorted(sides[0], key=lambda i: -order[i]), sorted(sides[1], key=lambda i: -order[i]), loads
+        loads[heavy] = [hc - dc, ha - da, ht - dt]
+        loads[1 - heavy] = [lc + dc, la + da, lt + dt]
+    return sorted(sides[0], key=lambda i: -cost[i]), sorted(sides[1], key=lambda i: -cost[i]), loads
 
 
 def _repair(items: Items, left: list[int], right: list[int], loads: np.ndarray, scale):
