@@ -33,6 +33,8 @@ def register(commands, bench) -> None:
                           help="use this plan file instead of planning (its sequences must be the record ids)")
     logprobs.add_argument("--out", required=True, help="output .jsonl")
     logprobs.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
+    logprobs.add_argument("--response-key", default="response",
+                          help="record field with the text to score (default response; e.g. answer)")
     logprobs.set_defaults(func=_logprobs)
 
     vision = bench.add_parser("vision", help="vision-tower patches per rank: sequence owner vs pack group vs domain")
@@ -59,7 +61,7 @@ def _logprobs(args: argparse.Namespace) -> int:
 
     config = LogprobsConfig(model_dir=args.model, data_path=args.data, out_path=args.out,
                             num_procs=args.nproc, p_max=args.p_max, plan_out=args.plan_out, dtype=args.dtype,
-                            plan_in=args.plan)
+                            plan_in=args.plan, response_key=args.response_key)
     summary = run_logprobs(config)
     print(summary)
     return 0

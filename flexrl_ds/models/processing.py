@@ -112,10 +112,11 @@ class SampleEncoder:
         return "".join(out)
 
 
-def encode_records(model_dir: str | Path, data_path: str | Path, log=None) -> dict[str, EncodedSample]:
+def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
+                   response_key: str = "response") -> dict[str, EncodedSample]:
     """EncodedSample per good record of a dataset file (file order); bad records are reported and skipped.
 
-    Records need a `response` (the text to score). Media go through the ShadowLoader's
+    Records need the text to score under `response_key` ("response", "answer", or any other field). Media go through the ShadowLoader's
     `SamplePreprocessor` with the geometry of the model's saved processor.
     """
     from flexrl_ds.data.config import DataConfig
@@ -127,8 +128,9 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None) -> di
     preprocessor = SamplePreprocessor(DataConfig().with_processor_dir(model_dir)) if encoder.has_vision else None
     samples: dict[str, EncodedSample] = {}
     for record in read_dataset(data_path):
-        if not isinstance(record, BadRecord) and record.response is None:
-            record = BadRecord(record.id, "no 'response' field to score", record.index, "read")
+        response = None if isinstance(record, BadRecord) else _field(record, response_key)
+        if not isinstance(record, BadRecord) and not isinstance(response, str):
+            record = BadRecord(record.id, f"no {response_key!r} text to score", record.index, "read")
         if not isinstance(record, BadRecord) and record.items and preprocessor is None:
             record = BadRecord(record.id, "has media but the model has no vision tower", record.index, "read")
         items: list[VisionItem] = []
@@ -146,7 +148,14 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None) -> di
         if isinstance(record, BadRecord):
             print(f"skipped record {record.id!r}: {record.reason}", file=log or sys.stderr)
             continue
-        samples[record.id] = encoder.encode_items(record.id, record.prompt, record.response, items)
+        samples[record.id] = encoder.encode_items(record.id, record.prompt, response, items)
     if not samples:
         raise ValueError(f"{data_path}: no usable records")
     return samples
+
+
+def _field(record, key: str):
+    """A record's text field: a named attribute (response, answer) or an extra column."""
+    if key in ("response", "answer", "prompt", "data_source"):
+        return getattr(record, key)
+    return record.extra.get(key)

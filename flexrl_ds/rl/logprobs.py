@@ -44,6 +44,8 @@ class LogprobsConfig:
     """Collective timeout of the worker process group."""
     plan_in: str | None = None
     """If set, run this plan file instead of planning (validated against the records and --nproc)."""
+    response_key: str = "response"
+    """Record field holding the text to score (e.g. "answer" for datasets without responses)."""
 
     def __post_init__(self) -> None:
         if self.num_procs < 1 or self.num_procs & (self.num_procs - 1):
@@ -71,11 +73,11 @@ def load_model(model_dir: str, dtype: str = "float32"):
     return cls.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
-def encode_dataset(model_dir: str, data_path: str) -> dict[str, Any]:
+def encode_dataset(model_dir: str, data_path: str, response_key: str = "response") -> dict[str, Any]:
     """EncodedSample per usable record id, in file order (bad records reported and skipped)."""
     from flexrl_ds.models.processing import encode_records
 
-    return encode_records(model_dir, data_path)
+    return encode_records(model_dir, data_path, response_key=response_key)
 
 
 def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_max: int):
@@ -110,7 +112,7 @@ def run_logprobs(config: LogprobsConfig) -> str:
     from flexrl_ds.rl import logprob_worker
 
     start = time.perf_counter()
-    samples = encode_dataset(config.model_dir, config.data_path)
+    samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
     if config.plan_in:
         plan = load_given_plan(config.plan_in, samples, config.num_procs)
     else:
