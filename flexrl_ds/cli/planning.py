@@ -132,6 +132,8 @@ def _plan(args) -> int:
           f"H_pack {result.limits.H_pack})")
     print(f"  attention balance {m.attention_balance:.3f}   cost balance {m.cost_balance:.3f}   "
           f"token balance {m.token_balance:.3f}   efficiency {m.efficiency:.3f}")
+    print(f"  bounds for any plan on aligned groups: attention balance >= {m.attention_balance_bound:.3f}, "
+          f"efficiency <= {m.efficiency_bound:.3f}")
     print(f"  degrees: {hist}   packs: {m.num_packs}   schedule: {check.describe()}")
     print(f"  all-to-all volume {m.all_to_all_volume:.0f} tokens = {m.all_to_all_relative:.3f} x fixed SP at p_max")
     if result.dropped:

@@ -19,7 +19,7 @@ def test_make_workload_then_plan(tmp_path, capsys):
                  "--p-max", "8", "--h-pack", "2048", "--H-pack", "8192", "--out", str(plan_path)]) == 0
     out = capsys.readouterr().out
     for word in ("attention balance", "cost balance", "token balance", "efficiency", "degrees", "packs",
-                 "all-to-all", "deadlock-free"):
+                 "all-to-all", "deadlock-free", "bounds for any plan"):
         assert word in out
     raw = json.loads(plan_path.read_text())
     assert set(raw) >= {"world_size", "p_max", "packs", "rank_order"}
@@ -70,7 +70,10 @@ def test_simulate_table_json_and_plot(tmp_path, capsys):
     assert main(["simulate", "--mix", "only-video", "--world-size", "4", "--gbs", "4", "--seeds", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert "SP=8" not in result["methods"]  # larger than the world
-    assert result["methods"]["FlexUlysses"]["efficiency"] >= 0.97
+    flex = result["methods"]["FlexUlysses"]
+    assert flex["efficiency"] >= 0.97
+    assert flex["attention_balance"] >= flex["attention_balance_bound"] - 1e-9
+    assert flex["efficiency"] <= flex["efficiency_bound"] + 1e-9
 
 
 def test_bench_planner_small_grid(capsys):
