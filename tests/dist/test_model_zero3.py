@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from flexrl_ds.models.sample_data import write_scoring_dataset
+    from flexrl_ds.models.sample_data import text_only_copy, write_scoring_dataset
     from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 
     root = tmp_path_factory.mktemp("zero3")
@@ -27,7 +27,8 @@ def assets(tmp_path_factory):
     data = write_scoring_dataset(root / "data", num_records=7, seed=2)
     # 2 images for 4 ranks: two ranks have no vision unit and must run the tower on a dummy input
     few = write_scoring_dataset(root / "few", num_records=3, seed=3, with_video=False)
-    return root, {"many": data, "few": few}
+    # the text model scores the same records without their media (written once, before any rank reads)
+    return root, {"many": data, "few": few, "many-text": text_only_copy(data)}
 
 
 def _load(model_dir: str):
@@ -44,12 +45,9 @@ def _load(model_dir: str):
 
 
 def _samples(model_dir: str, data_path: str):
-    """Encoded records; the text model scores the same records without their media."""
+    """Encoded records (every rank reads the same files; nothing is written here)."""
     from flexrl_ds.models.processing import encode_records
-    from flexrl_ds.models.sample_data import text_only_copy
 
-    if not model_dir.endswith("vl"):
-        data_path = str(text_only_copy(data_path))
     return encode_records(model_dir, data_path)
 
 
@@ -104,7 +102,7 @@ def test_zero3_flex_ulysses_matches_single_process(assets, dist_pools, arch, see
     from flexrl_ds.models.sample_data import random_plan_for
 
     root, datasets = assets
-    data = datasets[dataset]
+    data = datasets[dataset + ("-text" if arch == "q2" else "")]
     model_dir = str(root / arch)
     ref_nll, ref_tokens, ref_grads, lengths = _reference(model_dir, str(data))
     plan = random_plan_for(lengths, world, p_max=min(world, 8), seed=seed)
