@@ -153,7 +153,7 @@ class Materializer:
         pending = _PendingStep(assignment, {})
         for key, requests in by_prompt.items():
             source = assignment.sources[key]
-            pending.futures[key] = self._pool.submit(self._fetch_prompt, source, requests, pending.repairs)
+            pending.futures[key] = self._pool.submit(self._materialize_prompt, source, requests, pending.repairs)
         with self._lock:
             assert assignment.step not in self._steps, f"step {assignment.step} prefetched twice"
             self._steps[assignment.step] = pending
@@ -165,15 +165,18 @@ class Materializer:
         if pending is None:
             raise KeyError(f"step {step} was never prefetched on this worker")
         started = time.perf_counter()
-        fetched = {key: future.result() for key, future in pending.futures.items()}
+        done = {key: future.result() for key, future in pending.futures.items()}
         wait_s = time.perf_counter() - started
-        tensors, num_bytes = [], 0
-        for request in pending.assignment.requests:
-            source_slices, source = fetched[request.prompt]
-            tensors.append(cut_request(source.layouts[request.item_index], request, source_slices))
-        for source_slices, _ in fetched.values():
-            num_bytes += sum(value["pixel_values"].nbytes for value in source_slices.values())
+        tensors = [done[request.prompt][0][request] for request in pending.assignment.requests]
+        num_bytes = sum(fetched_bytes for _, fetched_bytes in done.values())
         return MaterializedStep(step, tensors, wait_s, num_bytes, len(pending.repairs))
+
+    def _materialize_prompt(self, source: PromptSource, requests: list[SliceRequest], repairs: list[int]):
+        """Fetch, then cut every request of one prompt (in the background thread, so `get` only
+        hands out finished tensors)."""
+        slices, source = self._fetch_prompt(source, requests, repairs)
+        cut = {request: cut_request(source.layouts[request.item_index], request, slices) for request in requests}
+        return cut, sum(value["pixel_values"].nbytes for value in slices.values())
 
     def _fetch_prompt(self, source: PromptSource, requests: list[SliceRequest], repairs: list[int]):
         for attempt in range(self.max_attempts):
