@@ -22,6 +22,7 @@ the room the degree-`b` sequences left.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ FIX_SAMPLE = 192
 """At most this many items per side are considered by one repair step."""
 SNAKE_ABOVE = 64
 """Two-way splits of more items than this start from the snake order (numpy) instead of greedy."""
-SMALL_REPAIR = 24
+SMALL_REPAIR = 64
 """Two-way splits of at most this many items are repaired in plain Python (numpy overhead)."""
 SLACK = 1e-9
 """Relative slack on room checks (float rounding)."""
@@ -302,11 +303,12 @@ def _excess(loads, scale) -> tuple[float, float, float]:
 
 
 def _repair_small(items: Items, left: list[int], right: list[int], loads, scale):
-    """`_repair` for a few items: plain Python over all moves and swaps."""
+    """`_repair` for a few items in plain Python: per giver, the two takers (or a plain move) whose
+    value in the most loaded dimension is nearest to evening the halves (bisect), scored on all."""
     sides = [list(left), list(right)]
     loads = [list(loads[0]), list(loads[1])]
     sc, sa, st = scale
-    cost, attention, tokens = items.cost, items.attention, items.tokens
+    columns = (items.cost, items.attention, items.tokens)
     for _ in range(FIX_STEPS):
         normalised = [max(side[0] * sc, side[1] * sa, side[2] * st) for side in loads]
         current = max(normalised)
@@ -314,12 +316,21 @@ def _repair_small(items: Items, left: list[int], right: list[int], loads, scale)
             break
         heavy = 0 if normalised[0] >= normalised[1] else 1
         (hc, ha, ht), (lc, la, lt) = loads[heavy], loads[1 - heavy]
+        dim = max(range(3), key=lambda k: loads[heavy][k] * scale[k])
+        key = columns[dim]
+        takers = sorted([(0.0, -1)] + [(key[j], j) for j in sides[1 - heavy]])
+        values = [v for v, _ in takers]
+        half_gap = (loads[heavy][dim] - loads[1 - heavy][dim]) / 2
         best, choice = current * (1 - SLACK), None
-        takers = [(-1, 0.0, 0.0, 0.0)] + [(j, cost[j], attention[j], tokens[j]) for j in sides[1 - heavy]]
         for i in sides[heavy]:
-            ci, ai, ti = cost[i], attention[i], tokens[i]
-            for j, cj, aj, tj in takers:
-                dc, da, dt = ci - cj, ai - aj, ti - tj
+            spot = bisect.bisect_left(values, key[i] - half_gap)
+            for position in (spot - 1, spot):
+                if not 0 <= position < len(takers):
+                    continue
+                j = takers[position][1]
+                dc = items.cost[i] - (items.cost[j] if j >= 0 else 0.0)
+                da = items.attention[i] - (items.attention[j] if j >= 0 else 0.0)
+                dt = items.tokens[i] - (items.tokens[j] if j >= 0 else 0.0)
                 score = max((hc - dc) * sc, (ha - da) * sa, (ht - dt) * st,
                             (lc + dc) * sc, (la + da) * sa, (lt + dt) * st)
                 if score < best:
@@ -334,6 +345,7 @@ def _repair_small(items: Items, left: list[int], right: list[int], loads, scale)
             sides[heavy].append(j)
         loads[heavy] = [hc - dc, ha - da, ht - dt]
         loads[1 - heavy] = [lc + dc, la + da, lt + dt]
+    cost = items.cost
     return sorted(sides[0], key=lambda i: -cost[i]), sorted(sides[1], key=lambda i: -cost[i]), loads
 
 
