@@ -11,11 +11,13 @@ A sequence of degree `d ≤ p` runs on an aligned block `[k·d, (k+1)·d)` and a
    a lower degree, and so on down to single ranks.
 
 `partition_blocks` does (1): LPT on cost over the p-blocks (token room respected; the same LPT as
-fixed SP), then moves/swaps off the busiest block while its cost drops, then moves/swaps lowering the
-busiest block's attention while no block's cost exceeds a ceiling. `split_block` does (2) by
+fixed SP) and, when attention is not yet within its goal, a 2-D LPT; each refined by moves/swaps
+off the busiest block while its cost drops, then moves/swaps lowering the busiest block's
+attention while no block's cost exceeds a ceiling. `split_block` does (2) by
 recursive halving under per-rank rooms (cost, attention, tokens): on a block of `b` ranks the `k`
 largest shardable sequences stay at degree `b` (the same share on every rank), the others are split
-over the two halves so that both fit the rooms left; the smallest `k` that works is taken
+over the two halves (greedy or snake order, then move/swap repair) so that both fit the rooms
+left; the smallest `k` that works is taken
 (exponential, then binary search), so only what balance needs is sharded. Each half recurses with
 the room the degree-`b` sequences left.
 """
@@ -35,7 +37,7 @@ SWAP_BLOCKS = 8
 FIX_STEPS = 4
 """Move/swap steps that try to repair a greedy two-way split exceeding its rooms."""
 FIX_SAMPLE = 192
-"""At most this many items per side are considered by one repair step."""
+"""Block refinement considers at most this many givers and takers per step (evenly sampled)."""
 SNAKE_ABOVE = 64
 """Two-way splits of more items than this start from the snake order (numpy) instead of greedy."""
 SMALL_REPAIR = 64
