@@ -212,6 +212,7 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
     from flexrl_ds.data.proxy_loader import requests_for_samples
     from flexrl_ds.data.records import read_dataset
 
+    rss = _RssSampler()  # baseline: this process before it holds any data
     records = read_dataset(config.data)
     workers = [_make_worker_class().remote() for _ in range(config.num_workers)]
     loader, pool = _build_loader(mode, records, config, batch, num_actors)
@@ -226,8 +227,8 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
     step = loader.next_step()
     send(step)
     walls, waits, pixel_bytes = [], [], 0
-    with _RssSampler() as rss:
-        rss.pids = pids
+    rss.pids = pids
+    with rss:
         for index in range(total):
             if index == config.warmup_steps:
                 loader_s_start, started = loader.stats.loader_s, time.perf_counter()
