@@ -118,7 +118,10 @@ class FlexUlyssesLM(torch.nn.Module):
 
         embed_tokens = self.hf_model.get_input_embeddings()
         device = embed_tokens.weight.device
-        embeds = embed_tokens(batch.input_ids.to(device))
+        ids = batch.input_ids
+        if ids.numel() == 0:  # idle rank: one placeholder token keeps the embedding in the graph
+            ids = torch.zeros(1, dtype=torch.long)
+        embeds = embed_tokens(ids.to(device))
         zero = embeds.new_zeros(())
         if batch.route is None:
             return embeds, zero
@@ -131,6 +134,8 @@ class FlexUlyssesLM(torch.nn.Module):
 
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, zero = self.embed(batch)
+        if batch.layout.num_local_tokens == 0:
+            return self._idle_forward(batch, embeds, zero)
         step = hf_adapter.FlexStep(batch.layout, self.attention)
         kwargs = dict(inputs_embeds=embeds.unsqueeze(0), position_ids=batch.position_ids.to(embeds.device),
                       use_cache=False, **{hf_adapter.STEP_KWARG: step})
@@ -143,6 +148,17 @@ class FlexUlyssesLM(torch.nn.Module):
         chunks = [_target_logprobs(self.hf_model.lm_head(hidden[i:i + size]), targets[i:i + size])
                   for i in range(0, hidden.shape[0], size)]
         return (torch.cat(chunks) if chunks else hidden.new_zeros(0)), zero
+
+    def _idle_forward(self, batch: StepBatch, embeds, zero) -> tuple[torch.Tensor, torch.Tensor]:
+        """A rank without tokens: one placeholder token through every module (ZeRO-3 gathers are
+        collective), local attention only (it is in no pack), output folded into the zero term."""
+        placeholder = embeds.unsqueeze(0)  # (1, 1, hidden): the embedded placeholder token
+        positions = torch.zeros((batch.position_ids.shape[0], 1, 1) if batch.position_ids.dim() == 3 else (1, 1),
+                                dtype=torch.long, device=embeds.device)
+        step = hf_adapter.FlexStep(batch.layout, self.attention, idle=True)
+        logits = self.hf_model(inputs_embeds=placeholder, position_ids=positions, use_cache=False,
+                               **{hf_adapter.STEP_KWARG: step}).logits
+        return logits.new_zeros(0, dtype=torch.float32), zero + logits.float().sum() * 0.0
 
 
 def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

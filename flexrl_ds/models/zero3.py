@@ -25,6 +25,9 @@ class Zero3Config:
     """stage3_param_persistence_threshold: parameters smaller than this stay whole on every rank."""
     bf16: bool = False
     """Train in bf16 (GPU); fp32 otherwise."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient reduce-scatter bucket (small values force many buckets: tests use that
+    to check that ranks with different graphs still reduce the same parameters together)."""
 
     def deepspeed_config(self, world_size: int) -> dict:
         return {
@@ -32,7 +35,8 @@ class Zero3Config:
             "train_batch_size": world_size,
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": self.persistence_threshold,
-                                  "stage3_max_live_parameters": 10**9, "stage3_prefetch_bucket_size": 0},
+                                  "stage3_max_live_parameters": 10**9, "stage3_prefetch_bucket_size": 0,
+                                  "reduce_bucket_size": self.reduce_bucket_size},
             "bf16": {"enabled": self.bf16},
             "gradient_clipping": 0.0,
             "wall_clock_breakdown": False,

@@ -32,6 +32,9 @@ class FlexStep:
     """This rank's `RankLayout` (flexrl_ds/sp/layout.py): packs in HSF order, groups, shards."""
     attention: Any
     """A `FlexUlyssesAttention` (or any callable `(q, k, v, layout, scaling) -> out`)."""
+    idle: bool = False
+    """This rank holds no token this step and runs a 1-token placeholder forward (so ZeRO-3's
+    collective parameter gathers still happen): attention is local, no FlexUlysses collective."""
 
 
 def flex_ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -47,7 +50,12 @@ def flex_ulysses_attention(module, query, key, value, attention_mask, scaling=No
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = step.attention(q, k, v, step.layout, scaling)
+    if step.idle:
+        from flexrl_ds.sp.local_attention import sdpa_causal_varlen
+
+        out = sdpa_causal_varlen(q, k, v, [0, q.shape[0]], q.shape[0], scaling)
+    else:
+        out = step.attention(q, k, v, step.layout, scaling)
     return out.unsqueeze(0), None
 
 

@@ -70,3 +70,23 @@ def test_attention_without_step_kwarg_is_an_error(vl_samples):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     assert ALL_MASK_ATTENTION_FUNCTIONS[hf_adapter.ATTENTION_NAME]() is None
+
+
+def test_idle_rank_runs_every_module_once_and_contributes_zero(tiny_assets):
+    """A rank without tokens (text model, no collectives needed) still gives every parameter a
+    gradient (ZeRO-3 reduces all of them on every rank), all zeros."""
+    from flexrl_ds.models.sample_data import text_only_copy
+    from flexrl_ds.sp.plan import Pack, Plan
+
+    model = load_model(tiny_assets["q2"])
+    samples = encode_dataset(tiny_assets["q2"], str(text_only_copy(tiny_assets["data"], "idle_text.jsonl")))
+    plan = Plan(world_size=2, p_max=2, packs=(Pack(0, 1, (0,), tuple(samples)),), rank_order={0: (0,), 1: ()})
+    batch = build_step_batch(model, plan, samples, rank=1)
+    assert batch.layout.num_local_tokens == 0
+    flex = FlexUlyssesLM(model)
+    logprobs, zero = flex(batch)
+    assert logprobs.numel() == 0 and float(zero.detach()) == 0.0
+    zero.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        assert not param.grad.any(), name
