@@ -22,7 +22,7 @@ import torch
 from flexrl_ds.sp import hf_adapter
 from flexrl_ds.sp.layout import RankLayout, build_rank_layout
 from flexrl_ds.sp.positions import local_position_ids, sequence_positions
-from flexrl_ds.sp.vision_balance import VisionRoute, assign_units, build_route, vision_units
+from flexrl_ds.sp.vision_balance import VisionRoute, assign_units, build_route, representatives, vision_units
 
 IGNORE = -100
 
@@ -87,14 +87,19 @@ def build_step_batch(model, plan, samples: Mapping[str, Any], rank: int, group_t
 
 
 def vision_route(model, plan, samples: Mapping[str, Any], layouts, rank: int) -> VisionRoute:
-    """Balanced vision work of the step (units spread by patches over the domain) for `rank`."""
+    """Balanced vision work of the step (units spread by patches over the domain; units sharing a
+    `share_key` encoded once) for `rank`."""
     config = model.config
     seq_order = [seq_id for pack in plan.packs for seq_id in pack.sequences]
     units = vision_units(seq_order, {s: samples[s].input_ids for s in seq_order},
                          {s: samples[s].items for s in seq_order},
                          (config.image_token_id, config.video_token_id), config.vision_config.spatial_merge_size)
-    owners = assign_units([u.num_patches for u in units], plan.world_size)
-    return build_route(units, owners, layouts, rank)
+    rep = representatives(units)
+    encoded = [i for i in range(len(units)) if rep[i] == i]
+    unit_rank = [0] * len(units)
+    for index, owner in zip(encoded, assign_units([units[i].num_patches for i in encoded], plan.world_size)):
+        unit_rank[index] = owner
+    return build_route(units, [unit_rank[rep[i]] for i in range(len(units))], layouts, rank)
 
 
 class FlexUlyssesLM(torch.nn.Module):

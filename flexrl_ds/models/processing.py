@@ -39,6 +39,9 @@ class VisionItem:
     """(temporal groups, patch rows, patch columns)."""
     second_per_grid_t: float = 1.0
     """Seconds per temporal group (videos: temporal_patch_size / sampled fps)."""
+    share_key: str | None = None
+    """Items with the same key have identical pixels (e.g. "<prompt id>/<item index>" for the GRPO
+    samples of one prompt): a step encodes them once. None: never shared."""
 
     @property
     def num_patches(self) -> int:

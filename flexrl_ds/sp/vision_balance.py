@@ -37,6 +37,9 @@ class VisionUnit:
     """Position (in the whole sequence) of the unit's first merged token."""
     num_tokens: int
     """Merged LLM tokens of the unit (h*w / merge**2)."""
+    share_key: str | None = None
+    """Units with the same key have identical pixels (e.g. the GRPO samples of one prompt): the step
+    encodes them once and routes the rows to every sequence that has them. None: not shared."""
 
     @property
     def num_patches(self) -> int:
@@ -64,12 +67,20 @@ def vision_units(seq_order: Sequence[str], input_ids: Mapping[str, torch.Tensor]
                 if cursor + per_group > len(positions) or positions[cursor + per_group - 1] != start + per_group - 1:
                     raise ValueError(f"sequence {seq_id!r}: vision pad tokens do not match item {item_index} "
                                      f"grid {tuple(item.grid_thw)}")
-                units.append(VisionUnit(seq_id, item_index, t_index, (h, w), start, per_group))
+                key = getattr(item, "share_key", None)
+                units.append(VisionUnit(seq_id, item_index, t_index, (h, w), start, per_group,
+                                        f"{key}#{t_index}" if key else None))
                 cursor += per_group
         if cursor != len(positions):
             raise ValueError(f"sequence {seq_id!r}: {len(positions)} vision pad tokens but its items "
                              f"account for {cursor}")
     return units
+
+
+def representatives(units: Sequence[VisionUnit]) -> list[int]:
+    """Index of the unit that is actually encoded for each unit (the first one with its share key)."""
+    first: dict[str, int] = {}
+    return [i if unit.share_key is None else first.setdefault(unit.share_key, i) for i, unit in enumerate(units)]
 
 
 def assign_units(num_patches: Sequence[int], num_ranks: int) -> list[int]:
@@ -124,16 +135,25 @@ def build_route(units: Sequence[VisionUnit], unit_rank: Sequence[int], layouts: 
 
     Works on token ranges (a unit's tokens are contiguous in its sequence, and so is each rank's
     piece of it), so the cost is units x pieces, not vision tokens. Rows travel in the same order on
-    both sides: units in global order, then the unit's pieces in `token_owners` order.
+    both sides: units in global order, then the unit's pieces in `token_owners` order. A unit that
+    shares its key with an earlier one is not encoded again: it receives that unit's rows (its
+    `unit_rank` entry is ignored; the representative's encoder sends).
     """
     num_ranks = len(layouts)
     owners = token_owners(layouts)
+    rep = representatives(units)
     send: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
     recv: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
     patches = [0] * num_ranks
+    row_of: dict[int, int] = {}  # encoded unit index -> its first row in this rank's merged output
     row = 0
-    for unit, encoder in zip(units, unit_rank):
-        patches[encoder] += unit.num_patches
+    for index, unit in enumerate(units):
+        if rep[index] == index:
+            patches[unit_rank[index]] += unit.num_patches
+            if unit_rank[index] == rank:
+                row_of[index], row = row, row + unit.num_tokens
+    for index, unit in enumerate(units):
+        encoder = unit_rank[rep[index]]
         first, end = unit.token_start, unit.token_start + unit.num_tokens
         covered = 0
         for lo, hi, owner, local in owners[unit.seq_id]:
@@ -142,14 +162,12 @@ def build_route(units: Sequence[VisionUnit], unit_rank: Sequence[int], layouts: 
                 continue
             covered += b - a
             if encoder == rank:
-                send[owner].append((row + a - first, b - a))
+                send[owner].append((row_of[rep[index]] + a - first, b - a))
             if owner == rank:
                 recv[encoder].append((local + a - lo, b - a))
         assert covered == unit.num_tokens, (unit, covered)
-        if encoder == rank:
-            row += unit.num_tokens
     return VisionRoute(
-        my_units=tuple(u for u, r in zip(units, unit_rank) if r == rank),
+        my_units=tuple(units[i] for i in row_of),
         send_index=_ranges_to_index([r for dest in send for r in dest]),
         send_splits=tuple(sum(n for _, n in dest) for dest in send),
         recv_splits=tuple(sum(n for _, n in src) for src in recv),

@@ -61,8 +61,27 @@ def test_routes_agree_between_ranks_and_cover_every_vision_token(vl_samples, wor
 def test_exchange_emulated_over_all_ranks_equals_hf_vision_embeddings(vl_samples):
     """Every rank encodes only its units; rows routed by the route land exactly where HF puts them."""
     model, samples = vl_samples
+    _emulate_and_check(model, samples, seed=7)
+
+
+def test_shared_media_is_encoded_once_and_reaches_every_sample(vl_samples):
+    """GRPO: the samples of one prompt carry the same media; with share keys it is encoded once."""
+    import dataclasses
+
+    model, samples = vl_samples
+    shared = {}
+    for seq_id, sample in samples.items():
+        items = [dataclasses.replace(item, share_key=f"{seq_id}/{k}") for k, item in enumerate(sample.items)]
+        for copy in ("a", "b"):
+            shared[f"{seq_id}-{copy}"] = dataclasses.replace(sample, id=f"{seq_id}-{copy}", items=items)
+    routes = _emulate_and_check(model, shared, seed=2)
+    total = sum(i.num_patches for s in samples.values() for i in s.items)
+    assert sum(routes[0].patches_per_rank) == total  # not 2x: each shared item once
+
+
+def _emulate_and_check(model, samples, seed):
     world = 4
-    plan = random_plan_for({s: x.length for s, x in samples.items()}, world, 4, seed=7)
+    plan = random_plan_for({s: x.length for s, x in samples.items()}, world, 4, seed=seed)
     layouts = _layouts(model, plan, samples)
     routes = [vision_route(model, plan, samples, layouts, r) for r in range(world)]
     items = {s: x.items for s, x in samples.items()}
@@ -92,6 +111,7 @@ def test_exchange_emulated_over_all_ranks_equals_hf_vision_embeddings(vl_samples
         received = torch.cat([sent[r][o] for r in range(world)])
         expected = layout.slice_tokens(reference, dim=0)[route.recv_local_index]
         torch.testing.assert_close(received, expected, atol=1e-5, rtol=1e-5)
+    return routes
 
 
 def test_bench_vision_policies_encode_the_same_patches(tmp_path):
