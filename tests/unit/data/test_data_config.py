@@ -14,7 +14,8 @@ def test_from_run_config_section():
     run = parse_run_config({"zero_optimization": {"stage": 3},
                             "flexrl": {"data": {"video_fps": 1.0, "video_backend": "opencv",
                                                 "bad_record_policy": "replace", "media_root": "/data"}}})
-    config = DataConfig.from_dict(run.flexrl.data)
+    config = run.flexrl.data
+    assert isinstance(config, DataConfig)
     assert (config.video_fps, config.video_backend, config.bad_record_policy, config.media_root) == (
         1.0, "opencv", "replace", "/data")
     assert config.factor == 28 and config.image_max_pixels == 28 * 28 * 1280
