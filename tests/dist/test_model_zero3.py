@@ -44,14 +44,25 @@ def _load(model_dir: str):
     return model
 
 
-def _samples(model_dir: str, data_path: str):
-    """Encoded records (every rank reads the same files; nothing is written here)."""
+def _samples(model_dir: str, data_path: str, shared: bool = False):
+    """Encoded records (every rank reads the same files; nothing is written here). shared: every
+    record twice, as two GRPO samples whose media carry a share key (encoded once per step)."""
+    import dataclasses
+
     from flexrl_ds.models.processing import encode_records
 
-    return encode_records(model_dir, data_path)
+    samples = encode_records(model_dir, data_path)
+    if not shared:
+        return samples
+    out = {}
+    for seq_id, sample in samples.items():
+        items = [dataclasses.replace(item, share_key=f"{seq_id}/{k}") for k, item in enumerate(sample.items)]
+        for copy in ("a", "b"):
+            out[f"{seq_id}-{copy}"] = dataclasses.replace(sample, id=f"{seq_id}-{copy}", items=items)
+    return out
 
 
-def rank_zero3_step(model_dir: str, data_path: str, plan_json: dict, p_max: int):
+def rank_zero3_step(model_dir: str, data_path: str, plan_json: dict, p_max: int, shared: bool = False):
     """On every rank: ZeRO-3 engine, one FlexUlysses forward+backward; rank 0 returns grads."""
     import torch.distributed as dist
 
@@ -61,7 +72,7 @@ def rank_zero3_step(model_dir: str, data_path: str, plan_json: dict, p_max: int)
 
     torch.manual_seed(0)
     tree = cached_group_tree(dist.get_world_size(), p_max)
-    samples = _samples(model_dir, data_path)
+    samples = _samples(model_dir, data_path, shared)
     model = _load(model_dir)
     plan = parse_plan(plan_json)
     batch = build_step_batch(model, plan, samples, tree.local_rank, tree)
@@ -79,10 +90,10 @@ def rank_zero3_step(model_dir: str, data_path: str, plan_json: dict, p_max: int)
     return result
 
 
-def _reference(model_dir: str, data_path: str):
+def _reference(model_dir: str, data_path: str, shared: bool = False):
     from flexrl_ds.models.flex_model import reference_logprobs
 
-    samples = _samples(model_dir, data_path)
+    samples = _samples(model_dir, data_path, shared)
     model = _load(model_dir)
     total_nll, total_tokens = 0.0, 0
     nll = 0.0
@@ -106,18 +117,21 @@ def _all_on_rank_zero(lengths, world):
 
 
 @pytest.mark.parametrize("arch,seed,dataset,world", [("vl", 0, "many", 4), ("q2", 1, "many", 4), ("vl", 2, "few", 4),
-                                                     ("vl", 3, "many", 8), ("vl", -1, "few", 4)])
+                                                     ("vl", 3, "many", 8), ("vl", -1, "few", 4),
+                                                     ("vl", 4, "few-shared", 4)])
 def test_zero3_flex_ulysses_matches_single_process(assets, dist_pools, arch, seed, dataset, world):
     """seed -1: the idle-rank plan (all tokens on rank 0; vision units still spread over 4 ranks)."""
     from flexrl_ds.models.sample_data import random_plan_for
 
     root, datasets = assets
-    data = datasets[dataset + ("-text" if arch == "q2" else "")]
+    shared = dataset.endswith("-shared")
+    data = datasets[dataset.removesuffix("-shared") + ("-text" if arch == "q2" else "")]
     model_dir = str(root / arch)
-    ref_nll, ref_tokens, ref_grads, lengths = _reference(model_dir, str(data))
+    ref_nll, ref_tokens, ref_grads, lengths = _reference(model_dir, str(data), shared)
     plan = random_plan_for(lengths, world, p_max=min(world, 8), seed=seed) if seed >= 0 \
         else _all_on_rank_zero(lengths, world)
-    per_rank = dist_pools(world).run(rank_zero3_step, model_dir, str(data), plan.to_json(), plan.p_max, timeout_s=240)
+    per_rank = dist_pools(world).run(rank_zero3_step, model_dir, str(data), plan.to_json(), plan.p_max, shared,
+                                     timeout_s=240)
     assert all(r["num_global"] == ref_tokens for r in per_rank)
     assert sum(r["nll"] for r in per_rank) == pytest.approx(ref_nll, rel=1e-5)
     paths = {p for r in per_rank for p in r["paths"]}
@@ -132,5 +146,7 @@ def test_zero3_flex_ulysses_matches_single_process(assets, dist_pools, arch, see
         patches = per_rank[0]["patches"]
         if dataset == "many":
             assert sum(p > 0 for p in patches) >= min(world, 4), patches
+        elif shared:  # 2 images, each encoded once for its two samples
+            assert sorted(p > 0 for p in patches) == [False, False, True, True], patches
         else:
             assert sorted(p > 0 for p in patches) == [False, False, True, True], patches
