@@ -1,7 +1,7 @@
-"""FlexUlysses on GPUs with the GPU backend: the tests/dist equivalence checks, plus bf16 varlen kernels.
+"""FlexUlysses on GPUs with the GPU backend: the tests/distributed equivalence checks, plus bf16 varlen kernels.
 
 Runs on a machine with >= 2 GPUs (skipped elsewhere). Ranks come from the same process-pool harness as
-tests/dist (tests/dist/harness.py), one GPU each.
+tests/distributed (tests/distributed/harness.py), one GPU each.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 from harness import DistPool  # noqa: E402
 from plans import check_against_reference, rank_run_plans  # noqa: E402

@@ -1,4 +1,4 @@
-"""Session-wide gloo process pools (one per world size), shared by every test in tests/dist."""
+"""Session-wide gloo process pools (one per world size), shared by every test in tests/distributed."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Random valid FlexUlysses plans, the rank function that runs them, and the single-process check.
 
-Shared by tests/dist (gloo, CPU) and tests/gpu (NCCL): `rank_run_plans` runs on every rank of a
+Shared by tests/distributed (gloo, CPU) and tests/gpu (NCCL): `rank_run_plans` runs on every rank of a
 `harness.DistPool`; `check_against_reference` compares what the ranks returned with single-process
 causal attention (float64 on CPU) on the same inputs.
 """
