@@ -37,7 +37,7 @@ $flexrl logprobs --model "$out/tiny-vl" --data "$out/data/train.jsonl" --respons
   --nproc 4 --p-max 4 --plan-out "$out/logprob_plan.json" --out "$out/logprobs.jsonl"
 echo "wrote $(wc -l < "$out/logprobs.jsonl") records of log-probs to $out/logprobs.jsonl"
 
-step "6/6 Data loading: centralised controller vs ShadowLoader (Ray actors)"
+step "6/6 Data loading: centralised controller vs ShadowLoader (Ray actors); tiny media decode in ms, so compare bytes and RSS here, speed in docs/BENCHMARKS.md"
 $flexrl bench loader --data "$out/data/train.jsonl" --model "$out/tiny-vl" --global-batch 4 \
   --steps 2 --actors 2 --compute-ms 500 --plot "$out/loader.png"
 
