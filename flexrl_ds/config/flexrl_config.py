@@ -9,11 +9,11 @@ fail with a `ValueError` naming the dotted key.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flexrl_ds.config.json_files import read_json
 from flexrl_ds.config.typed import from_dict
 from flexrl_ds.data.config import DataConfig
 
@@ -94,11 +94,4 @@ def parse_run_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
 
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a DeepSpeed JSON config with a `flexrl` section and validate the latter."""
-    path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: config file not found") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    return parse_run_config(raw, source=str(path))
+    return parse_run_config(read_json(path, "config file"), source=str(path))

@@ -27,10 +27,11 @@ With a calibration, `c` becomes the measured `linear_s_per_token / attention_s_p
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
+
+from flexrl_ds.config.json_files import read_json
 
 
 @dataclass(frozen=True)
@@ -152,12 +153,7 @@ def shapes_from_config(raw: Mapping[str, Any], source: str) -> LayerShapes:
 
 def load_calibration(path: str | Path) -> Calibration:
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: calibration file not found") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: calibration is not valid JSON ({error})") from None
+    raw = read_json(path, "calibration file")
     try:
         attention, linear = float(raw["attention_s_per_token2"]), float(raw["linear_s_per_token"])
         table = {int(k): (float(v["latency_s"]), float(v["bytes_per_s"]))
@@ -181,11 +177,7 @@ def load_cost_model(model: str, calibration: str | Path | None = None) -> CostMo
         if not path.is_file():
             raise ValueError(
                 f"model {model!r}: not a preset ({', '.join(PRESETS)}) and no config.json at {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not valid JSON ({error})") from None
-        shapes = shapes_from_config(raw, str(path))
+        shapes = shapes_from_config(read_json(path, "model config"), str(path))
     cost = CostModel(name=model, shapes=shapes, c=shapes.params_per_layer() / shapes.hidden_size)
     if calibration is not None:
         cal = load_calibration(calibration)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from flexrl_ds.config.json_files import read_json
+
 
 def is_power_of_two(value: int) -> bool:
     return isinstance(value, int) and value >= 1 and value & (value - 1) == 0
@@ -90,7 +92,7 @@ def parse_workload(raw: Any, source: str = "workload") -> Workload:
 
 
 def load_workload(path: str | Path) -> Workload:
-    return parse_workload(_read_json(path), source=str(path))
+    return parse_workload(read_json(path, "workload"), source=str(path))
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ def parse_plan(raw: Any, source: str = "plan") -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
-    return parse_plan(_read_json(path), source=str(path))
+    return parse_plan(read_json(path, "plan"), source=str(path))
 
 
 def validate_plan(plan: Plan, workload: Workload | Iterable[str] | None = None) -> None:
@@ -229,13 +231,3 @@ def _validate_rank_order(plan: Plan) -> None:
                     f"plan: packs of degree {key[0]} on ranks starting at {key[1]} run in different "
                     f"orders on different ranks ({reference[key]} vs {order} on rank {rank})"
                 )
-
-
-def _read_json(path: str | Path) -> Any:
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: file not found") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None

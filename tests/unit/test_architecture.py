@@ -13,6 +13,8 @@ DEVICE_MODULE = PACKAGE / "parallel" / "device.py"
 PURE_MODULES = [
     "config/typed.py",
     "config/flexrl_config.py",
+    "config/json_files.py",
+    "sp/placement.py",
     "sp/plan.py",
     "sp/cost_model.py",
     "sp/planner.py",
