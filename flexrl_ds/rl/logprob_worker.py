@@ -46,6 +46,8 @@ def rank_logprobs(job: LogprobJob, rank: int, group_tree=None, device=None) -> d
     from flexrl_ds.sp.plan import parse_plan
 
     model = load_model(job.model_dir, job.dtype)
+    if job.dtype != "bfloat16":  # fp32/fp64 mean full precision: cuDNN convolutions default to TF32 on GPUs
+        torch.backends.cudnn.allow_tf32 = False
     if device is not None:
         model = model.to(device)
     plan = parse_plan(job.plan_json)
