@@ -87,7 +87,8 @@ class RunResult:
     worker_wait_ms: float
     """Mean over steps of the slowest worker's wait in Materializer.get."""
     controller_loader_ms: float
-    """Mean controller time per step inside the loader (probe/dispatch, or decode for central)."""
+    """Mean controller time per step the loop waited inside next_step (probe/dispatch/decode checks,
+    or decode for central)."""
     controller_bytes_per_step: float
     pixel_bytes_per_step: float
     """Pixel bytes the workers received per step."""
@@ -96,6 +97,8 @@ class RunResult:
     total_rss_peak_mb: float
     samples_per_s: float
     num_bad: int = 0
+    compose_ms: float = 0.0
+    """Mean time per step spent composing steps (probe + dispatch; in the background for shadow)."""
     step_ms: list[float] = field(default_factory=list)
 
 
@@ -259,8 +262,10 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
         controller_rss_start_mb=rss.start_rss / 2**20, controller_rss_peak_mb=rss.peak_self / 2**20,
         total_rss_peak_mb=rss.peak_total / 2**20,
         samples_per_s=batch * config.num_samples_per_prompt * config.steps / elapsed,
-        num_bad=loader.stats.num_bad, step_ms=[1e3 * wall for wall in walls],
+        num_bad=loader.stats.num_bad, compose_ms=1e3 * loader.stats.compose_s / (total + 1), step_ms=[1e3 * wall for wall in walls],
     )
+    if hasattr(loader, "close"):
+        loader.close()
     if pool is not None:
         pool.shutdown()
     for worker in workers:

@@ -34,6 +34,9 @@ class MediaDatasetSpec:
     """(height, width) of images."""
     num_bad: int = 0
     """Extra records whose media file is missing (bad records for policy tests)."""
+    num_corrupt_frames: int = 0
+    """Extra video records (after the good videos, before the images) whose frame data is zeroed
+    after encoding, header intact: the probe succeeds, decoding fails (ids `corrupt-NNNN`)."""
     seed: int = 0
     """Content seed."""
 
@@ -68,6 +71,13 @@ def write_media_dataset(out_dir: str | Path, spec: MediaDatasetSpec | None = Non
         VideoEncoder(frames, frame_rate=spec.video_fps).to_file(out_dir / name, codec="libx264", crf=23)
         rows.append({"id": f"video-{index:04d}", "prompt": "<video>\nWhat happens?", "images": [],
                      "videos": [name], "answer": "A", "data_source": "synthetic"})
+    for index in range(spec.num_corrupt_frames):
+        frames = _frames(rng, int(spec.video_seconds * spec.video_fps), *spec.video_hw)
+        name = f"vid/corrupt-{index:04d}.mp4"
+        VideoEncoder(frames, frame_rate=spec.video_fps).to_file(out_dir / name, codec="libx264", crf=23)
+        corrupt_frame_data(out_dir / name)
+        rows.append({"id": f"corrupt-{index:04d}", "prompt": "<video>\nWhat happens?", "images": [],
+                     "videos": [name], "answer": "D", "data_source": "synthetic"})
     for index in range(spec.num_images):
         (pixels,) = _frames(rng, 1, *spec.image_hw)
         name = f"img/{index:04d}.png"
@@ -80,3 +90,18 @@ def write_media_dataset(out_dir: str | Path, spec: MediaDatasetSpec | None = Non
     path = out_dir / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def corrupt_frame_data(path: str | Path) -> None:
+    """Zero the payload of an MP4's `mdat` box in place, leaving the container header (`moov`)
+    intact: metadata probing still succeeds, every frame fails to decode."""
+    path = Path(path)
+    data = bytearray(path.read_bytes())
+    at = data.find(b"mdat")
+    if at < 4:
+        raise ValueError(f"{path}: no mdat box")
+    size = int.from_bytes(data[at - 4 : at], "big")
+    if size < 8 or at - 4 + size > len(data):
+        raise ValueError(f"{path}: mdat box size {size} is not a plain 32-bit size")
+    data[at + 4 : at - 4 + size] = bytes(size - 8)
+    path.write_bytes(bytes(data))

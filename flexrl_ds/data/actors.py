@@ -6,7 +6,8 @@
   i..j pulls only the chunks covering them.
 - `PreprocessActor` (thin Ray actor): wraps a `SliceMaker`; `ray.put`s every slice, so the
   tensors live in the object store of the actor's node and are owned by the actor, and returns
-  only the small `{SliceKey: ObjectRef}` map. Workers fetch the objects directly. The actor holds
+  only the small `{SliceKey: ObjectRef}` map — or a `DecodeFailure` when a record that probed
+  fine fails to decode (corrupt frame data, file gone): never an exception. Workers fetch the objects directly. The actor holds
   the refs (its cache) until the controller releases the step. Two concurrency groups keep
   metadata probes from queueing behind long video decodes.
 - `PreprocessPool` (controller side): creates K actors per node (fractional `num_cpus`), routes
@@ -54,6 +55,14 @@ class PoolConfig:
             raise ValueError(f"num_cpus_per_actor: must be positive, got {self.num_cpus_per_actor}")
         if self.groups_per_chunk < 1 or self.probe_chunk_size < 1:
             raise ValueError("groups_per_chunk and probe_chunk_size must be at least 1")
+
+
+@dataclass(frozen=True)
+class DecodeFailure:
+    """What a preprocess task returns instead of slices when decoding fails after a good probe."""
+
+    bad: Any
+    """The `BadRecord` (record id, reason, stage "materialize")."""
 
 
 def item_layouts(meta: Any, groups_per_chunk: int) -> tuple[ItemLayout, ...]:
@@ -119,10 +128,16 @@ class PreprocessActor:
         return self.maker.probe(records)
 
     @ray.method(concurrency_group="decode")
-    def preprocess(self, key: PromptKey, meta: Any, layouts: Sequence[ItemLayout]) -> dict[SliceKey, ray.ObjectRef]:
+    def preprocess(self, key: PromptKey, meta: Any,
+                   layouts: Sequence[ItemLayout]) -> dict[SliceKey, ray.ObjectRef] | DecodeFailure:
+        from flexrl_ds.data.types import BadMediaError
+
         if self.decode_delay_s:
             time.sleep(self.decode_delay_s)  # tests: widen the window in which an actor can die
-        slices = self.maker.make_slices(key, meta, layouts)
+        try:
+            slices = self.maker.make_slices(key, meta, layouts)
+        except BadMediaError as error:
+            return DecodeFailure(error.bad)
         refs = {slice_key: ray.put(value) for slice_key, value in slices.items()}
         self.cache[key] = refs
         self.cached_bytes[key] = sum(value["pixel_values"].nbytes for value in slices.values())
@@ -182,6 +197,13 @@ class PreprocessPool:
         ref = self.actors[name].preprocess.remote(key, meta, tuple(layouts))
         self._pending[ref] = (name, cost)
         return name, ref
+
+    lost_errors = LOST_ERRORS
+    """Errors of `task_result` meaning the owning actor is gone (re-route)."""
+
+    def task_result(self, task_ref: Any) -> dict[SliceKey, Any] | DecodeFailure:
+        """Wait for a preprocess task: its `{SliceKey: ObjectRef}` map or its `DecodeFailure`."""
+        return ray.get(task_ref, timeout=self.config.timeout_s)
 
     def _credit_finished(self) -> None:
         if not self._pending:

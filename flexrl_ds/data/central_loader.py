@@ -37,12 +37,20 @@ class CentralLoader:
     def next_step(self) -> LoaderStep:
         """Compose the next step and decode all its media here, in the controller."""
         started = time.perf_counter()
-        step = self.source.compose()
-        for prompt in step.prompts:
-            layouts = item_layouts(prompt.meta, self.config.groups_per_chunk)
-            self._prompts[prompt.key] = (layouts, self.maker.make_slices(prompt.key, prompt.meta, layouts))
+        step = self.source.settle(self.source.compose(), self._decode)
         self.stats.loader_s += time.perf_counter() - started
         return step
+
+    def _decode(self, prompt: Any) -> Any:
+        """Decode one prompt here; None on success, its `BadRecord` when decoding fails."""
+        from flexrl_ds.data.types import BadMediaError
+
+        layouts = item_layouts(prompt.meta, self.config.groups_per_chunk)
+        try:
+            self._prompts[prompt.key] = (layouts, self.maker.make_slices(prompt.key, prompt.meta, layouts))
+        except BadMediaError as error:
+            return error.bad
+        return None
 
     def assignment(self, step: LoaderStep, requests: Sequence[SliceRequest]) -> WorkerAssignment:
         """A worker's share of `step`, with the pixel tensors it needs inside."""

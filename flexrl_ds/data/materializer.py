@@ -185,6 +185,10 @@ class Materializer:
                 return {key: source.inline[key] for key in keys}, source
             try:
                 (slice_refs,) = self.fetcher.get([source.task_ref])
+                if hasattr(slice_refs, "bad"):  # actors.DecodeFailure (the loader normally settles these)
+                    from flexrl_ds.data.types import BadMediaError
+
+                    raise BadMediaError(slice_refs.bad)
                 values = self.fetcher.get([slice_refs[key] for key in keys])
                 return dict(zip(keys, values)), source
             except self.fetcher.lost_errors:

@@ -159,6 +159,13 @@ class MetaStore:
     def keys(self, step: int | None = None) -> list[PromptKey]:
         return sorted(k for k in self._entries if step is None or k.step == step)
 
+    def remove(self, key: PromptKey) -> PromptEntry:
+        """Forget one prompt (its decode failed); returns its entry."""
+        entry = self.entry(key)
+        del self._entries[key]
+        self._by_owner[entry.owner].discard(key)
+        return entry
+
     def release_step(self, step: int) -> dict[str, list[PromptKey]]:
         """Forget step `step`; returns, per owner, the prompts whose caches can be dropped."""
         released: dict[str, list[PromptKey]] = defaultdict(list)

@@ -2,9 +2,12 @@
 
 Each `next_step()` returns a `LoaderStep`: B prompts (global batch) chosen in a seeded order, their
 `SampleMeta` (probed on the preprocessing actors) with shape-only placeholders, the ids of the
-B*n GRPO samples, and the step's bad-record report. By the time a step is returned, the
-preprocess tasks of the next `lookahead_steps` steps are already running on the actors, so
-workers' Materializers can prefetch them while the current step computes.
+B*n GRPO samples, and the step's bad-record report. Composing a step (probing its rows on the
+actors, applying the policy, dispatching its decodes) runs in a background thread: when step k is
+returned, steps k+1..k+`lookahead_steps` are being composed and decoded, so neither probing nor
+decoding sits on the training loop. Before returning step k, `next_step` waits for step k's
+decode tasks (dispatched one call earlier, so normally finished) and applies the bad-record policy
+to records that probed fine but failed to decode: the step handed out is final.
 
 `assignment(step, requests)` builds what one worker needs (`materializer.WorkerAssignment`):
 references only. `repair(prompt, generation)` re-routes the prompts of a dead actor to live ones
@@ -18,6 +21,9 @@ Order and bad records (same for the centralised baseline, which shares `StepSour
   epoch's permutation, so every other step keeps exactly its window; the substitute's id is
   `<bad id>-><substitute id>` and `LoaderStep.replacements` records the pair. Policy `error`:
   `ValueError` naming the record. Either way `LoaderStep.bad_records` lists every bad row.
+- Decode failures (stage "materialize": a corrupt frame after a good header, a file gone between
+  probe and decode) get the same policy, in the same slot: skip drops the prompt (its slot stays
+  empty), replace decodes a substitute from the epoch's tail into that slot.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -150,7 +157,10 @@ class LoaderStats:
     num_rerouted: int = 0
     """Prompts re-routed after their actor died."""
     loader_s: float = 0.0
-    """Controller seconds spent inside next_step (probing, dispatch, or decoding for the baseline)."""
+    """Controller seconds the caller of next_step waited (probing, dispatch, decode checks, or
+    decoding for the baseline): the controller's part of the exposed data time."""
+    compose_s: float = 0.0
+    """Seconds spent composing steps (probe + dispatch), in the background for ShadowLoader."""
 
 
 def payload_bytes(obj: Any) -> int:
@@ -183,9 +193,44 @@ class StepSource:
         self.order = RecordOrder(len(self.records), config.seed, config.shuffle)
         self.stats = LoaderStats()
         self._next_index = 0
+        self.lock = threading.RLock()
+        """Held while the order or the probe is used: compose and settle may run on two threads."""
 
     def compose(self) -> LoaderStep:
         """Choose and probe the next step's prompts, applying the bad-record policy."""
+        with self.lock:
+            return self._compose()
+
+    def settle(self, step: LoaderStep, decode: Callable[[StepPrompt], Any]) -> LoaderStep:
+        """Apply the bad-record policy to prompts that fail to decode. `decode(prompt)` returns
+        None when the prompt's pixels are ready, else its `BadRecord`; a substitute (policy
+        replace) takes the failed prompt's slot and is decoded the same way."""
+        kept = []
+        for prompt in step.prompts:
+            while prompt is not None and (bad := decode(prompt)) is not None:
+                prompt = self._after_decode_failure(step, prompt, bad)
+            if prompt is not None:
+                kept.append(prompt)
+        step.prompts = kept
+        return step
+
+    def _after_decode_failure(self, step: LoaderStep, prompt: StepPrompt, bad: Any) -> StepPrompt | None:
+        original = prompt.meta.id.split("->")[0]
+        step.replacements.pop(original, None)
+        with self.lock:
+            before = len(step.bad_records)
+            step.bad_records.append(bad)
+            substitute = self._replacement(step) if self.config.bad_record_policy == "replace" else None
+            self.stats.num_bad += len(step.bad_records) - before
+        if self.config.bad_record_policy == "error":
+            raise ValueError(f"step {step.step}: record {bad.id!r}: {bad.reason}")
+        if substitute is None:
+            return None
+        step.replacements[original] = substitute.id
+        self.stats.num_replaced += 1
+        return StepPrompt(prompt.key, replace(substitute, id=f"{original}->{substitute.id}"))
+
+    def _compose(self) -> LoaderStep:
         index, self._next_index = self._next_index, self._next_index + 1
         window = self.order.take(self.config.global_batch)
         epoch = self.order.epoch
@@ -233,9 +278,10 @@ class ProxyLoader:
         self.pool, self.config = pool, config
         self.source = StepSource(records, config, self._probe)
         self.store = MetaStore(config.num_samples_per_prompt)
-        self._ready: deque[LoaderStep] = deque()
+        self._upcoming: deque[Future] = deque()  # composed (or composing) steps, in order
+        self._composer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-compose")
         self._metas: dict[PromptKey, Any] = {}  # kept for re-routing
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @property
     def stats(self) -> LoaderStats:
@@ -247,16 +293,62 @@ class ProxyLoader:
         return metas
 
     def next_step(self) -> LoaderStep:
-        """The next step; preprocessing of the following `lookahead_steps` steps is under way."""
+        """The next step, its decodes done and decode failures settled; the following
+        `lookahead_steps` steps are being composed and decoded in the background."""
         started = time.perf_counter()
-        while len(self._ready) < self.config.lookahead_steps + 1:
-            step = self.source.compose()
-            with self._lock:
-                for prompt in step.prompts:
-                    self._dispatch(prompt)
-            self._ready.append(step)
+        timeout_s = self.pool.config.timeout_s
+        if not self._upcoming:
+            self._upcoming.append(self._composer.submit(self._compose_and_dispatch))
+        step = self._upcoming.popleft().result(timeout=timeout_s)
+        while len(self._upcoming) < self.config.lookahead_steps:
+            self._upcoming.append(self._composer.submit(self._compose_and_dispatch))
+        step = self.source.settle(step, self._decode_outcome)
         self.stats.loader_s += time.perf_counter() - started
-        return self._ready.popleft()
+        return step
+
+    def wait_composed(self) -> None:
+        """Block until every look-ahead step is probed and dispatched (tests, shutdown)."""
+        for future in list(self._upcoming):
+            future.result(timeout=self.pool.config.timeout_s)
+
+    def close(self) -> None:
+        """Stop composing look-ahead steps (call before shutting the pool down)."""
+        for future in self._upcoming:
+            future.cancel()
+        self._composer.shutdown(wait=True)
+
+    def _compose_and_dispatch(self) -> LoaderStep:
+        started = time.perf_counter()
+        step = self.source.compose()
+        with self._lock:
+            for prompt in step.prompts:
+                self._dispatch(prompt)
+        self.stats.compose_s += time.perf_counter() - started
+        return step
+
+    def _decode_outcome(self, prompt: StepPrompt) -> Any:
+        """None once `prompt`'s preprocess task has produced its slices, else its `BadRecord`
+        (the failed prompt is forgotten). A task lost with its actor is re-routed and waited for."""
+        from flexrl_ds.data.actors import DecodeFailure
+
+        with self._lock:
+            if prompt.key not in self.store.keys(prompt.key.step):
+                self._dispatch(prompt)  # a substitute (policy replace) taking a failed slot
+        for _ in range(3):
+            entry = self.store.entry(prompt.key)
+            try:
+                result = self.pool.task_result(entry.task_ref)
+            except self.pool.lost_errors:
+                self.repair(prompt.key, entry.generation)
+                continue
+            self.stats.bytes_through_controller += payload_bytes(result)
+            if not isinstance(result, DecodeFailure):
+                return None
+            with self._lock:
+                self.store.remove(prompt.key)
+                self._metas.pop(prompt.key, None)
+            return result.bad
+        return None  # still lost: the workers' Materializers repair it on fetch
 
     def _dispatch(self, prompt: StepPrompt) -> None:
         from flexrl_ds.data.actors import item_layouts

@@ -13,7 +13,7 @@ from flexrl_ds.data.materializer import Materializer, PromptSource, SliceRequest
 from flexrl_ds.data.metastore import PromptKey, make_layout
 from flexrl_ds.data.proxy_loader import LoaderConfig, ProxyLoader, RecordOrder, requests_for_samples
 from flexrl_ds.data.types import BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
-from flexrl_ds.data.actors import SliceMaker, item_layouts
+from flexrl_ds.data.actors import PoolConfig, SliceMaker, item_layouts
 from flexrl_ds.data.preprocess import ItemTensors
 
 
@@ -58,6 +58,12 @@ class FakePool:
     def __init__(self, names=("a", "b")):
         self.maker = SliceMaker(FakePreprocessor)
         self.alive, self.objects, self.submitted = list(names), {}, []
+        self.config = PoolConfig(timeout_s=10)
+
+    lost_errors = ()
+
+    def task_result(self, task_ref):
+        return self.objects[task_ref]
 
     def probe(self, records):
         return self.maker.probe(records)
@@ -140,6 +146,7 @@ def test_materializer_cuts_exact_group_ranges_and_shares_a_decode_between_sample
     loader = ProxyLoader(_records(4), pool, LoaderConfig(global_batch=2, num_samples_per_prompt=3,
                                                          groups_per_chunk=2, shuffle=False))
     step = loader.next_step()
+    loader.wait_composed()  # the look-ahead step is composed in the background
     assert len(step.sample_ids()) == 6
     assert len(pool.submitted) == 4  # step 0 and the look-ahead step 1: one task per prompt, not per sample
     video = PromptKey(0, 1)  # rec-1: a single video of 5 groups
