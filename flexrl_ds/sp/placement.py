@@ -13,7 +13,10 @@ A sequence of degree `d ≤ p` runs on an aligned block `[k·d, (k+1)·d)` and a
 `partition_blocks` does (1): LPT on cost over the p-blocks (token room respected; the same LPT as
 fixed SP) and, when attention is not yet within its goal, a 2-D LPT; each refined by moves/swaps
 off the busiest block while its cost drops, then moves/swaps lowering the busiest block's
-attention while no block's cost exceeds a ceiling. `split_block` does (2) by
+attention while no block's cost exceeds a ceiling; where attention is still above its goal (and
+above the partition bound), rounds of exchanges — one item of a block above the goal for up to
+two of a block below it, the 2-for-1 swaps that move attention at equal cost — lower it without
+raising the busiest block's cost. `split_block` does (2) by
 recursive halving under per-rank rooms (cost, attention, tokens): on a block of `b` ranks the `k`
 largest shardable sequences stay at degree `b` (the same share on every rank), the others are split
 over the two halves (greedy or snake order, then move/swap repair) so that both fit the rooms
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flexrl_ds.sp.metrics import partition_bound
+
 ATTENTION_SHARE_2D = 0.02
 """In the 2-D block LPT, sequences above this share of a block's mean attention are placed 2-D."""
 SWAP_BLOCKS = 8
@@ -44,6 +49,12 @@ SMALL_REPAIR = 64
 """Two-way splits of at most this many items are repaired in plain Python (numpy overhead)."""
 SLACK = 1e-9
 """Relative slack on room checks (float rounding)."""
+EXCHANGE_STEPS = 8
+"""Upper bound on the rounds of attention exchanges after the block partition."""
+PAIR_GIVERS = 8
+"""Attention exchanges consider at most this many items of the busiest block (evenly sampled) ..."""
+PAIR_TAKERS = 8
+"""... and this many of every other block (all their pairs are tried: keeps a step small)."""
 
 
 class CapacityError(ValueError):
@@ -90,14 +101,19 @@ def partition_blocks(items: Items, num_blocks: int, block_size: int, token_cap: 
         _improve(blocks, items.values, 0, np.array([np.inf, attn_max, token_room]), steps, num_blocks,
                  good_enough[0])
         cost_max = float(np.bincount(blocks, weights=items.values[0], minlength=num_blocks).max())
-        _improve(blocks, items.values, 1, np.array([cost_max * (1 + cost_slack), np.inf, token_room]), steps,
-                 num_blocks, good_enough[1])
+        ceilings = np.array([cost_max * (1 + cost_slack), np.inf, token_room])
+        _improve(blocks, items.values, 1, ceilings, steps, num_blocks, good_enough[1])
         sums = [float(np.bincount(blocks, weights=row, minlength=num_blocks).max()) for row in items.values[:2]]
         results.append((sums[0], sums[1], blocks))
         if sums[1] <= good_enough[1]:
             break  # attention already within its goal: no 2-D start needed
     best_cost = min(r[0] for r in results)
-    return min((r for r in results if r[0] <= best_cost * (1 + cost_slack)), key=lambda r: r[1])[2]
+    cost_max, attention, blocks = min((r for r in results if r[0] <= best_cost * (1 + cost_slack)),
+                                      key=lambda r: r[1])
+    if attention > max(good_enough[1], partition_bound(items.values[1], num_blocks) * (1 + cost_slack)):
+        ceilings = np.array([cost_max, np.inf, token_room])  # the busiest block's cost does not rise
+        _exchange_pairs(items.values, blocks, num_blocks, ceilings, EXCHANGE_STEPS, good_enough[1])
+    return blocks
 
 
 def _lpt_blocks(items: Items, num_blocks: int, token_room: float, two_d: bool) -> np.ndarray:
@@ -189,6 +205,88 @@ def _improve(blocks: np.ndarray, values: np.ndarray, dim: int, ceilings: np.ndar
             sums[:, target] -= values[:, take_item]
             sums[:, top] += values[:, take_item]
             blocks[take_item] = top
+
+
+def _exchange_pairs(values: np.ndarray, blocks: np.ndarray, num_blocks: int, ceilings: np.ndarray, steps: int,
+                    good_enough: float) -> None:
+    """Attention refinement for the blocks whose attention exceeds `good_enough` (hot): exchanges
+    of one item of a hot block for up to two items of a cold block (a move, a swap or a 2-for-1
+    swap) keeping both blocks' cost and tokens under `ceilings` and lowering the larger attention
+    of the two; per round, the best exchange of every hot block (busiest first, each cold block
+    used once). When every block's cost sits at the ceiling a swap of equal cost cannot change
+    attention (cost is monotone in length); trading one long item for two shorter ones of the same
+    cost moves attention while cost stays. The second item is found by sorted search on cost, so a
+    round is O(hot items × cold items). Stops when no exchange lowers a hot block."""
+    padded = np.concatenate([values, np.zeros((3, 1))], axis=1)  # column -1: "nothing"
+    rows = [0, 1, 2] if np.isfinite(ceilings[2]) else [0, 1]
+    for _ in range(steps):
+        sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
+        hot = sums[1] > good_enough
+        if not hot.any() or hot.all():
+            return
+        give, first, second, partner = _exchange_candidates(values, blocks, sums[0], hot, ceilings[0])
+        home = blocks[give]
+        delta = values[rows][:, give] - padded[rows][:, first] - padded[rows][:, second]
+        new_home, new_partner = sums[rows][:, home] - delta, sums[rows][:, partner] + delta
+        ok = (new_home[0] <= ceilings[0]) & (new_partner[0] <= ceilings[0])
+        if len(rows) == 3:
+            ok &= (new_home[2] <= ceilings[2]) & (new_partner[2] <= ceilings[2])
+        score = np.where(ok, np.maximum(new_home[1], new_partner[1]), np.inf)
+        score[score >= sums[1, home] * (1 - SLACK)] = np.inf
+        if not _apply_exchanges(blocks, sums[1], score, give, home, first, second, partner):
+            return
+
+
+def _exchange_candidates(values: np.ndarray, blocks: np.ndarray, block_cost: np.ndarray, hot: np.ndarray,
+                         ceiling: float):
+    """Flat (giver, first taken, second taken, cold block) candidates; -1 = nothing. Givers: up to
+    PAIR_GIVERS items of each hot block; first taken: nothing or up to PAIR_TAKERS items of each cold
+    block; second taken: nothing, or the items of that block whose cost is at or just above the low
+    end and the middle of the window that keeps both blocks' cost under the ceiling."""
+    hot_blocks, cold_blocks = np.nonzero(hot)[0], np.nonzero(~hot)[0]
+    give = np.concatenate([_sample(np.nonzero(blocks == b)[0], PAIR_GIVERS) for b in hot_blocks])
+    cold_items = np.nonzero(~hot[blocks])[0]
+    firsts = np.concatenate([np.full(len(cold_blocks), -1), np.concatenate(
+        [_sample(np.nonzero(blocks == b)[0], PAIR_TAKERS) for b in cold_blocks])])
+    owner = np.concatenate([cold_blocks, blocks[firsts[len(cold_blocks):]]])
+    cost = values[0]
+    g, f = (grid.ravel() for grid in np.meshgrid(np.arange(len(give)), np.arange(len(firsts)), indexing="ij"))
+    giver, first, block = give[g], firsts[f], owner[f]
+    # The second item's cost c2 keeps both blocks under the ceiling: low ≤ c2 ≤ high.
+    remaining = cost[giver] - np.where(first >= 0, cost[np.maximum(first, 0)], 0.0)
+    low = remaining - (ceiling - block_cost[block])
+    high = remaining - (block_cost[blocks[giver]] - ceiling)
+    scale = 4 * float(cost.max()) + 1
+    order = cold_items[np.lexsort((cost[cold_items], blocks[cold_items]))]
+    keys = blocks[order] * scale + cost[order]
+    picks = [np.full(len(giver), -1)]
+    for target in (low, (low + high) / 2):
+        near = np.searchsorted(keys, block * scale + target)
+        pick = order[np.minimum(near, len(order) - 1)]
+        valid = (near < len(order)) & (blocks[pick] == block) & (pick != first)
+        valid &= (cost[pick] >= low) & (cost[pick] <= high)
+        picks.append(np.where(valid, pick, -1))
+    second = np.concatenate(picks)
+    repeat = len(picks)
+    return (np.tile(giver, repeat), np.tile(first, repeat), second, np.tile(block, repeat))
+
+
+def _apply_exchanges(blocks, attention, score, give, home, first, second, partner) -> bool:
+    """Per hot block (most attention first) its best exchange in `score` (giver × taken set) whose
+    cold block is still unused this step; False when there is none."""
+    done = False
+    used = np.zeros(len(attention), dtype=bool)
+    for block in sorted(set(home.tolist()), key=lambda b: -attention[b]):
+        sub = np.where((home == block) & ~used[partner], score, np.inf)
+        q = int(np.argmin(sub))
+        if sub[q] == np.inf:
+            continue
+        used[partner[q]] = done = True
+        blocks[give[q]] = partner[q]
+        for taken in (first[q], second[q]):
+            if taken >= 0:
+                blocks[taken] = block
+    return done
 
 
 def split_block(items: Items, members: list[int], first: int, size: int, room: tuple[float, float, float]) -> None:
@@ -396,7 +494,7 @@ def _repair(items: Items, left: list[int], right: list[int], loads: np.ndarray, 
             sorted(sides[1].tolist(), key=lambda i: -order[i]), loads.tolist())
 
 
-def _sample(side: np.ndarray) -> np.ndarray:
-    if len(side) <= FIX_SAMPLE:
+def _sample(side: np.ndarray, limit: int = FIX_SAMPLE) -> np.ndarray:
+    if len(side) <= limit:
         return side
-    return side[np.linspace(0, len(side) - 1, FIX_SAMPLE).astype(np.int64)]
+    return side[np.linspace(0, len(side) - 1, limit).astype(np.int64)]

@@ -12,7 +12,8 @@ Algorithm (docs/ARCHITECTURE.md "Planner" has the argument; p = the largest allo
    sequences over the W/p p-blocks. `partition_blocks` (placement.py): LPT on cost (exactly fixed
    SP at p's) and a 2-D LPT (attention-heavy sequences by max(cost, attention)), each refined by
    moves/swaps on cost, then on attention under a cost ceiling; least attention among those within
-   `balance_tolerance / 2` of the best busiest-block cost.
+   `balance_tolerance / 2` of the best busiest-block cost; if its attention is above the goal,
+   2-for-1 exchanges between blocks lower it without raising the busiest block's cost.
 2. Per-rank rooms: cost `(1 + balance_tolerance) ×` busiest block ÷ p (what fixed SP at p reaches
    on this partition), attention `max((1 + balance_tolerance) × busiest block ÷ p,
    attention_goal × mean)`, tokens `max_tokens_per_rank`.
