@@ -97,3 +97,10 @@ def wait_stream(info: DeviceInfo, stream) -> None:
 def max_memory_allocated(info: DeviceInfo) -> int:
     """Peak device memory in bytes (0 on CPU, where host RSS is measured instead)."""
     return torch.cuda.max_memory_allocated() if info.is_gpu else 0
+
+
+def use_full_precision_kernels() -> None:
+    """Disable TF32 in GPU matmuls and convolutions (cuDNN defaults to TF32 convolutions, e.g. the
+    vision patch embedding), so fp32/fp64 runs are comparable with CPU references. No-op on CPU."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False

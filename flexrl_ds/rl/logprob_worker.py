@@ -42,12 +42,13 @@ def rank_logprobs(job: LogprobJob, rank: int, group_tree=None, device=None) -> d
 
     device: where the model runs (None: CPU)."""
     from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch
+    from flexrl_ds.parallel.device import use_full_precision_kernels
     from flexrl_ds.rl.logprobs import load_model
     from flexrl_ds.sp.plan import parse_plan
 
     model = load_model(job.model_dir, job.dtype)
-    if job.dtype != "bfloat16":  # fp32/fp64 mean full precision: cuDNN convolutions default to TF32 on GPUs
-        torch.backends.cudnn.allow_tf32 = False
+    if job.dtype != "bfloat16":  # fp32/fp64 mean full precision: no TF32 kernels on GPUs
+        use_full_precision_kernels()
     if device is not None:
         model = model.to(device)
     plan = parse_plan(job.plan_json)

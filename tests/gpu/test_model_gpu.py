@@ -31,8 +31,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.dist, pytest.mark.timeout(400)]
 
 def _strict_fp32() -> None:
     """fp32 means fp32 on the GPU (cuDNN convolutions default to TF32: the vision patch embedding)."""
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
+    from flexrl_ds.parallel.device import use_full_precision_kernels
+
+    use_full_precision_kernels()
 
 
 def _dataset(name: str, tmp_root: Path, **kwargs) -> Path:
