@@ -44,7 +44,7 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_only_the_device_module_names_backends():
-    pattern = re.compile(r"""["'](cuda|nccl)["']|torch\.cuda\b""")
+    pattern = re.compile(r"""["'](cuda|nccl)["']|torch\.cuda\b|torch\.backends\.cud""")
     offenders = [
         f"{path.relative_to(PACKAGE)}:{lineno}"
         for path in package_files()
