@@ -13,8 +13,8 @@ A sequence of degree `d ≤ p` runs on an aligned block `[k·d, (k+1)·d)` and a
 `partition_blocks` does (1): LPT on cost over the p-blocks (token room respected; the same LPT as
 fixed SP) and, when attention is not yet within its goal, a 2-D LPT; each refined by moves/swaps
 off the busiest block while its cost drops, then moves/swaps lowering the busiest block's
-attention while no block's cost exceeds a ceiling; where attention is still above its goal (and
-above the partition bound), rounds of exchanges — one item of a block above the goal for up to
+attention while no block's cost exceeds a ceiling; where attention is still more than 1 % above
+max(goal, partition bound), rounds of exchanges — one item of a block above the goal for up to
 two of a block below it, the 2-for-1 swaps that move attention at equal cost — lower it without
 raising the busiest block's cost. `split_block` does (2) by
 recursive halving under per-rank rooms (cost, attention, tokens): on a block of `b` ranks the `k`
@@ -50,7 +50,9 @@ SMALL_REPAIR = 64
 SLACK = 1e-9
 """Relative slack on room checks (float rounding)."""
 EXCHANGE_STEPS = 8
-"""Upper bound on the rounds of attention exchanges after the block partition."""
+"""Upper bound on the rounds of attention exchanges after the block partition (~5 ms a round)."""
+EXCHANGE_GAP = 0.01
+"""Exchanges run only where the busiest block's attention is this far above max(goal, bound)."""
 PAIR_GIVERS = 8
 """Attention exchanges consider at most this many items of the busiest block (evenly sampled) ..."""
 PAIR_TAKERS = 8
@@ -110,7 +112,7 @@ def partition_blocks(items: Items, num_blocks: int, block_size: int, token_cap: 
     best_cost = min(r[0] for r in results)
     cost_max, attention, blocks = min((r for r in results if r[0] <= best_cost * (1 + cost_slack)),
                                       key=lambda r: r[1])
-    if attention > max(good_enough[1], partition_bound(items.values[1], num_blocks) * (1 + cost_slack)):
+    if attention > max(good_enough[1], partition_bound(items.values[1], num_blocks)) * (1 + EXCHANGE_GAP):
         ceilings = np.array([cost_max, np.inf, token_room])  # the busiest block's cost does not rise
         _exchange_pairs(items.values, blocks, num_blocks, ceilings, EXCHANGE_STEPS, good_enough[1])
     return blocks
