@@ -58,3 +58,35 @@ def test_same_seed_same_weights_and_qwen2_text(tmp_path):
 def test_bad_arch_is_a_user_error():
     with pytest.raises(ValueError, match="--arch"):
         TinyModelConfig(out_dir="x", arch="llama")
+
+
+def test_auto_processor_loads_and_matches_shadowloader_where_torchvision_exists(tmp_path):
+    """AutoProcessor needs torchvision (transformers' video processor); the CPU install here has no
+    usable torchvision, the GPU machine runs this (tests/gpu/run_model_on_gpu_machine.sh)."""
+    pytest.importorskip("torchvision", reason="transformers' video processor needs torchvision")
+    import numpy as np
+    import transformers
+    from PIL import Image
+
+    from flexrl_ds.data.config import DataConfig
+    from flexrl_ds.data.preprocess import SamplePreprocessor
+    from flexrl_ds.data.types import MediaItem, Record
+
+    main(["make-tiny-model", "--out", str(tmp_path / "vl"), "--seed", "3"])
+    processor = transformers.AutoProcessor.from_pretrained(tmp_path / "vl")
+    assert processor.video_processor is not None
+    pixels = np.random.default_rng(0).integers(0, 255, size=(150, 230, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "img.png")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    with Image.open(tmp_path / "img.png") as image:
+        expected = processor(text=[text], images=[image.convert("RGB")], return_tensors="pt")
+
+    config = DataConfig().with_processor_dir(tmp_path / "vl")
+    path = str(tmp_path / "img.png")
+    record = Record(id="r", prompt="<image>q", items=(MediaItem("image", path, source=path),))
+    meta, outputs = SamplePreprocessor(config).process(record)
+    assert torch.equal(outputs["image_grid_thw"], expected["image_grid_thw"])
+    torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-4, rtol=0)
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((expected["input_ids"] == image_pad).sum()) == meta.vision_tokens
