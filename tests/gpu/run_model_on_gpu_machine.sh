@@ -15,17 +15,7 @@ w('.gpu_assets/zero3', num_records=7, seed=2); w('.gpu_assets/logprobs', num_rec
 fi
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && mkdir -p /tmp/ds && tar xzf .whl/deepspeed-*.tar.gz -C /tmp/ds \
-    && (cd /tmp/ds/deepspeed-* && DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation \
-        --no-index --target /tmp/site .)
-fi
-export PYTHONPATH=/tmp/site:$PWD
+source tests/gpu/gpu_env.sh
 [ -d .gpu_assets ] && export FLEXRL_GPU_ASSETS=$PWD/.gpu_assets
-nvidia-smi -L
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 timeout ${GPU_TEST_TIMEOUT:-420} python3 -m pytest -q -s -p no:cacheprovider \
   tests/gpu/test_model_gpu.py ${GPU_TEST_ARGS:-} 2>&1 | grep -v "^\[W" | tee "$out/gpu_model_tests.log"

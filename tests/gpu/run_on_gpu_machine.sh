@@ -5,17 +5,7 @@
 set -uo pipefail
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && mkdir -p /tmp/ds && tar xzf .whl/deepspeed-*.tar.gz -C /tmp/ds \
-    && (cd /tmp/ds/deepspeed-* && DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation \
-        --no-index --target /tmp/site .)
-fi
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi -L
-python3 -c "import torch; print('torch', torch.__version__)"
-python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+source tests/gpu/gpu_env.sh
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log"
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 bench="timeout 120 python3 -m flexrl_ds bench sp --nproc 2 --iters 5 --warmup 2"
