@@ -7,6 +7,7 @@ first seed. Nothing runs on devices: loads are the cost model's (plan-schema.md)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,9 +46,26 @@ class SimulationResult:
                 "seeds": self.seeds, "methods": self.means}
 
 
+def default_extra_p_maxes(world_size: int, sp: SPConfig, cost: CostModel) -> tuple[int, ...]:
+    """The widest degree cap the SP domain and the model allow, if above `sp.p_max`.
+
+    Fixed SP is compared at 2/4/8; FlexUlysses only gives its largest degree to the few sequences
+    that need it, so a second row shows it with the cap the hardware allows: the largest power of
+    two ≤ min(world size, query heads) (Qwen2.5-VL-7B on 32 ranks: 16).
+    """
+    limit = min(world_size, cost.num_heads)
+    widest = 1 << (limit.bit_length() - 1)
+    return (widest,) if widest > sp.p_max else ()
+
+
 def run_methods(workload, world_size: int, cost: CostModel, sp: SPConfig,
-                options: PlannerOptions | None = None) -> list[tuple[MethodResult, float]]:
-    """Every method on one workload: (result, planning seconds); all plans are validated."""
+                options: PlannerOptions | None = None,
+                extra_p_maxes: tuple[int, ...] = ()) -> list[tuple[MethodResult, float]]:
+    """Every method on one workload: (result, planning seconds); all plans are validated.
+
+    `extra_p_maxes` adds a FlexUlysses row per degree cap ("FlexUlysses p≤16") beside the one at
+    `sp.p_max`.
+    """
     p_max = sp.p_max
     runs: list[tuple[str, Any]] = [
         ("bucketing (veRL)", lambda: verl_bucketing(workload, world_size, cost, p_max)),
@@ -57,11 +75,14 @@ def run_methods(workload, world_size: int, cost: CostModel, sp: SPConfig,
         if degree <= world_size and world_size % degree == 0:
             runs.append((f"SP={degree}", lambda d=degree: fixed_sp(workload, world_size, cost, d, max(p_max, d))))
 
-    def flex() -> MethodResult:
-        result = plan_step(workload, world_size, cost, sp, options)
-        return MethodResult("FlexUlysses", result.plan, result.metrics)
+    def flex(name: str, flex_sp: SPConfig) -> MethodResult:
+        result = plan_step(workload, world_size, cost, flex_sp, options)
+        return MethodResult(name, result.plan, result.metrics)
 
-    runs.append(("FlexUlysses", flex))
+    runs.append(("FlexUlysses", lambda: flex("FlexUlysses", sp)))
+    for cap in extra_p_maxes:
+        name = f"FlexUlysses p<={cap}"
+        runs.append((name, lambda n=name, c=cap: flex(n, dataclasses.replace(sp, p_max=c))))
     out = []
     for _, run in runs:
         start = time.perf_counter()
@@ -74,15 +95,16 @@ def run_methods(workload, world_size: int, cost: CostModel, sp: SPConfig,
 
 
 def simulate(mix: str, world_size: int, gbs: int, n_samples: int, seeds: int, cost: CostModel, sp: SPConfig,
-             options: PlannerOptions | None = None, progress=None) -> SimulationResult:
-    """Mean metrics over `seeds` generated steps (seeds 0..seeds-1)."""
+             options: PlannerOptions | None = None, progress=None,
+             extra_p_maxes: tuple[int, ...] = ()) -> SimulationResult:
+    """Mean metrics over `seeds` generated steps (seeds 0..seeds-1); see `run_methods`."""
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     sim = SimulationResult(mix, world_size, gbs, n_samples, seeds)
     samples: dict[str, list[list[float]]] = {}
     for seed in range(seeds):
         workload = make_step(mix, gbs, n_samples, seed)
-        for result, seconds in run_methods(workload, world_size, cost, sp, options):
+        for result, seconds in run_methods(workload, world_size, cost, sp, options, extra_p_maxes):
             summary = result.metrics.summary()
             row = [float(summary[k]) for k in TABLE_METRICS if k != "plan_ms"] + [seconds * 1000]
             samples.setdefault(result.name, []).append(row)
@@ -101,7 +123,13 @@ def format_table(sim: SimulationResult) -> str:
     names = ("attn bal", "attn LB", "cost bal", "tok bal", "effic.", "eff UB", "a2a/SPmax", "packs", "plan ms")
     lines = [header, f"{'method':<18}" + "".join(f"{n:>11}" for n in names)]
     footer = ("attn LB / eff UB: no plan on aligned groups of <= p_max ranks has a lower attention balance / "
-              "a higher efficiency (bounds in flexrl_ds/sp/metrics.py)")
+              "a higher efficiency (bounds in flexrl_ds/sp/metrics.py); a2a/SPmax: all-to-all volume / fixed "
+              "SP at the row's degree cap")
+    per_rank = sim.gbs * sim.n_samples / sim.world_size
+    if per_rank >= 4:
+        footer += (f"\nnote: {per_rank:.0f} sequences per rank, so whole-sequence bucketing balances well; the "
+                   "paper's reference (bucketing ~6.7 at 32 ranks) is a micro-step of ~2 sequences per rank, "
+                   "e.g. --gbs 64 --n-samples 1")
     for method, values in sim.means.items():
         cells = "".join(f"{values[k]:>11.3f}" if k not in ("num_packs", "plan_ms") else f"{values[k]:>11.1f}"
                         for k in TABLE_METRICS)

@@ -34,6 +34,9 @@ def register(commands, bench) -> None:
     sim.add_argument("--seeds", type=int, default=3, help="steps (seeds 0..K-1) to average over")
     sim.add_argument("--plot", help="write a PNG of per-rank loads per method (seed 0)")
     sim.add_argument("--json", action="store_true", help="print results as JSON")
+    sim.add_argument("--extra-p-max", default="auto",
+                     help="extra FlexUlysses rows with these degree caps (comma list), 'auto' (the widest the "
+                          "world size and head count allow, if above --p-max) or 'none'")
     _add_sp_options(sim)
     sim.set_defaults(func=_simulate)
 
@@ -151,8 +154,10 @@ def _simulate(args) -> int:
     sp, cost, options = _resolve(args)
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    extra = _extra_p_maxes(args.extra_p_max, args.world_size, sp, cost)
     progress = None if args.json else (lambda done, total: print(f"  seed {done}/{total} done", file=sys.stderr))
-    sim = simulate(args.mix, args.world_size, args.gbs, args.n_samples, args.seeds, cost, sp, options, progress)
+    sim = simulate(args.mix, args.world_size, args.gbs, args.n_samples, args.seeds, cost, sp, options, progress,
+                   extra)
     if args.plot:
         plot_loads(sim, args.plot)
     if args.json:
@@ -162,6 +167,26 @@ def _simulate(args) -> int:
         if args.plot:
             print(f"wrote {args.plot}")
     return 0
+
+
+def _extra_p_maxes(text: str, world_size: int, sp, cost) -> tuple[int, ...]:
+    """Parse --extra-p-max: 'auto', 'none' or a comma list of powers of two ≤ the world size."""
+    from flexrl_ds.bench.simulator import default_extra_p_maxes
+
+    if text == "auto":
+        return default_extra_p_maxes(world_size, sp, cost)
+    if text == "none":
+        return ()
+    caps = []
+    for item in text.split(","):
+        if not item.strip().isdigit():
+            raise ValueError(f"--extra-p-max: {item!r} is not 'auto', 'none' or a positive integer")
+        cap = int(item)
+        if cap < 1 or cap & (cap - 1) or cap > world_size:
+            raise ValueError(f"--extra-p-max: {cap} must be a power of two ≤ --world-size {world_size}")
+        if cap != sp.p_max:
+            caps.append(cap)
+    return tuple(dict.fromkeys(caps))
 
 
 def _bench_planner(args) -> int:
