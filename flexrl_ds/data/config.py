@@ -21,6 +21,55 @@ OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 VIDEO_BACKENDS = ("auto", "torchcodec", "opencv")
 RESIZE_IMPLS = ("auto", "pil", "torch")
 BAD_RECORD_POLICIES = ("skip", "replace", "error")
+"""The one list of bad-record policies (semantics: `flexrl_ds/data/bad_records.py`)."""
+
+
+@dataclass
+class LoaderSection:
+    """Step composition and look-ahead of the training loader (section `flexrl.data.loader`).
+    `loader_settings.loader_settings` turns it into `proxy_loader.LoaderConfig`."""
+
+    global_batch: int = 8
+    """Prompts per step (B)."""
+    num_samples_per_prompt: int = 1
+    """GRPO group size n: samples per prompt, all sharing the prompt's one decode."""
+    seed: int = 0
+    """Seed of the per-epoch permutation of dataset rows."""
+    shuffle: bool = True
+    """Visit rows in a seeded permutation (False: file order)."""
+    lookahead_steps: int = 1
+    """Steps whose probing and decoding are dispatched ahead of the step being trained on."""
+    groups_per_chunk: int = 4
+    """Temporal patch groups (2 frames each for Qwen2.5-VL) per cached video slice."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "num_samples_per_prompt", "groups_per_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"flexrl.data.loader.{name}: must be at least 1, got {getattr(self, name)}")
+        if self.lookahead_steps < 0:
+            raise ValueError(f"flexrl.data.loader.lookahead_steps: must be >= 0, got {self.lookahead_steps}")
+
+
+@dataclass
+class PoolSection:
+    """ShadowLoader preprocessing actors (section `flexrl.data.pool`); becomes `actors.PoolConfig`."""
+
+    num_actors_per_node: int = 1
+    """Preprocessing actors started on every alive Ray node."""
+    num_cpus_per_actor: float = 1.0
+    """CPUs Ray reserves per actor; fractions allowed (e.g. 0.5 packs two actors per core)."""
+    probe_chunk_size: int = 8
+    """Records per metadata-probe task."""
+    timeout_s: float = 600.0
+    """Longest wait for one probe or decode task before the step fails with a TimeoutError."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_actors_per_node", "probe_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"flexrl.data.pool.{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("num_cpus_per_actor", "timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"flexrl.data.pool.{name}: must be positive, got {getattr(self, name)}")
 
 
 @dataclass
@@ -65,12 +114,18 @@ class DataConfig:
     media_root: str | None = None
     """Folder under which absolute media paths are accepted; None: absolute paths are rejected."""
     bad_record_policy: str = "skip"
-    """What happens to a bad record: skip (dropped, reported) | replace (the next good record in
-    dataset order stands in, reported) | error (stop with the record id and reason)."""
+    """What happens to a bad record, in the training loader and the offline tools alike:
+    skip (dropped, reported) | replace (a good record reserved from the end of the epoch's order
+    stands in, reported) | error (stop with the record id and reason). Semantics:
+    `flexrl_ds/data/bad_records.py`."""
     max_vision_tokens_per_sample: int | None = None
     """A sample whose predicted vision tokens exceed this is a bad record ("oversized"); None: no cap."""
     verify_images: bool = True
     """While probing, check image files for corruption (PIL verify: reads, does not decode pixels)."""
+    loader: LoaderSection = field(default_factory=LoaderSection)
+    """Training loader: batch, GRPO group size, order, look-ahead, slice size."""
+    pool: PoolSection = field(default_factory=PoolSection)
+    """Preprocessing actors: count per node, CPUs, probe chunking, timeout."""
 
     def __post_init__(self) -> None:
         for name in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",

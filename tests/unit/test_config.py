@@ -14,6 +14,27 @@ def test_ds_configs_in_repo_load(tmp_path):
         run = load_run_config(path)
         assert "flexrl" not in run.deepspeed
         assert run.deepspeed["zero_optimization"]["stage"] == 3
+        assert run.flexrl.data.pool.timeout_s > 0  # the flexrl.data section is present and typed
+
+
+def test_ds_configs_drive_the_loader():
+    from pathlib import Path
+
+    from flexrl_ds.data.config import DataConfig
+    from flexrl_ds.data.loader_settings import loader_settings
+
+    folder = Path(__file__).resolve().parents[2] / "ds_configs"
+    for name in ("zero3_flexrl.json", "cpu_test.json"):
+        raw = json.loads((folder / name).read_text())
+        assert {"bad_record_policy", "loader", "pool"} <= set(raw["flexrl"]["data"]), name
+        data = load_run_config(folder / name).flexrl.data
+        loader_config, pool_config = loader_settings(data)
+        assert loader_config.bad_record_policy == data.bad_record_policy
+        assert loader_config.global_batch == raw["flexrl"]["data"]["loader"]["global_batch"]
+        assert pool_config.num_actors_per_node == raw["flexrl"]["data"]["pool"]["num_actors_per_node"]
+        assert pool_config.groups_per_chunk == loader_config.groups_per_chunk
+        # the files spell out today's defaults
+        assert (data.loader, data.pool) == (DataConfig().loader, DataConfig().pool), name
 
 
 def test_flexrl_section_is_typed():

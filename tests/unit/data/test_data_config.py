@@ -48,3 +48,41 @@ def test_with_processor_dir(tmp_path):
     assert config.image_mean == [0.5, 0.5, 0.5] and config.bad_record_policy == "replace"
     with pytest.raises(ValueError, match="no preprocessor_config.json"):
         DataConfig().with_processor_dir(tmp_path / "missing")
+
+
+def test_loader_and_pool_sections_drive_the_loader_configs():
+    from flexrl_ds.data.actors import PoolConfig
+    from flexrl_ds.data.loader_settings import loader_settings
+    from flexrl_ds.data.proxy_loader import LoaderConfig
+
+    defaults = loader_settings(DataConfig())
+    assert defaults == (LoaderConfig(global_batch=8), PoolConfig())  # today's defaults
+    run = parse_run_config({"flexrl": {"data": {
+        "bad_record_policy": "replace",
+        "loader": {"global_batch": 6, "num_samples_per_prompt": 4, "seed": 3, "shuffle": False,
+                   "lookahead_steps": 2, "groups_per_chunk": 3},
+        "pool": {"num_actors_per_node": 2, "num_cpus_per_actor": 0.5, "probe_chunk_size": 5, "timeout_s": 30},
+    }}})
+    loader_config, pool_config = loader_settings(run.flexrl.data)
+    assert loader_config == LoaderConfig(global_batch=6, num_samples_per_prompt=4, seed=3, shuffle=False,
+                                         bad_record_policy="replace", lookahead_steps=2, groups_per_chunk=3)
+    assert pool_config == PoolConfig(num_actors_per_node=2, num_cpus_per_actor=0.5, groups_per_chunk=3,
+                                     probe_chunk_size=5, timeout_s=30.0)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"loader": {"global_batch": 0}}, "flexrl.data.loader.global_batch: must be at least 1"),
+    ({"loader": {"global_batch": "8"}}, "flexrl.data.loader.global_batch: expected an integer"),
+    ({"loader": {"lookahead_steps": -1}}, "flexrl.data.loader.lookahead_steps: must be >= 0"),
+    ({"loader": {"shuffle": "yes"}}, "flexrl.data.loader.shuffle: expected bool"),
+    ({"loader": {"batch": 8}}, "flexrl.data.loader: unknown key(s) 'batch'"),
+    ({"loader": {"bad_record_policy": "skip"}}, "flexrl.data.loader: unknown key(s) 'bad_record_policy'"),
+    ({"pool": {"num_cpus_per_actor": 0}}, "flexrl.data.pool.num_cpus_per_actor: must be positive"),
+    ({"pool": {"num_actors_per_node": 0}}, "flexrl.data.pool.num_actors_per_node: must be at least 1"),
+    ({"pool": {"timeout": 5}}, "flexrl.data.pool: unknown key(s) 'timeout'"),
+    ({"pool": 3}, "flexrl.data.pool: expected an object"),
+])
+def test_loader_and_pool_sections_are_strict(raw, message):
+    with pytest.raises(ValueError) as error:
+        parse_run_config({"flexrl": {"data": raw}}, source="run.json")
+    assert message in str(error.value) and "run.json" in str(error.value)
