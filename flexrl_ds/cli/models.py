@@ -35,6 +35,15 @@ def register(commands, bench) -> None:
     logprobs.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
     logprobs.add_argument("--response-key", default="response",
                           help="record field with the text to score (default response; e.g. answer)")
+    logprobs.add_argument("--loader", default="auto", choices=("auto", "shadow", "local"),
+                          help="shadow: Ray preprocessing actors decode the media and each rank pulls only its "
+                               "vision units (pixels never pass through this process); local: this process "
+                               "decodes everything and sends every sample to every rank (the reference); "
+                               "auto (default): shadow when Ray is importable. Shadow joins RAY_ADDRESS if set, "
+                               "else starts a local Ray cluster")
+    logprobs.add_argument("--actors", type=int, default=2, help="preprocessing actors per Ray node (shadow)")
+    logprobs.add_argument("--cpus-per-actor", type=float, default=0.5,
+                          help="Ray CPUs reserved per preprocessing actor (shadow)")
     logprobs.set_defaults(func=_logprobs)
 
     vision = bench.add_parser("vision", help="vision-tower patches per rank: sequence owner vs pack group vs domain")
@@ -61,7 +70,8 @@ def _logprobs(args: argparse.Namespace) -> int:
 
     config = LogprobsConfig(model_dir=args.model, data_path=args.data, out_path=args.out,
                             num_procs=args.nproc, p_max=args.p_max, plan_out=args.plan_out, dtype=args.dtype,
-                            plan_in=args.plan, response_key=args.response_key)
+                            plan_in=args.plan, response_key=args.response_key, loader=args.loader,
+                            num_actors=args.actors, cpus_per_actor=args.cpus_per_actor)
     summary = run_logprobs(config)
     print(summary)
     return 0

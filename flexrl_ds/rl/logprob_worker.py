@@ -33,33 +33,66 @@ class LogprobJob:
     plan_json: dict
     """The step's plan (plan-schema.md object)."""
     samples: dict[str, Any]
-    """EncodedSample per sequence id."""
+    """EncodedSample per sequence id (with `--loader shadow`, vision items hold placeholders)."""
     timeout_s: float = 600.0
+    """Collective timeout of the process group, and of the whole spawned run."""
+    shadow: Any = None
+    """`shadow_inputs.ShadowHandle` (`--loader shadow`): each rank pulls its vision units' pixels from
+    the preprocessing actors; None: the samples carry their pixels."""
 
 
-def rank_logprobs(job: LogprobJob, rank: int, group_tree=None, device=None) -> dict[str, list]:
+def rank_logprobs(job: LogprobJob, rank: int, group_tree=None, device=None,
+                  stats: dict[str, float] | None = None) -> dict[str, list]:
     """This rank's pieces of next-token log-probs (all local positions of its sequences).
 
-    device: where the model runs (None: CPU)."""
+    device: where the model runs (None: CPU). stats: if given, receives this rank's data figures
+    (`pixel_bytes` it pulled, `wait_s` it waited for them, with `--loader shadow`)."""
+    from flexrl_ds.sp.plan import parse_plan
+
+    plan = parse_plan(job.plan_json)
+    pixels = _start_pixel_fetch(job, plan, rank) if job.shadow is not None else None
+    try:
+        logprobs, batch = _forward(job, plan, rank, group_tree, device, pixels)
+    finally:
+        if pixels is not None:
+            pixels.close()
+    if stats is not None and pixels is not None:
+        stats.update(pixels.stats)
+    pieces: dict[str, list] = {}
+    for seq_id, lo, hi, local in batch.layout.segments():
+        pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].tolist()))
+    return pieces
+
+
+def _start_pixel_fetch(job: LogprobJob, plan, rank: int):
+    """Start pulling this rank's vision units (before the model loads); None when it has none."""
+    import transformers
+
+    from flexrl_ds.rl.shadow_fetch import RankPixels, rank_units
+
+    units = rank_units(transformers.AutoConfig.from_pretrained(job.model_dir), plan, job.samples, rank)
+    return RankPixels(job.shadow, units) if units else None
+
+
+def _forward(job: LogprobJob, plan, rank: int, group_tree, device, pixels):
+    """Load the model, build this rank's batch (pixels from `pixels` if given), one no-grad forward."""
     from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch
     from flexrl_ds.parallel.device import use_full_precision_kernels
     from flexrl_ds.rl.logprobs import load_model
-    from flexrl_ds.sp.plan import parse_plan
 
     model = load_model(job.model_dir, job.dtype)
     if job.dtype != "bfloat16":  # fp32/fp64 mean full precision: no TF32 kernels on GPUs
         use_full_precision_kernels()
     if device is not None:
         model = model.to(device)
-    plan = parse_plan(job.plan_json)
     batch = build_step_batch(model, plan, job.samples, rank, group_tree)
-    flex = FlexUlyssesLM(model)
+    if pixels is not None:
+        batch.items = pixels.items(job.samples, batch.route.my_units)
+    else:
+        assert job.shadow is None or batch.route is None or not batch.route.my_units, "units without a fetch"
     with torch.no_grad():
-        logprobs, _ = flex(batch)
-    pieces: dict[str, list] = {}
-    for seq_id, lo, hi, local in batch.layout.segments():
-        pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].tolist()))
-    return pieces
+        logprobs, _ = FlexUlyssesLM(model)(batch)
+    return logprobs, batch
 
 
 def assemble(samples: dict[str, Any], per_rank: list[dict[str, list]]) -> dict[str, list[float]]:
@@ -101,9 +134,10 @@ def _worker(rank: int, world_size: int, port: int, p_max: int, job: LogprobJob, 
                                 init_method=f"tcp://127.0.0.1:{port}",
                                 timeout=datetime.timedelta(seconds=job.timeout_s))
         tree = GroupTree.create(SPTopology(world_size=world_size, domain_size=world_size, p_max=p_max), rank)
-        pieces = rank_logprobs(job, rank, tree, device)
+        stats: dict[str, float] = {}
+        pieces = rank_logprobs(job, rank, tree, device, stats)
         gathered = [None] * world_size if rank == 0 else None
-        dist.gather_object(pieces, gathered, dst=0)
+        dist.gather_object((pieces, stats), gathered, dst=0)
         if rank == 0:
             results.put(("ok", gathered))
         dist.barrier()
@@ -112,13 +146,13 @@ def _worker(rank: int, world_size: int, port: int, p_max: int, job: LogprobJob, 
         results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
 
 
-def spawn(job: LogprobJob, world_size: int) -> list[dict[str, list]]:
-    """Run `rank_logprobs` on `world_size` new processes; per-rank pieces (rank order)."""
+def spawn(job: LogprobJob, world_size: int) -> list[tuple[dict[str, list], dict[str, float]]]:
+    """Run `rank_logprobs` on `world_size` new processes; per rank (rank order): (pieces, stats)."""
     import multiprocessing as mp
 
     # Fork the ranks from a server that imported torch/transformers once (not N times in parallel).
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
+    context.set_forkserver_preload(list(PRELOAD) + (["ray"] if job.shadow is not None else []))
     results = context.Queue()
     p_max = int(job.plan_json["p_max"])
     port = _free_port()

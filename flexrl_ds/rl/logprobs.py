@@ -1,25 +1,34 @@
 """`flexrl logprobs`: the reference / old-policy pass of GRPO as a tool.
 
 Flow (the planner sees sequence lengths before any forward):
-1. read the records and encode them (tokens + vision items, flexrl_ds/models/processing.py);
+1. read the records and encode them: tokens + vision items. `--loader shadow` (the training path):
+   Ray preprocessing actors probe and decode the media, this process (the controller) holds only
+   metadata, tokens and object references (flexrl_ds/rl/shadow_inputs.py). `--loader local` (the
+   reference): this process decodes everything (flexrl_ds/models/processing.py);
 2. plan the step with the FlexUlysses planner over `--nproc` ranks (`--plan-out` writes it);
 3. spawn N processes (gloo on CPU, NCCL on GPU) that each run the model once over their local tokens
-   with FlexUlysses attention and balanced vision encoding (flexrl_ds/rl/logprob_worker.py);
+   with FlexUlysses attention and balanced vision encoding (flexrl_ds/rl/logprob_worker.py). With
+   shadow each rank pulls only its vision units' pixels from the actors (flexrl_ds/rl/shadow_fetch.py);
+   with local every rank receives every sample, pixels included;
 4. rank 0 gathers every rank's pieces and writes one line per record:
    {"id", "input_ids", "response_start", "logprobs"}, logprobs[i] = log p(input_ids[response_start+i]).
 
-With `--nproc 1` everything runs in this process (no process group).
+With `--loader local --nproc 1` everything runs in this process (no process group); shadow always
+spawns its ranks, so pixels never enter this process.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float64")
+LOADERS = ("auto", "shadow", "local")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,14 @@ class LogprobsConfig:
     """If set, run this plan file instead of planning (validated against the records and --nproc)."""
     response_key: str = "response"
     """Record field holding the text to score (e.g. "answer" for datasets without responses)."""
+    loader: str = "auto"
+    """Where pixels come from: shadow (Ray preprocessing actors; ranks pull their own slices), local
+    (this process decodes every record and sends all samples to every rank), auto (shadow when Ray is
+    importable, else local)."""
+    num_actors: int = 2
+    """Preprocessing actors per Ray node (shadow)."""
+    cpus_per_actor: float = 0.5
+    """Ray CPUs reserved per preprocessing actor (shadow; fractions allowed)."""
 
     def __post_init__(self) -> None:
         if self.num_procs < 1 or self.num_procs & (self.num_procs - 1):
@@ -54,12 +71,22 @@ class LogprobsConfig:
             raise ValueError(f"--p-max must be a power of two <= --nproc ({self.num_procs}), got {self.p_max}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.loader not in LOADERS:
+            raise ValueError(f"--loader must be one of {LOADERS}, got {self.loader!r}")
+        if self.loader == "shadow" and importlib.util.find_spec("ray") is None:
+            raise ValueError("--loader shadow needs Ray (pip install ray), or use --loader local")
         if not Path(self.model_dir, "config.json").exists():
             raise ValueError(f"--model {self.model_dir}: no config.json there (make one with flexrl make-tiny-model)")
 
     @property
     def resolved_p_max(self) -> int:
         return self.p_max or self.num_procs
+
+    @property
+    def resolved_loader(self) -> str:
+        if self.loader != "auto":
+            return self.loader
+        return "shadow" if importlib.util.find_spec("ray") is not None else "local"
 
 
 def load_model(model_dir: str, dtype: str = "float32"):
@@ -108,11 +135,70 @@ def load_given_plan(path: str, samples: dict[str, Any], num_procs: int):
 
 
 def run_logprobs(config: LogprobsConfig) -> str:
-    """Run the whole tool; returns a one-line summary."""
+    """Run the whole tool; returns the summary (two lines: output, and the data the parent handled)."""
+    start = time.perf_counter()
+    if config.resolved_loader == "shadow":
+        from flexrl_ds.rl.shadow_inputs import ShadowSession, ShadowSettings
+
+        settings = ShadowSettings(num_actors_per_node=config.num_actors, num_cpus_per_actor=config.cpus_per_actor,
+                                  timeout_s=config.timeout_s)
+        with ShadowSession(config.model_dir, config.data_path, config.response_key, settings) as session:
+            step = session.load_step()
+            samples = step.samples
+            results, usage = _plan_and_run(config, samples, step.handle)
+            usage.controller_bytes += session.controller_bytes
+            num_actors = len(session.pool.alive)
+    else:
+        samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
+        results, usage = _plan_and_run(config, samples, None)
+        num_actors = 0
+    write_results(config.out_path, samples, results)
+    elapsed = time.perf_counter() - start
+    return (f"wrote log-probs of {len(results)} records to {config.out_path} ({elapsed:.1f} s, "
+            f"{config.num_procs} ranks, loader {config.resolved_loader})\n" + usage.describe(num_actors))
+
+
+@dataclass
+class DataUsage:
+    """Input data the parent (controller) handled, and pixels the ranks pulled themselves."""
+
+    controller_bytes: int = 0
+    """Serialized bytes of records, metadata, tokens, object references and rank jobs through the parent."""
+    controller_pixel_bytes: int = 0
+    """Pixel bytes among them (0 with the shadow loader)."""
+    num_rank_jobs: int = 0
+    """Spawned ranks the job was sent to (0: ran in this process)."""
+    rank_pixel_bytes: int = 0
+    """Pixel bytes the ranks pulled straight from the preprocessing actors (shadow)."""
+
+    def describe(self, num_actors: int) -> str:
+        line = (f"parent data: {_size(self.controller_bytes)} "
+                f"(pixels {_size(self.controller_pixel_bytes)}"
+                + (f", job sent to {self.num_rank_jobs} ranks)" if self.num_rank_jobs else ", ranks in this process)"))
+        if num_actors:
+            line += f"; ranks pulled {_size(self.rank_pixel_bytes)} of pixels from {num_actors} preprocessing actors"
+        return line
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+def pixel_bytes_in(samples: dict[str, Any]) -> int:
+    """Bytes of pixel tensors held by encoded samples (placeholders hold none)."""
+    import torch
+
+    return sum(item.pixel_values.nbytes for sample in samples.values() for item in sample.items
+               if isinstance(item.pixel_values, torch.Tensor))
+
+
+def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], shadow) -> tuple[dict[str, list[float]], DataUsage]:
+    """Plan the step, run the ranks (spawned, or here for local --nproc 1), assemble the log-probs."""
     from flexrl_ds.rl import logprob_worker
 
-    start = time.perf_counter()
-    samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
     if config.plan_in:
         plan = load_given_plan(config.plan_in, samples, config.num_procs)
     else:
@@ -123,15 +209,18 @@ def run_logprobs(config: LogprobsConfig) -> str:
           f"{config.num_procs} ranks: degrees {sorted({p.degree for p in plan.packs})}, {len(plan.packs)} packs",
           flush=True)
     job = logprob_worker.LogprobJob(model_dir=config.model_dir, dtype=config.dtype, plan_json=plan.to_json(),
-                                    samples=samples, timeout_s=config.timeout_s)
-    if config.num_procs == 1:
-        pieces = [logprob_worker.rank_logprobs(job, rank=0, group_tree=None)]
+                                    samples=samples, timeout_s=config.timeout_s, shadow=shadow)
+    usage = DataUsage(controller_pixel_bytes=pixel_bytes_in(samples))
+    if config.num_procs == 1 and shadow is None:
+        stats: dict[str, float] = {}
+        per_rank = [(logprob_worker.rank_logprobs(job, rank=0, group_tree=None, stats=stats), stats)]
+        usage.controller_bytes = len(pickle.dumps(samples))
     else:
-        pieces = logprob_worker.spawn(job, config.num_procs)
-    results = logprob_worker.assemble(samples, pieces)
-    write_results(config.out_path, samples, results)
-    elapsed = time.perf_counter() - start
-    return f"wrote log-probs of {len(results)} records to {config.out_path} ({elapsed:.1f} s, {config.num_procs} ranks)"
+        per_rank = logprob_worker.spawn(job, config.num_procs)
+        usage.num_rank_jobs = config.num_procs
+        usage.controller_bytes = len(pickle.dumps(job)) * config.num_procs
+    usage.rank_pixel_bytes = int(sum(stats.get("pixel_bytes", 0) for _, stats in per_rank))
+    return logprob_worker.assemble(samples, [pieces for pieces, _ in per_rank]), usage
 
 
 def write_results(path: str, samples: dict[str, Any], logprobs: dict[str, list[float]]) -> None:
