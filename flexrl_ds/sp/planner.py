@@ -42,7 +42,8 @@ import numpy as np
 
 from flexrl_ds.config.flexrl_config import SPConfig
 from flexrl_ds.sp.cost_model import CostModel
-from flexrl_ds.sp.metrics import PlanMetrics, compute_metrics, rank_sums
+from flexrl_ds.sp.attention_repair import repair_attention
+from flexrl_ds.sp.metrics import PlanMetrics, compute_metrics, partition_bound, rank_sums
 from flexrl_ds.sp.packing import PackingLimits, pack_group, packing_limits
 from flexrl_ds.sp.placement import CapacityError, Items, partition_blocks, split_block
 from flexrl_ds.sp.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
@@ -73,6 +74,15 @@ class PlannerOptions:
     sequence shardable. Elsewhere every sequence may be sharded (efficiency first)."""
     refine_steps: int = 48
     """Upper bound on move/swap steps of each block-partition refinement."""
+    attention_target: float = 1.05
+    """Attention balance the repair phase aims for: where the block partition leaves a p-block's
+    attention above this × its mean (÷ (1 + balance_tolerance), the split's margin) and the
+    partition bound allows it, one-for-many exchanges lower it (attention_repair.py)."""
+    attention_repair_slack: float = 0.01
+    """The repair may raise a p-block's cost up to (1 + this) × the busiest block's cost (in
+    stages: a quarter, half, all of it, only as far as attention needs)."""
+    attention_repair_steps: int = 96
+    """Upper bound on the repair's exchanges (each one vectorised search, ~0.5 ms)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,7 @@ def nested_layout(tokens: np.ndarray, c: float, allowed: tuple[int, ...], world_
                   np.zeros(len(tokens), dtype=np.int64))
     blocks = partition_blocks(items, num_blocks, block_size, token_cap, options.refine_steps,
                               options.balance_tolerance / 2, options.attention_goal)
+    _repair_blocks(values, blocks, num_blocks, block_size * token_cap, options)
     block_sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
     tolerance = 1 + options.balance_tolerance
     room = (float(block_sums[0].max()) / block_size * tolerance,
@@ -163,6 +174,19 @@ def nested_layout(tokens: np.ndarray, c: float, allowed: tuple[int, ...], world_
     for block in range(num_blocks):
         _split_p_block(items, members[block], block * block_size, block_size, room, options)
     return items.degrees, items.starts
+
+
+def _repair_blocks(values: np.ndarray, blocks: np.ndarray, num_blocks: int, token_room: float,
+                   options: PlannerOptions) -> None:
+    """Attention repair of the block partition (attention_repair.py), only where the busiest
+    block's attention is above the target and the partition bound is below it."""
+    goal = options.attention_target / (1 + options.balance_tolerance) * float(values[1].sum()) / num_blocks
+    if num_blocks < 2 or np.bincount(blocks, weights=values[1], minlength=num_blocks).max() <= goal:
+        return
+    if partition_bound(values[1], num_blocks) >= goal:
+        return
+    repair_attention(values, blocks, num_blocks, token_room, options.attention_repair_slack, goal,
+                     options.attention_repair_steps)
 
 
 def _split_p_block(items: Items, members: list[int], first: int, block_size: int,
