@@ -1,24 +1,26 @@
-"""A probed dataset and the bad-record policy.
+"""A probed dataset under the bad-record policy (offline tools: tests, inspection, scripts).
 
 `probe_dataset(path, preprocessor)` reads every row, probes its media (metadata only) and applies
-the policy of `DataConfig.bad_record_policy`:
-- `skip`: bad records are left out; the samples keep dataset order.
-- `replace`: each bad record's slot is filled by the next good record after it in dataset order
-  (wrapping around), under the sample id `<bad id>-><substitute id>`; the batch keeps its size and
-  which record stands in for which is reported in `replacements`.
-- `error`: the first bad record stops with a ValueError naming its id and reason.
-Every bad record is kept in `bad` with its reason, so nothing changes silently. A record that only
-fails later, while decoding, goes through `ProbedDataset.resolve_failure` (same policy).
+`DataConfig.bad_record_policy` with the *same* code as the training loader
+(`bad_records.BadRecordPolicy`, semantics in its module docstring): rows are taken in windows of
+`global_batch` from one epoch's order (file order unless `shuffle`), `skip` drops a bad row's
+slot, `replace` fills it with a row reserved from the tail of the epoch's order, `error` stops
+with the record id and reason. With the loader's `global_batch`, `seed` and `shuffle`, the result
+is exactly the loader's first epoch. With `global_batch=None` the whole file is one step: every
+row is in the window, no unused row is left to draw from, so `replace` drops bad slots as `skip`
+does (counted in `counts.num_unreplaced`). Every bad record is kept in `bad` with its reason, and
+a record that only fails later, while decoding, goes through `ProbedDataset.resolve_failure`
+(same policy, same slot).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flexrl_ds.data.bad_records import BadRecordCounts, BadRecordPolicy, StepReport, is_bad, select_steps
 from flexrl_ds.data.preprocess import SamplePreprocessor
 from flexrl_ds.data.records import read_dataset
 from flexrl_ds.data.types import BadRecord, SampleMeta
@@ -26,39 +28,48 @@ from flexrl_ds.data.types import BadRecord, SampleMeta
 
 @dataclass
 class ProbedDataset:
-    """Samples ready for the loader, with every bad record and every replacement reported."""
+    """Samples ready to train on, step by step, with every bad record and replacement reported."""
 
-    samples: list[SampleMeta]
-    """Trainable samples in dataset order (replacements sit in their bad record's slot)."""
+    steps: list[list[SampleMeta]]
+    """Samples of each step, in slot order (substitutes sit in their bad record's slot)."""
     bad: list[BadRecord]
-    """All bad records found, in dataset order."""
+    """All bad records of the file in dataset order, then those found while decoding."""
     policy: str
     """The bad-record policy applied."""
     replacements: dict[str, str] = field(default_factory=dict)
     """Bad record id -> id of the record that stands in for it (policy replace)."""
     good: list[SampleMeta] = field(default_factory=list)
-    """Good samples only, in dataset order (substitutes are drawn from these)."""
+    """Samples that probed fine, in dataset order (minus those that later failed to decode)."""
+    chooser: BadRecordPolicy | None = field(default=None, repr=False)
+    """The policy object (its epoch order and counts) that later decode failures go through."""
+    report: StepReport = field(default_factory=StepReport, repr=False)
+    """The policy's report over all steps (bad records in the order met, replacements)."""
+
+    @property
+    def samples(self) -> list[SampleMeta]:
+        """All steps' samples, concatenated."""
+        return [sample for step in self.steps for sample in step]
+
+    @property
+    def counts(self) -> BadRecordCounts:
+        return self.chooser.counts if self.chooser is not None else BadRecordCounts()
 
     def resolve_failure(self, failed: SampleMeta, bad: BadRecord) -> SampleMeta | None:
-        """Policy for a sample whose media failed at materialisation: the substitute (replace),
-        None (skip), or ValueError (error). The failure is recorded in `bad`."""
+        """Policy for a sample whose media failed at materialisation, in its slot: the substitute
+        (replace), None (skip: the slot is dropped), or ValueError (error). Recorded in `bad`."""
+        assert self.chooser is not None, "resolve_failure needs a dataset built by apply_policy"
+        step, slot = next((s, k) for s, samples in enumerate(self.steps)
+                          for k, sample in enumerate(samples) if sample.id == failed.id)
         self.bad.append(bad)
-        if self.policy == "error":
-            raise ValueError(f"record {bad.id!r}: {bad.reason}")
-        known_bad = {entry.id for entry in self.bad}
-        self.good = [meta for meta in self.good if meta.record.id not in known_bad]
-        if self.policy == "skip":
-            return None
-        return self._substitute(failed.record.index, bad.id, known_bad)
-
-    def _substitute(self, index: int, bad_id: str, known_bad: set[str]) -> SampleMeta:
-        candidates = [meta for meta in self.good if meta.record.id not in known_bad]
-        if not candidates:
-            raise ValueError(f"record {bad_id!r} is bad and no good record is left to replace it")
-        after = [meta for meta in candidates if meta.record.index > index]
-        chosen = (after or candidates)[0]
-        self.replacements[bad_id] = chosen.record.id
-        return dataclasses.replace(chosen, id=f"{bad_id}->{chosen.record.id}")
+        self.good = [meta for meta in self.good if meta.record.id != bad.id]
+        substitute = self.chooser.resolve(step, bad, self.report, failed_id=failed.id)
+        self.replacements.clear()
+        self.replacements.update(self.report.replacements)
+        if substitute is None:
+            del self.steps[step][slot]
+        else:
+            self.steps[step][slot] = substitute
+        return substitute
 
     def summary(self) -> str:
         stages = Counter(entry.stage for entry in self.bad)
@@ -69,21 +80,16 @@ class ProbedDataset:
         return text + f", policy {self.policy}"
 
 
-def apply_policy(entries: list[SampleMeta | BadRecord], policy: str) -> ProbedDataset:
-    """Build the sample list from probed entries (in dataset order) under `policy`."""
-    good = [entry for entry in entries if isinstance(entry, SampleMeta)]
-    bad = [entry for entry in entries if isinstance(entry, BadRecord)]
-    if policy == "error" and bad:
-        raise ValueError(f"record {bad[0].id!r}: {bad[0].reason}")
-    dataset = ProbedDataset(samples=[], bad=bad, policy=policy, good=list(good))
-    known_bad = {entry.id for entry in bad}
-    for position, entry in enumerate(entries):
-        if isinstance(entry, SampleMeta):
-            dataset.samples.append(entry)
-        elif policy == "replace":
-            index = entry.index if entry.index >= 0 else position
-            dataset.samples.append(dataset._substitute(index, entry.id, known_bad))
-    return dataset
+def apply_policy(entries: list[SampleMeta | BadRecord], policy: str, global_batch: int | None = None,
+                 seed: int = 0, shuffle: bool = False) -> ProbedDataset:
+    """Compose the steps of one epoch from probed entries (dataset order) under `policy`."""
+    steps, report, chooser = select_steps(entries, policy, global_batch, seed, shuffle)
+    bad = [entry for entry in entries if is_bad(entry)]
+    if policy == "error" and bad:  # a bad row outside every window (the epoch's remainder)
+        raise ValueError(f"record {bad[0].id!r}: {bad[0].reason} (flexrl.data.bad_record_policy is 'error')")
+    good = [entry for entry in entries if not is_bad(entry)]
+    return ProbedDataset(steps=steps, bad=bad, policy=policy, replacements=dict(report.replacements),
+                         good=good, chooser=chooser, report=report)
 
 
 def probe_entries(path: str | Path, preprocessor: SamplePreprocessor,
@@ -99,6 +105,8 @@ def probe_entries(path: str | Path, preprocessor: SamplePreprocessor,
 
 
 def probe_dataset(path: str | Path, preprocessor: SamplePreprocessor,
-                  progress: Callable[[int, int], None] | None = None) -> ProbedDataset:
-    """Read, probe and apply the configured bad-record policy."""
-    return apply_policy(probe_entries(path, preprocessor, progress), preprocessor.config.bad_record_policy)
+                  progress: Callable[[int, int], None] | None = None, global_batch: int | None = None,
+                  seed: int = 0, shuffle: bool = False) -> ProbedDataset:
+    """Read, probe and apply the configured bad-record policy (`flexrl.data.bad_record_policy`)."""
+    entries = probe_entries(path, preprocessor, progress)
+    return apply_policy(entries, preprocessor.config.bad_record_policy, global_batch, seed, shuffle)

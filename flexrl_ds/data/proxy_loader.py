@@ -29,24 +29,23 @@ Order and bad records (same for the centralised baseline, which shares `StepSour
 from __future__ import annotations
 
 import pickle
-import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+from flexrl_ds.data.bad_records import BadRecordPolicy, EpochOrder, StepReport, check_policy, is_bad
 
 from flexrl_ds.data.metastore import MetaStore, PromptEntry, PromptKey, SampleId
 from flexrl_ds.data.materializer import PromptSource, SliceRequest, WorkerAssignment
 
-BAD_RECORD_POLICIES = ("skip", "replace", "error")
-
-
 @dataclass
 class LoaderConfig:
-    """Step composition and look-ahead of ShadowLoader and the centralised baseline."""
+    """Step composition and look-ahead of ShadowLoader and the centralised baseline. Built from the
+    run config's `flexrl.data` section by `loader_settings.loader_settings`."""
 
     global_batch: int
     """Prompts per step (B)."""
@@ -57,7 +56,8 @@ class LoaderConfig:
     shuffle: bool = True
     """Visit rows in a seeded permutation (False: file order)."""
     bad_record_policy: str = "skip"
-    """skip | replace | error (see the module docstring)."""
+    """skip | replace | error (`bad_records.py`); copied from `flexrl.data.bad_record_policy`,
+    the one setting that also drives the offline tools."""
     lookahead_steps: int = 1
     """Steps whose preprocessing is dispatched ahead of the step being trained on."""
     groups_per_chunk: int = 4
@@ -68,45 +68,13 @@ class LoaderConfig:
             raise ValueError(f"global_batch: must be at least 1, got {self.global_batch}")
         if self.num_samples_per_prompt < 1:
             raise ValueError(f"num_samples_per_prompt: must be at least 1, got {self.num_samples_per_prompt}")
-        if self.bad_record_policy not in BAD_RECORD_POLICIES:
-            raise ValueError(f"bad_record_policy: {self.bad_record_policy!r} is not one of skip, replace, error")
+        check_policy(self.bad_record_policy, where="bad_record_policy")
         if self.lookahead_steps < 0 or self.groups_per_chunk < 1:
             raise ValueError("lookahead_steps must be >= 0 and groups_per_chunk >= 1")
 
 
-class RecordOrder:
-    """Seeded per-epoch permutation consumed in windows from the head, replacements from the tail."""
-
-    def __init__(self, num_records: int, seed: int, shuffle: bool):
-        if num_records < 1:
-            raise ValueError("the dataset has no rows")
-        self.num_records, self.seed, self.shuffle = num_records, seed, shuffle
-        self.epoch = -1
-        self._start_epoch()
-
-    def _start_epoch(self) -> None:
-        self.epoch += 1
-        self._order = list(range(self.num_records))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self._order)
-        self._head, self._tail = 0, self.num_records
-
-    def take(self, count: int) -> list[int]:
-        """The next `count` rows (a new epoch starts when fewer remain)."""
-        if count > self.num_records:
-            raise ValueError(f"global batch {count} exceeds the dataset's {self.num_records} rows")
-        if self._tail - self._head < count:
-            self._start_epoch()
-        window = self._order[self._head : self._head + count]
-        self._head += count
-        return window
-
-    def reserve(self) -> int | None:
-        """A row from the end of the epoch, for a replacement; None when the epoch is used up."""
-        if self._tail <= self._head:
-            return None
-        self._tail -= 1
-        return self._order[self._tail]
+RecordOrder = EpochOrder
+"""The loader's row order (`bad_records.EpochOrder`)."""
 
 
 @dataclass
@@ -134,6 +102,14 @@ class LoaderStep:
     """Every bad row met while composing the step (`BadRecord`s)."""
     replacements: dict[str, str] = field(default_factory=dict)
     """Bad record id -> id of the record that stood in for it (policy replace)."""
+    withdrawn: dict[str, str] = field(default_factory=dict)
+    """Sample id -> reason for prompts withdrawn after hand-out (decode failed on re-routing):
+    not trained on; their slot stays in `prompts` because the step's shapes were planned."""
+
+    @property
+    def bad_report(self) -> StepReport:
+        """This step's lists as a `bad_records.StepReport` (shared, not copied)."""
+        return StepReport(self.bad_records, self.replacements, self.withdrawn)
 
     def sample_ids(self) -> list[SampleId]:
         return [SampleId(p.key.step, p.key.slot, k) for p in self.prompts for k in range(self.num_samples_per_prompt)]
@@ -143,6 +119,7 @@ class LoaderStep:
             "step": self.step, "epoch": self.epoch, "prompts": [p.meta.id for p in self.prompts],
             "num_bad": len(self.bad_records), "replacements": dict(self.replacements),
             "bad_records": [{"id": b.id, "reason": b.reason, "stage": b.stage} for b in self.bad_records],
+            "withdrawn": dict(self.withdrawn),
         }
 
 
@@ -154,6 +131,12 @@ class LoaderStats:
     """Bad rows met so far."""
     num_replaced: int = 0
     """Bad rows replaced (policy replace)."""
+    num_skipped: int = 0
+    """Slots dropped (policy skip, or replace with the epoch's rows used up: `num_unreplaced`)."""
+    num_unreplaced: int = 0
+    """Slots policy replace had to drop: no unused row left in the epoch."""
+    num_withdrawn: int = 0
+    """Prompts withdrawn from a handed-out step (decode failed after re-routing)."""
     num_rerouted: int = 0
     """Prompts re-routed after their actor died."""
     loader_s: float = 0.0
@@ -186,20 +169,30 @@ def requests_for_samples(step: LoaderStep, samples: Sequence[SampleId]) -> list[
 
 
 class StepSource:
-    """Step composition shared by ProxyLoader and the centralised baseline."""
+    """Step composition shared by ProxyLoader and the centralised baseline: the order and the
+    bad-record policy (`bad_records.BadRecordPolicy`), with the probe injected."""
 
     def __init__(self, records: Sequence[Any], config: LoaderConfig, probe: Callable[[list], list]):
         self.records, self.config, self._probe = list(records), config, probe
-        self.order = RecordOrder(len(self.records), config.seed, config.shuffle)
+        self.order = EpochOrder(len(self.records), config.seed, config.shuffle)
+        self.policy = BadRecordPolicy(config.bad_record_policy, self.order, self._probe_rows)
         self.stats = LoaderStats()
         self._next_index = 0
         self.lock = threading.RLock()
-        """Held while the order or the probe is used: compose and settle may run on two threads."""
+        """Held while the order, the probe or the policy is used: compose and settle, and repairs
+        from workers, may run on different threads."""
 
     def compose(self) -> LoaderStep:
         """Choose and probe the next step's prompts, applying the bad-record policy."""
         with self.lock:
-            return self._compose()
+            index, self._next_index = self._next_index, self._next_index + 1
+            try:
+                epoch, samples, report = self.policy.compose(index, self.config.global_batch)
+            finally:
+                self._count()
+        prompts = [StepPrompt(PromptKey(index, slot), sample) for slot, sample in enumerate(samples)]
+        return LoaderStep(index, epoch, prompts, self.config.num_samples_per_prompt,
+                          report.bad_records, report.replacements)
 
     def settle(self, step: LoaderStep, decode: Callable[[StepPrompt], Any]) -> LoaderStep:
         """Apply the bad-record policy to prompts that fail to decode. `decode(prompt)` returns
@@ -208,67 +201,40 @@ class StepSource:
         kept = []
         for prompt in step.prompts:
             while prompt is not None and (bad := decode(prompt)) is not None:
-                prompt = self._after_decode_failure(step, prompt, bad)
+                prompt = self.after_decode_failure(step, prompt, bad)
             if prompt is not None:
                 kept.append(prompt)
         step.prompts = kept
         return step
 
-    def _after_decode_failure(self, step: LoaderStep, prompt: StepPrompt, bad: Any) -> StepPrompt | None:
-        original = prompt.meta.id.split("->")[0]
-        step.replacements.pop(original, None)
+    def after_decode_failure(self, step: LoaderStep, prompt: StepPrompt, bad: Any) -> StepPrompt | None:
+        """Policy for `prompt` of a step not yet handed out: its substitute in the same slot, or None."""
         with self.lock:
-            before = len(step.bad_records)
-            step.bad_records.append(bad)
-            substitute = self._replacement(step) if self.config.bad_record_policy == "replace" else None
-            self.stats.num_bad += len(step.bad_records) - before
-        if self.config.bad_record_policy == "error":
-            raise ValueError(f"step {step.step}: record {bad.id!r}: {bad.reason}")
-        if substitute is None:
-            return None
-        step.replacements[original] = substitute.id
-        self.stats.num_replaced += 1
-        return StepPrompt(prompt.key, replace(substitute, id=f"{original}->{substitute.id}"))
+            try:
+                substitute = self.policy.resolve(step.step, bad, step.bad_report, failed_id=prompt.meta.id)
+            finally:
+                self._count()
+        return None if substitute is None else StepPrompt(prompt.key, substitute)
 
-    def _compose(self) -> LoaderStep:
-        index, self._next_index = self._next_index, self._next_index + 1
-        window = self.order.take(self.config.global_batch)
-        epoch = self.order.epoch
-        results = self._probe_rows(window)
-        step = LoaderStep(index, epoch, [], self.config.num_samples_per_prompt)
-        for result in results:
-            if _is_bad(result):
-                step.bad_records.append(result)
-                substitute = self._replacement(step) if self.config.bad_record_policy == "replace" else None
-                if substitute is None:
-                    continue
-                step.replacements[result.id] = substitute.id
-                result = replace(substitute, id=f"{result.id}->{substitute.id}")
-            step.prompts.append(StepPrompt(PromptKey(index, len(step.prompts)), result))
-        self.stats.num_bad += len(step.bad_records)
-        self.stats.num_replaced += len(step.replacements)
-        if step.bad_records and self.config.bad_record_policy == "error":
-            bad = step.bad_records[0]
-            raise ValueError(f"step {index}: record {bad.id!r}: {bad.reason}")
-        return step
+    def withdraw(self, step: LoaderStep, prompt_id: str, bad: Any) -> None:
+        """Policy for a prompt of a step already handed out whose decode failed (see bad_records)."""
+        with self.lock:
+            try:
+                self.policy.withdraw(step.step, bad, step.bad_report, failed_id=prompt_id)
+            finally:
+                self._count()
+
+    def _count(self) -> None:
+        counts = self.policy.counts
+        self.stats.num_bad, self.stats.num_replaced = counts.num_bad, counts.num_replaced
+        self.stats.num_skipped = counts.num_skipped + counts.num_unreplaced
+        self.stats.num_unreplaced, self.stats.num_withdrawn = counts.num_unreplaced, counts.num_withdrawn
 
     def _probe_rows(self, rows: list[int]) -> list[Any]:
         entries = [self.records[row] for row in rows]
-        good = [entry for entry in entries if not _is_bad(entry)]
+        good = [entry for entry in entries if not is_bad(entry)]
         probed = iter(self._probe(good) if good else [])
-        return [entry if _is_bad(entry) else next(probed) for entry in entries]
-
-    def _replacement(self, step: LoaderStep) -> Any | None:
-        while (row := self.order.reserve()) is not None:
-            (result,) = self._probe_rows([row])
-            if not _is_bad(result):
-                return result
-            step.bad_records.append(result)
-        return None
-
-
-def _is_bad(entry: Any) -> bool:
-    return hasattr(entry, "reason") and not hasattr(entry, "items")
+        return [entry if is_bad(entry) else next(probed) for entry in entries]
 
 
 class ProxyLoader:
@@ -281,6 +247,7 @@ class ProxyLoader:
         self._upcoming: deque[Future] = deque()  # composed (or composing) steps, in order
         self._composer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-compose")
         self._metas: dict[PromptKey, Any] = {}  # kept for re-routing
+        self._handed_out: dict[int, LoaderStep] = {}  # steps returned by next_step, until released
         self._lock = threading.RLock()
 
     @property
@@ -303,6 +270,8 @@ class ProxyLoader:
         while len(self._upcoming) < self.config.lookahead_steps:
             self._upcoming.append(self._composer.submit(self._compose_and_dispatch))
         step = self.source.settle(step, self._decode_outcome)
+        with self._lock:
+            self._handed_out[step.step] = step
         self.stats.loader_s += time.perf_counter() - started
         return step
 
@@ -328,27 +297,34 @@ class ProxyLoader:
 
     def _decode_outcome(self, prompt: StepPrompt) -> Any:
         """None once `prompt`'s preprocess task has produced its slices, else its `BadRecord`
-        (the failed prompt is forgotten). A task lost with its actor is re-routed and waited for."""
-        from flexrl_ds.data.actors import DecodeFailure
-
+        (the failed prompt is forgotten). A task lost with its actor is re-routed and waited for,
+        until a live actor answers: a step is never handed out with an unknown outcome."""
         with self._lock:
             if prompt.key not in self.store.keys(prompt.key.step):
                 self._dispatch(prompt)  # a substitute (policy replace) taking a failed slot
-        for _ in range(3):
-            entry = self.store.entry(prompt.key)
+        return self._task_outcome(prompt.key, forget_failed=True)
+
+    def _task_outcome(self, key: PromptKey, forget_failed: bool) -> Any:
+        """Wait for `key`'s current task, re-routing it while its actor is lost: None (slices
+        ready) or the `BadRecord` of a `DecodeFailure`. Each loss marks one actor dead, so this
+        ends; with no live actor left the pool raises."""
+        from flexrl_ds.data.actors import DecodeFailure
+
+        while True:
+            entry = self.store.entry(key)
             try:
                 result = self.pool.task_result(entry.task_ref)
             except self.pool.lost_errors:
-                self.repair(prompt.key, entry.generation)
+                self._reroute(key, entry.generation)
                 continue
             self.stats.bytes_through_controller += payload_bytes(result)
             if not isinstance(result, DecodeFailure):
                 return None
-            with self._lock:
-                self.store.remove(prompt.key)
-                self._metas.pop(prompt.key, None)
+            if forget_failed:
+                with self._lock:
+                    self.store.remove(key)
+                    self._metas.pop(key, None)
             return result.bad
-        return None  # still lost: the workers' Materializers repair it on fetch
 
     def _dispatch(self, prompt: StepPrompt) -> None:
         from flexrl_ds.data.actors import item_layouts
@@ -378,7 +354,27 @@ class ProxyLoader:
         return assignment
 
     def repair(self, key: PromptKey, failed_generation: int) -> PromptSource:
-        """Re-route every prompt of the actor that failed `key` (once per failure)."""
+        """A fresh source for `key`, whose fetch failed because its actor is gone: re-routes every
+        prompt of that actor (once per failure; concurrent repairs just get the new reference).
+        For a step already handed out, waits for the re-decode: if it fails, the prompt is
+        withdrawn by the policy (reported in the step, counted; ValueError under `error`) before
+        the caller sees the failure, so whichever process asks, the decision is the loader's and
+        is taken once."""
+        self._reroute(key, failed_generation)
+        with self._lock:
+            step = self._handed_out.get(key.step)
+            prompt_id = self._metas[key].id if key in self._metas else None
+        if step is not None and prompt_id is not None and prompt_id not in step.withdrawn:
+            bad = self._task_outcome(key, forget_failed=False)
+            if bad is not None:
+                with self._lock:
+                    if prompt_id not in step.withdrawn and bad not in step.bad_records:
+                        self.source.withdraw(step, prompt_id, bad)
+        with self._lock:
+            return self._source(key)
+
+    def _reroute(self, key: PromptKey, failed_generation: int) -> None:
+        """Mark the owner of `key`'s failed generation dead and re-route all its prompts (once)."""
         with self._lock:
             entry = self.store.entry(key)
             if entry.generation == failed_generation:
@@ -388,11 +384,11 @@ class ProxyLoader:
                 for lost in self.store.owned_by(dead):
                     self._route(lost, self._metas[lost])
                     self.stats.num_rerouted += 1
-            return self._source(key)
 
     def release(self, step: LoaderStep) -> None:
         """Forget `step`: actors drop its cached slices."""
         with self._lock:
+            self._handed_out.pop(step.step, None)
             released = self.store.release_step(step.step)
             for keys in released.values():
                 for key in keys:

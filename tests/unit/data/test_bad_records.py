@@ -103,32 +103,47 @@ def test_skip_policy_keeps_order_and_reports_every_bad_record(mixed_dataset):
     assert [(bad.id, bad.stage) for bad in dataset.bad] == [
         ("b-garbage", "probe"), ("b-count", "read"), ("b-cut", "probe"), ("b-missing", "probe")]
     assert dataset.summary() == "3 good, 4 bad (probe 3, read 1), policy skip"
+    assert (dataset.counts.num_bad, dataset.counts.num_skipped) == (4, 4)
 
 
-def test_replace_policy_fills_each_slot_with_the_next_good_record(mixed_dataset):
+def test_replace_policy_draws_substitutes_from_the_tail_of_the_epoch(mixed_dataset):
+    """Rows: g0 b-garbage g1 b-count b-cut g2 b-missing. Steps of 2 in file order: step 0 = rows
+    0, 1; b-garbage's substitute is reserved from the tail: row 6 (bad, reported), then row 5 (g2).
+    Step 1 = rows 2, 3; b-count's substitute: row 4 (bad), then no unused row is left."""
     config = DataConfig(**{**CONFIG.__dict__, "bad_record_policy": "replace"})
-    dataset = probe_dataset(mixed_dataset, SamplePreprocessor(config))
-    assert [meta.id for meta in dataset.samples] == [
-        "g0", "b-garbage->g1", "g1", "b-count->g2", "b-cut->g2", "g2", "b-missing->g0"]
-    assert dataset.replacements == {"b-garbage": "g1", "b-count": "g2", "b-cut": "g2", "b-missing": "g0"}
-    replaced = dataset.samples[1]
-    assert replaced.record.id == "g1" and replaced.placeholders()[0].sample_id == "b-garbage->g1"
-    again = probe_dataset(mixed_dataset, SamplePreprocessor(config))
+    dataset = probe_dataset(mixed_dataset, SamplePreprocessor(config), global_batch=2)
+    assert [[meta.id for meta in step] for step in dataset.steps] == [["g0", "b-garbage->g2"], ["g1"]]
+    assert dataset.replacements == {"b-garbage": "g2"}
+    assert [bad.id for bad in dataset.report.bad_records] == ["b-garbage", "b-missing", "b-count", "b-cut"]
+    counts = dataset.counts
+    assert (counts.num_bad, counts.num_replaced, counts.num_unreplaced) == (4, 1, 1)
+    replaced = dataset.steps[0][1]
+    assert replaced.record.id == "g2" and replaced.placeholders()[0].sample_id == "b-garbage->g2"
+    again = probe_dataset(mixed_dataset, SamplePreprocessor(config), global_batch=2)
     assert [meta.id for meta in again.samples] == [meta.id for meta in dataset.samples]  # deterministic
+    # the whole file as one step: every row is in the window, nothing is left to draw from
+    whole = probe_dataset(mixed_dataset, SamplePreprocessor(config))
+    assert [meta.id for meta in whole.samples] == ["g0", "g1", "g2"] and whole.replacements == {}
+    assert whole.counts.num_unreplaced == 4
 
 
 def test_error_policy_names_the_first_bad_record(mixed_dataset):
     config = DataConfig(**{**CONFIG.__dict__, "bad_record_policy": "error"})
     with pytest.raises(ValueError, match="record 'b-garbage': image 0 \\(garbage.png\\): cannot read image"):
         probe_dataset(mixed_dataset, SamplePreprocessor(config))
+    with pytest.raises(ValueError, match="record 'b-garbage'"):
+        probe_dataset(mixed_dataset, SamplePreprocessor(config), global_batch=2)
 
 
 def test_failure_at_materialise_follows_the_policy(mixed_dataset):
     entries = probe_entries(mixed_dataset, SamplePreprocessor(CONFIG))
-    dataset = apply_policy(entries, "replace")
+    dataset = apply_policy(entries, "replace", global_batch=3)  # step 0: g0, b-garbage->g2, g1
     failed = dataset.samples[0]  # g0 breaks later, while decoding
     bad = BadRecord("g0", "cannot decode frames", failed.record.index, "materialize")
     substitute = dataset.resolve_failure(failed, bad)
-    assert substitute.id == "g0->g1" and dataset.bad[-1] is bad
+    # row 6 went to b-garbage's draw (bad), row 5 (g2) too; the next unused tail row is 4 (bad), then 3 (bad)
+    assert substitute is None and dataset.counts.num_unreplaced == 1
+    assert [meta.id for meta in dataset.samples] == ["b-garbage->g2", "g1"] and dataset.bad[-1] is bad
     assert all(meta.record.id != "g0" for meta in dataset.good)
-    assert apply_policy(entries, "skip").resolve_failure(failed, bad) is None
+    skip = apply_policy(entries, "skip")
+    assert skip.resolve_failure(skip.samples[0], bad) is None and [m.id for m in skip.samples] == ["g1", "g2"]
