@@ -62,6 +62,8 @@ class LoaderBenchConfig:
     """Sample order seed."""
     model_dir: str | None = None
     """Saved HF processor to take vision geometry from; None: Qwen2.5-VL defaults."""
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    """Which of none / central / shadow to run (the ratios need central and shadow)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.warmup_steps < 0:
@@ -70,6 +72,8 @@ class LoaderBenchConfig:
             raise ValueError("--global-batch, --actors and --workers must be at least 1")
         if self.compute_ms < 0:
             raise ValueError(f"--compute-ms must be non-negative, got {self.compute_ms}")
+        if not self.modes or any(mode not in MODES for mode in self.modes):
+            raise ValueError(f"--modes {self.modes}: choose from {', '.join(MODES)}")
         if not os.path.isfile(self.data):
             raise ValueError(f"--data {self.data}: file not found")
 
@@ -100,6 +104,46 @@ class RunResult:
     compose_ms: float = 0.0
     """Mean time per step spent composing steps (probe + dispatch; in the background for shadow)."""
     step_ms: list[float] = field(default_factory=list)
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    """Mean over steps of `step_phases` (where the exposed time went, and the Materializer's
+    background work)."""
+    step_phases_ms: list[dict[str, float]] = field(default_factory=list)
+    """`step_phases` of every measured step."""
+
+
+EXPOSED_PHASES = ("next_step", "send", "call", "wait", "overrun", "return", "other")
+"""Parts of the exposed data time, in loop order (see `step_phases`); they sum to it exactly."""
+
+
+def step_phases(compute_ms: float, stamps: tuple[float, float, float, float], outs: list[dict],
+                wall_s: float) -> dict[str, float]:
+    """Split one step's exposed time (wall - compute) along the worker that returned last.
+
+    `stamps` = controller wall-clock times (step begin, next_step returned, prefetches sent,
+    results back). next_step: the loader's call; send: building assignments and sending the
+    prefetches; call: from sending the step call to the worker entering it (Ray dispatch, the call
+    queued behind the prefetch — for the centralised path, unpickling the shipped pixels —, GIL
+    and CPU contention); wait: the worker's wait for its data; overrun: compute that took longer
+    than asked (a sleep woken late by contention); return: result back to the controller; other:
+    the loop's own remainder (release, bookkeeping). Also, over workers: worst `ready_margin`
+    (ms the data was ready before the step needed it; negative: late) and most background
+    `pull`/`cut`/`task_wait` time (Materializer threads, overlapping compute)."""
+    begin_at, loaded_at, sent_at, results_at = stamps
+    last = max(outs, key=lambda out: out["compute_end_at"])
+    ms = {
+        "next_step": loaded_at - begin_at, "send": sent_at - loaded_at, "call": last["entered_at"] - sent_at,
+        "wait": last["data_ready_at"] - last["entered_at"],
+        "overrun": last["compute_end_at"] - last["data_ready_at"] - compute_ms / 1e3,
+        "return": results_at - last["compute_end_at"],
+    }
+    ms = {name: 1e3 * value for name, value in ms.items()}
+    ms["other"] = wall_s * 1e3 - compute_ms - sum(ms.values())
+    ms["exposed"] = wall_s * 1e3 - compute_ms
+    if all("ready_at" in out for out in outs):
+        ms["ready_margin"] = 1e3 * min(out["entered_at"] - out["ready_at"] for out in outs)
+        for name in ("task_wait", "pull", "cut"):
+            ms[name] = 1e3 * max(out[f"{name}_s"] for out in outs)
+    return ms
 
 
 class _RssSampler:
@@ -152,9 +196,14 @@ def _make_worker_class():
             self.materializer.prefetch(assignment)
 
         def run_step(self, step: int, compute_ms: float) -> dict[str, float]:
+            """Wall-clock stamps (`time.time()`, comparable across processes of one host) of method
+            entry, data ready and compute end, plus the Materializer's background timings."""
+            entered_at = time.time()
             out = self.materializer.get(step)
+            data_ready_at = time.time()
             time.sleep(compute_ms / 1000.0)
-            return {"wait_s": out.wait_s, "bytes": out.bytes_fetched}
+            return {"wait_s": out.wait_s, "bytes": out.bytes_fetched, "entered_at": entered_at,
+                    "data_ready_at": data_ready_at, "compute_end_at": time.time(), **out.timing}
 
         def pid(self) -> int:
             return os.getpid()
@@ -229,24 +278,29 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
     total = config.warmup_steps + config.steps
     step = loader.next_step()
     send(step)
-    walls, waits, pixel_bytes = [], [], 0
+    walls, waits, phases, pixel_bytes = [], [], [], 0
     rss.pids = pids
     with rss:
         for index in range(total):
             if index == config.warmup_steps:
                 loader_s_start, started = loader.stats.loader_s, time.perf_counter()
-            begin = time.perf_counter()
+            begin, begin_at = time.perf_counter(), time.time()
             # every step, the last included, loads the next one: the steady state of a long run
             upcoming = loader.next_step()
+            loaded_at = time.time()
             send(upcoming)
+            sent_at = time.time()
             outs = ray.get([w.run_step.remote(step.step, config.compute_ms) for w in workers])
+            results_at = time.time()
             loader.release(step)
             pixel_bytes += sum(out["bytes"] for out in outs)
+            wall = time.perf_counter() - begin
             if index >= config.warmup_steps:
-                walls.append(time.perf_counter() - begin)
+                walls.append(wall)
                 waits.append(max(out["wait_s"] for out in outs))
-            print(f"  {mode} B={batch} K={num_actors}: step {index + 1}/{total} "
-                  f"{(time.perf_counter() - begin) * 1e3:.0f} ms", file=sys.stderr, flush=True)
+                phases.append(step_phases(config.compute_ms, (begin_at, loaded_at, sent_at, results_at), outs, wall))
+            print(f"  {mode} B={batch} K={num_actors}: step {index + 1}/{total} {wall * 1e3:.0f} ms",
+                  file=sys.stderr, flush=True)
             step = upcoming
         elapsed = time.perf_counter() - started
     exposed = [max(0.0, wall * 1e3 - config.compute_ms) for wall in walls]
@@ -262,7 +316,9 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
         controller_rss_start_mb=rss.start_rss / 2**20, controller_rss_peak_mb=rss.peak_self / 2**20,
         total_rss_peak_mb=rss.peak_total / 2**20,
         samples_per_s=batch * config.num_samples_per_prompt * config.steps / elapsed,
-        num_bad=loader.stats.num_bad, compose_ms=1e3 * loader.stats.compose_s / (total + 1), step_ms=[1e3 * wall for wall in walls],
+        num_bad=loader.stats.num_bad, compose_ms=1e3 * loader.stats.compose_s / (total + 1),
+        step_ms=[1e3 * wall for wall in walls],
+        phases_ms={name: statistics.mean(p[name] for p in phases) for name in phases[0]}, step_phases_ms=phases,
     )
     if hasattr(loader, "close"):
         loader.close()
@@ -291,6 +347,7 @@ def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
     runs = [("none", config.global_batches[0], 0)]
     runs += [("central", batch, 0) for batch in config.global_batches]
     runs += [("shadow", batch, k) for batch in config.global_batches for k in config.actors]
+    runs = [run for run in runs if run[0] in config.modes]
     num_cpus = max(4, int(max(config.actors) * config.num_cpus_per_actor) + 2)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     address = ray.get_runtime_context().gcs_address

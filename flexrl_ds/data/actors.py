@@ -4,7 +4,8 @@
   each media item's patch rows into slices (`metastore.ItemLayout`): an image is one slice, a
   video one slice per chunk of consecutive temporal patch groups, so a worker that needs frames
   i..j pulls only the chunks covering them.
-- `PreprocessActor` (thin Ray actor): wraps a `SliceMaker`; `ray.put`s every slice, so the
+- `PreprocessActor` (thin Ray actor): wraps a `SliceMaker`; `ray.put`s every slice (pixels as
+  numpy arrays, which Ray hands to readers zero-copy: `shippable_slice`), so the
   tensors live in the object store of the actor's node and are owned by the actor, and returns
   only the small `{SliceKey: ObjectRef}` map — or a `DecodeFailure` when a record that probed
   fine fails to decode (corrupt frame data, file gone): never an exception. Workers fetch the objects directly. The actor holds
@@ -112,6 +113,16 @@ class SliceMaker:
         return slices
 
 
+def shippable_slice(value: dict[str, Any]) -> dict[str, Any]:
+    """A slice as it goes into the object store: pixels as a numpy array (same memory).
+
+    Ray stores numpy arrays out of band and a reader on the same node gets a zero-copy view of the
+    shared memory; a pickled torch tensor would instead be copied into Python bytes and rebuilt
+    under the GIL (measured: ~2.6 s per 230 MB in a worker's prefetch threads, stalling the training
+    loop's own thread by up to ~1 s). The Materializer turns the rows it cuts back into tensors."""
+    return {**value, "pixel_values": value["pixel_values"].numpy()}
+
+
 @ray.remote(concurrency_groups={"meta": 1, "decode": 1})
 class PreprocessActor:
     """Thin Ray wrapper of `SliceMaker` that keeps slices in the object store."""
@@ -138,7 +149,7 @@ class PreprocessActor:
             slices = self.maker.make_slices(key, meta, layouts)
         except BadMediaError as error:
             return DecodeFailure(error.bad)
-        refs = {slice_key: ray.put(value) for slice_key, value in slices.items()}
+        refs = {slice_key: ray.put(shippable_slice(value)) for slice_key, value in slices.items()}
         self.cache[key] = refs
         self.cached_bytes[key] = sum(value["pixel_values"].nbytes for value in slices.values())
         return refs

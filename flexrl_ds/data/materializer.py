@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from flexrl_ds.data.metastore import ItemLayout, PromptKey, SliceKey
@@ -85,6 +86,12 @@ class MaterializedStep:
     """Pixel bytes this worker pulled (or received inline) for the step."""
     num_repairs: int
     """Prompts re-fetched after their owner died."""
+    timing: dict[str, float] = field(default_factory=dict)
+    """Where the step's data time went (see `Materializer.get`): `prefetched_at` / `ready_at`
+    (wall-clock `time.time()` when `prefetch` was called / the last prompt was cut); summed over
+    prompts: `task_wait_s` (waiting for the preprocess task's slice map), `pull_s` (pulling the
+    slices from the object store and deserialising them), `cut_s` (cutting the requested rows).
+    Background-thread time, not the caller's."""
 
 
 class RayFetcher:
@@ -116,12 +123,34 @@ def cut_request(layout: ItemLayout, request: SliceRequest, slices: dict[SliceKey
     """Rows of exactly groups [t_start, t_stop) from the chunks that cover them."""
     stop = layout.grid_thw[0] if request.t_stop is None else request.t_stop
     chunks = layout.chunks_for(request.t_start, stop)
-    parts = [slices[SliceKey(request.prompt, request.item_index, c)]["pixel_values"] for c in chunks]
-    rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-    first_group = layout.chunks[chunks[0]][0]
     per_group = layout.rows_per_group
-    pixels = rows[(request.t_start - first_group) * per_group : (stop - first_group) * per_group]
-    return {"pixel_values": pixels, "grid_thw": (stop - request.t_start, layout.grid_thw[1], layout.grid_thw[2])}
+    pieces = []
+    for chunk in chunks:
+        chunk_start, chunk_stop = layout.chunks[chunk]
+        lo, hi = max(request.t_start, chunk_start), min(stop, chunk_stop)
+        rows = slices[SliceKey(request.prompt, request.item_index, chunk)]["pixel_values"]
+        pieces.append(rows[(lo - chunk_start) * per_group : (hi - chunk_start) * per_group])
+    return {"pixel_values": owned_rows(pieces), "grid_thw": (stop - request.t_start, layout.grid_thw[1], layout.grid_thw[2])}
+
+
+def owned_rows(pieces: Sequence[Any]) -> torch.Tensor:
+    """The pieces stacked row-wise into one tensor this process owns.
+
+    numpy pieces are read-only zero-copy views of Ray's shared object store (see
+    `actors.shippable_slice`): they are copied exactly once, by numpy with the GIL released (the
+    copy frees the store's object and gives a writable tensor). Tensor pieces (the centralised
+    path's, already unpickled into this process) are used as they are when there is one."""
+    if isinstance(pieces[0], np.ndarray):
+        return torch.from_numpy(np.concatenate(pieces))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+@dataclass
+class _PromptResult:
+    cut: dict[SliceRequest, dict[str, Any]]
+    num_bytes: int
+    seconds: dict[str, float]
+    ready_at: float
 
 
 @dataclass
@@ -129,6 +158,7 @@ class _PendingStep:
     assignment: WorkerAssignment
     futures: dict[PromptKey, Future]
     repairs: list[int] = field(default_factory=list)
+    prefetched_at: float = 0.0
 
 
 class Materializer:
@@ -150,7 +180,7 @@ class Materializer:
             if request.prompt not in assignment.sources:
                 raise ValueError(f"step {assignment.step}: no source for prompt {request.prompt}")
             by_prompt.setdefault(request.prompt, []).append(request)
-        pending = _PendingStep(assignment, {})
+        pending = _PendingStep(assignment, {}, prefetched_at=time.time())
         for key, requests in by_prompt.items():
             source = assignment.sources[key]
             pending.futures[key] = self._pool.submit(self._materialize_prompt, source, requests, pending.repairs)
@@ -167,29 +197,44 @@ class Materializer:
         started = time.perf_counter()
         done = {key: future.result() for key, future in pending.futures.items()}
         wait_s = time.perf_counter() - started
-        tensors = [done[request.prompt][0][request] for request in pending.assignment.requests]
-        num_bytes = sum(fetched_bytes for _, fetched_bytes in done.values())
-        return MaterializedStep(step, tensors, wait_s, num_bytes, len(pending.repairs))
+        tensors = [done[request.prompt].cut[request] for request in pending.assignment.requests]
+        timing = {
+            "prefetched_at": pending.prefetched_at,
+            "ready_at": max((d.ready_at for d in done.values()), default=pending.prefetched_at),
+            **{name: sum(d.seconds[name] for d in done.values()) for name in ("task_wait_s", "pull_s", "cut_s")},
+        }
+        num_bytes = sum(d.num_bytes for d in done.values())
+        return MaterializedStep(step, tensors, wait_s, num_bytes, len(pending.repairs), timing)
 
-    def _materialize_prompt(self, source: PromptSource, requests: list[SliceRequest], repairs: list[int]):
+    def _materialize_prompt(self, source: PromptSource, requests: list[SliceRequest],
+                            repairs: list[int]) -> _PromptResult:
         """Fetch, then cut every request of one prompt (in the background thread, so `get` only
         hands out finished tensors)."""
-        slices, source = self._fetch_prompt(source, requests, repairs)
+        seconds = {"task_wait_s": 0.0, "pull_s": 0.0}
+        slices, source = self._fetch_prompt(source, requests, repairs, seconds)
+        fetched = time.perf_counter()
         cut = {request: cut_request(source.layouts[request.item_index], request, slices) for request in requests}
-        return cut, sum(value["pixel_values"].nbytes for value in slices.values())
+        seconds["cut_s"] = time.perf_counter() - fetched
+        num_bytes = sum(value["pixel_values"].nbytes for value in slices.values())
+        return _PromptResult(cut, num_bytes, seconds, time.time())
 
-    def _fetch_prompt(self, source: PromptSource, requests: list[SliceRequest], repairs: list[int]):
+    def _fetch_prompt(self, source: PromptSource, requests: list[SliceRequest], repairs: list[int],
+                      seconds: dict[str, float]):
         for attempt in range(self.max_attempts):
             keys = chunk_keys_for(source, requests)
             if source.inline is not None:
                 return {key: source.inline[key] for key in keys}, source
             try:
+                started = time.perf_counter()
                 (slice_refs,) = self.fetcher.get([source.task_ref])
+                pulling = time.perf_counter()
+                seconds["task_wait_s"] += pulling - started
                 if hasattr(slice_refs, "bad"):  # actors.DecodeFailure (the loader normally settles these)
                     from flexrl_ds.data.types import BadMediaError
 
                     raise BadMediaError(slice_refs.bad)
                 values = self.fetcher.get([slice_refs[key] for key in keys])
+                seconds["pull_s"] += time.perf_counter() - pulling
                 return dict(zip(keys, values)), source
             except self.fetcher.lost_errors:
                 if self.repair is None or attempt + 1 == self.max_attempts:
