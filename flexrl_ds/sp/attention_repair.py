@@ -26,6 +26,9 @@ import numpy as np
 
 CEILING_STAGES = (0.25, 0.5, 1.0)
 """Fractions of the cost slack tried in turn as the ceiling above the busiest block's cost."""
+MIN_TRADE = 1.0
+"""Where the goal is out of reach, cost balance is spent only where the relative attention drop
+is at least this × the relative rise of the busiest block's cost."""
 SLACK = 1e-9
 """Relative margin an exchange must lower attention by (float rounding)."""
 
@@ -35,62 +38,76 @@ def repair_attention(values: np.ndarray, blocks: np.ndarray, num_blocks: int, to
     """Lower the largest block attention to `goal` (absolute, block level) by one-for-many
     exchanges (module doc), in place on `blocks`. `values` is (3, n): cost, attention, tokens.
     Every block's cost stays ≤ (1 + cost_slack) × the busiest block's cost before the repair, its
-    tokens ≤ `token_room`; the largest block attention never rises. Returns the exchanges made."""
-    busiest_cost = float(np.bincount(blocks, weights=values[0], minlength=num_blocks).max())
+    tokens ≤ `token_room`; the largest block attention never rises. Where the goal is not reached,
+    the stage kept is the one with least attention among those whose relative attention drop is
+    at least MIN_TRADE × their relative rise in busiest-block cost (the start always qualifies).
+    At most `steps` exchanges; returns how many lead to the assignment kept."""
+    start = _peaks(values, blocks, num_blocks)
+    kept = (start[1], blocks.copy(), 0)
     done = 0
     for fraction in CEILING_STAGES:
-        ceilings = np.array([busiest_cost * (1 + fraction * cost_slack), np.inf, token_room])
+        ceilings = np.array([start[0] * (1 + fraction * cost_slack), np.inf, token_room])
         while done < steps:
-            exchange = _best_exchange(values, blocks, num_blocks, ceilings, goal)
-            if exchange is None:
+            made = _exchange_round(values, blocks, num_blocks, ceilings, goal, steps - done)
+            if not made:
                 break
-            giver, partner, taken = exchange
-            blocks[taken] = blocks[giver]
-            blocks[giver] = partner
-            done += 1
-        else:
+            done += made
+        cost_peak, attention_peak = _peaks(values, blocks, num_blocks)
+        if attention_peak <= goal:
             return done
-        if _block_sums(values[1], blocks, num_blocks).max() <= goal:
-            return done
-    return done
+        drop, rise = 1 - attention_peak / start[1], cost_peak / start[0] - 1
+        if drop >= MIN_TRADE * rise and attention_peak < kept[0]:
+            kept = (attention_peak, blocks.copy(), done)
+        if done >= steps:
+            break
+    blocks[:] = kept[1]
+    return kept[2]
 
 
-def _block_sums(row: np.ndarray, blocks: np.ndarray, num_blocks: int) -> np.ndarray:
-    return np.bincount(blocks, weights=row, minlength=num_blocks)
+def _peaks(values: np.ndarray, blocks: np.ndarray, num_blocks: int) -> tuple[float, float]:
+    """(busiest block's cost, largest block attention)."""
+    return tuple(float(np.bincount(blocks, weights=values[row], minlength=num_blocks).max()) for row in (0, 1))
 
 
-def _best_exchange(values: np.ndarray, blocks: np.ndarray, num_blocks: int, ceilings: np.ndarray,
-                   goal: float):
-    """(giver item, partner block, items taken back) of the exchange that lowers the busiest
-    block's attention most under `ceilings`; None when it is within `goal` or nothing lowers it."""
-    sums = np.stack([_block_sums(row, blocks, num_blocks) for row in values])
-    hot = int(np.argmax(sums[1]))
-    if sums[1, hot] <= goal:
-        return None
-    givers = np.nonzero(blocks == hot)[0]
-    prefix, order = _prefix_sums(values, blocks, num_blocks)
-    counts = np.bincount(blocks, minlength=num_blocks)
-    partners = np.arange(num_blocks)
-    g, b = (grid.ravel() for grid in np.meshgrid(np.arange(len(givers)), partners, indexing="ij"))
-    keep = b != hot
-    g, b = g[keep], b[keep]
+def _exchange_round(values: np.ndarray, blocks: np.ndarray, num_blocks: int, ceilings: np.ndarray,
+                    goal: float, limit: int) -> int:
+    """One round: for every block above `goal` (hot; most attention first) the exchange with
+    another block that lowers the hot block's attention most under `ceilings`, both blocks' new
+    attention under the hot block's old one; a block takes part in at most one exchange per round
+    (so the scores, computed once, stay exact). At most `limit` exchanges; returns how many."""
+    sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
+    hot = sums[1] > goal
+    if not hot.any():
+        return 0
+    givers = np.nonzero(hot[blocks])[0]
+    g, b = (grid.ravel() for grid in np.meshgrid(np.arange(len(givers)), np.arange(num_blocks), indexing="ij"))
+    home = blocks[givers[g]]
+    g, b, home = g[b != home], b[b != home], home[b != home]
     give = values[:, givers[g]]
-    # Cost taken back t: partner + give − t ≤ ceiling and hot − give + t ≤ ceiling.
+    prefix, order = _prefix_sums(values, blocks, num_blocks)
+    # Cost taken back t: cold + give − t ≤ ceiling and hot − give + t ≤ ceiling.
     low = give[0] - (ceilings[0] - sums[0, b])
-    high = give[0] + (ceilings[0] - sums[0, hot])
-    k = _first_prefix_at_least(prefix[0], b, low)
-    k = np.minimum(k, counts[b])
+    high = give[0] + (ceilings[0] - sums[0, home])
+    k = np.minimum(_first_prefix_at_least(prefix[0], b, low), np.bincount(blocks, minlength=num_blocks)[b])
     taken = prefix[:, b, k]
     ok = (taken[0] >= low) & (taken[0] <= high)
     if np.isfinite(ceilings[2]):
-        ok &= (sums[2, b] + give[2] - taken[2] <= ceilings[2]) & (sums[2, hot] - give[2] + taken[2] <= ceilings[2])
-    score = np.maximum(sums[1, hot] - give[1] + taken[1], sums[1, b] + give[1] - taken[1])
-    score = np.where(ok, score, np.inf)
-    best = int(np.argmin(score))
-    if not score[best] < sums[1, hot] * (1 - SLACK):
-        return None
-    partner = int(b[best])
-    return int(givers[g[best]]), partner, order[partner][:int(k[best])]
+        ok &= (sums[2, b] + give[2] - taken[2] <= ceilings[2]) & (sums[2, home] - give[2] + taken[2] <= ceilings[2])
+    score = np.maximum(sums[1, home] - give[1] + taken[1], sums[1, b] + give[1] - taken[1])
+    score = np.where(ok & (score < sums[1, home] * (1 - SLACK)), score, np.inf)
+    used = np.zeros(num_blocks, dtype=bool)
+    made = 0
+    for block in sorted(np.nonzero(hot)[0].tolist(), key=lambda h: -sums[1, h]):
+        candidates = np.where((home == block) & ~used[b], score, np.inf)
+        best = int(np.argmin(candidates))
+        if made >= limit or used[block] or candidates[best] == np.inf:
+            continue
+        partner = int(b[best])
+        used[[block, partner]] = True
+        blocks[order[partner][:int(k[best])]] = block
+        blocks[givers[g[best]]] = partner
+        made += 1
+    return made
 
 
 def _prefix_sums(values: np.ndarray, blocks: np.ndarray, num_blocks: int):
