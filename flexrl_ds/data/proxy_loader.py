@@ -11,19 +11,25 @@ to records that probed fine but failed to decode: the step handed out is final.
 
 `assignment(step, requests)` builds what one worker needs (`materializer.WorkerAssignment`):
 references only. `repair(prompt, generation)` re-routes the prompts of a dead actor to live ones
-(idempotent: concurrent repairs of one failure re-route once) and is what Materializers call.
+(idempotent: concurrent repairs of one failure re-route once) and is what Materializers call; in a
+multi-process job workers reach it through `loader_service.LoaderService` / `RemoteRepair`.
 
-Order and bad records (same for the centralised baseline, which shares `StepSource`):
-- Epoch e visits every dataset row once in a permutation seeded by (seed, e); step s takes the
-  next B positions. A step that would run past the epoch's end starts the next epoch instead.
-- Policy `skip`: bad rows are dropped and reported; the step trains on fewer prompts.
-  Policy `replace`: each bad row is replaced by the next good row taken from the *tail* of the
-  epoch's permutation, so every other step keeps exactly its window; the substitute's id is
-  `<bad id>-><substitute id>` and `LoaderStep.replacements` records the pair. Policy `error`:
-  `ValueError` naming the record. Either way `LoaderStep.bad_records` lists every bad row.
+Order and bad records: one policy for this loader, the centralised baseline (which shares
+`StepSource`) and the offline tools (`dataset.py`), implemented once in `bad_records.py` (see its
+docstring) and set by `flexrl.data.bad_record_policy`. In short: epoch e visits every row once in
+a permutation seeded by (seed, e), step s takes the next B positions; `skip` drops a bad row's
+slot, `replace` fills it with a row reserved from the epoch's tail (`<bad>-><substitute>`,
+`LoaderStep.replacements`), `error` raises naming the record; `LoaderStep.bad_records` lists every
+bad row, `LoaderStats` counts them.
 - Decode failures (stage "materialize": a corrupt frame after a good header, a file gone between
-  probe and decode) get the same policy, in the same slot: skip drops the prompt (its slot stays
-  empty), replace decodes a substitute from the epoch's tail into that slot.
+  probe and decode) found before hand-out get the same policy in the same slot: skip drops the
+  prompt (its slot number stays unused), replace decodes a substitute from the epoch's tail into
+  that slot. `next_step` re-routes lost decode tasks until a live actor answers, so no step is
+  handed out with an unknown outcome.
+- A decode failure found after hand-out (owner died, re-decode elsewhere failed) is found by
+  `repair`, which waits for the re-decode of a handed-out step's prompt: the prompt is withdrawn
+  (`LoaderStep.withdrawn`, `bad_records`, `LoaderStats.num_withdrawn`; ValueError under `error`),
+  once, whichever worker asked; the Materializer then raises `BadMediaError` naming the record.
 """
 
 from __future__ import annotations

@@ -147,3 +147,26 @@ def test_failure_at_materialise_follows_the_policy(mixed_dataset):
     assert all(meta.record.id != "g0" for meta in dataset.good)
     skip = apply_policy(entries, "skip")
     assert skip.resolve_failure(skip.samples[0], bad) is None and [m.id for m in skip.samples] == ["g1", "g2"]
+
+
+@pytest.mark.parametrize("policy, batch, shuffle", [("replace", 2, False), ("replace", 3, True), ("skip", 2, True)])
+def test_offline_path_and_training_loader_choose_the_same_samples(mixed_dataset, policy, batch, shuffle):
+    """The same bad dataset through `probe_dataset` (offline) and the loader's step composition
+    (`StepSource`, probing with the same preprocessor) gives the same steps and replacements."""
+    from flexrl_ds.data.proxy_loader import LoaderConfig, StepSource
+    from flexrl_ds.data.records import read_dataset
+
+    config = DataConfig(**{**CONFIG.__dict__, "bad_record_policy": policy})
+    preprocessor = SamplePreprocessor(config)
+    offline = probe_dataset(mixed_dataset, preprocessor, global_batch=batch, seed=4, shuffle=shuffle)
+    loader_config = LoaderConfig(global_batch=batch, seed=4, shuffle=shuffle, bad_record_policy=policy)
+    source = StepSource(read_dataset(mixed_dataset), loader_config,
+                        lambda records: [preprocessor.probe(record) for record in records])
+    steps = [source.compose() for _ in offline.steps]
+    assert [[p.meta.id for p in step.prompts] for step in steps] == [[m.id for m in s] for s in offline.steps]
+    assert {k: v for step in steps for k, v in step.replacements.items()} == offline.replacements
+    reasons = [(b.id, b.reason) for step in steps for b in step.bad_records]
+    assert reasons == [(b.id, b.reason) for b in offline.report.bad_records]
+    files = {"b-garbage": "garbage.png", "b-cut": "cut.mp4", "b-missing": "nothing.mp4", "b-count": "marker"}
+    assert reasons and all(files[record_id] in reason for record_id, reason in reasons)  # id + cause
+    assert source.stats.num_bad == offline.counts.num_bad == len(reasons)
