@@ -1,7 +1,8 @@
 """Pixel operations of the Qwen2-VL processors: image loading, resize, normalise, patchify.
 
 Each step reproduces what the Hugging Face processor does, so the tensors are the model's inputs:
-- `load_image_rgb`: PIL decode, transparency composited onto white, RGB uint8 (3, H, W).
+- `load_image_rgb`: PIL decode to RGB uint8 (3, H, W), transparency handled as the installed
+  transformers does (`hf_transparency_policy`: composited onto white, or alpha dropped).
 - `resize_pil`: PIL bicubic on uint8, as transformers' PIL image backend.
 - `resize_torch`: antialiased bicubic `interpolate` on uint8 tensors, as transformers' torchvision
   backend (and its video processor) on CPU.
@@ -19,27 +20,63 @@ import torch
 import torch.nn.functional as F
 
 
-def load_image_rgb(path: str) -> torch.Tensor:
-    """Decode an image file to RGB uint8 (3, H, W); raises ValueError if it cannot be decoded."""
+TRANSPARENCY_POLICIES = ("white", "drop")
+
+
+def load_image_rgb(path: str, transparency: str = "auto") -> torch.Tensor:
+    """Decode an image file to RGB uint8 (3, H, W); raises ValueError if it cannot be decoded.
+
+    `transparency` (images with an alpha band or a transparency colour): "white" composites onto
+    white; "drop" is PIL's `convert("RGB")` (alpha ignored, the colour under transparent pixels
+    kept); "auto" does what the installed transformers' image processors do (`hf_transparency_policy`).
+    """
     from PIL import Image
 
+    if transparency not in ("auto",) + TRANSPARENCY_POLICIES:
+        raise ValueError(f"transparency: {transparency!r} is not one of auto, {', '.join(TRANSPARENCY_POLICIES)}")
     try:
         with Image.open(path) as image:
             image.load()
-            rgb = _to_rgb(image)
+            rgb = _to_rgb(image, transparency)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         raise ValueError(f"cannot decode image ({error})") from None
     return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
 
 
-def _to_rgb(image):
+def _to_rgb(image, transparency: str):
     from PIL import Image
 
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    if transparency == "auto":
+        transparency = hf_transparency_policy()
+    if transparency == "drop":
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+@functools.lru_cache(maxsize=None)
+def hf_transparency_policy() -> str:
+    """How the installed transformers' Qwen2-VL image processor (the backend it would pick here)
+    turns a transparent image into RGB: "white" (transformers 5.24: composited onto white) or
+    "drop" (5.17, 5.18: PIL `convert("RGB")`). Found by running that processor on one transparent
+    image, so it follows whatever release is installed; it only runs when such an image appears."""
+    import transformers
+    from PIL import Image
+
+    name = "Qwen2VLImageProcessor" if torchvision_importable() else "Qwen2VLImageProcessorPil"
+    processor = getattr(transformers, name)(do_convert_rgb=True, do_resize=False, do_rescale=False,
+                                            do_normalize=False, patch_size=14, merge_size=2, temporal_patch_size=2)
+    transparent = Image.new("RGBA", (28, 28), (10, 20, 30, 0))
+    values = sorted(processor(images=[transparent], return_tensors="pt")["pixel_values"].unique().tolist())
+    if values == [255.0]:
+        return "white"
+    if values == [10.0, 20.0, 30.0]:
+        return "drop"
+    raise RuntimeError(f"transformers {transformers.__version__} {name} turns a transparent (10, 20, 30) "
+                       f"pixel into values {values}: neither white compositing nor dropping alpha")
 
 
 def resize_pil(frames_NCHW: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:

@@ -1,8 +1,16 @@
 """SamplePreprocessor against the Hugging Face Qwen2-VL processors, and predicted == actual shapes.
 
+Both sides are configured from the same saved processor - `make-tiny-model`'s preprocessor JSON
+(`processor_dir`), with this module's pixel and frame limits: HF's processors are loaded from it with
+`from_pretrained`, ours reads it with `DataConfig.with_processor_dir`. Nothing relies on a processor
+class's constructor defaults, which drift between transformers releases.
+
 References:
-- images: transformers' `Qwen2VLImageProcessorPil` (the image processor transformers uses when
-  torchvision is absent, as here), called on the file through its public API;
+- images: transformers' `Qwen2VLImageProcessorPil` (the PIL backend) everywhere, its torchvision
+  backend `Qwen2VLImageProcessor` where torchvision is importable, and `AutoImageProcessor`
+  (whichever transformers picks here), called on the files through their public API - including
+  transparent images, which transformers turns into RGB differently by release (5.17/5.18 drop the
+  alpha, 5.24 composites onto white; `image_io.hf_transparency_policy`);
 - videos: the full `Qwen2VLVideoProcessor` where torchvision is importable (GPU machine); here, the
   same pipeline assembled from transformers' own pieces - its `sample_frames` and `patchify` (from
   its source), `smart_resize`, `rescale`/`normalize` - around frames decoded directly with
@@ -10,6 +18,9 @@ References:
 """
 
 from __future__ import annotations
+
+import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,14 +30,58 @@ from transformers.image_transforms import normalize as hf_normalize
 from transformers.image_transforms import rescale as hf_rescale
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from flexrl_ds.data.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, DataConfig
+from flexrl_ds.data import image_io
+from flexrl_ds.data.config import DataConfig
 from flexrl_ds.data.image_io import resize_pil, resize_torch
 from flexrl_ds.data.preprocess import SamplePreprocessor, collate
 from flexrl_ds.data.types import MediaItem, Record, SampleMeta
 
-CONFIG = DataConfig(image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 64,
-                    video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 24,
-                    video_min_frames=4, video_max_frames=12, resize_impl="pil")
+IMAGE_SIZE = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}
+VIDEO_LIMITS = {"size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 24}, "min_frames": 4, "max_frames": 12}
+
+
+@pytest.fixture(scope="module")
+def processor_dir(tmp_path_factory):
+    """The tiny model's saved processor files (as make-tiny-model writes them) with this module's limits."""
+    from flexrl_ds.models.tiny import TinyModelConfig, processor_configs
+
+    folder = tmp_path_factory.mktemp("processor")
+    files = processor_configs(TinyModelConfig(out_dir=str(folder)))
+    files["preprocessor_config.json"]["size"] = dict(IMAGE_SIZE)
+    files["video_preprocessor_config.json"].update(VIDEO_LIMITS)
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def config(processor_dir) -> DataConfig:
+    """Our preprocessing configured from the same files; images resized with PIL (HF's PIL backend)."""
+    return DataConfig(resize_impl="pil").with_processor_dir(processor_dir)
+
+
+@pytest.fixture(scope="module")
+def transparent_images(tmp_path_factory):
+    """Images with transparency in every form PNG stores it: alpha bands (RGBA, LA), a palette with
+    a transparent index (P), and a transparent colour key on RGB and greyscale (tRNS)."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("transparent")
+    rng = np.random.default_rng(5)
+    rgb = Image.fromarray(rng.integers(0, 256, (61, 87, 3), dtype=np.uint8))
+    alpha = Image.fromarray(rng.integers(0, 256, (61, 87), dtype=np.uint8))
+    palette = rgb.quantize(colors=16)
+    key = tuple(int(v) for v in np.asarray(rgb)[0, 0])
+    images = {"rgba.png": (Image.merge("RGBA", (*rgb.split(), alpha)), {}),
+              "la.png": (Image.merge("LA", (rgb.convert("L"), alpha)), {}),
+              "palette.png": (palette, {"transparency": int(np.asarray(palette)[0, 0])}),
+              "rgb_key.png": (rgb, {"transparency": key}),
+              "grey_key.png": (rgb.convert("L"), {"transparency": int(np.asarray(rgb.convert("L"))[0, 0])})}
+    paths = []
+    for name, (image, options) in images.items():
+        image.save(folder / name, **options)
+        paths.append(folder / name)
+    return paths
 
 
 def record_of(*paths, kind_of=None, **options) -> Record:
@@ -36,46 +91,85 @@ def record_of(*paths, kind_of=None, **options) -> Record:
     return Record(id="r", prompt=markers + "q", items=items)
 
 
-def test_images_equal_hf_image_processor(media):
+def assert_images_equal_hf(hf, preprocessor: SamplePreprocessor, paths) -> None:
     from PIL import Image
-    from transformers import Qwen2VLImageProcessorPil
 
-    hf = Qwen2VLImageProcessorPil(min_pixels=CONFIG.image_min_pixels, max_pixels=CONFIG.image_max_pixels)
-    preprocessor = SamplePreprocessor(CONFIG)
-    for path in media.images:
+    for path in paths:
         meta, outputs = preprocessor.process(record_of(path))
         with Image.open(path) as image:
             expected = hf(images=[image], return_tensors="pt")
         assert torch.equal(outputs["image_grid_thw"], expected["image_grid_thw"]), path.name
-        torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0,
+                                   msg=lambda text: f"{path.name}: {text}")
 
 
-def test_images_equal_hf_torchvision_image_processor_where_torchvision_exists(media):
+def test_config_is_the_processor_files(config):
+    assert (config.image_min_pixels, config.image_max_pixels) == tuple(IMAGE_SIZE.values())
+    assert (config.video_min_pixels, config.video_max_pixels) == tuple(VIDEO_LIMITS["size"].values())
+    assert (config.video_min_frames, config.video_max_frames) == (4, 12)
+
+
+def test_images_equal_hf_image_processor(media, transparent_images, processor_dir, config):
+    from transformers import Qwen2VLImageProcessorPil
+
+    hf = Qwen2VLImageProcessorPil.from_pretrained(processor_dir)
+    assert_images_equal_hf(hf, SamplePreprocessor(config), media.images + transparent_images)
+
+
+def test_images_equal_hf_torchvision_image_processor_where_torchvision_exists(media, transparent_images,
+                                                                              processor_dir, config):
     pytest.importorskip("torchvision", reason="transformers' torchvision image backend needs torchvision")
-    from PIL import Image
     from transformers import Qwen2VLImageProcessor
 
-    hf = Qwen2VLImageProcessor(min_pixels=CONFIG.image_min_pixels, max_pixels=CONFIG.image_max_pixels)
-    preprocessor = SamplePreprocessor(DataConfig(**{**CONFIG.__dict__, "resize_impl": "auto"}))
+    hf = Qwen2VLImageProcessor.from_pretrained(processor_dir)
+    preprocessor = SamplePreprocessor(replace(config, resize_impl="auto"))
     assert preprocessor.image_resize_impl == "torch"
-    for path in media.images:
-        meta, outputs = preprocessor.process(record_of(path))
-        with Image.open(path) as image:
-            expected = hf(images=[image], return_tensors="pt")
-        assert torch.equal(outputs["image_grid_thw"], expected["image_grid_thw"]), path.name
-        torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0)
+    assert_images_equal_hf(hf, preprocessor, media.images + transparent_images)
 
 
-def test_several_images_in_one_sample_equal_hf_batch(media):
+def test_images_equal_auto_image_processor(media, transparent_images, processor_dir):
+    """The processor transformers itself picks for the folder, against `resize_impl="auto"`."""
+    from transformers import AutoImageProcessor
+
+    try:
+        hf = AutoImageProcessor.from_pretrained(processor_dir)
+    except ImportError as error:  # transformers 5.17 without torchvision cannot build AutoImageProcessor
+        pytest.skip(f"AutoImageProcessor unavailable here: {str(error).strip().splitlines()[0]}")
+    preprocessor = SamplePreprocessor(DataConfig().with_processor_dir(processor_dir))
+    assert_images_equal_hf(hf, preprocessor, media.images + transparent_images)
+
+
+def test_several_images_in_one_sample_equal_hf_batch(media, transparent_images, processor_dir, config):
     from PIL import Image
     from transformers import Qwen2VLImageProcessorPil
 
-    hf = Qwen2VLImageProcessorPil(min_pixels=CONFIG.image_min_pixels, max_pixels=CONFIG.image_max_pixels)
-    paths = media.images[:3]
-    meta, outputs = SamplePreprocessor(CONFIG).process(record_of(*paths))
+    hf = Qwen2VLImageProcessorPil.from_pretrained(processor_dir)
+    paths = media.images[:3] + transparent_images[:2]
+    meta, outputs = SamplePreprocessor(config).process(record_of(*paths))
     expected = hf(images=[Image.open(p) for p in paths], return_tensors="pt")
     assert torch.equal(outputs["image_grid_thw"], expected["image_grid_thw"])
     torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_transparency_policies(transparent_images):
+    """"drop" is PIL's convert("RGB"); "white" blends onto white (fully transparent -> 255, opaque
+    unchanged); "auto" is what the installed transformers does."""
+    from PIL import Image
+
+    rgba = transparent_images[0]
+    with Image.open(rgba) as image:
+        pixels_HWC = np.asarray(image)
+        dropped = torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+    assert torch.equal(image_io.load_image_rgb(str(rgba), "drop"), dropped)
+    white = image_io.load_image_rgb(str(rgba), "white").permute(1, 2, 0).numpy().astype(float)
+    alpha = pixels_HWC[..., 3:] / 255.0
+    blended = alpha * pixels_HWC[..., :3] + (1 - alpha) * 255.0
+    assert np.abs(white - blended).max() <= 1.0  # PIL's integer blending rounds
+    assert image_io.hf_transparency_policy() in image_io.TRANSPARENCY_POLICIES
+    auto = image_io.load_image_rgb(str(rgba))
+    assert torch.equal(auto, image_io.load_image_rgb(str(rgba), image_io.hf_transparency_policy()))
+    with pytest.raises(ValueError, match="transparency"):
+        image_io.load_image_rgb(str(rgba), "black")
 
 
 def reference_video(path, hf_video_functions, config: DataConfig, fps=None):
@@ -91,32 +185,31 @@ def reference_video(path, hf_video_functions, config: DataConfig, fps=None):
     frames = decoder.get_frames_at(indices=indices).data
     height, width = smart_resize(frames.shape[-2], frames.shape[-1], 28, config.video_min_pixels, config.video_max_pixels)
     resized = F.interpolate(frames, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
-    normalised = [hf_normalize(hf_rescale(frame.numpy(), 1 / 255), OPENAI_CLIP_MEAN, OPENAI_CLIP_STD,
+    normalised = [hf_normalize(hf_rescale(frame.numpy(), 1 / 255), config.image_mean, config.image_std,
                                input_data_format="channels_first") for frame in resized]
     videos = torch.from_numpy(np.stack(normalised)).float().unsqueeze(0)
     patches, grid_t, grid_h, grid_w = hf_video_functions.patchify(videos)
     return indices, patches[0], (grid_t, grid_h, grid_w)
 
 
-def test_videos_equal_hf_video_pipeline(media, hf_video_functions):
-    preprocessor = SamplePreprocessor(CONFIG)
+def test_videos_equal_hf_video_pipeline(media, hf_video_functions, config):
+    preprocessor = SamplePreprocessor(config)
     for path in media.videos:
         meta, outputs = preprocessor.process(record_of(path))
-        indices, patches, grid = reference_video(path, hf_video_functions, CONFIG)
+        indices, patches, grid = reference_video(path, hf_video_functions, config)
         assert list(meta.items[0].frame_indices) == indices, path.name
         assert outputs["video_grid_thw"].tolist() == [list(grid)], path.name
         torch.testing.assert_close(outputs["pixel_values_videos"], patches, atol=1e-5, rtol=0)
 
 
-def test_videos_equal_hf_video_processor_where_torchvision_exists(media):
+def test_videos_equal_hf_video_processor_where_torchvision_exists(media, processor_dir, config):
     pytest.importorskip("torchvision", reason="transformers' Qwen2-VL video processor needs torchvision")
     from transformers import Qwen2VLVideoProcessor
 
     from flexrl_ds.data.video_backends import get_video_backend
 
-    hf = Qwen2VLVideoProcessor(min_pixels=CONFIG.video_min_pixels, max_pixels=CONFIG.video_max_pixels,
-                               min_frames=CONFIG.video_min_frames, max_frames=CONFIG.video_max_frames)
-    preprocessor = SamplePreprocessor(CONFIG)
+    hf = Qwen2VLVideoProcessor.from_pretrained(processor_dir)
+    preprocessor = SamplePreprocessor(config)
     backend = get_video_backend("auto")
     for path in media.videos:
         meta, outputs = preprocessor.process(record_of(path))
@@ -124,7 +217,7 @@ def test_videos_equal_hf_video_processor_where_torchvision_exists(media):
         frames = backend.decode(str(path), list(range(info.num_frames)))  # HF samples from all frames
         metadata = {"total_num_frames": info.num_frames, "fps": info.fps, "duration": info.duration,
                     "height": info.height, "width": info.width}
-        expected = hf(videos=[frames], video_metadata=[metadata], do_sample_frames=True, fps=CONFIG.video_fps,
+        expected = hf(videos=[frames], video_metadata=[metadata], do_sample_frames=True, fps=config.video_fps,
                       cap_pixels_per_frame=False, return_tensors="pt")
         assert torch.equal(outputs["video_grid_thw"], expected["video_grid_thw"]), path.name
         torch.testing.assert_close(outputs["pixel_values_videos"], expected["pixel_values_videos"], atol=1e-5, rtol=0)
@@ -137,8 +230,8 @@ def test_torch_resize_close_to_pil_resize():
         assert difference.float().mean() < 1.0 and difference.max() <= 8, size
 
 
-def test_predicted_shapes_equal_materialised_shapes_everywhere(media):
-    preprocessor = SamplePreprocessor(CONFIG)
+def test_predicted_shapes_equal_materialised_shapes_everywhere(media, config):
+    preprocessor = SamplePreprocessor(config)
     for paths in ([p] for p in media.images + media.videos):
         meta, outputs = preprocessor.process(record_of(*paths))
         actual = {key: tuple(value.shape) for key, value in outputs.items() if isinstance(value, torch.Tensor)}
@@ -150,8 +243,8 @@ def test_predicted_shapes_equal_materialised_shapes_everywhere(media):
     assert meta.vision_tokens == sum(item.vision_tokens for item in meta.items) > 0
 
 
-def test_placeholder_slices_materialise_to_the_same_rows(media):
-    preprocessor = SamplePreprocessor(CONFIG)
+def test_placeholder_slices_materialise_to_the_same_rows(media, config):
+    preprocessor = SamplePreprocessor(config)
     meta = preprocessor.probe(record_of(media.images[1], media.videos[0]))
     assert isinstance(meta, SampleMeta)
     tensors = preprocessor.materialize(meta)
@@ -169,34 +262,31 @@ def test_placeholder_slices_materialise_to_the_same_rows(media):
     assert collate(meta, tensors)["pixel_values"].shape == (image.num_rows, 1176)
 
 
-def test_tiny_model_processor_dir_sets_geometry(tmp_path, media):
-    tiny = pytest.importorskip("flexrl_ds.models.tiny")
-    import json
+def test_tiny_model_processor_dir_sets_geometry(tmp_path):
+    from flexrl_ds.models.tiny import TinyModelConfig, processor_configs
 
-    config = tiny.TinyModelConfig(out_dir=str(tmp_path))
-    for name, content in tiny.processor_configs(config).items():
+    config = TinyModelConfig(out_dir=str(tmp_path))
+    files = processor_configs(config)
+    for name, content in files.items():
         (tmp_path / name).write_text(json.dumps(content))
     data_config = DataConfig().with_processor_dir(tmp_path)
     assert (data_config.image_min_pixels, data_config.image_max_pixels) == (config.min_pixels, config.max_pixels)
     assert (data_config.video_min_pixels, data_config.video_max_pixels) == (config.min_pixels, config.max_pixels)
-    from PIL import Image
-    from transformers import AutoImageProcessor
-
-    hf = AutoImageProcessor.from_pretrained(tmp_path)  # the backend transformers picks here (PIL without torchvision)
-    meta, outputs = SamplePreprocessor(data_config).process(record_of(media.images[0]))
-    expected = hf(images=[Image.open(media.images[0])], return_tensors="pt")
-    torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0)
+    image, video = files["preprocessor_config.json"], files["video_preprocessor_config.json"]
+    for key in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std"):
+        assert getattr(data_config, key) == image[key], key
+    assert (data_config.video_min_frames, data_config.video_max_frames) == (video["min_frames"], video["max_frames"])
+    assert data_config.video_fps == video["fps"]
 
 
-def test_video_where_hf_sampling_runs_past_the_end(tmp_path):
+def test_video_where_hf_sampling_runs_past_the_end(tmp_path, config):
     """185 frames at 8 fps sampled at 2 fps: HF's float32 positions are 47, the last one 185 (past
     the end, HF's own decode fails); ours are the other 46, and the sample decodes fine."""
     from flexrl_ds.bench.datasets import write_video
 
     path = tmp_path / "v185.mp4"
     write_video(path, 185, 32, 24, 8)
-    config = DataConfig(**{**CONFIG.__dict__, "video_max_frames": 768})
-    meta, outputs = SamplePreprocessor(config).process(record_of(path))
+    meta, outputs = SamplePreprocessor(replace(config, video_max_frames=768)).process(record_of(path))
     assert len(meta.items[0].frame_indices) == 46 and meta.items[0].frame_indices[-1] == 180
     assert meta.items[0].grid_thw[0] == 23
     actual = {key: tuple(value.shape) for key, value in outputs.items() if isinstance(value, torch.Tensor)}
