@@ -26,9 +26,9 @@ import numpy as np
 
 CEILING_STAGES = (0.25, 0.5, 1.0)
 """Fractions of the cost slack tried in turn as the ceiling above the busiest block's cost."""
-MIN_TRADE = 1.0
-"""Where the goal is out of reach, cost balance is spent only where the relative attention drop
-is at least this × the relative rise of the busiest block's cost."""
+MIN_TRADE = 2.0
+"""Where the goal is out of reach, cost balance (the step's time) is spent only where the
+relative attention drop is at least this × the relative rise of the busiest block's cost."""
 SLACK = 1e-9
 """Relative margin an exchange must lower attention by (float rounding)."""
 

@@ -14,6 +14,10 @@ Algorithm (docs/ARCHITECTURE.md "Planner" has the argument; p = the largest allo
    moves/swaps on cost, then on attention under a cost ceiling; least attention among those within
    `balance_tolerance / 2` of the best busiest-block cost; if its attention is above the goal,
    2-for-1 exchanges between blocks lower it without raising the busiest block's cost.
+   *Attention repair* (attention_repair.py), only where a block's attention is still above
+   `attention_target` ÷ (1 + balance_tolerance) × its mean and the attention partition bound is
+   below that: one-for-many exchanges (a long item for a block's shortest items) with block cost
+   allowed up to (1 + `attention_repair_slack`) × the busiest block's, raised in stages.
 2. Per-rank rooms: cost `(1 + balance_tolerance) ×` busiest block ÷ p (what fixed SP at p reaches
    on this partition), attention `max((1 + balance_tolerance) × busiest block ÷ p,
    attention_goal × mean)`, tokens `max_tokens_per_rank`.
@@ -26,6 +30,11 @@ Algorithm (docs/ARCHITECTURE.md "Planner" has the argument; p = the largest allo
 Guarantee (no token cap, no short sequences kept whole): busiest rank ≤ (1 + tolerance)² × fixed
 SP at p's, so efficiency ≥ fixed SP's − 2·tolerance; attention balance ≤ max(fixed SP's ×
 (1 + tolerance), attention_goal) unless the 2-D start wins on cost; all-to-all ≤ fixed SP's.
+Where the attention repair runs, the busiest rank may rise by up to a further factor
+(1 + attention_repair_slack) (efficiency ≥ fixed SP's ÷ (1 + slack) − 2·tolerance), and where
+it reaches its block goal the split's attention room, (1 + tolerance) × busiest block ÷ p, keeps
+attention balance ≤ attention_target (a soft room: exceeded only where pinned short sequences
+leave no choice).
 
 Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the group. "uneven"
 (default) allows every power-of-two degree ≤ p_max; when d does not divide num_heads the executor
@@ -76,13 +85,24 @@ class PlannerOptions:
     """Upper bound on move/swap steps of each block-partition refinement."""
     attention_target: float = 1.05
     """Attention balance the repair phase aims for: where the block partition leaves a p-block's
-    attention above this × its mean (÷ (1 + balance_tolerance), the split's margin) and the
-    partition bound allows it, one-for-many exchanges lower it (attention_repair.py)."""
+    attention above this ÷ (1 + balance_tolerance) (the split's margin) × the mean block and the
+    attention partition bound is below that, one-for-many exchanges lower it
+    (attention_repair.py). float("inf") turns the repair off."""
     attention_repair_slack: float = 0.01
     """The repair may raise a p-block's cost up to (1 + this) × the busiest block's cost (in
     stages: a quarter, half, all of it, only as far as attention needs)."""
     attention_repair_steps: int = 96
-    """Upper bound on the repair's exchanges (each one vectorised search, ~0.5 ms)."""
+    """Upper bound on the repair's exchanges (a round, one vectorised search of ~1–3 ms on the
+    2-core box, makes up to one per p-block)."""
+
+    def __post_init__(self) -> None:
+        if not self.attention_target > 0:
+            raise ValueError(f"attention_target must be positive, got {self.attention_target!r}")
+        if not 0 <= self.attention_repair_slack < float("inf"):
+            raise ValueError(f"attention_repair_slack must be ≥ 0 and finite, got {self.attention_repair_slack!r}")
+        if isinstance(self.attention_repair_steps, bool) or not isinstance(self.attention_repair_steps, int) \
+                or self.attention_repair_steps < 0:
+            raise ValueError(f"attention_repair_steps must be a non-negative integer, got {self.attention_repair_steps!r}")
 
 
 @dataclass(frozen=True)

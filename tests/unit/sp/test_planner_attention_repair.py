@@ -4,6 +4,7 @@ bounded cost slack."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -145,3 +146,11 @@ def test_plans_with_the_repair_forced_on_are_valid(case):
     if sp.max_tokens_per_rank is not None:
         assert result.metrics.max_rank_tokens <= sp.max_tokens_per_rank + 1e-6
     assert result.metrics.attention_balance >= result.metrics.attention_balance_bound - 1e-9
+
+
+@pytest.mark.parametrize("bad", [dict(attention_target=0.0), dict(attention_repair_slack=-0.01),
+                                 dict(attention_repair_steps=-1), dict(attention_repair_steps=2.5)])
+def test_bad_repair_options_fail_naming_the_option(bad):
+    (name,) = bad
+    with pytest.raises(ValueError, match=name):
+        PlannerOptions(**bad)
