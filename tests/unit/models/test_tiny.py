@@ -80,18 +80,22 @@ def test_auto_processor_loads_and_matches_shadowloader_where_torchvision_exists(
     main(["make-tiny-model", "--out", str(tmp_path / "vl"), "--seed", "3"])
     processor = transformers.AutoProcessor.from_pretrained(tmp_path / "vl")
     assert processor.video_processor is not None
-    pixels = np.random.default_rng(0).integers(0, 255, size=(150, 230, 3), dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 255, size=(150, 230, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(tmp_path / "img.png")
+    alpha = rng.integers(0, 255, size=(150, 230), dtype=np.uint8)
+    Image.fromarray(np.dstack([pixels, alpha])).save(tmp_path / "rgba.png")  # transparency: release-dependent
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    with Image.open(tmp_path / "img.png") as image:
-        expected = processor(text=[text], images=[image.convert("RGB")], return_tensors="pt")
-
     config = DataConfig().with_processor_dir(tmp_path / "vl")
-    path = str(tmp_path / "img.png")
-    record = Record(id="r", prompt="<image>q", items=(MediaItem("image", path, source=path),))
-    meta, outputs = SamplePreprocessor(config).process(record)
-    assert torch.equal(outputs["image_grid_thw"], expected["image_grid_thw"])
-    torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-4, rtol=0)
     image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    assert int((expected["input_ids"] == image_pad).sum()) == meta.vision_tokens
+    for name in ("img.png", "rgba.png"):
+        with Image.open(tmp_path / name) as image:  # as the file opens: the processor converts to RGB
+            expected = processor(text=[text], images=[image], return_tensors="pt")
+        path = str(tmp_path / name)
+        record = Record(id="r", prompt="<image>q", items=(MediaItem("image", path, source=path),))
+        meta, outputs = SamplePreprocessor(config).process(record)
+        assert torch.equal(outputs["image_grid_thw"], expected["image_grid_thw"]), name
+        torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-4, rtol=0,
+                                   msg=lambda message: f"{name}: {message}")
+        assert int((expected["input_ids"] == image_pad).sum()) == meta.vision_tokens
