@@ -8,12 +8,13 @@ Order. Rows are visited per epoch in an `EpochOrder`: a permutation seeded by (s
 file order without shuffling. A step takes the next `global_batch` positions from the *head*
 (its window); an epoch ends when fewer than `global_batch` unused positions remain.
 
-Policies, applied per step to the window's bad rows in slot order and, later, to any sample of the
-step whose decode fails (whichever process finds it):
+Policies, applied per step to the window's bad rows in slot order and, before the step is handed
+out, to any sample of the step whose decode fails:
 - `skip`: the bad row's slot is dropped; the step trains on fewer prompts.
-- `replace`: the slot is filled by the row *reserved from the tail* of the same epoch's order (the
-  last position not yet used, walking backwards). A reserved row that is itself bad is reported
-  too and the next one is reserved. The substitute keeps its metadata under the sample id
+- `replace`: the slot is filled by the row *reserved from the tail* of the order's epoch (the
+  last position not yet used, walking backwards, skipping rows the step already drew; when
+  look-ahead has already started the next epoch, that epoch's tail). A reserved row that is itself
+  bad is reported too and the next one is reserved. The substitute keeps its metadata under the sample id
   `<bad id>-><substitute id>`, and `replacements[bad id] = substitute id`. Reserved rows leave the
   epoch (the head never reaches them), so every other step keeps exactly its window, and no record
   appears twice in a step (nor twice in an epoch). If the epoch has no unused row left, the slot
@@ -29,14 +30,14 @@ replace the sample is *withdrawn* (`StepReport.withdrawn[sample id] = reason`, `
 the step's report still names exactly what it trains on; under `error` it raises.
 Reporting: every bad record met (window, reserved tail rows, decode failures) goes into the
 step's `StepReport.bad_records` with its reason and stage, and into `BadRecordCounts` (`num_bad`,
-`num_replaced`, `num_skipped`, `num_unreplaced`); a step's report always names exactly the
-samples it trains on.
+`num_replaced`, `num_skipped`, `num_unreplaced`, `num_withdrawn`); a step's report always names
+exactly the samples it trains on (its samples minus the withdrawn ones).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -95,12 +96,17 @@ class EpochOrder:
         self._head += count
         return window
 
-    def reserve(self) -> int | None:
-        """The last unused row of the epoch, for a substitute; None when the epoch is used up."""
-        if self._tail <= self._head:
-            return None
-        self._tail -= 1
-        return self._order[self._tail]
+    def reserve(self, exclude: Collection[int] = ()) -> int | None:
+        """The last unused row of the epoch not in `exclude`, for a substitute; None when there is
+        none. Skipped rows stay unused (a later window still visits them)."""
+        for position in range(self._tail - 1, self._head - 1, -1):
+            row = self._order[position]
+            if row not in exclude:
+                del self._order[position]
+                self._order.insert(self._tail - 1, row)  # the skipped rows shift down, stay unused
+                self._tail -= 1
+                return row
+        return None
 
 
 @dataclass
@@ -129,6 +135,8 @@ class StepReport:
     """Bad record id -> id of the record standing in for it (policy replace)."""
     withdrawn: dict[str, str] = field(default_factory=dict)
     """Sample id -> reason, for samples withdrawn after the step was handed out."""
+    rows: list[int] = field(default_factory=list)
+    """Dataset rows the step drew: its window, then every reserved row (never reserved twice)."""
 
 
 class BadRecordPolicy:
@@ -146,7 +154,7 @@ class BadRecordPolicy:
     def compose(self, step: int, global_batch: int) -> tuple[int, list[Entry], StepReport]:
         """(epoch, samples in slot order, report) of the next window under the policy."""
         window = self.order.take(global_batch)
-        epoch, report, samples = self.order.epoch, StepReport(), []
+        epoch, report, samples = self.order.epoch, StepReport(rows=list(window)), []
         for entry in self._probe(window):
             sample = self.resolve(step, entry, report) if is_bad(entry) else entry
             if sample is not None:
@@ -188,7 +196,8 @@ class BadRecordPolicy:
         self.counts.num_withdrawn += 1
 
     def _draw(self, report: StepReport) -> Entry | None:
-        while (row := self.order.reserve()) is not None:
+        while (row := self.order.reserve(exclude=set(report.rows))) is not None:
+            report.rows.append(row)
             (entry,) = self._probe([row])
             if not is_bad(entry):
                 return entry
@@ -213,4 +222,5 @@ def select_steps(entries: Sequence[Entry], policy: str, global_batch: int | None
         steps.append(samples)
         report.bad_records += step_report.bad_records
         report.replacements.update(step_report.replacements)
+        report.rows += step_report.rows
     return steps, report, chooser

@@ -111,11 +111,13 @@ class LoaderStep:
     withdrawn: dict[str, str] = field(default_factory=dict)
     """Sample id -> reason for prompts withdrawn after hand-out (decode failed on re-routing):
     not trained on; their slot stays in `prompts` because the step's shapes were planned."""
+    rows: list[int] = field(default_factory=list)
+    """Dataset rows the step drew (window, then reserved substitutes): never reserved again for it."""
 
     @property
     def bad_report(self) -> StepReport:
         """This step's lists as a `bad_records.StepReport` (shared, not copied)."""
-        return StepReport(self.bad_records, self.replacements, self.withdrawn)
+        return StepReport(self.bad_records, self.replacements, self.withdrawn, self.rows)
 
     def sample_ids(self) -> list[SampleId]:
         return [SampleId(p.key.step, p.key.slot, k) for p in self.prompts for k in range(self.num_samples_per_prompt)]
@@ -198,7 +200,7 @@ class StepSource:
                 self._count()
         prompts = [StepPrompt(PromptKey(index, slot), sample) for slot, sample in enumerate(samples)]
         return LoaderStep(index, epoch, prompts, self.config.num_samples_per_prompt,
-                          report.bad_records, report.replacements)
+                          report.bad_records, report.replacements, rows=report.rows)
 
     def settle(self, step: LoaderStep, decode: Callable[[StepPrompt], Any]) -> LoaderStep:
         """Apply the bad-record policy to prompts that fail to decode. `decode(prompt)` returns

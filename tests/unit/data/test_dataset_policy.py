@@ -258,3 +258,27 @@ def test_concurrent_repairs_of_one_failure_record_it_once():
         thread.join(10)
     assert step.withdrawn.keys() == {lost[0]} and len(step.bad_records) == 1
     assert loader.stats.num_withdrawn == 1 and loader.stats.num_rerouted == len(lost)
+
+
+def test_substitute_after_look_ahead_started_the_next_epoch_is_not_already_in_the_step():
+    """Steps of 2 over 6 rows in file order: step 2 = rows 4, 5 ends epoch 0; look-ahead composes
+    step 3 (epoch 1) before step 2 settles. r5 then fails to decode: epoch 1's tail is row 5, then
+    4 — both already drawn by step 2 — so the substitute is row 3."""
+    records = _records(6, set())
+    source = StepSource(records, LoaderConfig(global_batch=2, shuffle=False, bad_record_policy="replace"), _probe)
+    steps = [source.compose() for _ in range(4)]
+    assert [s.epoch for s in steps] == [0, 0, 0, 1]
+    bad = BadRecord("r5", "cannot decode frames", 5, "materialize")
+    settled = source.settle(steps[2], lambda prompt: bad if prompt.meta.record.id == "r5" else None)
+    assert [p.meta.id for p in settled.prompts] == ["r4", "r5->r3"] and settled.rows == [4, 5, 3]
+    later = source.compose()  # epoch 1 goes on with rows 2, 4 (the skipped rows stay unused)
+    assert [p.meta.id for p in later.prompts] == ["r2", "r4"] and later.epoch == 1
+
+
+def test_reserve_skips_excluded_rows_and_keeps_them_unused():
+    order = EpochOrder(6, shuffle=False)
+    assert order.take(2) == [0, 1]
+    assert order.reserve(exclude={5, 4}) == 3
+    assert order.num_unused == 3
+    assert order.take(3) == [2, 4, 5]  # the skipped rows are still visited
+    assert order.reserve() is None
