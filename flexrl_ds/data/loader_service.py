@@ -6,7 +6,8 @@
 worker process, so in a multi-process job the loader runs inside `LoaderService` (a thin Ray
 actor around a plain `ProxyLoader` and its `PreprocessPool`) and workers hand their Materializer
 a `RemoteRepair(service)`: the decision is still taken in one place, whichever process finds the
-failure. The driver calls the same methods remotely (`next_step`, `assignment`, `release`).
+failure. The driver calls the same methods remotely (`next_step`, `assignment`, `release`); the
+`LoaderStep` it receives is a snapshot, `report(step)` includes withdrawals found after hand-out.
 
     service = LoaderService.options(max_concurrency=8).remote(records, make_preprocessor, data_config)
     step = ray.get(service.next_step.remote())
