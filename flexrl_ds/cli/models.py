@@ -72,8 +72,7 @@ def _logprobs(args: argparse.Namespace) -> int:
                             num_procs=args.nproc, p_max=args.p_max, plan_out=args.plan_out, dtype=args.dtype,
                             plan_in=args.plan, response_key=args.response_key, loader=args.loader,
                             num_actors=args.actors, cpus_per_actor=args.cpus_per_actor)
-    summary = run_logprobs(config)
-    print(summary)
+    print(run_logprobs(config).summary)
     return 0
 
 

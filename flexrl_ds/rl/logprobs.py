@@ -134,8 +134,20 @@ def load_given_plan(path: str, samples: dict[str, Any], num_procs: int):
     return plan
 
 
-def run_logprobs(config: LogprobsConfig) -> str:
-    """Run the whole tool; returns the summary (two lines: output, and the data the parent handled)."""
+@dataclass
+class LogprobsReport:
+    """What one `flexrl logprobs` run did."""
+
+    summary: str
+    """Two lines for the user: the output written, and the data the parent handled."""
+    loader: str
+    """The loader used (shadow or local)."""
+    usage: DataUsage
+    """Bytes through the parent, and pixels the ranks pulled themselves."""
+
+
+def run_logprobs(config: LogprobsConfig) -> LogprobsReport:
+    """Run the whole tool."""
     start = time.perf_counter()
     if config.resolved_loader == "shadow":
         from flexrl_ds.rl.shadow_inputs import ShadowSession, ShadowSettings
@@ -143,7 +155,11 @@ def run_logprobs(config: LogprobsConfig) -> str:
         settings = ShadowSettings(num_actors_per_node=config.num_actors, num_cpus_per_actor=config.cpus_per_actor,
                                   timeout_s=config.timeout_s)
         with ShadowSession(config.model_dir, config.data_path, config.response_key, settings) as session:
+            loading = time.perf_counter()
             step = session.load_step()
+            print(f"probed and decoded {len(step.samples)} records on {len(session.pool.alive)} preprocessing "
+                  f"actors in {time.perf_counter() - loading:.1f} s (Ray up after {loading - start:.1f} s); "
+                  f"pixels stay in the actors' object stores", flush=True)
             samples = step.samples
             results, usage = _plan_and_run(config, samples, step.handle)
             usage.controller_bytes += session.controller_bytes
@@ -154,8 +170,9 @@ def run_logprobs(config: LogprobsConfig) -> str:
         num_actors = 0
     write_results(config.out_path, samples, results)
     elapsed = time.perf_counter() - start
-    return (f"wrote log-probs of {len(results)} records to {config.out_path} ({elapsed:.1f} s, "
-            f"{config.num_procs} ranks, loader {config.resolved_loader})\n" + usage.describe(num_actors))
+    summary = (f"wrote log-probs of {len(results)} records to {config.out_path} ({elapsed:.1f} s, "
+               f"{config.num_procs} ranks, loader {config.resolved_loader})\n" + usage.describe(num_actors))
+    return LogprobsReport(summary, config.resolved_loader, usage)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""`flexrl logprobs` (1 and 4 gloo processes, FlexUlysses + balanced vision) equals plain HF log-probs."""
+"""`flexrl logprobs --loader local` (1 and 4 gloo processes, FlexUlysses + balanced vision) equals plain HF
+log-probs. The shadow loader (Ray actors) is compared with this path in tests/ray/test_logprobs_shadow.py."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_logprobs_cli_equals_hf(setup, nproc, given_plan):
     reference = _reference(root / "model", data)
     out, plan_out = root / f"out{nproc}.jsonl", root / f"plan{nproc}.json"
     argv = ["logprobs", "--model", str(root / "model"), "--data", str(data), "--nproc", str(nproc),
-            "--out", str(out), "--plan-out", str(plan_out)]
+            "--out", str(out), "--plan-out", str(plan_out), "--loader", "local"]
     if given_plan:
         plan = random_plan_for({s: len(ids) for s, (ids, _, _) in reference.items()}, nproc, nproc, seed=5)
         assert {p.degree for p in plan.packs} == {1, 2, 4}
@@ -67,3 +68,6 @@ def test_logprobs_bad_options_are_user_errors(setup, capsys):
                  "--out", str(root / "x.jsonl")]) == 2
     assert "--nproc" in capsys.readouterr().err
     assert main(["logprobs", "--model", str(root / "nope"), "--data", str(data), "--out", str(root / "x.jsonl")]) == 2
+    with pytest.raises(SystemExit):  # argparse choices
+        main(["logprobs", "--model", str(root / "model"), "--data", str(data), "--out", str(root / "x.jsonl"),
+              "--loader", "central"])
