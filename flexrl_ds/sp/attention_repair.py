@@ -7,17 +7,20 @@ attention stays above the goal: at equal cost, a block can only lower its attent
 a longer item for shorter ones (cost L² + c·L is more linear, less quadratic, for short L), and
 at a 0.1 % cost tolerance there is too little room to do that.
 
-`repair_attention` runs only where attention is above the goal (and the goal is above the
-partition's attention bound, so it is reachable in principle). Each step takes the block with most
-attention (the *hot* block) and tries, for each of its items and every other block (the
-*partner*), a **one-for-many exchange**: the hot item goes to the partner, which gives back its
-shortest items — the least attention per unit of cost — the fewest whose cost keeps both blocks
-under a cost ceiling (zero items: a plain move; one: a swap). The exchange lowering the larger of
-the two blocks' attention most is applied; the step is repeated until the busiest block's
-attention is within the goal or no exchange lowers it. The ceiling is raised in stages (a quarter,
-half, all of `cost_slack` above the busiest block's cost), so cost balance is spent only as far
-as attention needs. A step is one vectorised search over (hot item × partner): the partner's
-items sorted by cost with prefix sums, the number of items found by sorted search.
+`repair_attention` runs only where attention is above the goal (the planner also requires the
+partition's attention bound to be below it, so it is reachable in principle). A round takes every
+block above the goal (*hot*, most attention first) and tries, for each of its items and every other
+block (the *partner*), a **one-for-many exchange**: the hot item goes to the partner, which gives
+back its shortest items — the least attention per unit of cost — the fewest whose cost keeps both
+blocks under a cost ceiling (zero items: a plain move; one: a swap). Each hot block applies the
+exchange lowering its attention most with both blocks' new attention below its old one; a block
+takes part in at most one exchange per round. Rounds repeat until the busiest block's attention is
+within the goal or no exchange lowers a hot block. The ceiling is raised in stages (a quarter,
+half, all of `cost_slack` above the busiest block's cost), so cost balance is spent only as far as
+attention needs; where the goal stays out of reach, a stage is kept only if attention dropped at
+least MIN_TRADE × as much as cost rose (relative), else the partition is restored. A round is one
+vectorised search over (hot item × partner): each block's items sorted by cost with prefix sums,
+the number of items found by comparing the prefix sums with the cost needed.
 """
 
 from __future__ import annotations
