@@ -41,9 +41,13 @@ def register(commands, bench) -> None:
                                "decodes everything and sends every sample to every rank (the reference); "
                                "auto (default): shadow when Ray is importable. Shadow joins RAY_ADDRESS if set, "
                                "else starts a local Ray cluster")
-    logprobs.add_argument("--actors", type=int, default=2, help="preprocessing actors per Ray node (shadow)")
-    logprobs.add_argument("--cpus-per-actor", type=float, default=0.5,
-                          help="Ray CPUs reserved per preprocessing actor (shadow)")
+    logprobs.add_argument("--actors", type=int, default=None,
+                          help="preprocessing actors per Ray node (shadow; default: flexrl.data.pool)")
+    logprobs.add_argument("--cpus-per-actor", type=float, default=None,
+                          help="Ray CPUs reserved per preprocessing actor (shadow; default: flexrl.data.pool)")
+    logprobs.add_argument("--config", default=None,
+                          help="DeepSpeed JSON whose flexrl.data section configures the shadow loader "
+                               "(pool, bad-record policy, media root, video backend); geometry comes from --model")
     logprobs.set_defaults(func=_logprobs)
 
     vision = bench.add_parser("vision", help="vision-tower patches per rank: sequence owner vs pack group vs domain")
@@ -71,7 +75,8 @@ def _logprobs(args: argparse.Namespace) -> int:
     config = LogprobsConfig(model_dir=args.model, data_path=args.data, out_path=args.out,
                             num_procs=args.nproc, p_max=args.p_max, plan_out=args.plan_out, dtype=args.dtype,
                             plan_in=args.plan, response_key=args.response_key, loader=args.loader,
-                            num_actors=args.actors, cpus_per_actor=args.cpus_per_actor)
+                            num_actors=args.actors, cpus_per_actor=args.cpus_per_actor,
+                            run_config=args.config)
     print(run_logprobs(config).summary)
     return 0
 

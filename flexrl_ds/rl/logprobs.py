@@ -59,10 +59,12 @@ class LogprobsConfig:
     """Where pixels come from: shadow (Ray preprocessing actors; ranks pull their own slices), local
     (this process decodes every record and sends all samples to every rank), auto (shadow when Ray is
     importable, else local)."""
-    num_actors: int = 2
-    """Preprocessing actors per Ray node (shadow)."""
-    cpus_per_actor: float = 0.5
-    """Ray CPUs reserved per preprocessing actor (shadow; fractions allowed)."""
+    num_actors: int | None = None
+    """Preprocessing actors per Ray node (shadow); None: the run config's `flexrl.data.pool`."""
+    cpus_per_actor: float | None = None
+    """Ray CPUs reserved per preprocessing actor (shadow; fractions allowed); None: `flexrl.data.pool`."""
+    run_config: str | None = None
+    """DeepSpeed JSON whose `flexrl.data` section configures the shadow loader (None: defaults)."""
 
     def __post_init__(self) -> None:
         if self.num_procs < 1 or self.num_procs & (self.num_procs - 1):
@@ -154,7 +156,13 @@ def run_logprobs(config: LogprobsConfig) -> LogprobsReport:
 
         settings = ShadowSettings(num_actors_per_node=config.num_actors, num_cpus_per_actor=config.cpus_per_actor,
                                   timeout_s=config.timeout_s)
-        with ShadowSession(config.model_dir, config.data_path, config.response_key, settings) as session:
+        data_config = None
+        if config.run_config:
+            from flexrl_ds.config.flexrl_config import load_run_config
+
+            data_config = load_run_config(config.run_config).flexrl.data
+        with ShadowSession(config.model_dir, config.data_path, config.response_key, settings,
+                           data_config) as session:
             loading = time.perf_counter()
             step = session.load_step()
             print(f"probed and decoded {len(step.samples)} records on {len(session.pool.alive)} preprocessing "

@@ -14,13 +14,15 @@
    pickled through multiprocessing would be pinned for the controller's lifetime). Each rank then
    fetches exactly the slices of its vision units (flexrl_ds/rl/shadow_fetch.py).
 
-`ShadowSession` owns all of it (context manager: actors, board and a cluster started here are
+Settings: `flexrl.data` of the run config (`--config`) through `data.loader_settings`, adapted to a
+scoring tool (`tool_loader_configs`). `ShadowSession` owns all of it (context manager: actors, board and a cluster started here are
 torn down on exit). Bytes the controller handled are counted as `payload_bytes` counts them
 (pickled size, object references as their ids).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -33,12 +35,12 @@ import ray
 
 @dataclass
 class ShadowSettings:
-    """Preprocessing actors and Ray cluster of `flexrl logprobs --loader shadow`."""
+    """Overrides of `flexrl.data.pool` / `flexrl.data.loader` for `flexrl logprobs --loader shadow`."""
 
-    num_actors_per_node: int = 2
-    """Preprocessing actors per Ray node (`--actors`)."""
-    num_cpus_per_actor: float = 0.5
-    """Ray CPUs reserved per preprocessing actor (fractions allowed)."""
+    num_actors_per_node: int | None = None
+    """Preprocessing actors per Ray node (`--actors`); None: `flexrl.data.pool.num_actors_per_node`."""
+    num_cpus_per_actor: float | None = None
+    """Ray CPUs reserved per actor (`--cpus-per-actor`); None: `flexrl.data.pool.num_cpus_per_actor`."""
     groups_per_chunk: int = 1
     """Temporal patch groups per cached video slice. A rank pulls whole slices; vision balancing
     deals a video's groups out over the ranks one by one, so 1 (a slice per group) lets every rank
@@ -47,10 +49,29 @@ class ShadowSettings:
     """Longest wait for one probe, decode or fetch."""
 
     def __post_init__(self) -> None:
-        if self.num_actors_per_node < 1:
+        if self.num_actors_per_node is not None and self.num_actors_per_node < 1:
             raise ValueError(f"--actors must be at least 1, got {self.num_actors_per_node}")
-        if self.num_cpus_per_actor <= 0:
+        if self.num_cpus_per_actor is not None and self.num_cpus_per_actor <= 0:
             raise ValueError(f"--cpus-per-actor must be positive, got {self.num_cpus_per_actor}")
+        if self.groups_per_chunk < 1:
+            raise ValueError(f"groups_per_chunk must be at least 1, got {self.groups_per_chunk}")
+
+
+def tool_loader_configs(data_config: Any, settings: ShadowSettings, num_records: int):
+    """(LoaderConfig, PoolConfig) from the run config's `flexrl.data` (`loader_settings`), adapted to
+    a scoring tool: the whole file is one step in file order, without look-ahead; bad records are
+    skipped (as by `--loader local`) unless the policy is `error`; `settings` override the pool."""
+    from flexrl_ds.data.loader_settings import loader_settings
+
+    loader, pool = loader_settings(data_config)
+    policy = "error" if loader.bad_record_policy == "error" else "skip"
+    loader = dataclasses.replace(loader, global_batch=max(1, num_records), num_samples_per_prompt=1, shuffle=False,
+                                 lookahead_steps=0, bad_record_policy=policy, groups_per_chunk=settings.groups_per_chunk)
+    pool = dataclasses.replace(
+        pool, groups_per_chunk=settings.groups_per_chunk, timeout_s=settings.timeout_s,
+        num_actors_per_node=settings.num_actors_per_node or pool.num_actors_per_node,
+        num_cpus_per_actor=settings.num_cpus_per_actor or pool.num_cpus_per_actor)
+    return loader, pool
 
 
 @dataclass(frozen=True)
@@ -137,42 +158,40 @@ def placeholder_items(meta: Any) -> list[Any]:
 class ShadowSession:
     """Ray cluster, preprocessing actors, ProxyLoader and source board for one `flexrl logprobs` run."""
 
-    def __init__(self, model_dir: str, data_path: str, response_key: str, settings: ShadowSettings):
+    def __init__(self, model_dir: str, data_path: str, response_key: str, settings: ShadowSettings,
+                 data_config: Any = None):
+        """data_config: the run config's `flexrl.data` (`DataConfig`; None: defaults); the vision
+        geometry always comes from the model's saved processor, as in `--loader local`."""
+        from flexrl_ds.data.config import DataConfig
+
         self.model_dir, self.data_path, self.response_key, self.settings = model_dir, data_path, response_key, settings
+        self.data_config = data_config if data_config is not None else DataConfig()
+        if os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
+            self.data_config = self.data_config.with_processor_dir(model_dir)
         self.pool = self.loader = self.board = self.step = None
         self.started_ray = False
-        self.board_bytes = 0
 
     def __enter__(self) -> ShadowSession:
-        from flexrl_ds.data.actors import PoolConfig, PreprocessPool
-        from flexrl_ds.data.config import DataConfig
+        from flexrl_ds.data.actors import PreprocessPool
         from flexrl_ds.data.preprocess import SamplePreprocessor
+        from flexrl_ds.data.records import read_dataset
+        from flexrl_ds.models.processing import SampleEncoder
 
-        settings = self.settings
-        cpus = int(settings.num_actors_per_node * settings.num_cpus_per_actor) + 2
+        self.encoder = SampleEncoder(self.model_dir)
+        self.records = _scorable(read_dataset(self.data_path, self.data_config.media_root), self.response_key, self.encoder.has_vision)
+        self.loader_config, pool_config = tool_loader_configs(self.data_config, self.settings, len(self.records))
+        cpus = int(pool_config.num_actors_per_node * pool_config.num_cpus_per_actor) + 2
         self.started_ray = connect_ray(max(4, cpus))
-        # TODO(loader_settings): take PoolConfig/LoaderConfig from the run config's flexrl.data once
-        # flexrl_ds/data/loader_settings.py exists.
-        data_config = DataConfig()
-        if os.path.exists(os.path.join(self.model_dir, "preprocessor_config.json")):
-            data_config = data_config.with_processor_dir(self.model_dir)
-        pool_config = PoolConfig(num_actors_per_node=settings.num_actors_per_node,
-                                 num_cpus_per_actor=settings.num_cpus_per_actor,
-                                 groups_per_chunk=settings.groups_per_chunk, timeout_s=settings.timeout_s)
-        self.pool = PreprocessPool(functools.partial(SamplePreprocessor, data_config), pool_config)
+        self.pool = PreprocessPool(functools.partial(SamplePreprocessor, self.data_config), pool_config)
         return self
 
     def load_step(self) -> ShadowStep:
         """Probe, decode (on the actors) and tokenize every record as one step; post its sources."""
-        from flexrl_ds.data.proxy_loader import LoaderConfig, ProxyLoader, requests_for_samples
-        from flexrl_ds.data.records import read_dataset
-        from flexrl_ds.models.processing import SampleEncoder, _field
+        from flexrl_ds.data.proxy_loader import ProxyLoader, requests_for_samples
+        from flexrl_ds.models.processing import _field
 
-        encoder = SampleEncoder(self.model_dir)
-        records = _scorable(read_dataset(self.data_path), self.response_key, encoder.has_vision)
-        config = LoaderConfig(global_batch=len(records), shuffle=False, bad_record_policy="skip",
-                              lookahead_steps=0, groups_per_chunk=self.settings.groups_per_chunk)
-        self.loader = ProxyLoader(records, self.pool, config)
+        encoder = self.encoder
+        self.loader = ProxyLoader(self.records, self.pool, self.loader_config)
         self.step = self.loader.next_step()  # probed, decoded on the actors, decode failures settled
         for bad in self.step.bad_records:
             print(f"skipped record {bad.id!r}: {bad.reason}", file=sys.stderr)
