@@ -59,24 +59,27 @@ def _to_rgb(image, transparency: str):
 
 @functools.lru_cache(maxsize=None)
 def hf_transparency_policy() -> str:
-    """How the installed transformers' Qwen2-VL image processor (the backend it would pick here)
-    turns a transparent image into RGB: "white" (transformers 5.24: composited onto white) or
-    "drop" (5.17, 5.18: PIL `convert("RGB")`). Found by running that processor on one transparent
-    image, so it follows whatever release is installed; it only runs when such an image appears."""
+    """How the installed transformers turns a transparent image into RGB: "white" (5.24: composited
+    onto white) or "drop" (5.17, 5.18: PIL `convert("RGB")`). Found by running its
+    `image_transforms.convert_to_rgb` - what both image backends (PIL, torchvision) call on a PIL
+    image in those releases - on one transparent pixel, so it follows the release installed. Runs
+    only when a transparent image appears; costs importing that module (~1 s CPU)."""
+    import inspect
+
     import transformers
     from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
 
-    name = "Qwen2VLImageProcessor" if torchvision_importable() else "Qwen2VLImageProcessorPil"
-    processor = getattr(transformers, name)(do_convert_rgb=True, do_resize=False, do_rescale=False,
-                                            do_normalize=False, patch_size=14, merge_size=2, temporal_patch_size=2)
-    transparent = Image.new("RGBA", (28, 28), (10, 20, 30, 0))
-    values = sorted(processor(images=[transparent], return_tensors="pt")["pixel_values"].unique().tolist())
-    if values == [255.0]:
+    transparent = Image.new("RGBA", (1, 1), (10, 20, 30, 0))
+    takes_return_numpy = "return_numpy" in inspect.signature(convert_to_rgb).parameters
+    converted = convert_to_rgb(transparent, return_numpy=True) if takes_return_numpy else convert_to_rgb(transparent)
+    pixel = tuple(int(value) for value in np.asarray(converted).reshape(-1))
+    if pixel == (255, 255, 255):
         return "white"
-    if values == [10.0, 20.0, 30.0]:
+    if pixel == (10, 20, 30):
         return "drop"
-    raise RuntimeError(f"transformers {transformers.__version__} {name} turns a transparent (10, 20, 30) "
-                       f"pixel into values {values}: neither white compositing nor dropping alpha")
+    raise RuntimeError(f"transformers {transformers.__version__} converts a transparent (10, 20, 30) pixel to "
+                       f"{pixel}: neither white compositing nor dropping alpha, which ShadowLoader reproduces")
 
 
 def resize_pil(frames_NCHW: torch.Tensor, size_hw: tuple[int, int]) -> torch.Tensor:
