@@ -100,9 +100,9 @@ class PlannerOptions:
             raise ValueError(f"attention_target must be positive, got {self.attention_target!r}")
         if not 0 <= self.attention_repair_slack < float("inf"):
             raise ValueError(f"attention_repair_slack must be ≥ 0 and finite, got {self.attention_repair_slack!r}")
-        if isinstance(self.attention_repair_steps, bool) or not isinstance(self.attention_repair_steps, int) \
-                or self.attention_repair_steps < 0:
-            raise ValueError(f"attention_repair_steps must be a non-negative integer, got {self.attention_repair_steps!r}")
+        steps = self.attention_repair_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"attention_repair_steps must be a non-negative integer, got {steps!r}")
 
 
 @dataclass(frozen=True)
