@@ -165,9 +165,8 @@ def run_logprobs(config: LogprobsConfig) -> LogprobsReport:
                            data_config) as session:
             loading = time.perf_counter()
             step = session.load_step()
-            print(f"probed and decoded {len(step.samples)} records on {len(session.pool.alive)} preprocessing "
-                  f"actors in {time.perf_counter() - loading:.1f} s (Ray up after {loading - start:.1f} s); "
-                  f"pixels stay in the actors' object stores", flush=True)
+            print(f"probed and decoded {len(step.samples)} records on the actors in "
+                  f"{time.perf_counter() - loading:.1f} s; pixels stay in their object stores", flush=True)
             samples = step.samples
             results, usage = _plan_and_run(config, samples, step.handle)
             usage.controller_bytes += session.controller_bytes
@@ -197,12 +196,15 @@ class DataUsage:
     """Pixel bytes the ranks pulled straight from the preprocessing actors (shadow)."""
 
     def describe(self, num_actors: int) -> str:
+        import resource
+
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
         line = (f"parent data: {_size(self.controller_bytes)} "
                 f"(pixels {_size(self.controller_pixel_bytes)}"
                 + (f", job sent to {self.num_rank_jobs} ranks)" if self.num_rank_jobs else ", ranks in this process)"))
         if num_actors:
             line += f"; ranks pulled {_size(self.rank_pixel_bytes)} of pixels from {num_actors} preprocessing actors"
-        return line
+        return line + f"; parent peak RSS {_size(peak_kib * 1024)}"
 
 
 def _size(num_bytes: int) -> str:

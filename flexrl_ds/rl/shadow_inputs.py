@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import os
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,8 +182,13 @@ class ShadowSession:
         self.records = _scorable(read_dataset(self.data_path, self.data_config.media_root), self.response_key, self.encoder.has_vision)
         self.loader_config, pool_config = tool_loader_configs(self.data_config, self.settings, len(self.records))
         cpus = int(pool_config.num_actors_per_node * pool_config.num_cpus_per_actor) + 2
+        started = time.perf_counter()
         self.started_ray = connect_ray(max(4, cpus))
+        joined = time.perf_counter()
         self.pool = PreprocessPool(functools.partial(SamplePreprocessor, self.data_config), pool_config)
+        self.pool.wait_ready()
+        print(f"Ray {'started' if self.started_ray else 'joined'} in {joined - started:.1f} s; "
+              f"{len(self.pool.alive)} preprocessing actors ready in {time.perf_counter() - joined:.1f} s", flush=True)
         return self
 
     def load_step(self) -> ShadowStep:
