@@ -13,10 +13,13 @@ alone and from a clean start:
   object stores while the current step computes.
 
 Measured per step (after `warmup_steps`): exposed data time = step wall time - compute_ms (what
-the training loop waits for data, including Ray call latency), the workers' own wait in
-`Materializer.get`, bytes through the controller (serialized data the controller sent/received,
-object refs counted as their ids), controller peak RSS and the summed RSS of controller + actors
-+ workers (sampled every 20 ms with psutil), and samples/s.
+the training loop waits for data, including Ray call latency), split into phases along the worker
+that finished last (`step_phases`: the loader's next_step, sending prefetches, the step call
+reaching the worker, its wait in `Materializer.get`, compute overrun, the result coming back), the
+Materializer's background pull/cut times and how early the data was ready, bytes through the
+controller (serialized data the controller sent/received, object refs counted as their ids),
+controller peak RSS and the summed RSS of controller + actors + workers (sampled every 20 ms with
+psutil), and samples/s. Stamps across processes use `time.time()`: one host's clock.
 """
 
 from __future__ import annotations
@@ -278,7 +281,7 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
     total = config.warmup_steps + config.steps
     step = loader.next_step()
     send(step)
-    walls, waits, phases, pixel_bytes = [], [], [], 0
+    walls, waits, phases, asked, pixel_bytes = [], [], [], [], 0
     rss.pids = pids
     with rss:
         for index in range(total):
@@ -299,10 +302,13 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
                 walls.append(wall)
                 waits.append(max(out["wait_s"] for out in outs))
                 phases.append(step_phases(config.compute_ms, (begin_at, loaded_at, sent_at, results_at), outs, wall))
+                asked.append((upcoming.step, begin_at))
             print(f"  {mode} B={batch} K={num_actors}: step {index + 1}/{total} {wall * 1e3:.0f} ms",
                   file=sys.stderr, flush=True)
             step = upcoming
         elapsed = time.perf_counter() - started
+    if pool is not None:
+        add_decode_timings(phases, asked, pool.decode_log())
     exposed = [max(0.0, wall * 1e3 - config.compute_ms) for wall in walls]
     result = RunResult(
         mode=mode, global_batch=batch, actors=num_actors if mode == "shadow" else 0, steps=config.steps,
@@ -318,7 +324,8 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
         samples_per_s=batch * config.num_samples_per_prompt * config.steps / elapsed,
         num_bad=loader.stats.num_bad, compose_ms=1e3 * loader.stats.compose_s / (total + 1),
         step_ms=[1e3 * wall for wall in walls],
-        phases_ms={name: statistics.mean(p[name] for p in phases) for name in phases[0]}, step_phases_ms=phases,
+        phases_ms={name: statistics.mean(p[name] for p in phases if name in p) for name in dict.fromkeys(
+            name for p in phases for name in p)}, step_phases_ms=phases,
     )
     if hasattr(loader, "close"):
         loader.close()
@@ -327,6 +334,19 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
     for worker in workers:
         ray.kill(worker)
     return result
+
+
+def add_decode_timings(phases: list[dict[str, float]], asked: list[tuple[int, float]],
+                       decode_log: dict[Any, tuple[float, float]]) -> None:
+    """Add to each step's phases, from the actors' decode log (ShadowLoader): `decode_late` = ms
+    from the loop asking for the *next* step (`next_step`, which waits for that step's decodes) to
+    its last decode finishing (negative: finished early, hidden), and `decode_busy` = actor ms spent
+    decoding that step's prompts (summed over actors)."""
+    for step_phase, (step, asked_at) in zip(phases, asked):
+        times = [times for key, times in decode_log.items() if key.step == step]
+        if times:
+            step_phase["decode_late"] = 1e3 * (max(end for _, end in times) - asked_at)
+            step_phase["decode_busy"] = 1e3 * sum(end - start for start, end in times)
 
 
 def _child_main(spec_json: str) -> int:
@@ -368,13 +388,21 @@ def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
 
 
 def format_table(results: list[RunResult]) -> str:
+    """One row per run. `call`/`return`: mean ms from sending the step call to the slowest worker
+    entering it / from its compute end to the result arriving (see `step_phases`); `ready early`:
+    worst-case ms the data was ready before the step needed it (negative: late)."""
     header = (f"{'mode':8} {'B':>4} {'K':>3} {'exposed ms/step':>16} {'worker wait ms':>15} {'ctrl loader ms':>15} "
+              f"{'call ms':>8} {'return ms':>10} {'ready early ms':>15} "
               f"{'ctrl MB/step':>13} {'pixel MB/step':>14} {'ctrl RSS peak MB':>17} {'total RSS MB':>13} {'samples/s':>10}")
     lines = [header]
     for r in results:
+        phases = r.phases_ms
+        margin = phases.get("ready_margin")
         lines.append(
             f"{r.mode:8} {r.global_batch:>4} {r.actors or '-':>3} {r.exposed_ms:>16.1f} {r.worker_wait_ms:>15.1f} "
-            f"{r.controller_loader_ms:>15.1f} {r.controller_bytes_per_step / 2**20:>13.4f} "
+            f"{r.controller_loader_ms:>15.1f} {phases.get('call', float('nan')):>8.1f} "
+            f"{phases.get('return', float('nan')):>10.1f} {'-' if margin is None else f'{margin:.0f}':>15} "
+            f"{r.controller_bytes_per_step / 2**20:>13.4f} "
             f"{r.pixel_bytes_per_step / 2**20:>14.1f} {r.controller_rss_peak_mb:>17.0f} {r.total_rss_peak_mb:>13.0f} "
             f"{r.samples_per_s:>10.2f}"
         )

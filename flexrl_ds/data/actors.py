@@ -30,6 +30,9 @@ import torch
 from flexrl_ds.data.metastore import ItemLayout, PromptKey, SliceKey, make_layout
 from flexrl_ds.data.routing import LoadTracker
 
+MAX_DECODE_TIMES = 4096
+"""Decode timings an actor keeps (oldest dropped first)."""
+
 # Errors meaning "the actor (or the owner of an object) is gone": re-route, do not give up.
 LOST_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
@@ -133,6 +136,8 @@ class PreprocessActor:
         self.decode_delay_s = decode_delay_s
         self.cache: dict[PromptKey, dict[SliceKey, ray.ObjectRef]] = {}
         self.cached_bytes: dict[PromptKey, int] = {}
+        self.decode_times: dict[PromptKey, tuple[float, float]] = {}
+        """(start, end) wall-clock `time.time()` of the latest decodes (benchmarks; bounded)."""
 
     @ray.method(concurrency_group="meta")
     def probe(self, records: Sequence[Any]) -> list[Any]:
@@ -145,14 +150,22 @@ class PreprocessActor:
 
         if self.decode_delay_s:
             time.sleep(self.decode_delay_s)  # tests: widen the window in which an actor can die
+        started = time.time()
         try:
             slices = self.maker.make_slices(key, meta, layouts)
         except BadMediaError as error:
             return DecodeFailure(error.bad)
         refs = {slice_key: ray.put(shippable_slice(value)) for slice_key, value in slices.items()}
+        if len(self.decode_times) >= MAX_DECODE_TIMES:
+            del self.decode_times[next(iter(self.decode_times))]
+        self.decode_times[key] = (started, time.time())
         self.cache[key] = refs
         self.cached_bytes[key] = sum(value["pixel_values"].nbytes for value in slices.values())
         return refs
+
+    @ray.method(concurrency_group="meta")
+    def decode_log(self) -> dict[PromptKey, tuple[float, float]]:
+        return dict(self.decode_times)
 
     @ray.method(concurrency_group="meta")
     def set_decode_delay(self, seconds: float) -> None:
@@ -273,6 +286,12 @@ class PreprocessPool:
     def stats(self) -> list[dict[str, Any]]:
         refs = {name: self.actors[name].stats.remote() for name in self.tracker.alive}
         return [ray.get(ref, timeout=self.config.timeout_s) for ref in refs.values()]
+
+    def decode_log(self) -> dict[PromptKey, tuple[float, float]]:
+        """(start, end) `time.time()` of each live actor's latest decodes (including putting the
+        slices into the object store), by prompt: when each step's pixels were ready."""
+        refs = [self.actors[name].decode_log.remote() for name in self.tracker.alive]
+        return {key: times for log in ray.get(refs, timeout=self.config.timeout_s) for key, times in log.items()}
 
     def set_decode_delay(self, seconds: float) -> None:
         """Fault-injection aid: every later decode first sleeps `seconds` (0 turns it off)."""

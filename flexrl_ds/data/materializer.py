@@ -5,10 +5,11 @@ The controller hands each worker a `WorkerAssignment` per step: the placeholders
 `PromptSource` — either the reference of the preprocessing task that returns the prompt's
 `{SliceKey: ObjectRef}` map (ShadowLoader), or the tensors themselves (centralised baseline).
 
-`prefetch(assignment)` returns at once; background threads resolve the task reference, then fetch
-only the chunks covering the requested groups straight from the owning actor's object store.
-`get(step)` waits for that step (the wait is the exposed data time) and cuts each request's rows
-exactly. If the owner died (the task or its objects are lost), the Materializer asks `repair` for a
+`prefetch(assignment)` returns at once; background threads resolve the task reference, fetch
+only the chunks covering the requested groups straight from the owning actor's object store
+(numpy arrays: zero-copy, no unpickling under the GIL) and cut each request's rows exactly into a
+tensor of the worker's own (one copy, GIL released). `get(step)` waits for that step (the wait is
+the exposed data time) and hands the tensors out, with timings of the background work. If the owner died (the task or its objects are lost), the Materializer asks `repair` for a
 fresh source of that prompt — the controller re-routes it to a live actor — and retries.
 """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+import numpy as np
 import pytest
 import ray
 import torch
@@ -184,3 +185,26 @@ def _wait_until_lost(ref, timeout_s: float = 20.0) -> None:
         time.sleep(0.2)
     raise AssertionError("the dead actor's objects stayed readable")
 
+
+
+def test_slices_are_read_zero_copy_and_workers_get_owned_tensors_with_timings(shared_pool, records):
+    """The store holds numpy pixels (a reader maps them read-only, no unpickling copy); what the
+    Materializer hands out is a writable tensor of its own, and it says where its time went."""
+    loader = ProxyLoader(records, shared_pool, LoaderConfig(global_batch=2, seed=3, lookahead_steps=0))
+    step = loader.next_step()
+    entry = loader.store.entry(step.prompts[0].key)
+    slice_map = shared_pool.task_result(entry.task_ref)
+    stored = ray.get(next(iter(slice_map.values())))
+    assert isinstance(stored["pixel_values"], np.ndarray) and not stored["pixel_values"].flags.writeable
+    del stored
+    requests = requests_for_samples(step, step.sample_ids())
+    worker = Materializer(RayFetcher(timeout_s=60))
+    worker.prefetch(loader.assignment(step, requests))
+    out = worker.get(step.step)
+    _check_step(step, requests, out)
+    assert all(tensors["pixel_values"].numpy().flags.writeable for tensors in out.tensors)
+    timing = out.timing
+    assert timing["ready_at"] >= timing["prefetched_at"]
+    assert min(timing["task_wait_s"], timing["pull_s"], timing["cut_s"]) >= 0.0
+    loader.release(step)
+    loader.close()
