@@ -193,15 +193,15 @@ def _bench_planner(args) -> int:
     from flexrl_ds.bench.planner_bench import (SEQUENCE_COUNTS, WORLD_SIZES, PlannerBench, format_quality,
                                                format_timing, measure_quality, time_planner)
 
-    sp, cost, _ = _resolve(args)
+    sp, cost, options = _resolve(args)
     out = PlannerBench()
     say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
     grid = {"counts": args.counts or SEQUENCE_COUNTS, "world_sizes": args.world_sizes or WORLD_SIZES}
     if not args.no_timing:
-        out.timing = time_planner(cost, sp, args.timing_mix, args.repeats, **grid, progress=lambda r: say(
+        out.timing = time_planner(cost, sp, args.timing_mix, args.repeats, **grid, options=options, progress=lambda r: say(
             f"  timing N={r['num_sequences']} W={r['world_size']}: {r['plan_ms']:.1f} ms"))
     if not args.no_quality:
-        out.quality = measure_quality(cost, sp, args.seeds, **grid, progress=lambda r: say(
+        out.quality = measure_quality(cost, sp, args.seeds, **grid, options=options, progress=lambda r: say(
             f"  quality {r['mix']} W={r['world_size']} N={r['num_sequences']}: eff {r['efficiency_min']:.3f}"))
     if args.json:
         print(json.dumps(out.to_json(), indent=1))

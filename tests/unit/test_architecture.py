@@ -22,6 +22,7 @@ PURE_MODULES = [
     "sp/schedule.py",
     "sp/baselines.py",
     "sp/metrics.py",
+    "sp/attention_repair.py",
     "bench/workloads.py",
     "rl/advantages.py",
     "rl/losses.py",
