@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,7 +169,15 @@ def run_logprobs(config: LogprobsConfig) -> LogprobsReport:
             print(f"probed and decoded {len(step.samples)} records on the actors in "
                   f"{time.perf_counter() - loading:.1f} s; pixels stay in their object stores", flush=True)
             samples = step.samples
-            results, usage = _plan_and_run(config, samples, step.handle)
+            try:
+                results, usage = _plan_and_run(config, samples, step.handle)
+            except RuntimeError as error:  # a rank failed: retry once if actors died holding our slices
+                rerouted = session.reroute_lost()
+                if not rerouted:
+                    raise
+                print(f"a rank run failed after preprocessing actors died ({str(error).splitlines()[0][:120]}); "
+                      f"re-routed {rerouted} prompts to live actors, running the ranks again", file=sys.stderr)
+                results, usage = _plan_and_run(config, samples, step.handle)
             usage.controller_bytes += session.controller_bytes
             num_actors = len(session.pool.alive)
     else:

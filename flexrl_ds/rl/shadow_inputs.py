@@ -219,6 +219,31 @@ class ShadowSession:
                               self.settings.timeout_s)
         return ShadowStep(samples, handle, list(self.step.bad_records))
 
+    def reroute_lost(self) -> int:
+        """After a failed rank run: re-route the prompts of preprocessing actors that died since the
+        step was loaded (`ProxyLoader.repair`: decoded again on live actors) and post the new sources
+        on the board. Returns the prompts re-routed (0: no actor died, the failure is something else)."""
+        from flexrl_ds.data.proxy_loader import requests_for_samples
+
+        dead = []
+        for name in self.pool.alive:
+            try:
+                ray.get(self.pool.actors[name].stats.remote(), timeout=self.settings.timeout_s)
+            except self.pool.lost_errors:
+                dead.append(name)
+        before = self.loader.stats.num_rerouted
+        for name in dead:
+            owned = self.loader.store.owned_by(name)
+            if owned:
+                self.loader.repair(owned[0], self.loader.store.entry(owned[0]).generation)
+            else:
+                self.pool.mark_dead(name)
+        rerouted = self.loader.stats.num_rerouted - before
+        if rerouted:
+            assignment = self.loader.assignment(self.step, requests_for_samples(self.step, self.step.sample_ids()))
+            ray.get(self.board.post.remote(assignment.sources), timeout=self.settings.timeout_s)
+        return rerouted
+
     @property
     def controller_bytes(self) -> int:
         """Data bytes through the controller so far: records, metadata, references (no pixels)."""

@@ -45,21 +45,30 @@ def _lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_shadow_equals_local_and_hf_without_pixels_in_parent(ray_session, setup, capsys):
-    from flexrl_ds.rl.logprobs import LogprobsConfig, pixel_bytes_in, run_logprobs
+@pytest.fixture(scope="module")
+def local_run(setup):
+    """`--loader local` on the same plan: the reference output and its stderr (skipped records)."""
+    root, data, _, _ = setup
+    argv = ["logprobs", "--model", str(root / "model"), "--data", str(data), "--nproc", "2",
+            "--plan", str(root / "plan.json"), "--loader", "local", "--out", str(root / "local.jsonl")]
+    import contextlib
+    import io
 
-    root, data, samples, reference = setup
-    common = ["--model", str(root / "model"), "--data", str(data), "--nproc", "2", "--plan", str(root / "plan.json")]
-    assert main(["logprobs", *common, "--loader", "local", "--out", str(root / "local.jsonl")]) == 0
-    local_err = capsys.readouterr().err
-    report = run_logprobs(LogprobsConfig(model_dir=str(root / "model"), data_path=str(data),
-                                         out_path=str(root / "shadow.jsonl"), num_procs=2,
-                                         plan_in=str(root / "plan.json"), loader="shadow", num_actors=1,
-                                         timeout_s=240))
-    shadow_err = capsys.readouterr().err
-    assert report.loader == "shadow"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(argv) == 0
+    return _lines(root / "local.jsonl"), err.getvalue()
 
-    local, shadow = _lines(root / "local.jsonl"), _lines(root / "shadow.jsonl")
+
+def _shadow(root, data, out, num_actors):
+    from flexrl_ds.rl.logprobs import LogprobsConfig, run_logprobs
+
+    return run_logprobs(LogprobsConfig(model_dir=str(root / "model"), data_path=str(data), out_path=str(out),
+                                       num_procs=2, plan_in=str(root / "plan.json"), loader="shadow",
+                                       num_actors=num_actors, timeout_s=240))
+
+
+def _assert_same(shadow, local, reference):
     assert [line["id"] for line in shadow] == [line["id"] for line in local] == list(reference)
     for ours, theirs in zip(shadow, local):
         ids, start, expected = reference[ours["id"]]
@@ -67,6 +76,17 @@ def test_shadow_equals_local_and_hf_without_pixels_in_parent(ray_session, setup,
         torch.testing.assert_close(torch.tensor(ours["logprobs"]), torch.tensor(theirs["logprobs"]),
                                    atol=1e-6, rtol=0)
         torch.testing.assert_close(torch.tensor(ours["logprobs"]), expected, atol=5e-5, rtol=1e-5)
+
+
+def test_shadow_equals_local_and_hf_without_pixels_in_parent(ray_session, setup, local_run, capsys):
+    from flexrl_ds.rl.logprobs import pixel_bytes_in
+
+    root, data, samples, reference = setup
+    local, local_err = local_run
+    report = _shadow(root, data, root / "shadow.jsonl", num_actors=1)
+    shadow_err = capsys.readouterr().err
+    assert report.loader == "shadow"
+    _assert_same(_lines(root / "shadow.jsonl"), local, reference)
     for row in BAD_ROWS:  # the same records skipped, with their ids named, by both loaders
         assert f"skipped record {row['id']!r}" in local_err and f"skipped record {row['id']!r}" in shadow_err
 
@@ -77,3 +97,26 @@ def test_shadow_equals_local_and_hf_without_pixels_in_parent(ray_session, setup,
     assert usage.rank_pixel_bytes == total_pixels
     assert usage.controller_bytes < total_pixels / 10
     assert "parent data:" in report.summary and "pixels 0 B" in report.summary
+
+
+def test_actor_lost_after_decode_is_rerouted(ray_session, setup, local_run, monkeypatch, capsys):
+    """An actor dies after the step was decoded, before the ranks fetch: the ranks fail with lost
+    objects, the parent re-routes that actor's prompts (decoded again elsewhere) and runs the ranks
+    again; the output is unchanged."""
+    from flexrl_ds.rl import shadow_inputs
+
+    root, data, _, reference = setup
+    load_step, killed = shadow_inputs.ShadowSession.load_step, []
+
+    def load_then_kill(session):
+        step = load_step(session)
+        keys = list(step.handle.prompt_keys.values())
+        victim = max((session.loader.store.entry(k) for k in keys), key=lambda e: e.cost).owner
+        session.pool.kill(victim)
+        killed.append(victim)
+        return step
+
+    monkeypatch.setattr(shadow_inputs.ShadowSession, "load_step", load_then_kill)
+    _shadow(root, data, root / "shadow_fault.jsonl", num_actors=2)
+    assert killed and "re-routed" in capsys.readouterr().err
+    _assert_same(_lines(root / "shadow_fault.jsonl"), local_run[0], reference)
