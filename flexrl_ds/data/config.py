@@ -2,13 +2,14 @@
 
 Defaults follow the Hugging Face Qwen2-VL / Qwen2.5-VL image and video processors, so that the
 shapes predicted from metadata and the tensors produced here equal what the model's processor makes.
-`DataConfig.from_processor_dir(model_dir)` reads a saved processor's JSON files (no transformers
-import) and overrides the vision geometry with the model's own values.
+`DataConfig.with_processor_dir(model_dir)` reads a saved processor's JSON files (no transformers
+import) and overrides the pixel settings with the model's own values, strictly: a setting the
+ShadowLoader cannot reproduce is a ValueError naming the file and key (`processor_files.py`).
 """
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 VIDEO_BACKENDS = ("auto", "torchcodec", "opencv")
 RESIZE_IMPLS = ("auto", "pil", "torch")
+TRANSPARENCY_MODES = ("auto", "white", "drop")
+"""`image_io.load_image_rgb` transparency handling (kept equal to ("auto",) + image_io.TRANSPARENCY_POLICIES)."""
 BAD_RECORD_POLICIES = ("skip", "replace", "error")
 """The one list of bad-record policies (semantics: `flexrl_ds/data/bad_records.py`)."""
 
@@ -103,6 +106,15 @@ class DataConfig:
     """Per-channel normalisation mean (after scaling to [0, 1])."""
     image_std: list[float] = field(default_factory=lambda: list(OPENAI_CLIP_STD))
     """Per-channel normalisation standard deviation."""
+    rescale_factor: float = 1 / 255
+    """uint8 pixel values are multiplied by this before normalising (HF `rescale_factor`; 1.0 for a
+    processor saved with `do_rescale: false`)."""
+    do_normalize: bool = True
+    """Standardise per channel with image_mean / image_std after rescaling (HF `do_normalize`)."""
+    transparency: str = "auto"
+    """Images with transparency (alpha band or transparent colour): white (composited onto white) |
+    drop (alpha ignored, PIL `convert("RGB")`) | auto (what the installed transformers' image
+    processors do: 5.24 composites onto white, 5.17/5.18 drop)."""
     video_backend: str = "auto"
     """Video decoder: torchcodec | opencv | auto (torchcodec if importable, else OpenCV)."""
     decoder_threads: int = 1
@@ -144,6 +156,9 @@ class DataConfig:
         _check_choice("video_backend", self.video_backend, VIDEO_BACKENDS)
         _check_choice("resize_impl", self.resize_impl, RESIZE_IMPLS)
         _check_choice("bad_record_policy", self.bad_record_policy, BAD_RECORD_POLICIES)
+        _check_choice("transparency", self.transparency, TRANSPARENCY_MODES)
+        if not (math.isfinite(self.rescale_factor) and self.rescale_factor > 0):
+            raise ValueError(f"flexrl.data.rescale_factor: must be a positive number, got {self.rescale_factor}")
         for name in ("image_mean", "image_std"):
             if len(getattr(self, name)) != 3:
                 raise ValueError(f"flexrl.data.{name}: needs 3 values (RGB), got {getattr(self, name)}")
@@ -163,43 +178,21 @@ class DataConfig:
         return from_dict(cls, raw, where=where)
 
     def with_processor_dir(self, model_dir: str | Path) -> DataConfig:
-        """This config with vision geometry taken from a saved HF processor (preprocessor_config.json,
-        video_preprocessor_config.json); other fields are kept."""
-        model_dir = Path(model_dir)
-        updates: dict[str, Any] = {}
-        image = _read_json(model_dir / "preprocessor_config.json")
-        video = _read_json(model_dir / "video_preprocessor_config.json") or image
-        if image is None:
-            raise ValueError(f"{model_dir}: no preprocessor_config.json (not a saved HF processor)")
-        for key, prefix, source in (("min_pixels", "image_", image), ("max_pixels", "image_", image),
-                                    ("min_pixels", "video_", video), ("max_pixels", "video_", video)):
-            value = _pixels(source, key)
-            if value is not None:
-                updates[prefix + key] = int(value)
-        for key in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std"):
-            if image.get(key) is not None:
-                updates[key] = image[key]
-        for key, ours in (("min_frames", "video_min_frames"), ("max_frames", "video_max_frames")):
-            if video.get(key) is not None:
-                updates[ours] = int(video[key])
-        if video.get("fps") is not None:
-            updates["video_fps"] = float(video["fps"])
-        return replace(self, **updates)
+        """This config with the pixel settings of a saved HF processor (processor_config.json,
+        preprocessor_config.json, video_preprocessor_config.json, found as transformers 5.x finds
+        them): sizes, patch/merge/temporal patch, mean/std, rescale factor, normalisation, frame
+        sampling. A key the files leave out takes the Qwen2-VL processor class default; loader,
+        pool, policy and transparency fields are kept. Settings ShadowLoader cannot reproduce
+        (another resample, no RGB conversion, ...) raise a ValueError naming the file and key;
+        the full list of honoured, checked and ignored keys: `flexrl_ds/data/processor_files.py`."""
+        from flexrl_ds.data.processor_files import processor_settings
 
-
-def _pixels(processor_json: dict[str, Any], key: str) -> int | None:
-    size = processor_json.get("size") or {}
-    edge = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}[key]
-    return size.get(edge, processor_json.get(key))
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
+        try:
+            return replace(self, **processor_settings(model_dir))
+        except ValueError as error:
+            if str(error).startswith("flexrl.data."):  # the combination fails DataConfig's own checks
+                raise ValueError(f"{model_dir}: processor settings give {error}") from None
+            raise
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -6,7 +6,7 @@ Each step reproduces what the Hugging Face processor does, so the tensors are th
 - `resize_pil`: PIL bicubic on uint8, as transformers' PIL image backend.
 - `resize_torch`: antialiased bicubic `interpolate` on uint8 tensors, as transformers' torchvision
   backend (and its video processor) on CPU.
-- `normalize`: x / 255, then (x - mean) / std, float32.
+- `normalize`: x * rescale_factor (1/255), then (x - mean) / std (unless do_normalize is off), float32.
 - `patchify`: (frames, 3, H, W) -> (groups * H/p * W/p, 3 * T * p * p) rows in the merge-window
   order the vision tower expects; the last frame is repeated to fill a temporal group.
 """
@@ -121,9 +121,13 @@ def torchvision_importable() -> bool:
     return True
 
 
-def normalize(frames_NCHW: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
-    """uint8 -> float32 scaled to [0, 1] and standardised per channel."""
-    scaled = frames_NCHW.to(torch.float32) * (1.0 / 255.0)
+def normalize(frames_NCHW: torch.Tensor, mean: list[float], std: list[float], rescale_factor: float = 1 / 255,
+              do_normalize: bool = True) -> torch.Tensor:
+    """uint8 -> float32 times `rescale_factor` (1/255: [0, 1]), then standardised per channel
+    unless `do_normalize` is false (HF `rescale` then `normalize`)."""
+    scaled = frames_NCHW.to(torch.float32) * rescale_factor
+    if not do_normalize:
+        return scaled
     mean_t = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
     std_t = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
     return (scaled - mean_t) / std_t

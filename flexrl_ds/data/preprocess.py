@@ -129,7 +129,7 @@ class SamplePreprocessor:
     def _decode(self, item: ItemMeta, start: int, stop: int) -> torch.Tensor:
         """uint8 (frames, 3, H, W) of groups [start, stop): a video's frames, or the image once."""
         if item.kind != VIDEO:
-            frames = image_io.load_image_rgb(item.item.path).unsqueeze(0)
+            frames = image_io.load_image_rgb(item.item.path, self.config.transparency).unsqueeze(0)
         else:
             size = item.temporal_patch_size
             positions = range(start * size, min(stop * size, len(item.frame_indices)))
@@ -143,7 +143,8 @@ class SamplePreprocessor:
         config = self.config
         impl = "torch" if item.kind == VIDEO else self.image_resize_impl
         resized = image_io.resize(frames, item.resized_hw, impl)
-        normalised = image_io.normalize(resized, config.image_mean, config.image_std)
+        normalised = image_io.normalize(resized, config.image_mean, config.image_std, config.rescale_factor,
+                                        config.do_normalize)
         return image_io.patchify(normalised, config.patch_size, config.merge_size, config.temporal_patch_size)
 
 

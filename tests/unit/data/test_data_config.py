@@ -40,7 +40,8 @@ def test_with_processor_dir(tmp_path):
         {"size": {"shortest_edge": 3136, "longest_edge": 50176}, "patch_size": 14, "merge_size": 2,
          "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(
-        {"min_pixels": 1568, "max_pixels": 25088, "min_frames": 2, "max_frames": 64, "fps": 1.0}))
+        {"min_pixels": 1568, "max_pixels": 25088, "min_frames": 2, "max_frames": 64, "fps": 1.0,
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
     config = DataConfig(bad_record_policy="replace").with_processor_dir(tmp_path)
     assert (config.image_min_pixels, config.image_max_pixels) == (3136, 50176)
     assert (config.video_min_pixels, config.video_max_pixels) == (1568, 25088)
@@ -86,3 +87,144 @@ def test_loader_and_pool_sections_are_strict(raw, message):
     with pytest.raises(ValueError) as error:
         parse_run_config({"flexrl": {"data": raw}}, source="run.json")
     assert message in str(error.value) and "run.json" in str(error.value)
+
+
+# ---- processor files: honoured, checked, ignored (flexrl_ds/data/processor_files.py) -------------
+QWEN_FILE = {  # what transformers writes for Qwen2.5-VL (keys of every kind)
+    "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 0.00392156862745098,
+    "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True, "patch_size": 14,
+    "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056,
+    "size": {"shortest_edge": 3136, "longest_edge": 12845056},
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+}
+QWEN_VIDEO = {"video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": False, "fps": 2.0,
+              "min_frames": 4, "max_frames": 768, "num_frames": None, "crop_size": None, "do_center_crop": None,
+              "do_pad": None, "data_format": "channels_first", "default_to_square": True, "device": None,
+              "input_data_format": None, "return_metadata": False, "video_metadata": None,
+              **{k: v for k, v in QWEN_FILE.items() if k not in ("image_processor_type",)}}
+
+
+def write_processor(folder, image=None, video=None, nested=None):
+    """Processor files in `folder`; `None` leaves a file out."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in (("preprocessor_config.json", image), ("video_preprocessor_config.json", video),
+                          ("processor_config.json", nested)):
+        if content is not None:
+            (folder / name).write_text(json.dumps(content))
+    return folder
+
+
+def test_saved_qwen_processor_reads_cleanly(tmp_path):
+    config = DataConfig(transparency="drop").with_processor_dir(write_processor(tmp_path, QWEN_FILE, QWEN_VIDEO))
+    assert (config.image_min_pixels, config.image_max_pixels) == (3136, 12845056)
+    assert (config.video_min_pixels, config.video_max_pixels) == (3136, 12845056)
+    assert (config.rescale_factor, config.do_normalize, config.transparency) == (1 / 255, True, "drop")
+    assert config.video_max_total_tokens is None  # cap_pixels_per_frame not set: HF does not cap
+
+
+def test_top_level_min_max_pixels_override_size_as_in_transformers(tmp_path):
+    image = dict(QWEN_FILE, size={"shortest_edge": 3136, "longest_edge": 50176}, max_pixels=28 * 28 * 16)
+    image.pop("min_pixels")
+    config = DataConfig().with_processor_dir(write_processor(tmp_path, image))
+    assert (config.image_min_pixels, config.image_max_pixels) == (3136, 28 * 28 * 16)
+    assert (config.video_min_pixels, config.video_max_pixels) == (3136, 28 * 28 * 16)  # video falls back to it
+
+
+def test_processor_config_json_nested_settings_come_first(tmp_path):
+    nested = {"processor_class": "Qwen2_5_VLProcessor",
+              "image_processor": dict(QWEN_FILE, min_pixels=1568, max_pixels=28 * 28 * 64),
+              "video_processor": dict(QWEN_VIDEO, min_pixels=1568, max_pixels=28 * 28 * 32, fps=1.0)}
+    folder = write_processor(tmp_path, QWEN_FILE, QWEN_VIDEO, nested)
+    config = DataConfig().with_processor_dir(folder)
+    assert (config.image_min_pixels, config.image_max_pixels, config.video_max_pixels) == (1568, 50176, 25088)
+    assert config.video_fps == 1.0
+    only_nested = DataConfig().with_processor_dir(write_processor(tmp_path / "v5", nested=nested))
+    assert only_nested == config
+
+
+def test_missing_keys_take_the_class_defaults_not_the_configs(tmp_path):
+    folder = write_processor(tmp_path, {"image_processor_type": "Qwen2VLImageProcessor"})
+    custom = DataConfig(image_mean=[0.5, 0.5, 0.5], image_max_pixels=28 * 28 * 4, video_fps=1.0, rescale_factor=0.5)
+    config = custom.with_processor_dir(folder)
+    defaults = DataConfig()
+    for name in ("image_mean", "image_std", "rescale_factor", "do_normalize", "patch_size", "image_min_pixels",
+                 "image_max_pixels", "video_min_pixels", "video_max_pixels", "video_min_frames", "video_max_frames"):
+        assert getattr(config, name) == getattr(defaults, name), name
+    assert config.video_fps == 1.0  # a processor-call argument in HF: the config's value stays
+
+
+@pytest.mark.parametrize("changes, honoured", [
+    ({"do_rescale": False}, {"rescale_factor": 1.0}),
+    ({"rescale_factor": 1 / 256}, {"rescale_factor": 1 / 256}),
+    ({"do_normalize": False}, {"do_normalize": False}),
+    ({"image_mean": 0.5, "image_std": 0.25}, {"image_mean": [0.5] * 3, "image_std": [0.25] * 3}),
+    ({"cap_pixels_per_frame": True}, {"video_max_total_tokens": 128000}),
+    ({"cap_pixels_per_frame": True, "max_video_tokens": 4096}, {"video_max_total_tokens": 4096}),
+    ({"cap_pixels_per_frame": False}, {"video_max_total_tokens": None}),
+    ({"min_frames": 2, "max_frames": 16, "fps": 0.5}, {"video_min_frames": 2, "video_max_frames": 16, "video_fps": 0.5}),
+])
+def test_pixel_settings_are_honoured(tmp_path, changes, honoured):
+    config = DataConfig(video_max_total_tokens=999).with_processor_dir(
+        write_processor(tmp_path, dict(QWEN_FILE, **changes)))
+    for name, value in honoured.items():
+        assert getattr(config, name) == value, name
+
+
+@pytest.mark.parametrize("changes", [
+    {"do_center_crop": True, "crop_size": {"height": 28, "width": 28}}, {"do_pad": True, "pad_size": 112},
+    {"do_sample_frames": True}, {"default_to_square": False}, {"return_tensors": "pt"}, {"some_future_key": 1},
+])
+def test_keys_that_do_not_change_qwen2_vl_pixels_are_ignored(tmp_path, changes):
+    plain = DataConfig().with_processor_dir(write_processor(tmp_path / "a", QWEN_FILE))
+    assert DataConfig().with_processor_dir(write_processor(tmp_path / "b", dict(QWEN_FILE, **changes))) == plain
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"resample": 2}, "resample=2 is not supported; ShadowLoader supports resample=3 only (bicubic"),
+    ({"do_resize": False}, "do_resize=false is not supported"),
+    ({"do_convert_rgb": False}, "do_convert_rgb=false is not supported"),
+    ({"do_rescale": None}, "do_rescale is null"),
+    ({"resample": None}, "resample is null"),
+    ({"rescale_factor": 0}, "rescale_factor=0: expected a positive number"),
+    ({"do_normalize": "yes"}, 'do_normalize="yes": expected true or false'),
+    ({"image_mean": [0.5, 0.5]}, "image_mean=[0.5, 0.5]: expected one number or 3"),
+    ({"patch_size": 0}, "patch_size=0: expected a positive integer"),
+    ({"size": {"min_pixels": 3136, "max_pixels": 50176}, "min_pixels": None, "max_pixels": None},
+     "size.shortest_edge=null: expected a positive pixel count"),
+    ({"image_processor_type": "SiglipImageProcessor"}, 'image_processor_type="SiglipImageProcessor" is not supported'),
+    ({"num_frames": 16}, "num_frames=16 is not supported; ShadowLoader samples frames by fps only"),
+    ({"min_pixels": 50176, "max_pixels": 3136}, "processor settings give flexrl.data.image_min_pixels exceeds"),
+])
+def test_unsupported_settings_are_rejected_naming_file_and_key(tmp_path, changes, message):
+    folder = write_processor(tmp_path, dict(QWEN_FILE, **changes))
+    with pytest.raises(ValueError) as error:
+        DataConfig().with_processor_dir(folder)
+    assert message in str(error.value)
+    assert str(folder) in str(error.value)
+
+
+@pytest.mark.parametrize("video_changes, message", [
+    ({"video_processor_type": "Qwen3VLVideoProcessor"}, 'video_processor_type="Qwen3VLVideoProcessor" is not supported'),
+    ({"temporal_patch_size": 1}, "temporal_patch_size is 1 but 2 in"),
+    ({"image_mean": [0.5, 0.5, 0.5]}, "image_mean is [0.5, 0.5, 0.5] but [0.48145466"),
+    ({"do_normalize": False}, "do_normalize is False but True in"),
+    ({"resample": 1}, "resample=1 is not supported"),
+])
+def test_video_settings_are_checked_and_must_agree_with_image_settings(tmp_path, video_changes, message):
+    folder = write_processor(tmp_path, QWEN_FILE, dict(QWEN_VIDEO, **video_changes))
+    with pytest.raises(ValueError) as error:
+        DataConfig().with_processor_dir(folder)
+    assert message in str(error.value) and "video_preprocessor_config.json" in str(error.value)
+
+
+def test_transparency_is_a_strict_choice():
+    from flexrl_ds.data import image_io
+    from flexrl_ds.data.config import TRANSPARENCY_MODES
+
+    assert TRANSPARENCY_MODES == ("auto",) + image_io.TRANSPARENCY_POLICIES
+    assert DataConfig.from_dict({"transparency": "white"}).transparency == "white"
+    with pytest.raises(ValueError, match="flexrl.data.transparency: 'black' is not one of auto, white, drop"):
+        DataConfig.from_dict({"transparency": "black"})
+    with pytest.raises(ValueError, match="flexrl.data.rescale_factor: must be a positive number"):
+        DataConfig(rescale_factor=0.0)

@@ -1,0 +1,240 @@
+"""Read a saved Hugging Face Qwen2-VL processor's JSON files into `DataConfig` field values (strict).
+
+`processor_settings(model_dir)` finds the image and video processor settings the way transformers 5.x
+loads them - the image processor from `processor_config.json["image_processor"]`, else
+`preprocessor_config.json`; the video processor from `processor_config.json["video_processor"]`,
+else `video_preprocessor_config.json`, else `preprocessor_config.json` - and classifies every key the
+Qwen2-VL processors read:
+
+- honoured (returned as `DataConfig` fields, used by `vision_geometry.py` / `preprocess.py`):
+  `size.shortest_edge` / `size.longest_edge` and the top-level `min_pixels` / `max_pixels` that
+  override them (as transformers does); `patch_size`, `merge_size`, `temporal_patch_size`;
+  `image_mean`, `image_std` (a single number means all three channels); `do_rescale` with
+  `rescale_factor` (-> `rescale_factor`, 1.0 when `do_rescale` is false); `do_normalize`; and for
+  videos `fps`, `min_frames`, `max_frames`, `cap_pixels_per_frame` with `max_video_tokens`
+  (-> `video_max_total_tokens`). A key missing from a file takes the Qwen2-VL processor class
+  default, which is the `DataConfig` default; only `fps` and the total-token cap (arguments of the
+  processor call in transformers) keep the config's value when the file does not set them.
+- accepted only at the one value ShadowLoader implements, else a ValueError naming the file, key,
+  value and what is supported: `do_resize` (true), `resample` (3 = bicubic), `do_convert_rgb`
+  (true), `num_frames` (absent or null: frames are sampled by fps), `image_processor_type`
+  (Qwen2VLImageProcessor, ...Fast, ...Pil) and `video_processor_type` (Qwen2VLVideoProcessor).
+- ignored, because they do not change the pixels or shapes of the Qwen2-VL processors:
+  `IGNORED_KEYS` (e.g. `do_center_crop`/`crop_size`, `do_pad`/`pad_size`: the Qwen2-VL processors'
+  own `_preprocess` never crops or pads; `do_sample_frames`: ShadowLoader always samples frames at
+  `fps` itself, in the role qwen-vl-utils plays for a processor saved with `do_sample_frames=false`).
+  Keys transformers' Qwen2-VL processors do not know are ignored as transformers ignores them.
+
+A value that must be honoured and is `null` is rejected: transformers' image backends read a null
+differently (the PIL backend as off/None, the torchvision backend as the class default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+IMAGE_FILE = "preprocessor_config.json"
+VIDEO_FILE = "video_preprocessor_config.json"
+PROCESSOR_FILE = "processor_config.json"
+
+SUPPORTED_IMAGE_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
+SUPPORTED_VIDEO_PROCESSORS = ("Qwen2VLVideoProcessor",)
+BICUBIC = 3
+"""`PIL.Image.Resampling.BICUBIC`, the only `resample` ShadowLoader's resize kernels implement."""
+
+IGNORED_KEYS = frozenset({
+    "processor_class", "auto_map", "data_format", "input_data_format", "device", "return_tensors",
+    "return_metadata", "video_metadata", "default_to_square", "disable_grouping", "image_seq_length",
+    "do_center_crop", "crop_size", "do_pad", "pad_size", "size_divisor", "do_sample_frames",
+    "use_token_compression",
+})
+"""Keys that do not affect the Qwen2-VL processors' pixels or shapes (see the module docstring)."""
+COMMON_KEYS = ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std",
+               "do_rescale", "rescale_factor", "do_normalize", "do_resize", "resample", "do_convert_rgb")
+"""Keys read from both the image and the video settings; the resulting values must agree."""
+SIZE_KEYS = ("size", "min_pixels", "max_pixels")
+VIDEO_KEYS = ("fps", "min_frames", "max_frames", "num_frames", "cap_pixels_per_frame", "max_video_tokens")
+TYPE_KEYS = ("image_processor_type", "video_processor_type")
+CLASS_DEFAULTS: dict[str, Any] = {
+    "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "do_resize": True, "resample": BICUBIC, "do_convert_rgb": True,
+    "min_frames": 4, "max_frames": 768, "max_video_tokens": 128000,
+}
+"""Qwen2-VL image/video processor class attributes used when a file leaves a key out."""
+IMAGE_SIZE_DEFAULT = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}
+VIDEO_SIZE_DEFAULT = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
+
+
+@dataclass(frozen=True)
+class ProcessorSettings:
+    """One processor's saved settings and where they came from (named in every error)."""
+
+    where: str
+    """File (and nested key) the settings were read from, e.g. `.../preprocessor_config.json`."""
+    values: dict[str, Any]
+    """The JSON object as saved."""
+
+    def get(self, key: str) -> Any:
+        """The saved value, or the class default when absent; null is rejected."""
+        if key not in self.values:
+            return CLASS_DEFAULTS.get(key)
+        value = self.values[key]
+        if value is None:
+            raise ValueError(f"{self.where}: {key} is null; transformers' image backends read a null "
+                             f"differently (off, or the class default): write the value")
+        return value
+
+    def require(self, key: str, supported: Any, what: str) -> None:
+        """Reject a value ShadowLoader does not implement."""
+        value = self.get(key)
+        if value != supported or type(value) is not type(supported):
+            raise ValueError(f"{self.where}: {key}={json.dumps(value)} is not supported; "
+                             f"ShadowLoader supports {key}={json.dumps(supported)} only ({what})")
+
+
+def processor_settings(model_dir: str | Path) -> dict[str, Any]:
+    """`DataConfig` field values from the processor files in `model_dir` (see the module docstring)."""
+    image, video = find_settings(Path(model_dir))
+    common = _common_fields(image)
+    video_common = _common_fields(video)
+    for name, value in common.items():
+        if video_common[name] != value:
+            raise ValueError(f"{video.where}: {name} is {video_common[name]} but {value} in {image.where} "
+                             f"(a key left out means the Qwen2-VL class default); ShadowLoader applies one "
+                             f"value to images and videos")
+    for settings in (image, video):
+        _check_type(settings, "image_processor_type", SUPPORTED_IMAGE_PROCESSORS)
+    _check_type(video, "video_processor_type", SUPPORTED_VIDEO_PROCESSORS)
+    fields = dict(common)
+    fields["image_min_pixels"], fields["image_max_pixels"] = _pixel_limits(image, IMAGE_SIZE_DEFAULT)
+    fields["video_min_pixels"], fields["video_max_pixels"] = _pixel_limits(video, VIDEO_SIZE_DEFAULT)
+    fields.update(_video_fields(video))
+    return fields
+
+
+def find_settings(model_dir: Path) -> tuple[ProcessorSettings, ProcessorSettings]:
+    """(image, video) settings in transformers 5.x's order of precedence."""
+    nested = _read_json(model_dir / PROCESSOR_FILE) or {}
+    image = _nested(model_dir / PROCESSOR_FILE, nested, "image_processor") or _file(model_dir / IMAGE_FILE)
+    if image is None:
+        raise ValueError(f"{model_dir}: no {IMAGE_FILE} and no 'image_processor' in {PROCESSOR_FILE} "
+                         f"(not a saved HF processor)")
+    video = (_nested(model_dir / PROCESSOR_FILE, nested, "video_processor") or _file(model_dir / VIDEO_FILE)
+             or _file(model_dir / IMAGE_FILE) or image)
+    return image, video
+
+
+def _common_fields(settings: ProcessorSettings) -> dict[str, Any]:
+    settings.require("do_resize", True, "every image and frame is resized to a multiple of patch_size * merge_size")
+    settings.require("resample", BICUBIC, "bicubic resize")
+    settings.require("do_convert_rgb", True, "images are always converted to RGB")
+    fields = {name: _positive_int(settings, name) for name in ("patch_size", "merge_size", "temporal_patch_size")}
+    for name in ("image_mean", "image_std"):
+        fields[name] = _channel_values(settings, name)
+    fields["rescale_factor"] = _positive_number(settings, "rescale_factor") if _boolean(settings, "do_rescale") else 1.0
+    fields["do_normalize"] = _boolean(settings, "do_normalize")
+    return fields
+
+
+def _pixel_limits(settings: ProcessorSettings, default_size: dict[str, int]) -> tuple[int, int]:
+    """transformers' rule: `size` (or the class default), then top-level min/max_pixels override it."""
+    size = settings.values.get("size")
+    size = dict(default_size) if size is None else size
+    if not isinstance(size, dict):
+        raise ValueError(f"{settings.where}: size={json.dumps(size)}: expected an object with "
+                         f"shortest_edge and longest_edge (minimum and maximum pixel counts)")
+    limits = {"shortest_edge": size.get("shortest_edge"), "longest_edge": size.get("longest_edge")}
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if settings.values.get(key) is not None:
+            limits[edge] = settings.values[key]
+    for edge, value in limits.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{settings.where}: size.{edge}={json.dumps(value)}: expected a positive pixel "
+                             f"count (transformers' Qwen2-VL processors need size.shortest_edge and "
+                             f"size.longest_edge, or min_pixels and max_pixels)")
+    return limits["shortest_edge"], limits["longest_edge"]
+
+
+def _video_fields(video: ProcessorSettings) -> dict[str, Any]:
+    if video.values.get("num_frames") is not None:
+        raise ValueError(f"{video.where}: num_frames={json.dumps(video.values['num_frames'])} is not supported; "
+                         f"ShadowLoader samples frames by fps only (remove num_frames, set fps)")
+    fields: dict[str, Any] = {"video_min_frames": _positive_int(video, "min_frames"),
+                              "video_max_frames": _positive_int(video, "max_frames")}
+    if video.values.get("fps") is not None:
+        fields["video_fps"] = _positive_number(video, "fps")
+    cap = video.values.get("cap_pixels_per_frame")
+    if cap is not None:
+        if not isinstance(cap, bool):
+            raise ValueError(f"{video.where}: cap_pixels_per_frame={json.dumps(cap)}: expected true or false")
+        fields["video_max_total_tokens"] = _positive_int(video, "max_video_tokens") if cap else None
+    return fields
+
+
+def _check_type(settings: ProcessorSettings, key: str, supported: tuple[str, ...]) -> None:
+    value = settings.values.get(key)
+    if value is not None and value not in supported:
+        raise ValueError(f"{settings.where}: {key}={json.dumps(value)} is not supported; ShadowLoader "
+                         f"reproduces {', '.join(supported)}")
+
+
+def _positive_int(settings: ProcessorSettings, key: str) -> int:
+    value = settings.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{settings.where}: {key}={json.dumps(value)}: expected a positive integer")
+    return value
+
+
+def _positive_number(settings: ProcessorSettings, key: str) -> float:
+    value = settings.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{settings.where}: {key}={json.dumps(value)}: expected a positive number")
+    return float(value)
+
+
+def _boolean(settings: ProcessorSettings, key: str) -> bool:
+    value = settings.get(key)
+    if not isinstance(value, bool):
+        raise ValueError(f"{settings.where}: {key}={json.dumps(value)}: expected true or false")
+    return value
+
+
+def _channel_values(settings: ProcessorSettings, key: str) -> list[float]:
+    value = settings.get(key)
+    values = [value] * 3 if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if not isinstance(values, list) or len(values) != 3 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{settings.where}: {key}={json.dumps(value)}: expected one number or 3 (RGB)")
+    return [float(v) for v in values]
+
+
+def _file(path: Path) -> ProcessorSettings | None:
+    values = _read_json(path)
+    return None if values is None else ProcessorSettings(str(path), values)
+
+
+def _nested(path: Path, processor: dict[str, Any], key: str) -> ProcessorSettings | None:
+    values = processor.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: {key}: expected an object, got {type(values).__name__}")
+    return ProcessorSettings(f"{path}[{key!r}]", values)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    return values
