@@ -153,42 +153,61 @@ def run_logprobs(config: LogprobsConfig) -> LogprobsReport:
     """Run the whole tool."""
     start = time.perf_counter()
     if config.resolved_loader == "shadow":
-        from flexrl_ds.rl.shadow_inputs import ShadowSession, ShadowSettings
-
-        settings = ShadowSettings(num_actors_per_node=config.num_actors, num_cpus_per_actor=config.cpus_per_actor,
-                                  timeout_s=config.timeout_s)
-        data_config = None
-        if config.run_config:
-            from flexrl_ds.config.flexrl_config import load_run_config
-
-            data_config = load_run_config(config.run_config).flexrl.data
-        with ShadowSession(config.model_dir, config.data_path, config.response_key, settings,
-                           data_config) as session:
-            loading = time.perf_counter()
-            step = session.load_step()
-            print(f"probed and decoded {len(step.samples)} records on the actors in "
-                  f"{time.perf_counter() - loading:.1f} s; pixels stay in their object stores", flush=True)
-            samples = step.samples
-            try:
-                results, usage = _plan_and_run(config, samples, step.handle)
-            except RuntimeError as error:  # a rank failed: retry once if actors died holding our slices
-                rerouted = session.reroute_lost()
-                if not rerouted:
-                    raise
-                print(f"a rank run failed after preprocessing actors died ({str(error).splitlines()[0][:120]}); "
-                      f"re-routed {rerouted} prompts to live actors, running the ranks again", file=sys.stderr)
-                results, usage = _plan_and_run(config, samples, step.handle)
-            usage.controller_bytes += session.controller_bytes
-            num_actors = len(session.pool.alive)
+        samples, results, usage, num_actors = _run_shadow(config)
     else:
-        samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
-        results, usage = _plan_and_run(config, samples, None)
+        samples, results, usage = _run_local(config)
         num_actors = 0
     write_results(config.out_path, samples, results)
     elapsed = time.perf_counter() - start
     summary = (f"wrote log-probs of {len(results)} records to {config.out_path} ({elapsed:.1f} s, "
                f"{config.num_procs} ranks, loader {config.resolved_loader})\n" + usage.describe(num_actors))
     return LogprobsReport(summary, config.resolved_loader, usage)
+
+
+def _run_local(config: LogprobsConfig):
+    """This process decodes every record; the ranks (started first, loading the model meanwhile)
+    receive every sample, pixels included."""
+    from flexrl_ds.rl.logprob_worker import RankProcesses, RankSetup
+
+    if config.num_procs == 1:
+        samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
+        return (samples, *_plan_and_run(config, samples, None, None))
+    with RankProcesses(RankSetup(config.model_dir, config.dtype, config.timeout_s), config.num_procs) as ranks:
+        samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
+        return (samples, *_plan_and_run(config, samples, None, ranks))
+
+
+def _run_shadow(config: LogprobsConfig):
+    """The controller path: metadata here, pixels on the actors, ranks pull their own units. The
+    ranks start (process group, model, Ray) while the actors probe and decode."""
+    from flexrl_ds.rl.logprob_worker import RankProcesses, RankSetup
+    from flexrl_ds.rl.shadow_inputs import ShadowSession, ShadowSettings
+
+    settings = ShadowSettings(num_actors_per_node=config.num_actors, num_cpus_per_actor=config.cpus_per_actor,
+                              timeout_s=config.timeout_s)
+    data_config = None
+    if config.run_config:
+        from flexrl_ds.config.flexrl_config import load_run_config
+
+        data_config = load_run_config(config.run_config).flexrl.data
+    with ShadowSession(config.model_dir, config.data_path, config.response_key, settings, data_config) as session:
+        setup = RankSetup(config.model_dir, config.dtype, config.timeout_s, *session.ray_address())
+        with RankProcesses(setup, config.num_procs) as ranks:
+            loading = time.perf_counter()
+            step = session.load_step()
+            print(f"probed and decoded {len(step.samples)} records on the actors in "
+                  f"{time.perf_counter() - loading:.1f} s; pixels stay in their object stores", flush=True)
+            try:
+                results, usage = _plan_and_run(config, step.samples, step.handle, ranks)
+            except RuntimeError as error:  # a rank failed: retry once if actors died holding our slices
+                rerouted = session.reroute_lost()
+                if not rerouted:
+                    raise
+                print(f"a rank run failed after preprocessing actors died ({str(error).splitlines()[0][:120]}); "
+                      f"re-routed {rerouted} prompts to live actors, running the ranks again", file=sys.stderr)
+                results, usage = _plan_and_run(config, step.samples, step.handle, None)
+        usage.controller_bytes += session.controller_bytes
+        return step.samples, results, usage, len(session.pool.alive)
 
 
 @dataclass
@@ -231,8 +250,10 @@ def pixel_bytes_in(samples: dict[str, Any]) -> int:
                if isinstance(item.pixel_values, torch.Tensor))
 
 
-def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], shadow) -> tuple[dict[str, list[float]], DataUsage]:
-    """Plan the step, run the ranks (spawned, or here for local --nproc 1), assemble the log-probs."""
+def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], shadow,
+                  ranks) -> tuple[dict[str, list[float]], DataUsage]:
+    """Plan the step, run it on `ranks` (started `RankProcesses`; None: spawn new ones; or here for
+    local --nproc 1), assemble the log-probs."""
     from flexrl_ds.rl import logprob_worker
 
     if config.plan_in:
@@ -252,7 +273,7 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], shadow) -> tu
         per_rank = [(logprob_worker.rank_logprobs(job, rank=0, group_tree=None, stats=stats), stats)]
         usage.controller_bytes = len(pickle.dumps(samples))
     else:
-        per_rank = logprob_worker.spawn(job, config.num_procs)
+        per_rank = ranks.run(job) if ranks is not None else logprob_worker.spawn(job, config.num_procs)
         usage.num_rank_jobs = config.num_procs
         usage.controller_bytes = len(pickle.dumps(job)) * config.num_procs
     usage.rank_pixel_bytes = int(sum(stats.get("pixel_bytes", 0) for _, stats in per_rank))

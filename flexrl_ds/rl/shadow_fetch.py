@@ -6,7 +6,7 @@ embeddings arrive through the vision all-to-all). So the rank
 
 1. computes its units from metadata alone (`rank_units`: the same layouts and `vision_route` as
    `build_step_batch`, with the model's config instead of its weights), before loading the model;
-2. joins the controller's Ray cluster as a driver, takes the step's `PromptSource`s from the
+2. joins the controller's Ray cluster as a driver (unless it joined already), takes the step's `PromptSource`s from the
    `SourceBoard` (references only), and starts a `Materializer` fetching one `SliceRequest` per run
    of consecutive units of an item (`unit_requests`) straight from the owning actors' object stores,
    while the model loads;
@@ -101,8 +101,10 @@ class RankPixels:
         from flexrl_ds.data.materializer import Materializer, RayFetcher, WorkerAssignment
 
         self.handle, self.units = handle, tuple(units)
-        ray.init(address=handle.ray_address, namespace=handle.namespace, log_to_driver=False,
-                 configure_logging=False)
+        self._joined_ray = not ray.is_initialized()  # ranks of `RankProcesses` joined already
+        if self._joined_ray:
+            ray.init(address=handle.ray_address, namespace=handle.namespace, log_to_driver=False,
+                     configure_logging=False)
         board = ray.get_actor(handle.board_name, namespace=handle.namespace)
         sources = ray.get(board.take.remote(), timeout=handle.timeout_s)
         self.requests = unit_requests(self.units, handle.prompt_keys)
@@ -133,4 +135,5 @@ class RankPixels:
         import ray
 
         self.materializer.close()
-        ray.shutdown()
+        if self._joined_ray:
+            ray.shutdown()

@@ -214,10 +214,13 @@ class ShadowSession:
         name = f"flexrl-logprobs-sources-{uuid.uuid4().hex[:12]}"
         self.board = SourceBoard.options(name=name).remote()
         ray.get(self.board.post.remote(assignment.sources), timeout=self.settings.timeout_s)
-        context = ray.get_runtime_context()
-        handle = ShadowHandle(context.gcs_address, context.namespace, name, self.step.step, keys,
-                              self.settings.timeout_s)
+        handle = ShadowHandle(*self.ray_address(), name, self.step.step, keys, self.settings.timeout_s)
         return ShadowStep(samples, handle, list(self.step.bad_records))
+
+    def ray_address(self) -> tuple[str, str]:
+        """(GCS address, namespace) of the cluster, for ranks joining it as drivers."""
+        context = ray.get_runtime_context()
+        return context.gcs_address, context.namespace
 
     def reroute_lost(self) -> int:
         """After a failed rank run: re-route the prompts of preprocessing actors that died since the
