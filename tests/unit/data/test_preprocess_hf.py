@@ -291,3 +291,150 @@ def test_video_where_hf_sampling_runs_past_the_end(tmp_path, config):
     assert meta.items[0].grid_thw[0] == 23
     actual = {key: tuple(value.shape) for key, value in outputs.items() if isinstance(value, torch.Tensor)}
     assert actual == meta.predicted_shapes()
+
+
+# ---- processor settings beyond the defaults: both sides read the same files ---------------------
+SETTING_VARIANTS = {
+    "rescale_1_256": {"rescale_factor": 1 / 256},
+    "no_rescale": {"do_rescale": False},
+    "no_normalize": {"do_normalize": False},
+    "scalar_mean_std": {"image_mean": 0.5, "image_std": 0.25},
+    "top_level_max_pixels_over_size": {"max_pixels": 28 * 28 * 9},
+    "ignored_crop_and_pad": {"do_center_crop": True, "crop_size": {"height": 28, "width": 28},
+                             "do_pad": True, "pad_size": {"height": 896, "width": 896}},
+}
+
+
+def processor_variant(processor_dir, folder, changes):
+    """`processor_dir`'s files with `changes` applied to both the image and the video settings."""
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json"):
+        content = json.loads((processor_dir / name).read_text()) if (processor_dir / name).exists() else None
+        if content is not None and name != "processor_config.json":
+            content.update(changes)
+        if content is not None:
+            (folder / name).write_text(json.dumps(content))
+    return folder
+
+
+@pytest.mark.parametrize("variant", sorted(SETTING_VARIANTS))
+def test_processor_settings_equal_hf_image_processor(media, transparent_images, processor_dir, tmp_path, variant):
+    from transformers import Qwen2VLImageProcessorPil
+
+    folder = processor_variant(processor_dir, tmp_path, SETTING_VARIANTS[variant])
+    hf = Qwen2VLImageProcessorPil.from_pretrained(folder)
+    preprocessor = SamplePreprocessor(DataConfig(resize_impl="pil").with_processor_dir(folder))
+    for path in media.images[:4] + transparent_images[:1]:
+        meta, outputs = preprocessor.process(record_of(path))
+        with Image_open(path) as image:
+            expected = hf(images=[image], return_tensors="pt")
+        assert torch.equal(outputs["image_grid_thw"], expected["image_grid_thw"]), (variant, path.name)
+        torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=1e-6,
+                                   msg=lambda text: f"{variant} {path.name}: {text}")
+
+
+def Image_open(path):
+    from PIL import Image
+
+    return Image.open(path)
+
+
+@pytest.mark.parametrize("variant", ["rescale_1_256", "no_normalize", "scalar_mean_std"])
+def test_processor_settings_equal_hf_video_pipeline(media, hf_video_functions, processor_dir, tmp_path, variant):
+    """Videos through the reference pipeline above, with HF's rescale/normalize set as the files say."""
+    decoders = pytest.importorskip("torchcodec.decoders", reason="the reference decodes with torchcodec")
+    folder = processor_variant(processor_dir, tmp_path, SETTING_VARIANTS[variant])
+    config = DataConfig(resize_impl="pil").with_processor_dir(folder)
+    settings = json.loads((folder / "video_preprocessor_config.json").read_text())
+    path = media.videos[0]
+    meta, outputs = SamplePreprocessor(config).process(record_of(path))
+    frames = decoders.VideoDecoder(str(path), seek_mode="exact").get_frames_at(indices=list(meta.items[0].frame_indices)).data
+    height, width = meta.items[0].resized_hw
+    resized = F.interpolate(frames, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
+    processed = []
+    for frame in resized.numpy():
+        frame = hf_rescale(frame, settings.get("rescale_factor", 1 / 255)) if settings.get("do_rescale", True) else frame
+        if settings.get("do_normalize", True):
+            frame = hf_normalize(frame, settings["image_mean"], settings["image_std"], input_data_format="channels_first")
+        processed.append(frame)
+    patches, *grid = hf_video_functions.patchify(torch.from_numpy(np.stack(processed)).float().unsqueeze(0))
+    assert outputs["video_grid_thw"].tolist() == [grid]
+    torch.testing.assert_close(outputs["pixel_values_videos"], patches[0], atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("transparency", ["white", "drop"])
+def test_pinned_transparency_equals_hf_on_the_image_converted_that_way(transparent_images, processor_dir,
+                                                                       config, transparency):
+    """`flexrl.data.transparency` pins the conversion whatever transformers is installed: HF's
+    processor, given the image already made RGB that way (compositing onto white / PIL convert),
+    produces the same tensors. The reference is rebuilt from its pixels: PIL's convert("RGB") of a
+    palette image keeps a transparent colour key, which HF would composite onto white again."""
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    hf = Qwen2VLImageProcessorPil.from_pretrained(processor_dir)
+    preprocessor = SamplePreprocessor(replace(config, transparency=transparency))
+    for path in transparent_images:
+        with Image.open(path) as image:
+            if transparency == "drop":
+                rgb = image.convert("RGB")
+            else:
+                rgba = image.convert("RGBA")
+                rgb = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+        expected = hf(images=[Image.fromarray(np.asarray(rgb))], return_tensors="pt")
+        meta, outputs = preprocessor.process(record_of(path))
+        torch.testing.assert_close(outputs["pixel_values"], expected["pixel_values"], atol=1e-5, rtol=0,
+                                   msg=lambda text: f"{transparency} {path.name}: {text}")
+
+
+def _typed_dict_keys(source: str, class_name: str) -> set[str]:
+    import ast
+
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)}
+    raise LookupError(class_name)
+
+
+def test_every_kwarg_of_the_hf_qwen2_vl_processors_is_classified(hf_video_functions):
+    """A transformers release adding a pixel setting to these processors fails here until
+    processor_files.py honours, checks or ignores it."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import Qwen2VLImageProcessorPil
+    from transformers.processing_utils import VideosKwargs
+
+    from flexrl_ds.data import processor_files as pf
+
+    classified = set(pf.COMMON_KEYS + pf.SIZE_KEYS + pf.VIDEO_KEYS + pf.TYPE_KEYS) | pf.IGNORED_KEYS
+    image_keys = set(Qwen2VLImageProcessorPil.valid_kwargs.__annotations__)
+    source = (Path(importlib.util.find_spec("transformers").origin).parent / "models" / "qwen2_vl"
+              / "video_processing_qwen2_vl.py").read_text()
+    video_keys = set(VideosKwargs.__annotations__) | _typed_dict_keys(source, "Qwen2VLVideoProcessorInitKwargs")
+    assert not image_keys - classified and not video_keys - classified, (image_keys | video_keys) - classified
+
+
+def test_class_defaults_are_transformers(hf_video_functions):
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import Qwen2VLImageProcessorPil
+
+    from flexrl_ds.data import processor_files as pf
+
+    hf_image = Qwen2VLImageProcessorPil
+    for key, value in pf.CLASS_DEFAULTS.items():
+        if hasattr(hf_image, key):
+            hf_value = getattr(hf_image, key)
+            assert (list(hf_value) if isinstance(hf_value, (list, tuple)) else hf_value) == value, key
+        if key in hf_video_functions.defaults:
+            assert hf_video_functions.defaults[key] == value, key
+    assert dict(hf_image.size) == pf.IMAGE_SIZE_DEFAULT
+    source = (Path(importlib.util.find_spec("transformers").origin).parent / "models" / "qwen2_vl"
+              / "video_processing_qwen2_vl.py").read_text()
+    video_class = next(node for node in ast.parse(source).body
+                       if isinstance(node, ast.ClassDef) and node.name == "Qwen2VLVideoProcessor")
+    size_node = next(item.value for item in video_class.body if isinstance(item, ast.Assign)
+                     and getattr(item.targets[0], "id", None) == "size")
+    assert eval(compile(ast.Expression(size_node), "size", "eval"), {"__builtins__": {}}) == pf.VIDEO_SIZE_DEFAULT
