@@ -222,6 +222,8 @@ class DataUsage:
     """Spawned ranks the job was sent to (0: ran in this process)."""
     rank_pixel_bytes: int = 0
     """Pixel bytes the ranks pulled straight from the preprocessing actors (shadow)."""
+    rank_wait_s: float = 0.0
+    """Longest time a rank waited for its pixels after its vision units were known (shadow)."""
 
     def describe(self, num_actors: int) -> str:
         import resource
@@ -231,7 +233,8 @@ class DataUsage:
                 f"(pixels {_size(self.controller_pixel_bytes)}"
                 + (f", job sent to {self.num_rank_jobs} ranks)" if self.num_rank_jobs else ", ranks in this process)"))
         if num_actors:
-            line += f"; ranks pulled {_size(self.rank_pixel_bytes)} of pixels from {num_actors} preprocessing actors"
+            line += (f"; ranks pulled {_size(self.rank_pixel_bytes)} of pixels from {num_actors} preprocessing "
+                     f"actors (longest wait {self.rank_wait_s:.1f} s)")
         return line + f"; parent peak RSS {_size(peak_kib * 1024)}"
 
 
@@ -277,6 +280,7 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], shadow,
         usage.num_rank_jobs = config.num_procs
         usage.controller_bytes = len(pickle.dumps(job)) * config.num_procs
     usage.rank_pixel_bytes = int(sum(stats.get("pixel_bytes", 0) for _, stats in per_rank))
+    usage.rank_wait_s = max((stats.get("wait_s", 0.0) for _, stats in per_rank), default=0.0)
     return logprob_worker.assemble(samples, [pieces for pieces, _ in per_rank]), usage
 
 
