@@ -69,7 +69,7 @@ def rank_logprobs(job: LogprobJob, rank: int, group_tree=None, device=None,
 
 
 def _start_pixel_fetch(job: LogprobJob, plan, rank: int):
-    """Start pulling this rank's vision units (before the model loads); None when it has none."""
+    """Start pulling this rank's vision units (before its batch is built); None when it has none."""
     import transformers
 
     from flexrl_ds.rl.shadow_fetch import RankPixels, rank_units

@@ -93,7 +93,7 @@ def unit_requests(units: Sequence[Any], prompt_keys: Mapping[str, Any]) -> list[
 
 
 class RankPixels:
-    """This rank's pixel fetch for one step: started before the model loads, read after."""
+    """This rank's pixel fetch for one step: started before its batch is built, read after."""
 
     def __init__(self, handle, units: Sequence[Any]):
         import ray
