@@ -9,9 +9,10 @@ sharded at `min(p_max, W)`).
 Bounds (what no plan on aligned groups of at most `p = min(p_max, W)` ranks can beat): every
 sequence lies inside one aligned p-block, and the busiest rank of a block carries at least the
 block's total ÷ p, so the busiest rank is at least `partition_bound(values, W/p) / p` — a lower
-bound on the best split of the sequences' values over W/p bins (`partition_bound`). With it:
-`attention_balance_bound = max(mean, max_s L²/p, partition_bound(L², W/p)/p) ÷ mean` and
-`efficiency_bound = lower_bound ÷ max(lower_bound, partition_bound(cost, W/p)/p)` (the best
+bound on the best split of the sequences' values over W/p bins (`partition_bound`, and
+`pairing_bound` where bins hold one or two large values each; `split_bound` is the larger). With it:
+`attention_balance_bound = max(mean, max_s L²/p, split_bound(L², W/p)/p) ÷ mean` and
+`efficiency_bound = lower_bound ÷ max(lower_bound, split_bound(cost, W/p)/p)` (the best
 efficiency reachable; below 1 where the schema's lower bound is not attainable).
 """
 
@@ -92,6 +93,38 @@ def partition_bound(values: np.ndarray, num_bins: int) -> float:
     return bound
 
 
+PAIRING_TERMS = 64
+"""`pairing_bound` tries at most this many counts j (its cost is O(j²); the bound stays valid)."""
+
+
+def pairing_bound(values: np.ndarray, num_bins: int) -> float:
+    """Lower bound on the largest bin sum of any split of `values` over `num_bins` bins (B),
+    sharper than `partition_bound` where bins hold 1–2 large values each. For each j with
+    1 ≤ j ≤ B and B + j ≤ n, take the m = B + j largest values: either some bin holds three of them
+    (its sum ≥ the 3 smallest of the m), or every bin holds at most two, and then at least j bins
+    hold two (2a + b = m, a + b ≤ B ⇒ a ≥ j): j disjoint pairs of the m, whose largest pair sum is
+    at least that of the 2j smallest of the m paired largest-with-smallest (that pairing minimises
+    the largest sum of a fixed set, and smaller values only lower it). The bound for j is the
+    smaller of the two cases; the result is the largest over j (at most PAIRING_TERMS of them)."""
+    ranked = np.sort(np.asarray(values, dtype=float))[::-1]
+    num_terms = min(num_bins, len(ranked) - num_bins, PAIRING_TERMS)
+    if num_terms < 1:
+        return float(ranked[0]) if len(ranked) else 0.0
+    j = np.arange(1, num_terms + 1)[:, None]
+    t = np.arange(num_terms)[None, :]
+    pair_sums = ranked[np.minimum(num_bins - j + t, len(ranked) - 1)] + ranked[np.maximum(num_bins + j - 1 - t, 0)]
+    folded = np.where(t < j, pair_sums, -np.inf).max(axis=1)
+    m = num_bins + j[:, 0]
+    padded = np.concatenate([[0.0, 0.0], ranked])
+    three = padded[m + 1] + padded[m] + padded[m - 1]  # ranked[m-1] + ranked[m-2] + ranked[m-3]
+    return float(max(ranked[0], np.minimum(folded, three).max()))
+
+
+def split_bound(values: np.ndarray, num_bins: int) -> float:
+    """The larger of `partition_bound` and `pairing_bound` (both valid lower bounds)."""
+    return max(partition_bound(values, num_bins), pairing_bound(values, num_bins))
+
+
 def _ratio(loads: np.ndarray) -> float:
     mean = float(loads.mean())
     return float(loads.max()) / mean if mean > 0 else 1.0
@@ -113,8 +146,8 @@ def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
     num_blocks = world_size // p_eff
     mean_attention = float(attention.sum()) / world_size
     attention_floor = max(mean_attention, float(attention.max()) / p_eff,
-                          partition_bound(attention, num_blocks) / p_eff)
-    cost_floor = max(lower_bound, partition_bound(cost, num_blocks) / p_eff)
+                          split_bound(attention, num_blocks) / p_eff)
+    cost_floor = max(lower_bound, split_bound(cost, num_blocks) / p_eff)
     volume = float((tokens * (degrees - 1) / degrees).sum())
     fixed = float(tokens.sum()) * (p_eff - 1) / p_eff
     values, counts = np.unique(degrees, return_counts=True)
