@@ -118,6 +118,12 @@ def processor_settings(model_dir: str | Path) -> dict[str, Any]:
     return fields
 
 
+def has_processor_files(model_dir: str | Path) -> bool:
+    """Whether `model_dir` holds a saved HF image processor (a text-only model has none)."""
+    folder = Path(model_dir)
+    return (folder / IMAGE_FILE).exists() or "image_processor" in (_read_json(folder / PROCESSOR_FILE) or {})
+
+
 def find_settings(model_dir: Path) -> tuple[ProcessorSettings, ProcessorSettings]:
     """(image, video) settings in transformers 5.x's order of precedence."""
     nested = _read_json(model_dir / PROCESSOR_FILE) or {}

@@ -11,7 +11,6 @@ separately and appended (its first token starts at `response_start`).
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import dataclass, field
@@ -79,10 +78,11 @@ class SampleEncoder:
     def __init__(self, model_dir: str | Path):
         import transformers
 
+        from flexrl_ds.data.processor_files import has_processor_files, processor_settings
+
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-        processor_json = Path(model_dir) / "preprocessor_config.json"
-        self.has_vision = processor_json.exists()
-        self.merge_size = int(json.loads(processor_json.read_text()).get("merge_size", 2)) if self.has_vision else 2
+        self.has_vision = has_processor_files(model_dir)
+        self.merge_size = int(processor_settings(model_dir)["merge_size"]) if self.has_vision else 2
 
     def encode_items(self, record_id: str, prompt: str, response: str, items: list[VisionItem]) -> EncodedSample:
         parts, pieces = [], MARKER.split(prompt)

@@ -164,10 +164,11 @@ class ShadowSession:
         """data_config: the run config's `flexrl.data` (`DataConfig`; None: defaults); the vision
         geometry always comes from the model's saved processor, as in `--loader local`."""
         from flexrl_ds.data.config import DataConfig
+        from flexrl_ds.data.processor_files import has_processor_files
 
         self.model_dir, self.data_path, self.response_key, self.settings = model_dir, data_path, response_key, settings
         self.data_config = data_config if data_config is not None else DataConfig()
-        if os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
+        if has_processor_files(model_dir):
             self.data_config = self.data_config.with_processor_dir(model_dir)
         self.pool = self.loader = self.board = self.step = None
         self.started_ray = False
