@@ -32,9 +32,10 @@ step "4/6 A tiny random Qwen2.5-VL; ShadowLoader predicted vs materialised shape
 $flexrl make-tiny-model --out "$out/tiny-vl" --arch qwen2.5-vl
 $flexrl inspect-data --data "$out/data/train.jsonl" --model "$out/tiny-vl" --materialize
 
-step "5/6 Reference log-prob pass: 4 gloo processes, FlexUlysses + balanced vision tower"
+step "5/6 Reference log-prob pass: ShadowLoader actors feed 4 gloo processes (FlexUlysses + balanced vision tower); the parent holds no pixels"
 $flexrl logprobs --model "$out/tiny-vl" --data "$out/data/train.jsonl" --response-key answer \
-  --nproc 4 --p-max 4 --plan-out "$out/logprob_plan.json" --out "$out/logprobs.jsonl"
+  --nproc 4 --p-max 4 --loader shadow --actors 2 --cpus-per-actor 0.5 --config ds_configs/cpu_test.json \
+  --plan-out "$out/logprob_plan.json" --out "$out/logprobs.jsonl"
 echo "wrote $(wc -l < "$out/logprobs.jsonl") records of log-probs to $out/logprobs.jsonl"
 
 step "6/6 Data loading: centralised controller vs ShadowLoader (Ray actors); tiny media decode in ms, so compare bytes and RSS here, speed in docs/BENCHMARKS.md"
