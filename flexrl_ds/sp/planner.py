@@ -17,7 +17,12 @@ Algorithm (docs/ARCHITECTURE.md "Planner" has the argument; p = the largest allo
    *Attention repair* (attention_repair.py), only where a block's attention is still above
    `attention_target` ÷ (1 + balance_tolerance) × its mean and the attention partition bound is
    below that: one-for-many exchanges (a long item for a block's shortest items) with block cost
-   allowed up to (1 + `attention_repair_slack`) × the busiest block's, raised in stages.
+   allowed up to (1 + `attention_repair_slack`) × the busiest block's, raised in stages. Where a
+   block is still above that goal (steps of ≤ 128 sequences), the *attention-first search*
+   (attention_search.py: LPT on attention for the long sequences, short ones filling the
+   attention-tight blocks, then a penalty descent by moves/swaps) replaces the partition if it
+   meets the goal with every block's cost ≤ max(busiest block before, `attention_search_cost_cap`
+   × mean block), caps tried in stages.
 2. Per-rank rooms: cost `(1 + balance_tolerance) ×` busiest block ÷ p (what fixed SP at p reaches
    on this partition), attention `max((1 + balance_tolerance) × busiest block ÷ p,
    attention_goal × mean)`, tokens `max_tokens_per_rank`.
@@ -34,7 +39,9 @@ Where the attention repair runs, the busiest rank may rise by up to a further fa
 (1 + attention_repair_slack) (efficiency ≥ fixed SP's ÷ (1 + slack) − 2·tolerance), and where
 it reaches its block goal the split's attention room, (1 + tolerance) × busiest block ÷ p, keeps
 attention balance ≤ attention_target (a soft room: exceeded only where pinned short sequences
-leave no choice).
+leave no choice). Where the attention-first search's partition is taken, the busiest rank is
+≤ (1 + tolerance)² × max(busiest block before, attention_search_cost_cap × mean block) ÷ p
+(cost balance ≤ ~1.03 where the schema's lower bound is the mean; efficiency ≥ 1/1.03 − 2·tol).
 
 Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the group. "uneven"
 (default) allows every power-of-two degree ≤ p_max; when d does not divide num_heads the executor
@@ -52,6 +59,7 @@ import numpy as np
 from flexrl_ds.config.flexrl_config import SPConfig
 from flexrl_ds.sp.cost_model import CostModel
 from flexrl_ds.sp.attention_repair import repair_attention
+from flexrl_ds.sp.attention_search import search_partition
 from flexrl_ds.sp.metrics import PlanMetrics, compute_metrics, partition_bound, rank_sums
 from flexrl_ds.sp.packing import PackingLimits, pack_group, packing_limits
 from flexrl_ds.sp.placement import CapacityError, Items, partition_blocks, split_block
@@ -94,6 +102,11 @@ class PlannerOptions:
     attention_repair_steps: int = 96
     """Upper bound on the repair's exchanges (a round, one vectorised search of ~1–3 ms on the
     2-core box, makes up to one per p-block)."""
+    attention_search_cost_cap: float = 1.03
+    """Where the repair still leaves a block above its attention goal (steps of at most
+    attention_search.MAX_ITEMS sequences), an attention-first search may raise the busiest
+    p-block's cost up to this × the mean block cost (never lowering the cap below the busiest
+    block's cost before the search); 0 turns the search off."""
 
     def __post_init__(self) -> None:
         if not self.attention_target > 0:
@@ -103,6 +116,9 @@ class PlannerOptions:
         steps = self.attention_repair_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"attention_repair_steps must be a non-negative integer, got {steps!r}")
+        if not 0 <= self.attention_search_cost_cap < float("inf"):
+            raise ValueError(
+                f"attention_search_cost_cap must be ≥ 0 and finite, got {self.attention_search_cost_cap!r}")
 
 
 @dataclass(frozen=True)
@@ -205,8 +221,16 @@ def _repair_blocks(values: np.ndarray, blocks: np.ndarray, num_blocks: int, toke
         return
     if partition_bound(values[1], num_blocks) >= goal:
         return
+    cost_start = float(np.bincount(blocks, weights=values[0], minlength=num_blocks).max())
     repair_attention(values, blocks, num_blocks, token_room, options.attention_repair_slack, goal,
                      options.attention_repair_steps)
+    if options.attention_search_cost_cap <= 0 or \
+            np.bincount(blocks, weights=values[1], minlength=num_blocks).max() <= goal:
+        return
+    found = search_partition(values, num_blocks, token_room, goal, cost_start,
+                             options.attention_search_cost_cap * float(values[0].sum()) / num_blocks)
+    if found is not None:
+        blocks[:] = found
 
 
 def _split_p_block(items: Items, members: list[int], first: int, block_size: int,

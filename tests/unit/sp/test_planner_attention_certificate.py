@@ -1,18 +1,22 @@
-"""The pairing bound of metrics.py, and the certificate for the last attention cell of the planner
-bench (image-heavy, 64 sequences on 128 ranks, p_max 8, qwen2.5-vl-7b, seed 0): 1.05 is reachable
-there together with cost balance ≤ 1.03 and efficiency ≥ 0.97 (docs/BENCHMARKS.md "Planner")."""
+"""The pairing bound of metrics.py, the certificate for the last attention cell of the planner
+bench (image-heavy, 64 sequences on 128 ranks, p_max 8, qwen2.5-vl-7b, seed 0: 1.05 is reachable
+there together with cost balance ≤ 1.03 and efficiency ≥ 0.97; docs/BENCHMARKS.md "Planner"), and
+the attention-first search (attention_search.py) that makes the planner reach it."""
 
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flexrl_ds.bench.workloads import make_workload
+from flexrl_ds.config.flexrl_config import SPConfig
+from flexrl_ds.sp.attention_search import MAX_ITEMS, search_partition
 from flexrl_ds.sp.cost_model import load_cost_model
 from flexrl_ds.sp.metrics import compute_metrics, pairing_bound, partition_bound, split_bound
+from flexrl_ds.sp.planner import PlannerOptions, plan_step
 
 COST = load_cost_model("qwen2.5-vl-7b")
 
@@ -71,3 +75,43 @@ def test_image_heavy_64_on_128_ranks_seed_0_can_reach_the_attention_target():
     mean_block = attention.sum() / 16
     assert partition_bound(attention, 16) / mean_block < pairing_bound(attention, 16) / mean_block < 1.05
     assert metrics.attention_balance_bound == max(1.0, split_bound(attention, 16) / mean_block)
+
+
+def test_planner_reaches_the_attention_target_on_that_cell():
+    """The attention-first search (attention_search.py) runs where the repair stops above the goal."""
+    workload = make_workload("image-heavy", 64, seed=0)
+    metrics = plan_step(workload, 128, COST, SPConfig(p_max=8)).metrics
+    assert metrics.attention_balance <= 1.05
+    assert metrics.cost_balance <= 1.03
+    assert metrics.efficiency >= 0.97
+    off = plan_step(workload, 128, COST, SPConfig(p_max=8), PlannerOptions(attention_search_cost_cap=0)).metrics
+    assert off.attention_balance > 1.05  # the search is what gets it there
+
+
+@st.composite
+def search_cases(draw):
+    num_blocks = draw(st.sampled_from([2, 4, 16]))
+    lengths = draw(st.lists(st.integers(100, 20_000), min_size=num_blocks, max_size=MAX_ITEMS + 8))
+    tokens = np.array(lengths, dtype=float)
+    values = np.stack([tokens * tokens + COST.c * tokens, tokens * tokens, tokens])
+    means = values.sum(axis=1) / num_blocks
+    token_room = float(means[2] * draw(st.floats(1.05, 3.0))) if draw(st.booleans()) else float("inf")
+    goal = float(means[1] * draw(st.floats(1.0, 1.3)))
+    cost_start = float(means[0] * draw(st.floats(1.0, 1.05)))
+    return values, num_blocks, token_room, goal, cost_start, float(means[0] * draw(st.floats(0.0, 1.1)))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(search_cases())
+def test_search_returns_only_partitions_under_every_cap(case):
+    values, num_blocks, token_room, goal, cost_start, cost_cap = case
+    blocks = search_partition(values, num_blocks, token_room, goal, cost_start, cost_cap)
+    if values.shape[1] > MAX_ITEMS:
+        assert blocks is None
+    if blocks is None:
+        return
+    assert blocks.shape == (values.shape[1],) and ((blocks >= 0) & (blocks < num_blocks)).all()
+    sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
+    assert sums[0].max() <= max(cost_start, cost_cap) * (1 + 1e-9)
+    assert sums[1].max() <= goal * (1 + 1e-9)
+    assert sums[2].max() <= token_room * (1 + 1e-9)

@@ -149,7 +149,9 @@ def test_plans_with_the_repair_forced_on_are_valid(case):
 
 
 @pytest.mark.parametrize("bad", [dict(attention_target=0.0), dict(attention_repair_slack=-0.01),
-                                 dict(attention_repair_steps=-1), dict(attention_repair_steps=2.5)])
+                                 dict(attention_repair_steps=-1), dict(attention_repair_steps=2.5),
+                                 dict(attention_search_cost_cap=-0.1),
+                                 dict(attention_search_cost_cap=float("inf"))])
 def test_bad_repair_options_fail_naming_the_option(bad):
     (name,) = bad
     with pytest.raises(ValueError, match=name):
