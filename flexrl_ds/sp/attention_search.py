@@ -14,9 +14,10 @@ several coordinated exchanges. This search starts from the other end:
    most cost per unit of attention, so they fill the attention-tight blocks), then the remaining
    ones by LPT on cost among blocks with attention room.
 2. *Penalty descent.* Each block's excess over the caps, Σ_b max(0, cost_b/cost_cap − 1) +
-   max(0, attention_b/goal − 1) (+ tokens over the token room), is lowered by the best move or
-   swap of the whole partition per step (one vectorised (n × W/p) and (n × n) evaluation) until it
-   is zero or no move or swap lowers it.
+   max(0, attention_b/goal − 1) (+ tokens over the token room), is lowered by the best move, swap
+   or one-for-two exchange (an item for two of another block's PAIR_ITEMS cheapest: at nearly
+   equal cost it moves attention) per step, over every candidate touching a block above its caps
+   (vectorised), until it is zero or nothing lowers it.
 
 `search_partition` tries cost caps in stages (from the busiest block's cost before the search up to
 `cost_cap`) and returns the first partition meeting all caps, or None. Cost O(n²) per step, so it
@@ -29,11 +30,13 @@ import numpy as np
 
 ATTENTION_SHARE = 0.1
 """Sequences above this share of the mean block attention are placed first, by attention."""
-MAX_ITEMS = 128
+MAX_ITEMS = 64
 """The search runs only for steps of at most this many sequences (an (n × n) swap table a step)."""
-MAX_STEPS = 64
+MAX_STEPS = 32
 """Upper bound on move/swap steps of one penalty descent."""
-COST_STAGES = (1 / 3, 2 / 3, 1.0)
+PAIR_ITEMS = 8
+"""One-for-two exchanges take two of a block's this many cheapest items (keeps a step small)."""
+COST_STAGES = (2 / 3, 1.0)
 """Fractions of the way from the busiest block's cost to the cost cap tried in turn."""
 
 
@@ -88,36 +91,68 @@ def _excess(loads: np.ndarray) -> np.ndarray:
 
 
 def _descend(blocks: np.ndarray, values: np.ndarray, num_blocks: int, caps: np.ndarray) -> float:
-    """Step 2 of the module doc, in place on `blocks`; returns the penalty left (0: all caps met)."""
+    """Step 2 of the module doc, in place on `blocks`; returns the penalty left (0: all caps met).
+    Only changes touching a block over its caps can lower the penalty, so every candidate has its
+    giver or its taken items in such a block (keeps a step O(hot items × n))."""
     scaled = values / np.where(np.isfinite(caps), caps, np.inf)[:, None]  # an infinite cap: never binding
     sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in scaled])
-    n = len(blocks)
+    everyone = np.arange(len(blocks))
     for _ in range(MAX_STEPS):
         current = _excess(sums)
         if current.sum() <= 0:
             return 0.0
-        home = blocks
-        # Moves: item i from its block to block b.
-        gain_move = (current[home][:, None] + current[None, :] - _excess(sums[:, home] - scaled)[:, None]
-                     - _excess(sums[:, None, :] + scaled[:, :, None]))
-        gain_move[np.arange(n), home] = -np.inf
-        # Swaps: items i and k trade blocks.
-        delta = scaled[:, :, None] - scaled[:, None, :]
-        gain_swap = (current[home][:, None] + current[home][None, :] - _excess(sums[:, home][:, :, None] - delta)
-                     - _excess(sums[:, home][:, None, :] + delta))
-        gain_swap[home[:, None] == home[None, :]] = -np.inf
-        move = np.unravel_index(int(np.argmax(gain_move)), gain_move.shape)
-        swap = np.unravel_index(int(np.argmax(gain_swap)), gain_swap.shape)
-        if max(gain_move[move], gain_swap[swap]) <= 1e-12:
+        hot = np.nonzero(current[blocks] > 0)[0]
+        first, second = _cheap_pairs(blocks, scaled)
+        in_hot = current[blocks[first]] > 0
+        found = [_best_move(blocks, scaled, sums, current, hot),
+                 _best_exchange(blocks, scaled, sums, current, hot, everyone, None),
+                 _best_exchange(blocks, scaled, sums, current, hot, first, second),
+                 _best_exchange(blocks, scaled, sums, current, everyone, first[in_hot], second[in_hot])]
+        gain, relocations = max(found, key=lambda candidate: candidate[0])
+        if gain <= 1e-12:
             break
-        if gain_move[move] >= gain_swap[swap]:
-            item, target = int(move[0]), int(move[1])
-            sums[:, home[item]] -= scaled[:, item]
+        for item, target in relocations:
+            sums[:, blocks[item]] -= scaled[:, item]
             sums[:, target] += scaled[:, item]
             blocks[item] = target
-        else:
-            first, second = int(swap[0]), int(swap[1])
-            sums[:, home[first]] += scaled[:, second] - scaled[:, first]
-            sums[:, home[second]] += scaled[:, first] - scaled[:, second]
-            blocks[first], blocks[second] = blocks[second], blocks[first]
     return float(_excess(sums).sum())
+
+
+def _best_move(blocks, scaled, sums, current, givers):
+    """(penalty drop, [(item, new block)]) of the best move of one of `givers`."""
+    gain = (current[blocks[givers]][:, None] + current[None, :]
+            - _excess(sums[:, blocks[givers]] - scaled[:, givers])[:, None]
+            - _excess(sums[:, None, :] + scaled[:, givers, None]))
+    gain[np.arange(len(givers)), blocks[givers]] = -np.inf
+    g, target = np.unravel_index(int(np.argmax(gain)), gain.shape)
+    return float(gain[g, target]), [(int(givers[g]), int(target))]
+
+
+def _cheap_pairs(blocks, scaled):
+    """All pairs (first, second) of items of one block among its PAIR_ITEMS cheapest."""
+    ranked = np.lexsort((scaled[0], blocks))
+    counts = np.bincount(blocks)
+    position = np.arange(len(ranked)) - np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    cheap = ranked[position < PAIR_ITEMS]
+    first, second = np.triu_indices(len(cheap), 1)
+    same = blocks[cheap[first]] == blocks[cheap[second]]
+    return cheap[first[same]], cheap[second[same]]
+
+
+def _best_exchange(blocks, scaled, sums, current, givers, takers, second_takers):
+    """(penalty drop, relocations) of the best exchange of one of `givers` for one of `takers`
+    (plus the matching `second_takers` item of the taker's block when given: a one-for-two): the
+    giver goes to the taker's block, the taken items to the giver's block."""
+    if len(givers) == 0 or len(takers) == 0:
+        return -np.inf, []
+    taken = scaled[:, takers] + (scaled[:, second_takers] if second_takers is not None else 0.0)
+    home, other = blocks[givers], blocks[takers]
+    delta = scaled[:, givers][:, :, None] - taken[:, None, :]
+    gain = (current[home][:, None] + current[other][None, :] - _excess(sums[:, home][:, :, None] - delta)
+            - _excess(sums[:, other][:, None, :] + delta))
+    gain[home[:, None] == other[None, :]] = -np.inf
+    g, t = np.unravel_index(int(np.argmax(gain)), gain.shape)
+    relocations = [(int(givers[g]), int(other[t])), (int(takers[t]), int(home[g]))]
+    if second_takers is not None:
+        relocations.append((int(second_takers[t]), int(home[g])))
+    return float(gain[g, t]), relocations

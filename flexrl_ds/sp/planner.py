@@ -18,7 +18,7 @@ Algorithm (docs/ARCHITECTURE.md "Planner" has the argument; p = the largest allo
    `attention_target` ÷ (1 + balance_tolerance) × its mean and the attention partition bound is
    below that: one-for-many exchanges (a long item for a block's shortest items) with block cost
    allowed up to (1 + `attention_repair_slack`) × the busiest block's, raised in stages. Where a
-   block is still above that goal (steps of ≤ 128 sequences), the *attention-first search*
+   block is still above that goal (steps of ≤ 64 sequences), the *attention-first search*
    (attention_search.py: LPT on attention for the long sequences, short ones filling the
    attention-tight blocks, then a penalty descent by moves/swaps) replaces the partition if it
    meets the goal with every block's cost ≤ max(busiest block before, `attention_search_cost_cap`
