@@ -23,6 +23,7 @@ PURE_MODULES = [
     "sp/baselines.py",
     "sp/metrics.py",
     "sp/attention_repair.py",
+    "sp/attention_search.py",
     "bench/workloads.py",
     "rl/advantages.py",
     "rl/losses.py",
