@@ -12,7 +12,11 @@ failure. The driver calls the same methods remotely (`next_step`, `assignment`, 
     service = LoaderService.options(max_concurrency=8).remote(records, make_preprocessor, data_config)
     step = ray.get(service.next_step.remote())
     assignment = ray.get(service.assignment.remote(step.step, requests))     # to a worker
-    Materializer(RayFetcher(), repair=RemoteRepair(service))                  # on the worker
+    Materializer(RayFetcher(), repair=RemoteRepair(service),                  # on the worker
+                 bad_record_policy=data_config.bad_record_policy)
+
+A prompt withdrawn after hand-out reaches the worker as `MaterializedStep.withdrawn` (the other
+prompts' tensors intact), and the driver sees it in `report(step)["withdrawn"]`.
 """
 
 from __future__ import annotations
@@ -80,10 +84,17 @@ class LoaderService:
 
 
 class RemoteRepair:
-    """Picklable `repair` callable for a worker's Materializer: asks a `LoaderService`."""
+    """Picklable `repair` callable for a worker's Materializer: asks a `LoaderService`. The
+    loader's ValueError (policy `error`: a record whose re-decode failed, named) is raised here as
+    itself, not wrapped in Ray's task error."""
 
     def __init__(self, service: Any, timeout_s: float = 600.0):
         self.service, self.timeout_s = service, timeout_s
 
     def __call__(self, key: PromptKey, failed_generation: int) -> PromptSource:
-        return ray.get(self.service.repair.remote(key, failed_generation), timeout=self.timeout_s)
+        try:
+            return ray.get(self.service.repair.remote(key, failed_generation), timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, ValueError):
+                raise error.cause from None
+            raise

@@ -11,6 +11,19 @@ only the chunks covering the requested groups straight from the owning actor's o
 tensor of the worker's own (one copy, GIL released). `get(step)` waits for that step (the wait is
 the exposed data time) and hands the tensors out, with timings of the background work. If the owner died (the task or its objects are lost), the Materializer asks `repair` for a
 fresh source of that prompt — the controller re-routes it to a live actor — and retries.
+
+Withdrawn prompts. If the re-decode of a prompt fails after the step was handed out, the loader
+*withdraws* it (`bad_records.py`: the step's shapes are planned, nothing can take its slot). `get`
+still returns the step: every other request's tensors, each exactly once, and the withdrawn
+prompts in `MaterializedStep.withdrawn` (prompt -> `BadRecord`: record id and reason), their
+requests' `tensors` entries None. Under policy `error` nothing is withdrawn: `get` raises a
+ValueError naming the record (the loader's, from `repair`, or `BadMediaError`).
+
+    materializer = Materializer(RayFetcher(), repair=RemoteRepair(service), bad_record_policy="skip")
+    materializer.prefetch(assignment)               # returns at once
+    out = materializer.get(assignment.step)         # blocks for what is not here yet
+    for request, tensors in out.delivered(): ...    # the withdrawn prompts' requests left out
+    out.withdrawn_reasons()                         # {record id: reason}
 """
 
 from __future__ import annotations
@@ -77,10 +90,13 @@ class WorkerAssignment:
 
 @dataclass
 class MaterializedStep:
+    """What `Materializer.get` hands out for one step."""
+
     step: int
     """Loader step."""
-    tensors: list[dict[str, Any]]
-    """Per request: {"pixel_values": (rows, patch_dim) tensor, "grid_thw": (t, h, w)}."""
+    tensors: list[dict[str, Any] | None]
+    """Per request, in the assignment's request order: {"pixel_values": (rows, patch_dim) tensor,
+    "grid_thw": (t, h, w)}; None for every request of a withdrawn prompt (see `withdrawn`)."""
     wait_s: float
     """Seconds `get` blocked: data time the training loop could not hide."""
     bytes_fetched: int
@@ -93,6 +109,20 @@ class MaterializedStep:
     prompts: `task_wait_s` (waiting for the preprocess task's slice map), `pull_s` (pulling the
     slices from the object store and deserialising them), `cut_s` (cutting the requested rows).
     Background-thread time, not the caller's."""
+    requests: tuple[SliceRequest, ...] = ()
+    """The assignment's requests (`tensors[i]` is for `requests[i]`)."""
+    withdrawn: dict[PromptKey, Any] = field(default_factory=dict)
+    """Prompts withdrawn after hand-out (re-decode failed; `bad_records.py`) -> their `BadRecord`
+    (`.id`: the record, `.reason`). Empty unless a decode failed after hand-out."""
+
+    def delivered(self) -> list[tuple[SliceRequest, dict[str, Any]]]:
+        """(request, tensors) of every request whose prompt was not withdrawn, in request order."""
+        return [(request, tensors) for request, tensors in zip(self.requests, self.tensors)
+                if request.prompt not in self.withdrawn]
+
+    def withdrawn_reasons(self) -> dict[str, str]:
+        """Record id -> reason, for the withdrawn prompts."""
+        return {bad.id: bad.reason for bad in self.withdrawn.values()}
 
 
 class RayFetcher:
@@ -152,6 +182,16 @@ class _PromptResult:
     num_bytes: int
     seconds: dict[str, float]
     ready_at: float
+    withdrawn: Any = None
+    """The prompt's `BadRecord` when its decode failed after hand-out (then `cut` is empty)."""
+
+
+class _DecodeFailed(Exception):
+    """Internal: the prompt's preprocess task returned an `actors.DecodeFailure`."""
+
+    def __init__(self, bad: Any):
+        super().__init__(bad)
+        self.bad = bad
 
 
 @dataclass
@@ -166,10 +206,16 @@ class Materializer:
     """Fetch a worker's slices for upcoming steps in the background; hand them out per step."""
 
     def __init__(self, fetcher: Any = None, repair: Callable[[PromptKey, int], PromptSource] | None = None,
-                 num_threads: int = 4, max_attempts: int = 3):
+                 num_threads: int = 4, max_attempts: int = 3, bad_record_policy: str = "skip"):
+        """`bad_record_policy`: the run's `flexrl.data.bad_record_policy` (the loader's). skip /
+        replace: a prompt whose decode failed after hand-out comes back withdrawn; error: `get`
+        raises `BadMediaError` naming the record."""
+        from flexrl_ds.data.bad_records import check_policy
+
         self.fetcher = fetcher if fetcher is not None else RayFetcher()
         self.repair = repair
         self.max_attempts = max_attempts
+        self.bad_record_policy = check_policy(bad_record_policy, where="bad_record_policy")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="materializer")
         self._steps: dict[int, _PendingStep] = {}
         self._lock = threading.Lock()
@@ -190,7 +236,9 @@ class Materializer:
             self._steps[assignment.step] = pending
 
     def get(self, step: int) -> MaterializedStep:
-        """Block until `step`'s slices are here; returns them in request order."""
+        """Block until `step`'s slices are here; returns them in request order, withdrawn prompts
+        marked (see the module docstring). Raises under policy `error`, or when an owner stays lost
+        after `max_attempts` (or with no `repair`)."""
         with self._lock:
             pending = self._steps.pop(step, None)
         if pending is None:
@@ -198,21 +246,32 @@ class Materializer:
         started = time.perf_counter()
         done = {key: future.result() for key, future in pending.futures.items()}
         wait_s = time.perf_counter() - started
-        tensors = [done[request.prompt].cut[request] for request in pending.assignment.requests]
+        requests = pending.assignment.requests
+        withdrawn = {key: d.withdrawn for key, d in done.items() if d.withdrawn is not None}
+        tensors = [None if request.prompt in withdrawn else done[request.prompt].cut[request] for request in requests]
         timing = {
             "prefetched_at": pending.prefetched_at,
             "ready_at": max((d.ready_at for d in done.values()), default=pending.prefetched_at),
             **{name: sum(d.seconds[name] for d in done.values()) for name in ("task_wait_s", "pull_s", "cut_s")},
         }
         num_bytes = sum(d.num_bytes for d in done.values())
-        return MaterializedStep(step, tensors, wait_s, num_bytes, len(pending.repairs), timing)
+        return MaterializedStep(step, tensors, wait_s, num_bytes, len(pending.repairs), timing,
+                                requests=tuple(requests), withdrawn=withdrawn)
 
     def _materialize_prompt(self, source: PromptSource, requests: list[SliceRequest],
                             repairs: list[int]) -> _PromptResult:
         """Fetch, then cut every request of one prompt (in the background thread, so `get` only
-        hands out finished tensors)."""
+        hands out finished tensors). A decode failure: the prompt comes back withdrawn (policy
+        skip/replace) or `BadMediaError` (policy error)."""
         seconds = {"task_wait_s": 0.0, "pull_s": 0.0}
-        slices, source = self._fetch_prompt(source, requests, repairs, seconds)
+        try:
+            slices, source = self._fetch_prompt(source, requests, repairs, seconds)
+        except _DecodeFailed as failed:
+            if self.bad_record_policy == "error":
+                from flexrl_ds.data.types import BadMediaError
+
+                raise BadMediaError(failed.bad) from None
+            return _PromptResult({}, 0, {**seconds, "cut_s": 0.0}, time.time(), withdrawn=failed.bad)
         fetched = time.perf_counter()
         cut = {request: cut_request(source.layouts[request.item_index], request, slices) for request in requests}
         seconds["cut_s"] = time.perf_counter() - fetched
@@ -230,10 +289,8 @@ class Materializer:
                 (slice_refs,) = self.fetcher.get([source.task_ref])
                 pulling = time.perf_counter()
                 seconds["task_wait_s"] += pulling - started
-                if hasattr(slice_refs, "bad"):  # actors.DecodeFailure (the loader normally settles these)
-                    from flexrl_ds.data.types import BadMediaError
-
-                    raise BadMediaError(slice_refs.bad)
+                if hasattr(slice_refs, "bad"):  # actors.DecodeFailure: only after hand-out (re-decode)
+                    raise _DecodeFailed(slice_refs.bad)
                 values = self.fetcher.get([slice_refs[key] for key in keys])
                 seconds["pull_s"] += time.perf_counter() - pulling
                 return dict(zip(keys, values)), source

@@ -12,8 +12,8 @@ from flexrl_ds.data.central_loader import CentralLoader
 from flexrl_ds.data.materializer import Materializer, PromptSource, SliceRequest, WorkerAssignment
 from flexrl_ds.data.metastore import PromptKey, make_layout
 from flexrl_ds.data.proxy_loader import LoaderConfig, ProxyLoader, RecordOrder, requests_for_samples
-from flexrl_ds.data.types import BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
-from flexrl_ds.data.actors import PoolConfig, SliceMaker, item_layouts
+from flexrl_ds.data.types import BadMediaError, BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
+from flexrl_ds.data.actors import DecodeFailure, PoolConfig, SliceMaker, item_layouts
 from flexrl_ds.data.preprocess import ItemTensors
 
 
@@ -220,3 +220,84 @@ def test_item_layouts_follow_the_meta():
     layouts = item_layouts(meta, groups_per_chunk=2)
     assert layouts == (make_layout(0, "image", (1, 2, 3), 2), make_layout(1, "video", (5, 2, 3), 2))
     assert layouts[1].chunks == ((0, 2), (2, 4), (4, 5))
+
+
+class RedecodeFailsPool(FakePool):
+    """FakePool whose second decode of a record in `failing` (a re-route) fails, like a file
+    broken after the step was handed out."""
+
+    def __init__(self, names=("a", "b")):
+        super().__init__(names)
+        self.failing: set[str] = set()
+
+    def submit(self, key, meta, layouts, cost):
+        if meta.id in self.failing and any(done == key for done, _ in self.submitted):
+            owner = self.alive[len(self.submitted) % len(self.alive)]
+            task_ref = f"task:{owner}:{key}:{len(self.submitted)}"
+            self.objects[task_ref] = DecodeFailure(BadRecord(meta.id, "cannot decode image: truncated",
+                                                             meta.record.index, stage="materialize"))
+            self.submitted.append((key, owner))
+            return owner, task_ref
+        return super().submit(key, meta, layouts, cost)
+
+
+def _step_with_a_broken_prompt(policy):
+    """A handed-out step of 4 prompts (n=2); actor "a" is dead and the first prompt it owned
+    fails to re-decode. Returns (pool, loader, step, requests, broken key)."""
+    pool = RedecodeFailsPool()
+    config = LoaderConfig(global_batch=4, num_samples_per_prompt=2, lookahead_steps=0, shuffle=False,
+                          groups_per_chunk=2, bad_record_policy=policy)
+    loader = ProxyLoader(_records(6), pool, config)
+    step = loader.next_step()
+    broken = loader.store.owned_by("a")[0]
+    pool.failing.add(step.prompts[broken.slot].meta.id)
+    return pool, loader, step, requests_for_samples(step, step.sample_ids()), broken
+
+
+@pytest.mark.parametrize("policy", ["skip", "replace"])
+def test_prompt_withdrawn_after_hand_out_is_marked_and_every_other_request_arrives_once(policy):
+    pool, loader, step, requests, broken = _step_with_a_broken_prompt(policy)
+    broken_id = step.prompts[broken.slot].meta.id
+    materializer = Materializer(FakeFetcher(pool.objects, dead={"a"}), repair=loader.repair, num_threads=4,
+                                bad_record_policy=policy)
+    materializer.prefetch(loader.assignment(step, requests))
+    out = materializer.get(step.step)  # no exception: the step comes back, the broken prompt marked
+
+    assert list(out.withdrawn) == [broken] and out.withdrawn_reasons() == {broken_id: "cannot decode image: truncated"}
+    assert step.withdrawn == {broken_id: "cannot decode image: truncated"} and loader.stats.num_withdrawn == 1
+    assert out.requests == tuple(requests) and len(out.tensors) == len(requests)
+    assert [t is None for t in out.tensors] == [r.prompt == broken for r in requests]
+    delivered = out.delivered()
+    assert [r for r, _ in delivered] == [r for r in requests if r.prompt != broken]  # each once, in order
+    for request, tensors in delivered:
+        meta = step.prompts[request.prompt.slot].meta
+        reference = FakePreprocessor().materialize(meta)[request.item_index].pixel_values
+        assert torch.equal(tensors["pixel_values"], reference), request
+    assert step.replacements == {}  # no substitute after hand-out, even under replace
+
+    # a worker fetching after the repair (no repair of its own) sees the same withdrawal
+    late = Materializer(FakeFetcher(pool.objects), bad_record_policy=policy)
+    late.prefetch(loader.assignment(step, requests))
+    assert late.get(step.step).withdrawn_reasons() == out.withdrawn_reasons()
+    assert loader.stats.num_withdrawn == 1 and loader.stats.num_bad == 1  # decided once, by the loader
+
+
+def test_prompt_failing_after_hand_out_under_error_policy_raises_naming_the_record():
+    pool, loader, step, requests, broken = _step_with_a_broken_prompt("error")
+    broken_id = step.prompts[broken.slot].meta.id
+    materializer = Materializer(FakeFetcher(pool.objects, dead={"a"}), repair=loader.repair, num_threads=4,
+                                bad_record_policy="error")
+    materializer.prefetch(loader.assignment(step, requests))
+    with pytest.raises(ValueError, match=f"record {broken_id!r}: cannot decode image"):
+        materializer.get(step.step)
+    assert step.withdrawn == {}
+    # a worker that fetches the failed re-decode without repairing raises too, naming the record
+    late = Materializer(FakeFetcher(pool.objects), bad_record_policy="error")
+    late.prefetch(loader.assignment(step, requests))
+    with pytest.raises(BadMediaError, match=f"record {broken_id!r}: cannot decode image"):
+        late.get(step.step)
+
+
+def test_materializer_policy_is_checked():
+    with pytest.raises(ValueError, match="bad_record_policy"):
+        Materializer(FakeFetcher({}), bad_record_policy="drop")
