@@ -4,7 +4,8 @@ The loader runs in a `LoaderService` actor; the Materializer runs in this test p
 another process than the loader, like a training worker) with `RemoteRepair`. After step 0 is handed out, the actor holding an image prompt's slices is killed
 and that image is broken on disk: the worker's fetch is lost, its repair re-routes the prompt, the
 re-decode fails, and the loader withdraws the prompt (reported with id and reason, counted, once);
-every other prompt arrives intact (compared with `SamplePreprocessor.materialize` run here).
+the worker's `Materializer.get` returns every other prompt intact in the same step (compared with
+`SamplePreprocessor.materialize` run here) and marks the withdrawn one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from flexrl_ds.data.materializer import Materializer, RayFetcher
 from flexrl_ds.data.preprocess import SamplePreprocessor
 from flexrl_ds.data.proxy_loader import requests_for_samples
 from flexrl_ds.data.records import read_dataset
-from flexrl_ds.data.types import BadMediaError
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
@@ -37,15 +37,20 @@ _make_preprocessor = functools.partial(SamplePreprocessor, DATA_CONFIG)
 
 def _fetch_in_worker(assignment, repair):
     """What a training worker does: a Materializer fetching one assignment."""
-    materializer = Materializer(RayFetcher(timeout_s=60), repair=repair, num_threads=2)
+    materializer = Materializer(RayFetcher(timeout_s=60), repair=repair, num_threads=2,
+                                bad_record_policy=DATA_CONFIG.bad_record_policy)
     materializer.prefetch(assignment)
     try:
-        out = materializer.get(assignment.step)
-    except BadMediaError as error:
-        return {"error": str(error)}
+        return materializer.get(assignment.step)
     finally:
         materializer.close()
-    return {"pixels": [tensors["pixel_values"] for tensors in out.tensors], "num_repairs": out.num_repairs}
+
+
+def _assert_intact(step, delivered):
+    metas = {p.key: p.meta for p in step.prompts}
+    for request, tensors in delivered:
+        reference = SamplePreprocessor(DATA_CONFIG).materialize(metas[request.prompt])[request.item_index]
+        assert torch.equal(torch.as_tensor(tensors["pixel_values"]), reference.pixel_values), request
 
 
 def _wait_until_lost(ref, timeout_s: float = 20.0) -> None:
@@ -77,24 +82,48 @@ def test_worker_found_decode_failure_after_hand_out_is_withdrawn_by_the_loader(r
         ray.get(service.kill_preprocess_actor.remote(victim))
         _wait_until_lost(next(iter(slice_refs.values())))
 
-        result = _fetch_in_worker(assignment, RemoteRepair(service, timeout_s=60))
-        assert "record 'image-0000'" in result["error"] and "cannot decode image" in result["error"]
+        out = _fetch_in_worker(assignment, RemoteRepair(service, timeout_s=60))
+        # the step comes back: the broken prompt marked withdrawn, every other request once, intact
+        assert list(out.withdrawn) == [broken.key] and out.num_repairs >= 1
+        assert list(out.withdrawn_reasons()) == ["image-0000"]
+        assert "cannot decode image" in out.withdrawn_reasons()["image-0000"]
+        assert [t is None for t in out.tensors] == [r.prompt == broken.key for r in requests]
+        assert [r for r, _ in out.delivered()] == [r for r in requests if r.prompt != broken.key]
+        _assert_intact(step, out.delivered())
         report = ray.get(service.report.remote(step.step))
-        assert list(report["withdrawn"]) == ["image-0000"] and "cannot decode" in report["withdrawn"]["image-0000"]
+        assert report["withdrawn"] == out.withdrawn_reasons()
         assert [(b["id"], b["stage"]) for b in report["bad_records"]] == [("image-0000", "materialize")]
         assert report["replacements"] == {}  # no substitute after hand-out, even under replace
         stats = ray.get(service.stats.remote())
         assert (stats["num_withdrawn"], stats["num_bad"]) == (1, 1) and stats["num_rerouted"] >= 1
 
-        # the other prompts (the victim's re-routed ones included) arrive intact
-        kept = [r for r in requests if r.prompt != broken.key]
-        assignment = ray.get(service.assignment.remote(step.step, kept))
-        result = _fetch_in_worker(assignment, RemoteRepair(service, timeout_s=60))
-        metas = {p.key: p.meta for p in step.prompts}
-        for request, pixels in zip(kept, result["pixels"]):
-            reference = SamplePreprocessor(DATA_CONFIG).materialize(metas[request.prompt])[request.item_index]
-            assert torch.equal(torch.as_tensor(pixels), reference.pixel_values), request
+        # a second worker asking for the whole step later sees the same, the loader counts it once
+        assignment = ray.get(service.assignment.remote(step.step, requests))
+        again = _fetch_in_worker(assignment, RemoteRepair(service, timeout_s=60))
+        assert again.withdrawn_reasons() == out.withdrawn_reasons()
+        _assert_intact(step, again.delivered())
         assert ray.get(service.stats.remote())["num_withdrawn"] == 1
     finally:
         ray.get(service.shutdown.remote(), timeout=60)
+        ray.kill(service)
+
+
+@ray.remote(num_cpus=0.01)
+class _ErrorPolicyService:
+    """Stands in for a LoaderService whose policy is `error`: repair raises the policy's ValueError."""
+
+    def repair(self, key, failed_generation):
+        raise ValueError(f"step {key.step}: record 'image-0000': cannot decode image "
+                         "(flexrl.data.bad_record_policy is 'error')")
+
+
+def test_remote_repair_raises_the_loaders_value_error_as_itself(ray_session):
+    from flexrl_ds.data.metastore import PromptKey
+
+    service = _ErrorPolicyService.remote()
+    try:
+        with pytest.raises(ValueError, match="record 'image-0000': cannot decode image") as raised:
+            RemoteRepair(service, timeout_s=30)(PromptKey(0, 0), 1)
+        assert type(raised.value) is ValueError  # not Ray's task error wrapping it
+    finally:
         ray.kill(service)
