@@ -118,6 +118,13 @@ class RankPixels:
         """seq id -> VisionItems where the items of this rank's units carry `FetchedRows`."""
         assert tuple(units) == self.units, "the batch's vision route differs from the one prefetched"
         fetched = self.materializer.get(self.handle.step)
+        if fetched.withdrawn:
+            raise ValueError(
+                f"step {self.handle.step}: prompt(s) withdrawn after hand-out (decode failed): "
+                + "; ".join(f"record {record_id!r}: {reason}"
+                            for record_id, reason in fetched.withdrawn_reasons().items())
+                + ". `flexrl logprobs` cannot drop a prompt from a step whose plan is fixed: "
+                  "fix or remove the record and run again")
         self.stats = {"pixel_bytes": float(fetched.bytes_fetched), "wait_s": fetched.wait_s,
                       "num_requests": float(len(self.requests))}
         seq_of = {key: seq_id for seq_id, key in self.handle.prompt_keys.items()}
