@@ -32,11 +32,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 MODES = ("none", "central", "shadow")
 """none: the same loop with no data at all: the loop's own cost (Ray calls, sleep granularity)."""
+DEFAULT_CPUS_PER_ACTOR = 0.5
+"""Ray CPUs per preprocessing actor when neither --cpus-per-actor nor --config sets them (two actors
+per core: the setting of every run recorded in docs/BENCHMARKS.md that does not name one)."""
 
 
 @dataclass
@@ -55,18 +58,24 @@ class LoaderBenchConfig:
     """Simulated compute per step (ms): the time decoding can hide behind."""
     num_workers: int = 2
     """Worker actors standing in for training ranks."""
-    num_samples_per_prompt: int = 1
-    """GRPO group size n (samples share their prompt's decode)."""
+    num_samples_per_prompt: int | None = None
+    """GRPO group size n (samples share their prompt's decode); None: the config's
+    `flexrl.data.loader.num_samples_per_prompt`."""
     warmup_steps: int = 1
     """Steps run before measuring (actor start, first decode)."""
-    num_cpus_per_actor: float = 0.5
-    """Ray CPUs reserved per preprocessing actor."""
-    seed: int = 0
-    """Sample order seed."""
+    num_cpus_per_actor: float | None = None
+    """Ray CPUs reserved per preprocessing actor; None: the config's `flexrl.data.pool.num_cpus_per_actor`
+    with --config, else `DEFAULT_CPUS_PER_ACTOR`."""
+    seed: int | None = None
+    """Sample order seed; None: the config's `flexrl.data.loader.seed`."""
     model_dir: str | None = None
-    """Saved HF processor to take vision geometry from; None: Qwen2.5-VL defaults."""
+    """Saved HF processor to take vision geometry from; None: the config's pixel settings."""
     modes: list[str] = field(default_factory=lambda: list(MODES))
     """Which of none / central / shadow to run (the ratios need central and shadow)."""
+    run_config: str | None = None
+    """DeepSpeed JSON whose `flexrl.data` section sets the loader, the pool, the bad-record policy
+    and the pixel settings (through `loader_settings`); None: `DataConfig()` defaults. The bench's
+    options override it: B and K per run, n / seed / CPUs per actor / processor when given."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.warmup_steps < 0:
@@ -79,6 +88,41 @@ class LoaderBenchConfig:
             raise ValueError(f"--modes {self.modes}: choose from {', '.join(MODES)}")
         if not os.path.isfile(self.data):
             raise ValueError(f"--data {self.data}: file not found")
+        if self.run_config is not None and not os.path.isfile(self.run_config):
+            raise ValueError(f"--config {self.run_config}: file not found")
+        self.data_config()  # a bad config, processor or override fails here, before Ray starts
+
+    def data_config(self):
+        """The run's `flexrl.data` (`DataConfig`): --config's (or the defaults), the processor of
+        --model, and the bench's n, seed and CPUs per actor. B and K are set per run (`run_settings`)."""
+        from flexrl_ds.data.config import DataConfig
+
+        data = DataConfig()
+        if self.run_config is not None:
+            from flexrl_ds.config.flexrl_config import load_run_config
+
+            data = load_run_config(self.run_config).flexrl.data
+        if self.model_dir:
+            data = data.with_processor_dir(self.model_dir)
+        cpus = self.num_cpus_per_actor
+        if cpus is None and self.run_config is None:
+            cpus = DEFAULT_CPUS_PER_ACTOR
+        loader = _override(data.loader, num_samples_per_prompt=self.num_samples_per_prompt, seed=self.seed)
+        return replace(data, loader=loader, pool=_override(data.pool, num_cpus_per_actor=cpus))
+
+
+def _override(section: Any, **values: Any) -> Any:
+    """`section` with the values that are not None (the options given on the command line)."""
+    return replace(section, **{name: value for name, value in values.items() if value is not None})
+
+
+def run_settings(data_config: Any, batch: int, num_actors: int) -> tuple[Any, Any]:
+    """(LoaderConfig, PoolConfig) of one run: `loader_settings` of `data_config` with global batch
+    `batch` and `num_actors` preprocessing actors per node (0: no pool, the config's count kept)."""
+    from flexrl_ds.data.loader_settings import loader_settings
+
+    pool = _override(data_config.pool, num_actors_per_node=num_actors or None)
+    return loader_settings(replace(data_config, loader=replace(data_config.loader, global_batch=batch), pool=pool))
 
 
 @dataclass
@@ -104,6 +148,8 @@ class RunResult:
     total_rss_peak_mb: float
     samples_per_s: float
     num_bad: int = 0
+    num_withdrawn: int = 0
+    """Prompts the workers got back withdrawn (decode failed after hand-out), summed over steps."""
     compose_ms: float = 0.0
     """Mean time per step spent composing steps (probe + dispatch; in the background for shadow)."""
     step_ms: list[float] = field(default_factory=list)
@@ -192,8 +238,8 @@ def _make_worker_class():
     class BenchWorker:
         """A training rank's data side: prefetch, then wait + simulated compute per step."""
 
-        def __init__(self):
-            self.materializer = Materializer(RayFetcher(timeout_s=600))
+        def __init__(self, bad_record_policy: str, timeout_s: float):
+            self.materializer = Materializer(RayFetcher(timeout_s=timeout_s), bad_record_policy=bad_record_policy)
 
         def prefetch(self, assignment) -> None:
             self.materializer.prefetch(assignment)
@@ -205,8 +251,9 @@ def _make_worker_class():
             out = self.materializer.get(step)
             data_ready_at = time.time()
             time.sleep(compute_ms / 1000.0)
-            return {"wait_s": out.wait_s, "bytes": out.bytes_fetched, "entered_at": entered_at,
-                    "data_ready_at": data_ready_at, "compute_end_at": time.time(), **out.timing}
+            return {"wait_s": out.wait_s, "bytes": out.bytes_fetched, "withdrawn": len(out.withdrawn),
+                    "entered_at": entered_at, "data_ready_at": data_ready_at, "compute_end_at": time.time(),
+                    **out.timing}
 
         def pid(self) -> int:
             return os.getpid()
@@ -237,96 +284,127 @@ class _NoDataLoader:
         pass
 
 
-def _build_loader(mode: str, records: list, config: LoaderBenchConfig, batch: int, num_actors: int):
-    from flexrl_ds.data.actors import PoolConfig, PreprocessPool
+def _build_loader(mode: str, records: list, data_config: Any, loader_config: Any, pool_config: Any):
+    """(loader, preprocessing pool or None) of one run."""
+    from flexrl_ds.data.actors import PreprocessPool
     from flexrl_ds.data.central_loader import CentralLoader
-    from flexrl_ds.data.config import DataConfig
     from flexrl_ds.data.preprocess import SamplePreprocessor
-    from flexrl_ds.data.proxy_loader import LoaderConfig, ProxyLoader
+    from flexrl_ds.data.proxy_loader import ProxyLoader
 
-    data_config = DataConfig()
-    if config.model_dir:
-        data_config = data_config.with_processor_dir(config.model_dir)
     make_preprocessor = functools.partial(SamplePreprocessor, data_config)
-    loader_config = LoaderConfig(global_batch=batch, num_samples_per_prompt=config.num_samples_per_prompt,
-                                 seed=config.seed, bad_record_policy="skip")
     if mode == "none":
         return _NoDataLoader(), None
     if mode == "central":
         return CentralLoader(records, make_preprocessor, loader_config), None
-    pool = PreprocessPool(make_preprocessor, PoolConfig(num_actors_per_node=num_actors,
-                                                        num_cpus_per_actor=config.num_cpus_per_actor))
+    pool = PreprocessPool(make_preprocessor, pool_config)
     pool.wait_ready()
     return ProxyLoader(records, pool, loader_config), pool
+
+
+@dataclass
+class _Measured:
+    """What the measured steps of one run recorded (see `_run_steps`)."""
+
+    walls: list[float] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    phases: list[dict[str, float]] = field(default_factory=list)
+    asked: list[tuple[int, float]] = field(default_factory=list)
+    """(step asked for by `next_step`, wall-clock time asked), per measured step."""
+    pixel_bytes: int = 0
+    num_withdrawn: int = 0
+    loader_s: float = 0.0
+    """Controller time inside `next_step` over the measured steps."""
+    elapsed_s: float = 0.0
+
+
+def _send(loader: Any, workers: list, step: Any) -> None:
+    """Deal the step's samples round-robin to the workers and start their prefetch."""
+    from flexrl_ds.data.proxy_loader import requests_for_samples
+
+    samples = step.sample_ids()
+    for index, worker in enumerate(workers):
+        worker.prefetch.remote(loader.assignment(step, requests_for_samples(step, samples[index::len(workers)])))
+
+
+def _run_steps(label: str, config: LoaderBenchConfig, loader: Any, workers: list, rss: _RssSampler) -> _Measured:
+    """The bench loop: warm-up then measured steps, each loading the next one (the steady state
+    of a long run, the last step included), sampling RSS throughout."""
+    import ray
+
+    total, measured = config.warmup_steps + config.steps, _Measured()
+    step = loader.next_step()
+    _send(loader, workers, step)
+    with rss:
+        for index in range(total):
+            if index == config.warmup_steps:
+                loader_s_start, started = loader.stats.loader_s, time.perf_counter()
+            begin, begin_at = time.perf_counter(), time.time()
+            upcoming = loader.next_step()
+            loaded_at = time.time()
+            _send(loader, workers, upcoming)
+            sent_at = time.time()
+            outs = ray.get([w.run_step.remote(step.step, config.compute_ms) for w in workers])
+            results_at = time.time()
+            loader.release(step)
+            measured.pixel_bytes += sum(out["bytes"] for out in outs)
+            measured.num_withdrawn += sum(out["withdrawn"] for out in outs)
+            wall = time.perf_counter() - begin
+            if index >= config.warmup_steps:
+                measured.walls.append(wall)
+                measured.waits.append(max(out["wait_s"] for out in outs))
+                stamps = (begin_at, loaded_at, sent_at, results_at)
+                measured.phases.append(step_phases(config.compute_ms, stamps, outs, wall))
+                measured.asked.append((upcoming.step, begin_at))
+            print(f"  {label}: step {index + 1}/{total} {wall * 1e3:.0f} ms", file=sys.stderr, flush=True)
+            step = upcoming
+        measured.elapsed_s = time.perf_counter() - started
+    measured.loader_s = loader.stats.loader_s - loader_s_start
+    return measured
+
+
+def _run_result(mode: str, config: LoaderBenchConfig, loader_config: Any, num_actors: int, loader: Any,
+                measured: _Measured, rss: _RssSampler) -> RunResult:
+    total, phases = config.warmup_steps + config.steps, measured.phases
+    exposed = [max(0.0, wall * 1e3 - config.compute_ms) for wall in measured.walls]
+    return RunResult(
+        mode=mode, global_batch=loader_config.global_batch, actors=num_actors if mode == "shadow" else 0,
+        steps=config.steps, compute_ms=config.compute_ms, exposed_ms=statistics.mean(exposed),
+        exposed_ms_max=max(exposed), worker_wait_ms=1e3 * statistics.mean(measured.waits),
+        controller_loader_ms=1e3 * measured.loader_s / config.steps,
+        # bytes: over all steps loaded (warm-up and the one extra included); the shadow loader's
+        # count also holds one more look-ahead step's probe and dispatch, so it over-counts a little
+        controller_bytes_per_step=loader.stats.bytes_through_controller / (total + 1),
+        pixel_bytes_per_step=measured.pixel_bytes / total,
+        controller_rss_start_mb=rss.start_rss / 2**20, controller_rss_peak_mb=rss.peak_self / 2**20,
+        total_rss_peak_mb=rss.peak_total / 2**20,
+        samples_per_s=loader_config.global_batch * loader_config.num_samples_per_prompt * config.steps
+        / measured.elapsed_s,
+        num_bad=loader.stats.num_bad, num_withdrawn=measured.num_withdrawn,
+        compose_ms=1e3 * loader.stats.compose_s / (total + 1), step_ms=[1e3 * wall for wall in measured.walls],
+        phases_ms={name: statistics.mean(p[name] for p in phases if name in p) for name in dict.fromkeys(
+            name for p in phases for name in p)}, step_phases_ms=phases,
+    )
 
 
 def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -> RunResult:
     """One measured run in this (controller) process; Ray must already be initialised."""
     import ray
 
-    from flexrl_ds.data.proxy_loader import requests_for_samples
     from flexrl_ds.data.records import read_dataset
 
     rss = _RssSampler()  # baseline: this process before it holds any data
+    data_config = config.data_config()
+    loader_config, pool_config = run_settings(data_config, batch, num_actors)
     records = read_dataset(config.data)
-    workers = [_make_worker_class().remote() for _ in range(config.num_workers)]
-    loader, pool = _build_loader(mode, records, config, batch, num_actors)
-    pids = ray.get([w.pid.remote() for w in workers]) + ([s["pid"] for s in pool.stats()] if pool else [])
-
-    def send(step) -> None:
-        samples = step.sample_ids()
-        for index, worker in enumerate(workers):
-            worker.prefetch.remote(loader.assignment(step, requests_for_samples(step, samples[index::len(workers)])))
-
-    total = config.warmup_steps + config.steps
-    step = loader.next_step()
-    send(step)
-    walls, waits, phases, asked, pixel_bytes = [], [], [], [], 0
-    rss.pids = pids
-    with rss:
-        for index in range(total):
-            if index == config.warmup_steps:
-                loader_s_start, started = loader.stats.loader_s, time.perf_counter()
-            begin, begin_at = time.perf_counter(), time.time()
-            # every step, the last included, loads the next one: the steady state of a long run
-            upcoming = loader.next_step()
-            loaded_at = time.time()
-            send(upcoming)
-            sent_at = time.time()
-            outs = ray.get([w.run_step.remote(step.step, config.compute_ms) for w in workers])
-            results_at = time.time()
-            loader.release(step)
-            pixel_bytes += sum(out["bytes"] for out in outs)
-            wall = time.perf_counter() - begin
-            if index >= config.warmup_steps:
-                walls.append(wall)
-                waits.append(max(out["wait_s"] for out in outs))
-                phases.append(step_phases(config.compute_ms, (begin_at, loaded_at, sent_at, results_at), outs, wall))
-                asked.append((upcoming.step, begin_at))
-            print(f"  {mode} B={batch} K={num_actors}: step {index + 1}/{total} {wall * 1e3:.0f} ms",
-                  file=sys.stderr, flush=True)
-            step = upcoming
-        elapsed = time.perf_counter() - started
+    workers = [_make_worker_class().remote(loader_config.bad_record_policy, pool_config.timeout_s)
+               for _ in range(config.num_workers)]
+    loader, pool = _build_loader(mode, records, data_config, loader_config, pool_config)
+    rss.pids = ray.get([w.pid.remote() for w in workers]) + ([s["pid"] for s in pool.stats()] if pool else [])
+    label = f"{mode} B={batch} K={num_actors}"
+    measured = _run_steps(label, config, loader, workers, rss)
     if pool is not None:
-        add_decode_timings(phases, asked, pool.decode_log())
-    exposed = [max(0.0, wall * 1e3 - config.compute_ms) for wall in walls]
-    result = RunResult(
-        mode=mode, global_batch=batch, actors=num_actors if mode == "shadow" else 0, steps=config.steps,
-        compute_ms=config.compute_ms, exposed_ms=statistics.mean(exposed), exposed_ms_max=max(exposed),
-        worker_wait_ms=1e3 * statistics.mean(waits),
-        controller_loader_ms=1e3 * (loader.stats.loader_s - loader_s_start) / config.steps,
-        # bytes: over all steps loaded (warm-up and the one extra included); the shadow loader's
-        # count also holds one more look-ahead step's probe and dispatch, so it over-counts a little
-        controller_bytes_per_step=loader.stats.bytes_through_controller / (total + 1),
-        pixel_bytes_per_step=pixel_bytes / total,
-        controller_rss_start_mb=rss.start_rss / 2**20, controller_rss_peak_mb=rss.peak_self / 2**20,
-        total_rss_peak_mb=rss.peak_total / 2**20,
-        samples_per_s=batch * config.num_samples_per_prompt * config.steps / elapsed,
-        num_bad=loader.stats.num_bad, compose_ms=1e3 * loader.stats.compose_s / (total + 1),
-        step_ms=[1e3 * wall for wall in walls],
-        phases_ms={name: statistics.mean(p[name] for p in phases if name in p) for name in dict.fromkeys(
-            name for p in phases for name in p)}, step_phases_ms=phases,
-    )
+        add_decode_timings(measured.phases, measured.asked, pool.decode_log())
+    result = _run_result(mode, config, loader_config, num_actors, loader, measured, rss)
     if hasattr(loader, "close"):
         loader.close()
     if pool is not None:
@@ -368,7 +446,12 @@ def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
     runs += [("central", batch, 0) for batch in config.global_batches]
     runs += [("shadow", batch, k) for batch in config.global_batches for k in config.actors]
     runs = [run for run in runs if run[0] in config.modes]
-    num_cpus = max(4, int(max(config.actors) * config.num_cpus_per_actor) + 2)
+    data = config.data_config()
+    print(f"bench loader: flexrl.data from {config.run_config or 'defaults'}: policy {data.bad_record_policy}, "
+          f"n={data.loader.num_samples_per_prompt}, seed {data.loader.seed}, shuffle {data.loader.shuffle}, "
+          f"look-ahead {data.loader.lookahead_steps}, {data.loader.groups_per_chunk} groups/slice, "
+          f"{data.pool.num_cpus_per_actor} CPU/actor", file=sys.stderr, flush=True)
+    num_cpus = max(4, int(max(config.actors) * data.pool.num_cpus_per_actor) + 2)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     address = ray.get_runtime_context().gcs_address
     results = []
@@ -385,46 +468,6 @@ def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
     finally:
         ray.shutdown()
     return results
-
-
-def format_table(results: list[RunResult]) -> str:
-    """One row per run. `call`/`return`: mean ms from sending the step call to the slowest worker
-    entering it / from its compute end to the result arriving (see `step_phases`); `ready early`:
-    worst-case ms the data was ready before the step needed it (negative: late)."""
-    header = (f"{'mode':8} {'B':>4} {'K':>3} {'exposed ms/step':>16} {'worker wait ms':>15} {'ctrl loader ms':>15} "
-              f"{'call ms':>8} {'return ms':>10} {'ready early ms':>15} "
-              f"{'ctrl MB/step':>13} {'pixel MB/step':>14} {'ctrl RSS peak MB':>17} {'total RSS MB':>13} {'samples/s':>10}")
-    lines = [header]
-    for r in results:
-        phases = r.phases_ms
-        margin = phases.get("ready_margin")
-        lines.append(
-            f"{r.mode:8} {r.global_batch:>4} {r.actors or '-':>3} {r.exposed_ms:>16.1f} {r.worker_wait_ms:>15.1f} "
-            f"{r.controller_loader_ms:>15.1f} {phases.get('call', float('nan')):>8.1f} "
-            f"{phases.get('return', float('nan')):>10.1f} {'-' if margin is None else f'{margin:.0f}':>15} "
-            f"{r.controller_bytes_per_step / 2**20:>13.4f} "
-            f"{r.pixel_bytes_per_step / 2**20:>14.1f} {r.controller_rss_peak_mb:>17.0f} {r.total_rss_peak_mb:>13.0f} "
-            f"{r.samples_per_s:>10.2f}"
-        )
-    return "\n".join(lines)
-
-
-def summary(results: list[RunResult]) -> dict[str, Any]:
-    """ShadowLoader / centralised ratios per global batch (shadow run with the most actors)."""
-    out = {}
-    for batch in sorted({r.global_batch for r in results if r.mode != "none"}):
-        central = next((r for r in results if r.mode == "central" and r.global_batch == batch), None)
-        shadows = [r for r in results if r.mode == "shadow" and r.global_batch == batch]
-        if central is None or not shadows:
-            continue
-        shadow = max(shadows, key=lambda r: r.actors)
-        out[str(batch)] = {
-            "exposed_ratio": shadow.exposed_ms / central.exposed_ms if central.exposed_ms else None,
-            "controller_bytes_ratio": shadow.controller_bytes_per_step / central.controller_bytes_per_step,
-            "controller_rss_growth_mb": {"central": central.controller_rss_peak_mb - central.controller_rss_start_mb,
-                                         "shadow": shadow.controller_rss_peak_mb - shadow.controller_rss_start_mb},
-        }
-    return out
 
 
 if __name__ == "__main__":

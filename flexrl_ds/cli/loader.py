@@ -9,6 +9,8 @@ import sys
 
 
 def register(commands, bench) -> None:
+    from flexrl_ds.bench.loader_bench import DEFAULT_CPUS_PER_ACTOR, MODES
+
     loader = bench.add_parser(
         "loader", help="centralised vs ShadowLoader: exposed data time, controller RSS and bytes, samples/s",
         description="Runs the centralised (controller decodes and ships tensors) and the ShadowLoader "
@@ -22,11 +24,19 @@ def register(commands, bench) -> None:
     loader.add_argument("--actors", type=int, nargs="+", required=True, help="preprocessing actors (K)")
     loader.add_argument("--compute-ms", type=float, default=0.0, help="simulated compute per step (ms)")
     loader.add_argument("--workers", type=int, default=2, help="worker actors standing in for ranks")
-    loader.add_argument("--n-samples", type=int, default=1, help="GRPO samples per prompt")
+    loader.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="which loading paths to run (default: all; the ratios need central and shadow)")
+    loader.add_argument("--config", help="DeepSpeed JSON whose flexrl.data section sets the loader, pool, "
+                                         "bad-record policy and pixel settings (default: their defaults); "
+                                         "the options here override it")
+    loader.add_argument("--n-samples", type=int, default=None,
+                        help="GRPO samples per prompt (default: flexrl.data.loader.num_samples_per_prompt, 1)")
     loader.add_argument("--warmup-steps", type=int, default=1)
-    loader.add_argument("--cpus-per-actor", type=float, default=0.5, help="Ray CPUs per preprocessing actor")
+    loader.add_argument("--cpus-per-actor", type=float, default=None,
+                        help="Ray CPUs per preprocessing actor (default: flexrl.data.pool.num_cpus_per_actor "
+                             f"with --config, else {DEFAULT_CPUS_PER_ACTOR})")
     loader.add_argument("--model", help="saved HF processor folder setting the vision geometry")
-    loader.add_argument("--seed", type=int, default=0)
+    loader.add_argument("--seed", type=int, default=None, help="sample order seed (default: flexrl.data.loader.seed, 0)")
     loader.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     loader.add_argument("--plot", help="write a PNG: exposed data time and controller RSS per run")
     loader.set_defaults(func=_bench_loader)
@@ -35,19 +45,21 @@ def register(commands, bench) -> None:
 def _bench_loader(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from flexrl_ds.bench.loader_bench import LoaderBenchConfig, format_table, run_bench, summary
+    from flexrl_ds.bench.loader_bench import LoaderBenchConfig, run_bench
+    from flexrl_ds.bench.loader_report import format_table, summary
 
     config = LoaderBenchConfig(
         data=args.data, global_batches=args.global_batch, steps=args.steps, actors=args.actors,
         compute_ms=args.compute_ms, num_workers=args.workers, num_samples_per_prompt=args.n_samples,
         warmup_steps=args.warmup_steps, num_cpus_per_actor=args.cpus_per_actor, seed=args.seed,
-        model_dir=args.model,
+        model_dir=args.model, modes=args.modes, run_config=args.config,
     )
     results = run_bench(config)
     if args.plot:
         _plot(results, args.plot)
     if args.json:
-        print(json.dumps({"config": asdict(config), "runs": [asdict(r) for r in results],
+        print(json.dumps({"config": asdict(config), "flexrl_data": asdict(config.data_config()),
+                          "runs": [asdict(r) for r in results],
                           "summary": summary(results)}, indent=1))
     else:
         print(format_table(results))
