@@ -20,18 +20,30 @@ several coordinated exchanges. This search starts from the other end:
    (vectorised), until it is zero or nothing lowers it.
 
 `search_partition` tries cost caps in stages (from the busiest block's cost before the search up to
-`cost_cap`) and returns the first partition meeting all caps, or None. Cost O(n²) per step, so it
-runs only for at most MAX_ITEMS sequences.
+`cost_cap`) and returns the first partition meeting all caps, or None. Its work is bounded by
+counted work, not by the step's size: every scored candidate — a (giver, target block) of a move,
+a (giver, taken items) of an exchange — and every (item, block) of a start costs one unit out of
+WORK_BUDGET for the whole search; a descent step whose candidates do not fit in what is left is
+not taken (the search then ends with what it has). So a failing search costs about the same
+anywhere (tens of ms on the 2-core box), small steps run their descents to the end, and the result
+is a pure function of the inputs (no clock).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 ATTENTION_SHARE = 0.1
 """Sequences above this share of the mean block attention are placed first, by attention."""
-MAX_ITEMS = 64
-"""The search runs only for steps of at most this many sequences (an (n × n) swap table a step)."""
+WORK_BUDGET = 200_000
+"""Candidate evaluations (module doc) one search may spend over all its starts and descents
+(≈ 0.15–0.25 µs each on the 2-core box: a failing search stops after ~30–50 ms)."""
+STEP_UNITS = 2_000
+"""Least units a descent step is charged (its fixed numpy overhead, ≈ 0.3 ms)."""
+STEP_CAP = 25_000
+"""Most candidates one descent step scores (larger steps are thinned evenly: `_step_candidates`)."""
 MAX_STEPS = 32
 """Upper bound on move/swap steps of one penalty descent."""
 PAIR_ITEMS = 8
@@ -40,19 +52,39 @@ COST_STAGES = (2 / 3, 1.0)
 """Fractions of the way from the busiest block's cost to the cost cap tried in turn."""
 
 
+@dataclass
+class WorkMeter:
+    """Counted work of one search (module doc)."""
+
+    limit: int = WORK_BUDGET
+    """Units the search may spend."""
+    used: int = 0
+    """Units spent so far."""
+
+    def afford(self, units: int) -> bool:
+        """Spend `units` if they fit in what is left; False (nothing spent) otherwise."""
+        if self.used + units > self.limit:
+            return False
+        self.used += units
+        return True
+
+
 def search_partition(values: np.ndarray, num_blocks: int, token_room: float, goal: float, cost_start: float,
-                     cost_cap: float) -> np.ndarray | None:
+                     cost_cap: float, meter: WorkMeter | None = None) -> np.ndarray | None:
     """A block index per sequence with every block's attention ≤ `goal`, tokens ≤ `token_room` and
     cost ≤ the first stage cap that works (caps from `cost_start` up to max(cost_start, cost_cap),
-    module doc); None when none works or there are more than MAX_ITEMS sequences. `values` is
-    (3, n): cost, attention, tokens (absolute block sums are compared with the caps)."""
-    if values.shape[1] > MAX_ITEMS or num_blocks < 2:
+    module doc); None when none works within the work budget (`meter`, default WORK_BUDGET units).
+    `values` is (3, n): cost, attention, tokens (absolute block sums are compared with the caps)."""
+    meter = meter if meter is not None else WorkMeter()
+    if num_blocks < 2:
         return None
     top = max(cost_start, cost_cap)
     caps = sorted({cost_start + (top - cost_start) * fraction for fraction in COST_STAGES})
     for cap in caps:
+        if not meter.afford(values.shape[1] * num_blocks):
+            return None
         blocks = attention_first_start(values, num_blocks, token_room, goal)
-        if _descend(blocks, values, num_blocks, np.array([cap, goal, token_room])) <= 0:
+        if _descend(blocks, values, num_blocks, np.array([cap, goal, token_room]), meter) <= 0:
             return blocks
     return None
 
@@ -90,19 +122,20 @@ def _excess(loads: np.ndarray) -> np.ndarray:
     return np.maximum(loads - 1, 0).sum(axis=0)
 
 
-def _descend(blocks: np.ndarray, values: np.ndarray, num_blocks: int, caps: np.ndarray) -> float:
+def _descend(blocks: np.ndarray, values: np.ndarray, num_blocks: int, caps: np.ndarray, meter: WorkMeter) -> float:
     """Step 2 of the module doc, in place on `blocks`; returns the penalty left (0: all caps met).
     Only changes touching a block over its caps can lower the penalty, so every candidate has its
-    giver or its taken items in such a block (keeps a step O(hot items × n))."""
+    giver or its taken items in such a block (keeps a step O(hot items × n)). A step is taken only
+    if `meter` affords its candidates."""
     scaled = values / np.where(np.isfinite(caps), caps, np.inf)[:, None]  # an infinite cap: never binding
     sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in scaled])
-    everyone = np.arange(len(blocks))
     for _ in range(MAX_STEPS):
         current = _excess(sums)
         if current.sum() <= 0:
             return 0.0
-        hot = np.nonzero(current[blocks] > 0)[0]
-        first, second = _cheap_pairs(blocks, scaled)
+        hot, everyone, first, second, units = _step_candidates(blocks, scaled, current)
+        if not meter.afford(max(units, STEP_UNITS)):
+            break
         in_hot = current[blocks[first]] > 0
         found = [_best_move(blocks, scaled, sums, current, hot),
                  _best_exchange(blocks, scaled, sums, current, hot, everyone, None),
@@ -116,6 +149,22 @@ def _descend(blocks: np.ndarray, values: np.ndarray, num_blocks: int, caps: np.n
             sums[:, target] += scaled[:, item]
             blocks[item] = target
     return float(_excess(sums).sum())
+
+
+def _step_candidates(blocks, scaled, current):
+    """(hot givers, all items, cheap pairs' first and second items, units) of one descent step: the
+    hot givers are the items of blocks over their caps; where the step would score more than
+    STEP_CAP candidates, every other hot giver, item and pair is dropped (evenly, deterministic)
+    until it fits, so a large step still takes several steps of the budget."""
+    hot = np.nonzero(current[blocks] > 0)[0]
+    everyone = np.arange(len(blocks))
+    first, second = _cheap_pairs(blocks, scaled)
+    while True:
+        in_hot = int((current[blocks[first]] > 0).sum())
+        units = len(hot) * (len(current) + len(everyone) + len(first)) + len(everyone) * in_hot
+        if units <= STEP_CAP or len(hot) <= 1:
+            return hot, everyone, first, second, units
+        hot, everyone, first, second = hot[::2], everyone[::2], first[::2], second[::2]
 
 
 def _best_move(blocks, scaled, sums, current, givers):

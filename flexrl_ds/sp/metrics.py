@@ -125,6 +125,56 @@ def split_bound(values: np.ndarray, num_bins: int) -> float:
     return max(partition_bound(values, num_bins), pairing_bound(values, num_bins))
 
 
+def attention_cost_infeasible(cost: np.ndarray, attention: np.ndarray, num_bins: int, attention_cap: float,
+                              cost_cap: float) -> bool:
+    """True when no split of the items over `num_bins` bins keeps every bin's attention ≤
+    `attention_cap` and cost ≤ `cost_cap` at once (absolute bin sums; a certificate: False says
+    nothing). Each bound alone may be reachable; together they are not where the long items leave
+    too little attention room for the cost their bins must still take. For the m largest items by
+    attention (every m), a bin holds at most q of them (q + 1 of the smallest exceed the cap), so
+    at least t = m − (q − 1)·bins bins hold exactly q. Those t bins carry at least the t·q smallest
+    of the m in attention and at most the t·q largest costs, and — the other bins holding ≤
+    cost_cap each — still need cost ≥ Σ cost − (bins − t)·cost_cap − that from the other n − m
+    items, within attention room t·cap − that. The least attention buying that cost (fractional,
+    lowest attention per cost first, over all items: a valid relaxation) above the room, or the
+    other items' total cost below the need, proves it impossible. O(n log n)."""
+    by_attention = np.argsort(-np.asarray(attention, dtype=float), kind="stable")
+    attention = np.asarray(attention, dtype=float)[by_attention]
+    cost = np.asarray(cost, dtype=float)[by_attention]
+    n = len(attention)
+    if n == 0:
+        return False
+    if attention[0] > attention_cap or cost.max() > cost_cap:
+        return True
+    prefix_a, prefix_c = (np.concatenate([[0.0], np.cumsum(row)]) for row in (attention, cost))
+    m = np.arange(1, n)
+    # q(m): the most of the m largest a bin can hold (sum of the q smallest of them ≤ cap); binary search.
+    low, high = np.ones(len(m), dtype=np.int64), m.copy()
+    while (low < high).any():
+        mid = (low + high + 1) // 2
+        fits = prefix_a[m] - prefix_a[m - mid] <= attention_cap
+        low, high = np.where(fits, mid, low), np.where(fits, high, mid - 1)
+    q = low
+    full = m - (q - 1) * num_bins  # bins that must hold exactly q of the m largest
+    if (full > num_bins).any():
+        return True  # the m largest do not fit at q per bin
+    t, m, q = full[full >= 1], m[full >= 1], q[full >= 1]
+    held = t * q
+    room = t * attention_cap - (prefix_a[m] - prefix_a[m - held])
+    most_cost = np.concatenate([[0.0], np.cumsum(np.sort(cost)[::-1])])  # the held largest costs, any items
+    need = prefix_c[n] - (num_bins - t) * cost_cap - most_cost[held]
+    if (need > prefix_c[n] - prefix_c[m] + 1e-9 * prefix_c[n]).any():
+        return True  # the other items do not carry the cost those bins need
+    ratio_order = np.argsort(attention / np.maximum(cost, 1e-300), kind="stable")
+    cheap_c = np.concatenate([[0.0], np.cumsum(cost[ratio_order])])
+    cheap_a = np.concatenate([[0.0], np.cumsum(attention[ratio_order])])
+    k = np.clip(np.searchsorted(cheap_c, need), 1, n)
+    item = ratio_order[k - 1]
+    least = cheap_a[k - 1] + np.maximum(need - cheap_c[k - 1], 0.0) * attention[item] / np.maximum(cost[item], 1e-300)
+    least = np.where(need > 0, least, 0.0)
+    return bool((least > room + 1e-9 * prefix_a[n]).any())
+
+
 def _ratio(loads: np.ndarray) -> float:
     mean = float(loads.mean())
     return float(loads.max()) / mean if mean > 0 else 1.0

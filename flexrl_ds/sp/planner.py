@@ -18,11 +18,12 @@ Algorithm (docs/ARCHITECTURE.md "Planner" has the argument; p = the largest allo
    `attention_target` ÷ (1 + balance_tolerance) × its mean and the attention partition bound is
    below that: one-for-many exchanges (a long item for a block's shortest items) with block cost
    allowed up to (1 + `attention_repair_slack`) × the busiest block's, raised in stages. Where a
-   block is still above that goal (steps of ≤ 64 sequences), the *attention-first search*
-   (attention_search.py: LPT on attention for the long sequences, short ones filling the
-   attention-tight blocks, then a penalty descent by moves/swaps) replaces the partition if it
-   meets the goal with every block's cost ≤ max(busiest block before, `attention_search_cost_cap`
-   × mean block), caps tried in stages.
+   block is still above that goal, the *attention-first search* (attention_search.py: LPT on
+   attention for the long sequences, short ones filling the attention-tight blocks, then a
+   penalty descent by moves/swaps; bounded by counted work, any step size) replaces the partition
+   if it meets the goal with every block's cost ≤ max(busiest block before,
+   `attention_search_cost_cap` × mean block), caps tried in stages — unless
+   `metrics.attention_cost_infeasible` proves that no partition meets both.
 2. Per-rank rooms: cost `(1 + balance_tolerance) ×` busiest block ÷ p (what fixed SP at p reaches
    on this partition), attention `max((1 + balance_tolerance) × busiest block ÷ p,
    attention_goal × mean)`, tokens `max_tokens_per_rank`.
@@ -60,7 +61,7 @@ from flexrl_ds.config.flexrl_config import SPConfig
 from flexrl_ds.sp.cost_model import CostModel
 from flexrl_ds.sp.attention_repair import repair_attention
 from flexrl_ds.sp.attention_search import search_partition
-from flexrl_ds.sp.metrics import PlanMetrics, compute_metrics, partition_bound, rank_sums
+from flexrl_ds.sp.metrics import PlanMetrics, attention_cost_infeasible, compute_metrics, partition_bound, rank_sums
 from flexrl_ds.sp.packing import PackingLimits, pack_group, packing_limits
 from flexrl_ds.sp.placement import CapacityError, Items, partition_blocks, split_block
 from flexrl_ds.sp.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
@@ -103,10 +104,10 @@ class PlannerOptions:
     """Upper bound on the repair's exchanges (a round, one vectorised search of ~1–3 ms on the
     2-core box, makes up to one per p-block)."""
     attention_search_cost_cap: float = 1.03
-    """Where the repair still leaves a block above its attention goal (steps of at most
-    attention_search.MAX_ITEMS sequences), an attention-first search may raise the busiest
-    p-block's cost up to this × the mean block cost (never lowering the cap below the busiest
-    block's cost before the search); 0 turns the search off."""
+    """Where the repair still leaves a block above its attention goal, an attention-first search
+    (bounded by attention_search.WORK_BUDGET counted candidates) may raise the busiest p-block's
+    cost up to this × the mean block cost (never lowering the cap below the busiest block's cost
+    before the search); 0 turns the search off."""
 
     def __post_init__(self) -> None:
         if not self.attention_target > 0:
@@ -227,8 +228,10 @@ def _repair_blocks(values: np.ndarray, blocks: np.ndarray, num_blocks: int, toke
     if options.attention_search_cost_cap <= 0 or \
             np.bincount(blocks, weights=values[1], minlength=num_blocks).max() <= goal:
         return
-    found = search_partition(values, num_blocks, token_room, goal, cost_start,
-                             options.attention_search_cost_cap * float(values[0].sum()) / num_blocks)
+    cost_cap = max(cost_start, options.attention_search_cost_cap * float(values[0].sum()) / num_blocks)
+    if attention_cost_infeasible(values[0], values[1], num_blocks, goal, cost_cap):
+        return  # no partition meets both caps: the search could only spend its budget
+    found = search_partition(values, num_blocks, token_room, goal, cost_start, cost_cap)
     if found is not None:
         blocks[:] = found
 
