@@ -121,7 +121,9 @@ class MaterializedStep:
                 if request.prompt not in self.withdrawn]
 
     def withdrawn_reasons(self) -> dict[str, str]:
-        """Record id -> reason, for the withdrawn prompts."""
+        """Record id -> reason, for the withdrawn prompts. The id is the record that failed to
+        decode: for a substitute standing in under policy replace (sample id `a->b`) that is `b`,
+        while the loader's `LoaderStep.withdrawn` names the sample (`a->b`)."""
         return {bad.id: bad.reason for bad in self.withdrawn.values()}
 
 
