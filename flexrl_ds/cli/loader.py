@@ -36,7 +36,8 @@ def register(commands, bench) -> None:
                         help="Ray CPUs per preprocessing actor (default: flexrl.data.pool.num_cpus_per_actor "
                              f"with --config, else {DEFAULT_CPUS_PER_ACTOR})")
     loader.add_argument("--model", help="saved HF processor folder setting the vision geometry")
-    loader.add_argument("--seed", type=int, default=None, help="sample order seed (default: flexrl.data.loader.seed, 0)")
+    loader.add_argument("--seed", type=int, default=None,
+                        help="sample order seed (default: flexrl.data.loader.seed, 0)")
     loader.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     loader.add_argument("--plot", help="write a PNG: exposed data time and controller RSS per run")
     loader.set_defaults(func=_bench_loader)
