@@ -13,6 +13,13 @@ several coordinated exchanges. This search starts from the other end:
    that still has attention room and stays under the mean block cost (short sequences carry the
    most cost per unit of attention, so they fill the attention-tight blocks), then the remaining
    ones by LPT on cost among blocks with attention room.
+1b. *Counted start* (tried first where it applies): where a block can hold at most q of the h
+   heavy sequences (q + 1 of the lightest exceed the goal) and h > (q − 1) × blocks, exactly
+   t = h − (q − 1) × blocks blocks must hold q of them; those blocks take the t·q lightest heavy
+   sequences and the other blocks the rest, each group by LPT on attention under its count
+   (image-heavy 512 sequences on 16 blocks, seed 16: 56 long videos, 8 blocks hold four: LPT on
+   attention alone spreads the longest over the blocks of four and leaves them no attention room
+   for the short sequences their cost still needs). The light sequences then fill as above.
 2. *Penalty descent.* Each block's excess over the caps, Σ_b max(0, cost_b/cost_cap − 1) +
    max(0, attention_b/goal − 1) (+ tokens over the token room), is lowered by the best move, swap
    or one-for-two exchange (an item for two of another block's PAIR_ITEMS cheapest: at nearly
@@ -20,7 +27,8 @@ several coordinated exchanges. This search starts from the other end:
    (vectorised), until it is zero or nothing lowers it.
 
 `search_partition` tries cost caps in stages (from the busiest block's cost before the search up to
-`cost_cap`) and returns the first partition meeting all caps, or None. Its work is bounded by
+`cost_cap`), each from the counted start and then the attention-first start, and returns the first
+partition meeting all caps, or None. Its work is bounded by
 counted work, not by the step's size: every scored candidate — a (giver, target block) of a move,
 a (giver, taken items) of an exchange — and every (item, block) of a start costs one unit out of
 WORK_BUDGET for the whole search; a descent step whose candidates do not fit in what is left is
@@ -81,39 +89,78 @@ def search_partition(values: np.ndarray, num_blocks: int, token_room: float, goa
     top = max(cost_start, cost_cap)
     caps = sorted({cost_start + (top - cost_start) * fraction for fraction in COST_STAGES})
     for cap in caps:
-        if not meter.afford(values.shape[1] * num_blocks):
-            return None
-        blocks = attention_first_start(values, num_blocks, token_room, goal)
-        if _descend(blocks, values, num_blocks, np.array([cap, goal, token_room]), meter) <= 0:
-            return blocks
+        for start in (counted_start, attention_first_start):
+            if not meter.afford(values.shape[1] * num_blocks):
+                return None
+            blocks = start(values, num_blocks, token_room, goal)
+            if blocks is not None and _descend(blocks, values, num_blocks, np.array([cap, goal, token_room]),
+                                               meter) <= 0:
+                return blocks
     return None
 
 
 def attention_first_start(values: np.ndarray, num_blocks: int, token_room: float, goal: float) -> np.ndarray:
     """Step 1 of the module doc (the token room is respected where some block has it)."""
-    cost, attention, tokens = values
-    mean_cost = float(cost.sum()) / num_blocks
-    blocks = np.full(values.shape[1], -1)
-    sums = np.zeros((3, num_blocks))
-
-    def place(item: int, block: int) -> None:
-        blocks[item] = block
-        sums[:, block] += values[:, item]
-
-    heavy = np.nonzero(attention > ATTENTION_SHARE * float(attention.sum()) / num_blocks)[0]
-    for item in heavy[np.argsort(-attention[heavy], kind="stable")].tolist():
+    attention, tokens = values[1], values[2]
+    blocks, sums = np.full(values.shape[1], -1), np.zeros((3, num_blocks))
+    for item in _heavy(attention, num_blocks).tolist():
         fits = sums[2] + tokens[item] <= token_room
-        place(item, int(np.argmin(np.where(fits, sums[1], np.inf))) if fits.any() else int(np.argmin(sums[2])))
+        _place(values, blocks, sums, item,
+               int(np.argmin(np.where(fits, sums[1], np.inf))) if fits.any() else int(np.argmin(sums[2])))
+    return _fill_light(values, blocks, sums, token_room, goal)
+
+
+def counted_start(values: np.ndarray, num_blocks: int, token_room: float, goal: float) -> np.ndarray | None:
+    """Step 1b of the module doc: the heavy sequences by count (None where no block must hold
+    more than one of them, or every block must hold the most)."""
+    attention, tokens = values[1], values[2]
+    heavy = _heavy(attention, num_blocks)
+    most = int(np.searchsorted(np.cumsum(attention[heavy][::-1]), goal, side="right"))
+    full = len(heavy) - (most - 1) * num_blocks  # blocks that must hold `most` heavy sequences
+    if most < 2 or not 1 <= full < num_blocks:
+        return None
+    blocks, sums = np.full(values.shape[1], -1), np.zeros((3, num_blocks))
+    counts = np.zeros(num_blocks, dtype=np.int64)
+    split = len(heavy) - full * most
+    for group, first, last, limit in ((heavy[split:], 0, full, most), (heavy[:split], full, num_blocks, most - 1)):
+        allowed = np.zeros(num_blocks, dtype=bool)
+        allowed[first:last] = True
+        for item in group.tolist():
+            fits = allowed & (counts < limit) & (sums[2] + tokens[item] <= token_room)
+            if not fits.any():
+                return None
+            _place(values, blocks, sums, item, int(np.argmin(np.where(fits, sums[1], np.inf))))
+            counts[blocks[item]] += 1
+    return _fill_light(values, blocks, sums, token_room, goal)
+
+
+def _heavy(attention: np.ndarray, num_blocks: int) -> np.ndarray:
+    """Sequences above ATTENTION_SHARE of the mean block attention, most attention first."""
+    heavy = np.nonzero(attention > ATTENTION_SHARE * float(attention.sum()) / num_blocks)[0]
+    return heavy[np.argsort(-attention[heavy], kind="stable")]
+
+
+def _place(values: np.ndarray, blocks: np.ndarray, sums: np.ndarray, item: int, block: int) -> None:
+    blocks[item] = block
+    sums[:, block] += values[:, item]
+
+
+def _fill_light(values: np.ndarray, blocks: np.ndarray, sums: np.ndarray, token_room: float,
+                goal: float) -> np.ndarray:
+    """The sequences not placed yet (step 1 of the module doc, second part); returns `blocks`."""
+    cost, attention, tokens = values
+    mean_cost = float(cost.sum()) / sums.shape[1]
     light = np.nonzero(blocks < 0)[0]
     for item in light[np.argsort(attention[light], kind="stable")].tolist():
         fits = (sums[1] + attention[item] <= goal) & (sums[0] + cost[item] <= mean_cost)
         fits &= sums[2] + tokens[item] <= token_room
         if fits.any():
-            place(item, int(np.argmax(np.where(fits, sums[1], -np.inf))))
+            _place(values, blocks, sums, item, int(np.argmax(np.where(fits, sums[1], -np.inf))))
     light = np.nonzero(blocks < 0)[0]
     for item in light[np.argsort(-cost[light], kind="stable")].tolist():
         fits = (sums[1] + attention[item] <= goal) & (sums[2] + tokens[item] <= token_room)
-        place(item, int(np.argmin(np.where(fits, sums[0], np.inf))) if fits.any() else int(np.argmin(sums[1])))
+        _place(values, blocks, sums, item,
+               int(np.argmin(np.where(fits, sums[0], np.inf))) if fits.any() else int(np.argmin(sums[1])))
     return blocks
 
 
