@@ -30,8 +30,8 @@ several coordinated exchanges. This search starts from the other end:
 `cost_cap`), each from the counted start and then the attention-first start, and returns the first
 partition meeting all caps, or None. Its work is bounded by
 counted work, not by the step's size: every scored candidate — a (giver, target block) of a move,
-a (giver, taken items) of an exchange — and every (item, block) of a start costs one unit out of
-WORK_BUDGET for the whole search; a descent step whose candidates do not fit in what is left is
+a (giver, taken items) of an exchange —, every sequence of a step (its O(n) bookkeeping) and
+START_ITEM_UNITS per sequence of a start cost units out of WORK_BUDGET for the whole search; a descent step whose candidates do not fit in what is left is
 not taken (the search then ends with what it has). So a failing search costs about the same
 anywhere (tens of ms on the 2-core box), small steps run their descents to the end, and the result
 is a pure function of the inputs (no clock).
@@ -50,6 +50,9 @@ WORK_BUDGET = 200_000
 (≈ 0.15–0.25 µs each on the 2-core box: a failing search stops after ~30–50 ms)."""
 STEP_UNITS = 2_000
 """Least units a descent step is charged (its fixed numpy overhead, ≈ 0.3 ms)."""
+START_ITEM_UNITS = 128
+"""Units a start is charged per sequence (a Python step each, ≈ 25 µs: it is charged before it
+runs, so steps of more than WORK_BUDGET / this sequences are not searched)."""
 STEP_CAP = 25_000
 """Most candidates one descent step scores (larger steps are thinned evenly: `_step_candidates`)."""
 MAX_STEPS = 32
@@ -88,9 +91,12 @@ def search_partition(values: np.ndarray, num_blocks: int, token_room: float, goa
         return None
     top = max(cost_start, cost_cap)
     caps = sorted({cost_start + (top - cost_start) * fraction for fraction in COST_STAGES})
+    starts = [attention_first_start]
+    if _heavy_counts(values[1], num_blocks, goal) is not None:
+        starts.insert(0, counted_start)
     for cap in caps:
-        for start in (counted_start, attention_first_start):
-            if not meter.afford(values.shape[1] * num_blocks):
+        for start in starts:
+            if not meter.afford(values.shape[1] * max(num_blocks, START_ITEM_UNITS)):
                 return None
             blocks = start(values, num_blocks, token_room, goal)
             if blocks is not None and _descend(blocks, values, num_blocks, np.array([cap, goal, token_room]),
@@ -113,12 +119,11 @@ def attention_first_start(values: np.ndarray, num_blocks: int, token_room: float
 def counted_start(values: np.ndarray, num_blocks: int, token_room: float, goal: float) -> np.ndarray | None:
     """Step 1b of the module doc: the heavy sequences by count (None where no block must hold
     more than one of them, or every block must hold the most)."""
-    attention, tokens = values[1], values[2]
-    heavy = _heavy(attention, num_blocks)
-    most = int(np.searchsorted(np.cumsum(attention[heavy][::-1]), goal, side="right"))
-    full = len(heavy) - (most - 1) * num_blocks  # blocks that must hold `most` heavy sequences
-    if most < 2 or not 1 <= full < num_blocks:
+    found = _heavy_counts(values[1], num_blocks, goal)
+    if found is None:
         return None
+    heavy, most, full = found
+    tokens = values[2]
     blocks, sums = np.full(values.shape[1], -1), np.zeros((3, num_blocks))
     counts = np.zeros(num_blocks, dtype=np.int64)
     split = len(heavy) - full * most
@@ -132,6 +137,15 @@ def counted_start(values: np.ndarray, num_blocks: int, token_room: float, goal: 
             _place(values, blocks, sums, item, int(np.argmin(np.where(fits, sums[1], np.inf))))
             counts[blocks[item]] += 1
     return _fill_light(values, blocks, sums, token_room, goal)
+
+
+def _heavy_counts(attention: np.ndarray, num_blocks: int, goal: float) -> tuple[np.ndarray, int, int] | None:
+    """(heavy sequences, most a block can hold, blocks that must hold that many) where the counted
+    start applies (most ≥ 2 and some but not every block must hold the most), else None."""
+    heavy = _heavy(attention, num_blocks)
+    most = int(np.searchsorted(np.cumsum(attention[heavy][::-1]), goal, side="right"))
+    full = len(heavy) - (most - 1) * num_blocks
+    return (heavy, most, full) if most >= 2 and 1 <= full < num_blocks else None
 
 
 def _heavy(attention: np.ndarray, num_blocks: int) -> np.ndarray:
@@ -181,7 +195,7 @@ def _descend(blocks: np.ndarray, values: np.ndarray, num_blocks: int, caps: np.n
         if current.sum() <= 0:
             return 0.0
         hot, everyone, first, second, units = _step_candidates(blocks, scaled, current)
-        if not meter.afford(max(units, STEP_UNITS)):
+        if not meter.afford(max(units, STEP_UNITS) + len(blocks)):
             break
         in_hot = current[blocks[first]] > 0
         found = [_best_move(blocks, scaled, sums, current, hot),
