@@ -46,8 +46,8 @@ import numpy as np
 ATTENTION_SHARE = 0.1
 """Sequences above this share of the mean block attention are placed first, by attention."""
 WORK_BUDGET = 200_000
-"""Candidate evaluations (module doc) one search may spend over all its starts and descents
-(≈ 0.15–0.25 µs each on the 2-core box: a failing search stops after ~30–50 ms)."""
+"""Work units (module doc: mostly scored candidates) one search may spend over all its starts and
+descents (≈ 0.15–0.25 µs each on the 2-core box: a failing search stops after ~30–50 ms)."""
 STEP_UNITS = 2_000
 """Least units a descent step is charged (its fixed numpy overhead, ≈ 0.3 ms)."""
 START_ITEM_UNITS = 128

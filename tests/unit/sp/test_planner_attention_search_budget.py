@@ -15,7 +15,7 @@ import flexrl_ds.sp.attention_search as attention_search
 from flexrl_ds.bench.planner_bench import format_quality, measure_quality
 from flexrl_ds.bench.workloads import make_workload
 from flexrl_ds.config.flexrl_config import SPConfig
-from flexrl_ds.sp.attention_search import WORK_BUDGET, WorkMeter, search_partition
+from flexrl_ds.sp.attention_search import WORK_BUDGET, WorkMeter, counted_start, search_partition
 from flexrl_ds.sp.cost_model import load_cost_model
 from flexrl_ds.sp.metrics import attention_cost_infeasible
 from flexrl_ds.sp.plan import SequenceSpec, Workload, validate_plan
@@ -88,6 +88,21 @@ def test_image_heavy_on_128_ranks_reaches_the_attention_target(num, seed):
     assert metrics.cost_balance <= 1.03 and metrics.efficiency >= 0.97
     off = plan_step(workload, 128, COST, SP, PlannerOptions(attention_search_cost_cap=0)).metrics
     assert off.attention_balance > 1.05
+
+
+def test_counted_start_gives_the_lightest_long_videos_to_the_blocks_that_hold_four():
+    """image-heavy 512 sequences, seed 16, 16 blocks: 56 videos above 10 % of a mean block's
+    attention, at most 4 per block under the goal, so 8 blocks hold four — the 32 lightest."""
+    values = _values("image-heavy", 512, 16)
+    means = values.sum(axis=1) / 16
+    blocks = counted_start(values, 16, float("inf"), 1.05 / 1.001 * means[1])
+    heavy = np.argsort(-values[1], kind="stable")[:56]
+    assert (values[1, heavy] > 0.1 * means[1]).all() and values[1, np.argsort(-values[1])[56]] <= 0.1 * means[1]
+    per_block = np.bincount(blocks[heavy], minlength=16)
+    assert sorted(per_block.tolist()) == [3] * 8 + [4] * 8
+    in_fours = per_block[blocks[heavy]] == 4
+    assert values[1, heavy[in_fours]].max() <= values[1, heavy[~in_fours]].min()
+    assert (blocks >= 0).all()
 
 
 @pytest.fixture
