@@ -88,7 +88,8 @@ def measure_quality(cost: CostModel, sp: SPConfig, seeds: int, counts=SEQUENCE_C
                 results = [plan_step(make_workload(mix, num, seed), world_size, cost, sp, options)
                            for seed in range(seeds)]
                 metrics = [r.metrics for r in results]
-                misses = [r for r in results if r.metrics.attention_balance > target > r.metrics.attention_balance_bound]
+                misses = [r for r in results
+                          if r.metrics.attention_balance > target > r.metrics.attention_balance_bound]
                 rows.append({
                     "mix": mix, "world_size": world_size, "num_sequences": num,
                     "efficiency_min": min(m.efficiency for m in metrics),

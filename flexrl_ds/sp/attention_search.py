@@ -28,13 +28,13 @@ several coordinated exchanges. This search starts from the other end:
 
 `search_partition` tries cost caps in stages (from the busiest block's cost before the search up to
 `cost_cap`), each from the counted start and then the attention-first start, and returns the first
-partition meeting all caps, or None. Its work is bounded by
-counted work, not by the step's size: every scored candidate — a (giver, target block) of a move,
-a (giver, taken items) of an exchange —, every sequence of a step (its O(n) bookkeeping) and
-START_ITEM_UNITS per sequence of a start cost units out of WORK_BUDGET for the whole search; a descent step whose candidates do not fit in what is left is
-not taken (the search then ends with what it has). So a failing search costs about the same
-anywhere (tens of ms on the 2-core box), small steps run their descents to the end, and the result
-is a pure function of the inputs (no clock).
+partition meeting all caps, or None. Its work is bounded by counted work, not by the step's size:
+every scored candidate — a (giver, target block) of a move, a (giver, taken items) of an
+exchange —, every sequence of a step (its O(n) bookkeeping) and START_ITEM_UNITS per sequence of
+a start cost units out of WORK_BUDGET for the whole search; a descent step or start that does not
+fit in what is left is not taken (the search then ends with what it has). So a failing search
+costs about the same anywhere (tens of ms on the 2-core box), small steps run their descents to
+the end, and the result is a pure function of the inputs (no clock).
 """
 
 from __future__ import annotations
