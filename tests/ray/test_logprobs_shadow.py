@@ -111,8 +111,12 @@ def test_actor_lost_after_decode_is_rerouted(ray_session, setup, local_run, monk
     def load_then_kill(session):
         step = load_step(session)
         keys = list(step.handle.prompt_keys.values())
-        victim = max((session.loader.store.entry(k) for k in keys), key=lambda e: e.cost).owner
+        entries = [session.loader.store.entry(k) for k in keys]
+        victim = max(entries, key=lambda e: e.cost).owner
         session.pool.kill(victim)
+        # A dead owner's objects become unreachable asynchronously; wait until they are, so the
+        # ranks deterministically meet the loss (not a copy still mapped in the node's store).
+        _wait_until_lost([e for e in entries if e.owner == victim])
         killed.append(victim)
         return step
 
@@ -120,3 +124,25 @@ def test_actor_lost_after_decode_is_rerouted(ray_session, setup, local_run, monk
     _shadow(root, data, root / "shadow_fault.jsonl", num_actors=2)
     assert killed and "re-routed" in capsys.readouterr().err
     _assert_same(_lines(root / "shadow_fault.jsonl"), local_run[0], reference)
+
+
+def _wait_until_lost(entries, timeout_s: float = 60.0) -> None:
+    """Return once a slice of every entry raises a lost-object error (fail after `timeout_s`)."""
+    import time
+
+    import ray
+
+    from flexrl_ds.data.actors import LOST_ERRORS
+
+    deadline = time.monotonic() + timeout_s
+    for entry in entries:
+        while True:
+            try:
+                refs = list(ray.get(entry.task_ref, timeout=10).values())
+                if not refs:  # a text-only prompt: nothing to lose
+                    break
+                ray.get(refs[0], timeout=10)
+            except LOST_ERRORS:
+                break
+            assert time.monotonic() < deadline, f"{entry.record_id}: slices still reachable after the kill"
+            time.sleep(0.1)
