@@ -29,7 +29,9 @@ bad row, `LoaderStats` counts them.
 - A decode failure found after hand-out (owner died, re-decode elsewhere failed) is found by
   `repair`, which waits for the re-decode of a handed-out step's prompt: the prompt is withdrawn
   (`LoaderStep.withdrawn`, `bad_records`, `LoaderStats.num_withdrawn`; ValueError under `error`),
-  once, whichever worker asked; the Materializer then raises `BadMediaError` naming the record.
+  once, whichever worker asked; `Materializer.get` then returns the step with that prompt marked in
+  `MaterializedStep.withdrawn` (every other prompt delivered), and raises naming the record only
+  under `error`.
 """
 
 from __future__ import annotations
