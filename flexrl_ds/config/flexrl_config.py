@@ -16,6 +16,7 @@ from typing import Any
 from flexrl_ds.config.json_files import read_json
 from flexrl_ds.config.typed import from_dict
 from flexrl_ds.data.config import DataConfig
+from flexrl_ds.rl.config import GRPOConfig
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -68,8 +69,8 @@ class FlexRLConfig:
     """FlexUlysses planning and execution."""
     data: DataConfig = field(default_factory=DataConfig)
     """ShadowLoader data settings (flexrl_ds/data/config.py)."""
-    rl: dict[str, Any] = field(default_factory=dict)
-    """GRPO settings; validated by `flexrl_ds.rl`."""
+    rl: GRPOConfig = field(default_factory=GRPOConfig)
+    """GRPO advantage and loss settings (flexrl_ds/rl/config.py)."""
 
 
 @dataclass

@@ -27,6 +27,7 @@ PURE_MODULES = [
     "bench/workloads.py",
     "rl/advantages.py",
     "rl/losses.py",
+    "rl/config.py",
 ]
 FORBIDDEN_IN_PURE = ("torch.distributed", "ray", "deepspeed")
 

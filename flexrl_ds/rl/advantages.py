@@ -1,0 +1,92 @@
+"""GRPO advantages: one scalar per sample from the rewards of its prompt's group (pure torch).
+
+Samples are prompt-major: sample k of prompt p sits at flat index p * n + k (n = samples per
+prompt), the order of the loader's `SampleId(step, slot, k)`. Estimators follow OpenRLHF's
+`--advantage_estimator`:
+
+- `group_norm` (GRPO): (r - mean_group) / (std_group + eps), std with Bessel's correction (n - 1),
+  and a group whose rewards are all equal gets advantages exactly 0 (every estimator; OpenRLHF's
+  plain formula gives ~0.9 there in float32, from rounding in the mean);
+- `dr_grpo` (Dr. GRPO / REINFORCE++-baseline): r - mean_group;
+- `rloo`: r - mean of the group's other n - 1 rewards.
+
+With outcome rewards every response token of a sample carries the sample's advantage
+(`token_advantages`); the reference-KL term lives in the loss (flexrl_ds/rl/losses.py), not here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexrl_ds.rl.config import ADVANTAGE_ESTIMATORS
+
+
+def grouped_rewards(rewards: torch.Tensor, num_samples_per_prompt: int) -> torch.Tensor:
+    """`rewards` of shape (num_prompts * n,) or (num_prompts, n), checked, as a (num_prompts, n) view.
+
+    Raises ValueError for a wrong shape or a non-finite reward, naming the flat sample index.
+    """
+    n = num_samples_per_prompt
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_samples_per_prompt: must be a positive integer, got {n!r}")
+    if not torch.is_floating_point(rewards):
+        raise ValueError(f"rewards: expected a floating-point tensor, got {rewards.dtype}")
+    if rewards.dim() == 2:
+        if rewards.shape[1] != n:
+            raise ValueError(f"rewards: shape {tuple(rewards.shape)} is not (num_prompts, {n})")
+    elif rewards.dim() != 1 or rewards.numel() % n != 0:
+        raise ValueError(
+            f"rewards: shape {tuple(rewards.shape)} is neither (num_prompts * {n},) nor (num_prompts, {n})"
+        )
+    if rewards.numel() == 0:
+        raise ValueError("rewards: empty")
+    bad = (~torch.isfinite(rewards.reshape(-1))).nonzero()
+    if bad.numel():
+        index = int(bad[0, 0])
+        raise ValueError(
+            f"rewards: sample {index} (prompt {index // n}, k={index % n}) has non-finite reward "
+            f"{rewards.reshape(-1)[index].item()}; {bad.numel()} sample(s) in all"
+        )
+    return rewards.reshape(-1, n)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    num_samples_per_prompt: int,
+    estimator: str = "group_norm",
+    eps: float = 1e-9,
+) -> torch.Tensor:
+    """Per-sample advantages, in the shape `rewards` came in (see the module docstring).
+
+    group_norm and rloo need n >= 2 (a group of one has no spread and no "others").
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"estimator: {estimator!r} is not one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    groups_PN = grouped_rewards(rewards, num_samples_per_prompt)
+    n = num_samples_per_prompt
+    if estimator in ("group_norm", "rloo") and n < 2:
+        raise ValueError(f"estimator {estimator!r} needs num_samples_per_prompt >= 2, got {n}")
+    mean_P1 = groups_PN.mean(dim=1, keepdim=True)
+    if estimator == "group_norm":
+        advantages_PN = (groups_PN - mean_P1) / (groups_PN.std(dim=1, keepdim=True) + eps)
+    elif estimator == "dr_grpo":
+        advantages_PN = groups_PN - mean_P1
+    else:  # rloo: baseline = (sum - r) / (n - 1)
+        others_mean_PN = (groups_PN.sum(dim=1, keepdim=True) - groups_PN) / (n - 1)
+        advantages_PN = groups_PN - others_mean_PN
+    # A group of equal rewards carries no signal. Rounding leaves r - mean ~ ulp and std ~ ulp, which
+    # group_norm would blow up to O(1) in float32 (0.1 x 7 gives 0.82): pin such groups to 0.
+    constant_P1 = groups_PN.amax(dim=1, keepdim=True) == groups_PN.amin(dim=1, keepdim=True)
+    advantages_PN = advantages_PN.masked_fill(constant_P1, 0.0)
+    return advantages_PN.reshape(rewards.shape)
+
+
+def token_advantages(advantages_S: torch.Tensor, response_mask_SL: torch.Tensor) -> torch.Tensor:
+    """Broadcast per-sample advantages (S,) onto response tokens (S, L); 0 where the mask is 0."""
+    if advantages_S.dim() != 1:
+        raise ValueError(f"advantages: expected shape (num_samples,), got {tuple(advantages_S.shape)}")
+    if response_mask_SL.dim() != 2 or response_mask_SL.shape[0] != advantages_S.shape[0]:
+        raise ValueError(
+            f"response_mask: shape {tuple(response_mask_SL.shape)} is not ({advantages_S.shape[0]}, L)"
+        )
+    return advantages_S[:, None] * response_mask_SL.to(advantages_S.dtype)
