@@ -176,8 +176,8 @@ def _stats(policy_loss, kl_loss, log_ratio_SL, clip_taken_SL, dual_taken_SL, mas
             return float(torch.where(mask_SL, values_SL.to(log_ratio_SL.dtype), 0.0).sum() / num_tokens)
 
         return PolicyLossStats(
-            policy_loss=float(policy_loss),
-            kl_loss=float(kl_loss),
+            policy_loss=policy_loss.item(),
+            kl_loss=kl_loss.item(),
             clip_fraction=token_mean(clip_taken_SL),
             dual_clip_fraction=token_mean(dual_taken_SL),
             approx_kl=token_mean(torch.expm1(log_ratio_SL) - log_ratio_SL),
