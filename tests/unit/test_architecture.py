@@ -28,6 +28,7 @@ PURE_MODULES = [
     "rl/advantages.py",
     "rl/losses.py",
     "rl/config.py",
+    "rl/rewards.py",
 ]
 FORBIDDEN_IN_PURE = ("torch.distributed", "ray", "deepspeed")
 
