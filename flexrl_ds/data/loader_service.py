@@ -64,9 +64,7 @@ class LoaderService:
         return self._steps[step].report()
 
     def stats(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        return asdict(self.loader.stats)
+        return self.loader.stats.as_dict()
 
     def owner_of(self, key: PromptKey) -> str:
         return self.loader.store.entry(key).owner

@@ -45,7 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexrl_ds.data.bad_records import BadRecordPolicy, EpochOrder, StepReport, check_policy, is_bad
+from flexrl_ds.data.bad_records import BadRecordCounts, BadRecordPolicy, EpochOrder, StepReport, check_policy, is_bad
 
 from flexrl_ds.data.metastore import MetaStore, PromptEntry, PromptKey, SampleId
 from flexrl_ds.data.materializer import PromptSource, SliceRequest, WorkerAssignment
@@ -137,16 +137,9 @@ class LoaderStep:
 class LoaderStats:
     bytes_through_controller: int = 0
     """Serialized bytes the controller sent or received for data (refs counted as their ids)."""
-    num_bad: int = 0
-    """Bad rows met so far."""
-    num_replaced: int = 0
-    """Bad rows replaced (policy replace)."""
-    num_skipped: int = 0
-    """Slots dropped (policy skip, or replace with the epoch's rows used up: `num_unreplaced`)."""
-    num_unreplaced: int = 0
-    """Slots policy replace had to drop: no unused row left in the epoch."""
-    num_withdrawn: int = 0
-    """Prompts withdrawn from a handed-out step (decode failed after re-routing)."""
+    bad_record_counts: BadRecordCounts = field(default_factory=BadRecordCounts)
+    """The bad-record policy's running totals (the policy's own object, read live; the `num_*`
+    properties below are views of it)."""
     num_rerouted: int = 0
     """Prompts re-routed after their actor died."""
     loader_s: float = 0.0
@@ -154,6 +147,37 @@ class LoaderStats:
     decoding for the baseline): the controller's part of the exposed data time."""
     compose_s: float = 0.0
     """Seconds spent composing steps (probe + dispatch), in the background for ShadowLoader."""
+
+    @property
+    def num_bad(self) -> int:
+        """Bad rows met so far."""
+        return self.bad_record_counts.num_bad
+
+    @property
+    def num_replaced(self) -> int:
+        """Bad rows replaced (policy replace)."""
+        return self.bad_record_counts.num_replaced
+
+    @property
+    def num_skipped(self) -> int:
+        """Slots dropped (policy skip, or replace with the epoch's rows used up: `num_unreplaced`)."""
+        return self.bad_record_counts.num_skipped + self.bad_record_counts.num_unreplaced
+
+    @property
+    def num_unreplaced(self) -> int:
+        """Slots policy replace had to drop: no unused row left in the epoch."""
+        return self.bad_record_counts.num_unreplaced
+
+    @property
+    def num_withdrawn(self) -> int:
+        """Prompts withdrawn from a handed-out step (decode failed after re-routing)."""
+        return self.bad_record_counts.num_withdrawn
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every counter and timing as plain values (the `num_*` views included)."""
+        names = ("bytes_through_controller", "num_bad", "num_replaced", "num_skipped", "num_unreplaced",
+                 "num_withdrawn", "num_rerouted", "loader_s", "compose_s")
+        return {name: getattr(self, name) for name in names}
 
 
 def payload_bytes(obj: Any) -> int:
@@ -186,7 +210,7 @@ class StepSource:
         self.records, self.config, self._probe = list(records), config, probe
         self.order = EpochOrder(len(self.records), config.seed, config.shuffle)
         self.policy = BadRecordPolicy(config.bad_record_policy, self.order, self._probe_rows)
-        self.stats = LoaderStats()
+        self.stats = LoaderStats(bad_record_counts=self.policy.counts)
         self._next_index = 0
         self.lock = threading.RLock()
         """Held while the order, the probe or the policy is used: compose and settle, and repairs
@@ -196,10 +220,7 @@ class StepSource:
         """Choose and probe the next step's prompts, applying the bad-record policy."""
         with self.lock:
             index, self._next_index = self._next_index, self._next_index + 1
-            try:
-                epoch, samples, report = self.policy.compose(index, self.config.global_batch)
-            finally:
-                self._count()
+            epoch, samples, report = self.policy.compose(index, self.config.global_batch)
         prompts = [StepPrompt(PromptKey(index, slot), sample) for slot, sample in enumerate(samples)]
         return LoaderStep(index, epoch, prompts, self.config.num_samples_per_prompt,
                           report.bad_records, report.replacements, rows=report.rows)
@@ -220,25 +241,13 @@ class StepSource:
     def after_decode_failure(self, step: LoaderStep, prompt: StepPrompt, bad: Any) -> StepPrompt | None:
         """Policy for `prompt` of a step not yet handed out: its substitute in the same slot, or None."""
         with self.lock:
-            try:
-                substitute = self.policy.resolve(step.step, bad, step.bad_report, failed_id=prompt.meta.id)
-            finally:
-                self._count()
+            substitute = self.policy.resolve(step.step, bad, step.bad_report, failed_id=prompt.meta.id)
         return None if substitute is None else StepPrompt(prompt.key, substitute)
 
     def withdraw(self, step: LoaderStep, prompt_id: str, bad: Any) -> None:
         """Policy for a prompt of a step already handed out whose decode failed (see bad_records)."""
         with self.lock:
-            try:
-                self.policy.withdraw(step.step, bad, step.bad_report, failed_id=prompt_id)
-            finally:
-                self._count()
-
-    def _count(self) -> None:
-        counts = self.policy.counts
-        self.stats.num_bad, self.stats.num_replaced = counts.num_bad, counts.num_replaced
-        self.stats.num_skipped = counts.num_skipped + counts.num_unreplaced
-        self.stats.num_unreplaced, self.stats.num_withdrawn = counts.num_unreplaced, counts.num_withdrawn
+            self.policy.withdraw(step.step, bad, step.bad_report, failed_id=prompt_id)
 
     def _probe_rows(self, rows: list[int]) -> list[Any]:
         entries = [self.records[row] for row in rows]
