@@ -11,11 +11,11 @@ the worker's `Materializer.get` returns every other prompt intact in the same st
 from __future__ import annotations
 
 import functools
-import time
 
 import pytest
 import ray
 import torch
+from ray_helpers import wait_until_lost
 
 from flexrl_ds.bench.loader_media import MediaDatasetSpec, write_media_dataset
 from flexrl_ds.data.config import DataConfig, LoaderSection, PoolSection
@@ -53,15 +53,6 @@ def _assert_intact(step, delivered):
         assert torch.equal(torch.as_tensor(tensors["pixel_values"]), reference.pixel_values), request
 
 
-def _wait_until_lost(ref, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.ObjectLostError:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the dead actor's objects stayed readable")
 
 
 def test_worker_found_decode_failure_after_hand_out_is_withdrawn_by_the_loader(ray_session, tmp_path):
@@ -80,7 +71,7 @@ def test_worker_found_decode_failure_after_hand_out_is_withdrawn_by_the_loader(r
         with open(broken.meta.items[0].item.path, "wb") as handle:
             handle.write(b"no longer an image")
         ray.get(service.kill_preprocess_actor.remote(victim))
-        _wait_until_lost(next(iter(slice_refs.values())))
+        wait_until_lost(next(iter(slice_refs.values())))
 
         out = _fetch_in_worker(assignment, RemoteRepair(service, timeout_s=60))
         # the step comes back: the broken prompt marked withdrawn, every other request once, intact

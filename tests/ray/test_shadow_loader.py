@@ -7,11 +7,11 @@ the test process on the same `SampleMeta`.
 from __future__ import annotations
 
 import functools
-import time
 import numpy as np
 import pytest
 import ray
 import torch
+from ray_helpers import wait_until_lost
 
 from flexrl_ds.bench.loader_media import MediaDatasetSpec, write_media_dataset
 from flexrl_ds.data.actors import PoolConfig, PreprocessPool
@@ -162,7 +162,7 @@ def test_killing_an_actor_mid_step_loses_and_duplicates_nothing(shared_pool, rec
     victim = loader.store.entry(step2.prompts[0].key).owner
     probe_ref = next(iter(ray.get(tasks[0]).values()))
     pool.kill(victim)
-    _wait_until_lost(probe_ref)
+    wait_until_lost(probe_ref)
     requests = requests_for_samples(step2, step2.sample_ids())
     worker.prefetch(loader.assignment(step2, requests))
     out = worker.get(step2.step)
@@ -174,16 +174,6 @@ def ray_wait_done(ref) -> bool:
     return bool(ray.wait([ref], timeout=0, fetch_local=False)[0])
 
 
-def _wait_until_lost(ref, timeout_s: float = 20.0) -> None:
-    """Ray frees a dead owner's objects shortly after noticing the death."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.ObjectLostError:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the dead actor's objects stayed readable")
 
 
 

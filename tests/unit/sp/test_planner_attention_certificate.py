@@ -5,11 +5,11 @@ the attention-first search (attention_search.py) that makes the planner reach it
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from brute_force import best_split
 
 from flexrl_ds.bench.workloads import make_workload
 from flexrl_ds.config.flexrl_config import SPConfig
@@ -31,29 +31,19 @@ WITNESS_BLOCKS = (
 )
 
 
-def _best_split(values: list[int], bins: int) -> int:
-    best = sum(values)
-    for assignment in itertools.product(range(bins), repeat=len(values)):
-        sums = [0] * bins
-        for value, b in zip(values, assignment):
-            sums[b] += value
-        best = min(best, max(sums))
-    return best
-
-
 @settings(max_examples=200, deadline=None)
 @given(values=st.lists(st.integers(1, 1000), min_size=1, max_size=7), bins=st.integers(1, 3))
-def test_pairing_bound_is_a_lower_bound_of_the_best_split(values, bins):
+def test_pairing_bound_is_a_lower_bound_of_thebest_split(values, bins):
     bound = pairing_bound(np.array(values, dtype=float), bins)
-    assert max(values) <= bound <= _best_split(values, bins) + 1e-9
-    assert split_bound(np.array(values, dtype=float), bins) <= _best_split(values, bins) + 1e-9
+    assert max(values) <= bound <= best_split(values, bins) + 1e-9
+    assert split_bound(np.array(values, dtype=float), bins) <= best_split(values, bins) + 1e-9
 
 
 def test_pairing_bound_sees_forced_pairs_that_partition_bound_misses():
     """Three bins, five values: two bins hold two each, so 9 pairs with 5 or 4 (best split 13);
     partition_bound only sees that two of the four largest share a bin (5 + 5)."""
     values = np.array([10, 9, 5, 5, 4], dtype=float)
-    assert _best_split(values.astype(int).tolist(), 3) == 13
+    assert best_split(values.astype(int).tolist(), 3) == 13
     assert pairing_bound(values, 3) == 13
     assert partition_bound(values, 3) == 10
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from brute_force import best_split
 
 from flexrl_ds.bench.workloads import MIXES, make_step, make_workload
 from flexrl_ds.config.flexrl_config import SPConfig
@@ -72,21 +72,11 @@ def test_paper_regime_beats_fixed_sp_on_attention_and_all_to_all():
     assert mean(flex, "all_to_all_relative") < 0.95
 
 
-def _best_split(values, bins):
-    best = float("inf")
-    for assignment in itertools.product(range(bins), repeat=len(values)):
-        sums = [0.0] * bins
-        for value, b in zip(values, assignment):
-            sums[b] += value
-        best = min(best, max(sums))
-    return best
-
-
 @settings(max_examples=150, deadline=None)
 @given(values=st.lists(st.integers(1, 1000), min_size=1, max_size=7), bins=st.integers(1, 3))
-def test_partition_bound_is_a_lower_bound_of_the_best_split(values, bins):
+def test_partition_bound_is_a_lower_bound_of_thebest_split(values, bins):
     bound = partition_bound(np.array(values, dtype=float), bins)
-    assert max(values) <= bound <= _best_split(values, bins) + 1e-9
+    assert max(values) <= bound <= best_split(values, bins) + 1e-9
     if len(values) == bins + 1 and bins > 1:
         assert bound >= sorted(values)[0] + sorted(values)[1]  # two of them must share a bin
 
