@@ -14,9 +14,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from flexrl_ds.data.dataset import probe_entries
-from flexrl_ds.data.preprocess import SamplePreprocessor
-from flexrl_ds.data.types import BadMediaError, SampleMeta
+from flexrl_ds.media.dataset import probe_entries
+from flexrl_ds.media.preprocess import SamplePreprocessor
+from flexrl_ds.media.types import BadMediaError, SampleMeta
 
 
 @dataclass

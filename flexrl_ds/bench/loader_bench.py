@@ -95,7 +95,7 @@ class LoaderBenchConfig:
     def data_config(self):
         """The run's `flexrl.data` (`DataConfig`): --config's (or the defaults), the processor of
         --model, and the bench's n, seed and CPUs per actor. B and K are set per run (`run_settings`)."""
-        from flexrl_ds.data.config import DataConfig
+        from flexrl_ds.media.config import DataConfig
 
         data = DataConfig()
         if self.run_config is not None:
@@ -119,7 +119,7 @@ def _override(section: Any, **values: Any) -> Any:
 def run_settings(data_config: Any, batch: int, num_actors: int) -> tuple[Any, Any]:
     """(LoaderConfig, PoolConfig) of one run: `loader_settings` of `data_config` with global batch
     `batch` and `num_actors` preprocessing actors per node (0: no pool, the config's count kept)."""
-    from flexrl_ds.data.loader_settings import loader_settings
+    from flexrl_ds.loader.loader_settings import loader_settings
 
     pool = _override(data_config.pool, num_actors_per_node=num_actors or None)
     return loader_settings(replace(data_config, loader=replace(data_config.loader, global_batch=batch), pool=pool))
@@ -232,7 +232,7 @@ class _RssSampler:
 def _make_worker_class():
     import ray
 
-    from flexrl_ds.data.materializer import Materializer, RayFetcher
+    from flexrl_ds.loader.materializer import Materializer, RayFetcher
 
     @ray.remote(num_cpus=0.01)
     class BenchWorker:
@@ -265,18 +265,18 @@ class _NoDataLoader:
     """Steps without prompts: measures the bench loop's own overhead."""
 
     def __init__(self):
-        from flexrl_ds.data.proxy_loader import LoaderStats
+        from flexrl_ds.loader.proxy_loader import LoaderStats
 
         self.stats, self._index = LoaderStats(), 0
 
     def next_step(self):
-        from flexrl_ds.data.proxy_loader import LoaderStep
+        from flexrl_ds.loader.proxy_loader import LoaderStep
 
         self._index += 1
         return LoaderStep(self._index - 1, 0, [], 1)
 
     def assignment(self, step, requests):
-        from flexrl_ds.data.materializer import WorkerAssignment
+        from flexrl_ds.loader.materializer import WorkerAssignment
 
         return WorkerAssignment(step.step, (), {})
 
@@ -286,10 +286,10 @@ class _NoDataLoader:
 
 def _build_loader(mode: str, records: list, data_config: Any, loader_config: Any, pool_config: Any):
     """(loader, preprocessing pool or None) of one run."""
-    from flexrl_ds.data.actors import PreprocessPool
-    from flexrl_ds.data.central_loader import CentralLoader
-    from flexrl_ds.data.preprocess import SamplePreprocessor
-    from flexrl_ds.data.proxy_loader import ProxyLoader
+    from flexrl_ds.loader.actors import PreprocessPool
+    from flexrl_ds.loader.central_loader import CentralLoader
+    from flexrl_ds.media.preprocess import SamplePreprocessor
+    from flexrl_ds.loader.proxy_loader import ProxyLoader
 
     make_preprocessor = functools.partial(SamplePreprocessor, data_config)
     if mode == "none":
@@ -319,7 +319,7 @@ class _Measured:
 
 def _send(loader: Any, workers: list, step: Any) -> None:
     """Deal the step's samples round-robin to the workers and start their prefetch."""
-    from flexrl_ds.data.proxy_loader import requests_for_samples
+    from flexrl_ds.loader.proxy_loader import requests_for_samples
 
     samples = step.sample_ids()
     for index, worker in enumerate(workers):
@@ -390,7 +390,7 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
     """One measured run in this (controller) process; Ray must already be initialised."""
     import ray
 
-    from flexrl_ds.data.records import read_dataset
+    from flexrl_ds.media.records import read_dataset
 
     rss = _RssSampler()  # baseline: this process before it holds any data
     data_config = config.data_config()

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from flexrl_ds.bench.workloads import MIXES, make_workload
-from flexrl_ds.config.flexrl_config import SPConfig
-from flexrl_ds.sp.baselines import verl_bucketing
-from flexrl_ds.sp.cost_model import CostModel
-from flexrl_ds.sp.metrics import attention_cost_infeasible
-from flexrl_ds.sp.planner import PlannerOptions, plan_step
+from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.baselines import verl_bucketing
+from flexrl_ds.planning.cost_model import CostModel
+from flexrl_ds.planning.metrics import attention_cost_infeasible
+from flexrl_ds.planning.planner import PlannerOptions, plan_step
 
 ATTENTION_TARGET = PlannerOptions().attention_target
 """Attention balance the issue asks for wherever the attention bound allows it (1.05)."""

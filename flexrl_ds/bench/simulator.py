@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from flexrl_ds.bench.workloads import make_step
-from flexrl_ds.config.flexrl_config import SPConfig
-from flexrl_ds.sp.baselines import MethodResult, fixed_sp, lpt_bucketing, verl_bucketing
-from flexrl_ds.sp.cost_model import CostModel
-from flexrl_ds.sp.plan import validate_plan
-from flexrl_ds.sp.planner import PlannerOptions, plan_step
-from flexrl_ds.sp.schedule import check_schedule
+from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.baselines import MethodResult, fixed_sp, lpt_bucketing, verl_bucketing
+from flexrl_ds.planning.cost_model import CostModel
+from flexrl_ds.planning.plan import validate_plan
+from flexrl_ds.planning.planner import PlannerOptions, plan_step
+from flexrl_ds.planning.schedule import check_schedule
 
 TABLE_METRICS = ("attention_balance", "attention_balance_bound", "cost_balance", "token_balance", "efficiency",
                  "efficiency_bound", "all_to_all_relative", "num_packs", "plan_ms")
@@ -123,7 +123,7 @@ def format_table(sim: SimulationResult) -> str:
     names = ("attn bal", "attn LB", "cost bal", "tok bal", "effic.", "eff UB", "a2a/SPmax", "packs", "plan ms")
     lines = [header, f"{'method':<18}" + "".join(f"{n:>11}" for n in names)]
     footer = ("attn LB / eff UB: no plan on aligned groups of <= p_max ranks has a lower attention balance / "
-              "a higher efficiency (bounds in flexrl_ds/sp/metrics.py); a2a/SPmax: all-to-all volume / fixed "
+              "a higher efficiency (bounds in flexrl_ds/planning/metrics.py); a2a/SPmax: all-to-all volume / fixed "
               "SP at the row's degree cap")
     per_rank = sim.gbs * sim.n_samples / sim.world_size
     if per_rank >= 4:

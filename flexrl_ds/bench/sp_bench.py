@@ -89,7 +89,7 @@ class SystemResult:
 def skewed_lengths(config: SPBenchConfig) -> dict[str, int]:
     """The batch: `long_tokens` videos + `num_short` images with seeded lengths."""
     if config.workload:
-        from flexrl_ds.sp.plan import load_workload
+        from flexrl_ds.planning.plan import load_workload
 
         return {s.id: s.tokens for s in load_workload(config.workload).sequences}
     import random
@@ -103,12 +103,12 @@ def skewed_lengths(config: SPBenchConfig) -> dict[str, int]:
 
 def make_plans(lengths: dict[str, int], world_size: int, config: SPBenchConfig) -> dict[str, Any]:
     """system name -> (plan, lengths incl. padding). Pure: every rank computes the same plans."""
-    from flexrl_ds.config.flexrl_config import SPConfig
-    from flexrl_ds.sp.baselines import lpt_bucketing
-    from flexrl_ds.sp.cost_model import load_cost_model
+    from flexrl_ds.planning.config import SPConfig
+    from flexrl_ds.planning.baselines import lpt_bucketing
+    from flexrl_ds.planning.cost_model import load_cost_model
     from flexrl_ds.sp.fixed_sp import fixed_sp_plan
-    from flexrl_ds.sp.plan import SequenceSpec, Workload
-    from flexrl_ds.sp.planner import plan_step
+    from flexrl_ds.planning.plan import SequenceSpec, Workload
+    from flexrl_ds.planning.planner import plan_step
 
     cost = load_cost_model("qwen2.5-vl-7b")
     workload = Workload(tuple(SequenceSpec(id=s, tokens=n) for s, n in lengths.items()))

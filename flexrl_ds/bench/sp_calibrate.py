@@ -1,6 +1,6 @@
 """`flexrl bench sp --calibrate OUT.json`: measure the cost model's constants on this machine.
 
-Writes the calibration file format of flexrl_ds/sp/cost_model.py:
+Writes the calibration file format of flexrl_ds/planning/cost_model.py:
 - `attention_s_per_token2`: causal attention forward+backward of one sequence of L tokens (the
   layer's heads, local varlen kernel), least-squares fit t = a·L² + b·L + c over several L, a × layers;
 - `linear_s_per_token`: the layer's projections + gated MLP forward+backward on L tokens, fit

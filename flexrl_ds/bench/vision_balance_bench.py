@@ -5,7 +5,7 @@ patches each rank of the SP domain encodes under three policies:
 - `sequence-owner`: the first rank of a sequence's pack encodes all its images/frames (what a model
   forward per pack does without vision balancing);
 - `pack-group`: a pack's units are spread (largest first) over the ranks of its own group;
-- `domain` (flexrl_ds/sp/vision_balance.py): units spread over all ranks of the domain.
+- `domain` (flexrl_ds/models/vision_balance.py): units spread over all ranks of the domain.
 Units: an image, or a temporal group of two frames; patches per unit = 4 × merged vision tokens of
 the unit (2×2 merge). Pure computation (no model); the balance ratio is max / mean patches per rank.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexrl_ds.sp.vision_balance import assign_units
+from flexrl_ds.models.vision_balance import assign_units
 
 POLICIES = ("sequence-owner", "pack-group", "domain")
 
@@ -74,9 +74,9 @@ def run(mix: str, num_prompts: int, n_samples: int, world_size: int, p_max: int,
         plot: str | None = None) -> list[VisionBalanceRow]:
     """Generate a step, plan it, compare the policies; optional bar plot of patches per rank."""
     from flexrl_ds.bench.workloads import make_step
-    from flexrl_ds.config.flexrl_config import SPConfig
-    from flexrl_ds.sp.cost_model import load_cost_model
-    from flexrl_ds.sp.planner import plan_step
+    from flexrl_ds.planning.config import SPConfig
+    from flexrl_ds.planning.cost_model import load_cost_model
+    from flexrl_ds.planning.planner import plan_step
 
     workload = make_step(mix, num_prompts, n_samples, seed)
     plan = plan_step(workload, world_size, load_cost_model("qwen2.5-vl-7b"), SPConfig(p_max=p_max)).plan

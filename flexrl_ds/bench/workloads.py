@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexrl_ds.sp.plan import SequenceSpec, Workload
+from flexrl_ds.planning.plan import SequenceSpec, Workload
 
 BLOCK_PX = 28
 """Side of one merged vision token in pixels (patch 14 × merge 2)."""

@@ -80,7 +80,7 @@ def _make_dataset(args: argparse.Namespace) -> int:
 def _data_config(args: argparse.Namespace):
     from dataclasses import replace
 
-    from flexrl_ds.data.config import DataConfig
+    from flexrl_ds.media.config import DataConfig
 
     config = DataConfig()
     if args.config:
@@ -97,8 +97,8 @@ def _data_config(args: argparse.Namespace):
 
 
 def _inspect_data(args: argparse.Namespace) -> int:
-    from flexrl_ds.data.dataset import probe_entries
-    from flexrl_ds.data.preprocess import SamplePreprocessor
+    from flexrl_ds.media.dataset import probe_entries
+    from flexrl_ds.media.preprocess import SamplePreprocessor
 
     preprocessor = SamplePreprocessor(_data_config(args))
     entries = probe_entries(args.data, preprocessor, progress=None if args.json else _progress("probe"))
@@ -120,7 +120,7 @@ def _inspect_data(args: argparse.Namespace) -> int:
 
 def _bench_probe(args: argparse.Namespace) -> int:
     from flexrl_ds.bench.data_probe import bench_probe
-    from flexrl_ds.data.preprocess import SamplePreprocessor
+    from flexrl_ds.media.preprocess import SamplePreprocessor
 
     result = bench_probe(args.data, SamplePreprocessor(_data_config(args)))
     print(json.dumps(result.to_json()) if args.json else result.table())
@@ -129,8 +129,8 @@ def _bench_probe(args: argparse.Namespace) -> int:
 
 def inspect_entry(entry, preprocessor, materialize: bool) -> dict:
     """The `inspect-data --json` object of one probed entry (SampleMeta or BadRecord)."""
-    from flexrl_ds.data.preprocess import collate
-    from flexrl_ds.data.types import BadMediaError, BadRecord
+    from flexrl_ds.media.preprocess import collate
+    from flexrl_ds.media.types import BadMediaError, BadRecord
 
     if isinstance(entry, BadRecord):
         return {"id": entry.id, "ok": False, "reason": f"{entry.stage}: {entry.reason}",
@@ -157,7 +157,7 @@ def plot_vision_tokens(entries, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flexrl_ds.data.types import SampleMeta
+    from flexrl_ds.media.types import SampleMeta
 
     groups: dict[str, list[int]] = {}
     for entry in entries:

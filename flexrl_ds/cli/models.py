@@ -70,7 +70,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _logprobs(args: argparse.Namespace) -> int:
-    from flexrl_ds.rl.logprobs import LogprobsConfig, run_logprobs
+    from flexrl_ds.tools.logprobs import LogprobsConfig, run_logprobs
 
     config = LogprobsConfig(model_dir=args.model, data_path=args.data, out_path=args.out,
                             num_procs=args.nproc, p_max=args.p_max, plan_out=args.plan_out, dtype=args.dtype,

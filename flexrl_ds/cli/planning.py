@@ -67,7 +67,7 @@ def _add_sp_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("planning options (override the config's flexrl.sp section)")
     group.add_argument("--config", help="DeepSpeed JSON with a flexrl section")
     group.add_argument("--model", help="qwen2.5-vl-7b | qwen2.5-vl-32b | mimo-vl-7b | path to config.json/dir")
-    group.add_argument("--calibration", help="calibration JSON (see flexrl_ds/sp/cost_model.py)")
+    group.add_argument("--calibration", help="calibration JSON (see flexrl_ds/planning/cost_model.py)")
     group.add_argument("--p-max", type=int, help="largest Ulysses degree (power of two); default 8")
     group.add_argument("--max-tokens-per-rank", type=int, help="per-rank token cap")
     group.add_argument("--h-pack", type=int, help="sequences shorter than this are packed")
@@ -79,9 +79,10 @@ def _add_sp_options(parser: argparse.ArgumentParser) -> None:
 
 def _resolve(args):
     """(SPConfig, CostModel, PlannerOptions) from --config plus flag overrides."""
-    from flexrl_ds.config.flexrl_config import SPConfig, load_run_config
-    from flexrl_ds.sp.cost_model import load_cost_model
-    from flexrl_ds.sp.planner import PlannerOptions
+    from flexrl_ds.config.flexrl_config import load_run_config
+    from flexrl_ds.planning.config import SPConfig
+    from flexrl_ds.planning.cost_model import load_cost_model
+    from flexrl_ds.planning.planner import PlannerOptions
 
     base = load_run_config(args.config).flexrl.sp if args.config else SPConfig()
     overrides = {key: getattr(args, key) for key in ("p_max", "max_tokens_per_rank", "h_pack", "H_pack", "oversize")
@@ -110,9 +111,9 @@ def _make_workload(args) -> int:
 
 
 def _plan(args) -> int:
-    from flexrl_ds.sp.plan import load_workload, validate_plan
-    from flexrl_ds.sp.planner import plan_step
-    from flexrl_ds.sp.schedule import check_schedule
+    from flexrl_ds.planning.plan import load_workload, validate_plan
+    from flexrl_ds.planning.planner import plan_step
+    from flexrl_ds.planning.schedule import check_schedule
 
     workload = load_workload(args.workload)
     sp, cost, options = _resolve(args)

@@ -13,52 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flexrl_ds.config.json_files import read_json
-from flexrl_ds.config.typed import from_dict
-from flexrl_ds.data.config import DataConfig
+from flexrl_ds.common.json_files import read_json
+from flexrl_ds.common.typed import from_dict
+from flexrl_ds.media.config import DataConfig
+from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.rl.config import GRPOConfig
-
-
-def _is_power_of_two(value: int) -> bool:
-    return value >= 1 and value & (value - 1) == 0
-
-
-@dataclass
-class SPConfig:
-    """FlexUlysses sequence-parallel planning (section `flexrl.sp`)."""
-
-    p_max: int = 8
-    """Largest Ulysses degree a sequence may get; a power of two, at most the SP domain size."""
-    h_pack: int | None = None
-    """Sequences shorter than this many tokens are packed together; None: the planner's default."""
-    H_pack: int | None = None
-    """Token budget of one pack of short sequences; None: the planner's default."""
-    max_tokens_per_rank: int | None = None
-    """Cap on the tokens one rank holds in a step (activation memory); None: no cap."""
-    cost_model: str = "qwen2.5-vl-7b"
-    """A preset name (qwen2.5-vl-7b, qwen2.5-vl-32b, mimo-vl-7b) or the path of a HF config.json."""
-    calibration: str | None = None
-    """Path of a calibration JSON written by `flexrl bench sp --calibrate`; None: formula defaults."""
-    domain_size: int | None = None
-    """Ranks of one sequence-parallel domain; None: the whole world. Must divide the world size."""
-    overlap: bool = True
-    """Overlap pack j+1's all-to-all with pack j's attention."""
-    balance_vision: bool = True
-    """Spread images/frames over the SP domain's ranks by patch count."""
-    oversize: str = "error"
-    """What to do with a sequence that cannot fit at p_max under the token cap: error|drop|truncate."""
-
-    def __post_init__(self) -> None:
-        if not _is_power_of_two(self.p_max):
-            raise ValueError(f"flexrl.sp.p_max: {self.p_max} is not a power of two")
-        for name in ("h_pack", "H_pack", "max_tokens_per_rank", "domain_size"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"flexrl.sp.{name}: must be positive, got {value}")
-        if self.h_pack is not None and self.H_pack is not None and self.h_pack > self.H_pack:
-            raise ValueError(f"flexrl.sp.h_pack ({self.h_pack}) exceeds flexrl.sp.H_pack ({self.H_pack})")
-        if self.oversize not in ("error", "drop", "truncate"):
-            raise ValueError(f"flexrl.sp.oversize: {self.oversize!r} is not one of error, drop, truncate")
+from flexrl_ds.rollout.config import RolloutConfig
+from flexrl_ds.trainer.config import TrainerConfig
 
 
 @dataclass
@@ -68,9 +29,13 @@ class FlexRLConfig:
     sp: SPConfig = field(default_factory=SPConfig)
     """FlexUlysses planning and execution."""
     data: DataConfig = field(default_factory=DataConfig)
-    """ShadowLoader data settings (flexrl_ds/data/config.py)."""
+    """ShadowLoader data settings (flexrl_ds/media/config.py)."""
     rl: GRPOConfig = field(default_factory=GRPOConfig)
     """GRPO advantage and loss settings (flexrl_ds/rl/config.py)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engines and sampling (flexrl_ds/rollout/config.py)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """GRPO trainer: ranks, seed, steps, checkpoints (flexrl_ds/trainer/config.py)."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ embeddings go). It reads only metadata every rank has, so all ranks agree withou
 `FlexUlyssesLM` is a plain `nn.Module` around the HF model (so DeepSpeed can wrap it): its forward
 embeds the local tokens, encodes this rank's vision units and routes their embeddings into place,
 runs the HF model on `inputs_embeds` with FlexUlysses attention (the layout travels as the
-`flexrl_step` forward keyword, see flexrl_ds/sp/hf_adapter.py) and returns per-token log-probs of
+`flexrl_step` forward keyword, see flexrl_ds/models/hf_adapter.py) and returns per-token log-probs of
 the targets.
 """
 
@@ -19,10 +19,10 @@ from typing import Any, Mapping
 
 import torch
 
-from flexrl_ds.sp import hf_adapter
+from flexrl_ds.models import hf_adapter
 from flexrl_ds.sp.layout import RankLayout, build_rank_layout
-from flexrl_ds.sp.positions import local_position_ids, sequence_positions
-from flexrl_ds.sp.vision_balance import VisionRoute, assign_units, build_route, representatives, vision_units
+from flexrl_ds.models.positions import local_position_ids, sequence_positions
+from flexrl_ds.models.vision_balance import VisionRoute, assign_units, build_route, representatives, vision_units
 
 IGNORE = -100
 
@@ -119,7 +119,7 @@ class FlexUlyssesLM(torch.nn.Module):
 
     def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Local input embeddings with routed vision embeddings in place; and the zero term."""
-        from flexrl_ds.sp.vision_balance import encode_and_route
+        from flexrl_ds.models.vision_balance import encode_and_route
 
         embed_tokens = self.hf_model.get_input_embeddings()
         device = embed_tokens.weight.device
@@ -182,7 +182,7 @@ def reference_logprobs(model, sample) -> torch.Tensor:
 
 def reference_inputs(model, sample) -> dict:
     """What the HF processor would hand the model for one sample (batch of 1)."""
-    from flexrl_ds.sp.positions import mm_token_type_ids
+    from flexrl_ds.models.positions import mm_token_type_ids
 
     kwargs: dict[str, Any] = {"input_ids": sample.input_ids.unsqueeze(0)}
     if not hf_adapter.is_vision_language(model):

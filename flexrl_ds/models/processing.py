@@ -3,7 +3,7 @@
 transformers' `Qwen2_5_VLProcessor` cannot be built where torchvision is missing (its video processor
 requires it), so this module composes the same pieces: the model directory's tokenizer and chat
 template (`SampleEncoder`), and the ShadowLoader's processor-equivalent preprocessing
-(`flexrl_ds.data`: `read_dataset`, `SamplePreprocessor` configured from the model's processor JSON)
+(`flexrl_ds.media`: `read_dataset`, `SamplePreprocessor` configured from the model's processor JSON)
 for the pixels (`encode_records`). Placeholder expansion follows the HF processor: each rendered
 `<|image_pad|>` / `<|video_pad|>` becomes `t*h*w / merge_size**2` copies; the response is tokenized
 separately and appended (its first token starts at `response_start`).
@@ -78,7 +78,7 @@ class SampleEncoder:
     def __init__(self, model_dir: str | Path):
         import transformers
 
-        from flexrl_ds.data.processor_files import has_processor_files, processor_settings
+        from flexrl_ds.media.processor_files import has_processor_files, processor_settings
 
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         self.has_vision = has_processor_files(model_dir)
@@ -122,10 +122,10 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
     Records need the text to score under `response_key` ("response", "answer", or any other field). Media go through the ShadowLoader's
     `SamplePreprocessor` with the geometry of the model's saved processor.
     """
-    from flexrl_ds.data.config import DataConfig
-    from flexrl_ds.data.preprocess import SamplePreprocessor
-    from flexrl_ds.data.records import read_dataset
-    from flexrl_ds.data.types import BadMediaError, BadRecord
+    from flexrl_ds.media.config import DataConfig
+    from flexrl_ds.media.preprocess import SamplePreprocessor
+    from flexrl_ds.media.records import read_dataset
+    from flexrl_ds.media.types import BadMediaError, BadRecord
 
     encoder = SampleEncoder(model_dir)
     preprocessor = SamplePreprocessor(DataConfig().with_processor_dir(model_dir)) if encoder.has_vision else None

@@ -15,9 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def _is_power_of_two(value: int) -> bool:
-    return isinstance(value, int) and value >= 1 and value & (value - 1) == 0
+from flexrl_ds.common import is_power_of_two
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ class SPTopology:
         if self.domain_size < 1 or self.world_size % self.domain_size != 0:
             raise ValueError(
                 f"SP topology: domain_size {self.domain_size} does not divide world_size {self.world_size}")
-        if not _is_power_of_two(self.p_max):
+        if not is_power_of_two(self.p_max):
             raise ValueError(f"SP topology: p_max {self.p_max} is not a power of two")
         if self.p_max > self.domain_size:
             raise ValueError(f"SP topology: p_max {self.p_max} exceeds domain_size {self.domain_size}")

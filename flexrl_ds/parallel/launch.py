@@ -83,7 +83,6 @@ def init_distributed(env: Mapping[str, str] | None = None, force_cpu: bool | Non
     """
     import torch.distributed as dist
 
-    from flexrl_ds.sp.all_to_all import ensure_deepspeed_comm
 
     launch = read_launch_env(env)
     info = device_mod.detect(force_cpu)
@@ -97,3 +96,15 @@ def init_distributed(env: Mapping[str, str] | None = None, force_cpu: bool | Non
         )
     return DistContext(launch=launch, info=info, device=device,
                        deepspeed_comm=with_deepspeed and ensure_deepspeed_comm(info.backend))
+
+
+def ensure_deepspeed_comm(backend: str) -> bool:
+    """Wrap an initialized torch.distributed in deepspeed.comm (no collective); False if unavailable."""
+    try:
+        import deepspeed.comm as ds_comm
+    except Exception:
+        return False
+    if not ds_comm.is_initialized():
+        ds_comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    return bool(ds_comm.is_initialized())
+

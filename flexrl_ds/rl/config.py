@@ -41,6 +41,14 @@ class GRPOConfig:
     """Per-token KL values are clamped to [-kl_clamp, kl_clamp] (as OpenRLHF does); None: no clamp."""
     loss_reduction: Literal["token_mean", "sequence_mean"] = "token_mean"
     """How per-token losses become the step loss (LOSS_REDUCTIONS)."""
+    reward_fn: str = "accuracy"
+    """The reward: a built-in name (flexrl_ds/rl/rewards.py, REWARDS) or "path/to/file.py:function", a
+    function (responses: list[str], records: list[dict]) -> list[float], one float per response."""
+    mini_batches_per_step: int = 1
+    """Optimizer steps per GRPO step; the step's samples are split into this many mini-batches, each
+    planned with FlexUlysses."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (loss -= entropy_coef * mean token entropy); 0: off."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("kl_estimator", KL_ESTIMATORS),
@@ -57,5 +65,9 @@ class GRPOConfig:
             raise ValueError(f"flexrl.rl.dual_clip: must be > 1 (or null), got {self.dual_clip}")
         if not self.init_kl_coef >= 0:
             raise ValueError(f"flexrl.rl.init_kl_coef: must be >= 0, got {self.init_kl_coef}")
+        if self.mini_batches_per_step < 1:
+            raise ValueError(f"flexrl.rl.mini_batches_per_step: must be at least 1, got {self.mini_batches_per_step}")
+        if not self.entropy_coef >= 0:
+            raise ValueError(f"flexrl.rl.entropy_coef: must be >= 0, got {self.entropy_coef}")
         if self.kl_clamp is not None and not self.kl_clamp > 0:
             raise ValueError(f"flexrl.rl.kl_clamp: must be positive (or null), got {self.kl_clamp}")

@@ -196,15 +196,3 @@ def deepspeed_heads_to_seq(tensor_LHD, group):
 
     out = _SeqAllToAll.apply(group, tensor_LHD.unsqueeze(1), 0, 2, 1)
     return out.squeeze(1)
-
-
-def ensure_deepspeed_comm(backend: str) -> bool:
-    """Wrap an initialized torch.distributed in deepspeed.comm (no collective); False if unavailable."""
-    try:
-        import deepspeed.comm as ds_comm
-    except Exception:
-        return False
-    if not ds_comm.is_initialized():
-        ds_comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
-    return bool(ds_comm.is_initialized())
-

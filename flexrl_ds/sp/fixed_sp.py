@@ -18,7 +18,7 @@ from flexrl_ds.sp.all_to_all import deepspeed_exchange_ready
 from flexrl_ds.sp.attention import FlexUlyssesAttention, _check_inputs
 from flexrl_ds.sp.layout import RankLayout
 from flexrl_ds.sp.local_attention import CausalVarlenAttention
-from flexrl_ds.sp.plan import Pack, Plan
+from flexrl_ds.planning.plan import Pack, Plan
 
 PAD_PREFIX = "__pad"
 

@@ -1,6 +1,6 @@
 """Where every token of a FlexUlysses step lives: one rank's packs, shards and local token order.
 
-Contract between the plan (flexrl_ds/sp/plan.py), the attention (flexrl_ds/sp/attention.py) and the
+Contract between the plan (flexrl_ds/planning/plan.py), the attention (flexrl_ds/sp/attention.py) and the
 model adapter:
 
 - A pack of `degree` d holds sequences s_1..s_n concatenated in plan order (`cu_seqlens` are the pack's
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from flexrl_ds.sp.plan import Plan, validate_plan
+from flexrl_ds.planning.plan import Plan, validate_plan
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.sp.fixed_sp import FixedUlyssesAttention, fixed_sp_plan
 from flexrl_ds.sp.layout import build_rank_layout
 from flexrl_ds.sp.local_attention import CausalVarlenAttention, pick_backend, sdpa_causal_varlen
-from flexrl_ds.sp.plan import Pack, Plan, validate_plan
+from flexrl_ds.planning.plan import Pack, Plan, validate_plan
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {"float64": 1e-11, "float32": 2e-5, "bfloat16": 3e-2}

@@ -84,7 +84,7 @@ def test_hundreds_of_random_plans_without_hang(dist_pools):
 
 def test_empty_shards_and_idle_ranks(dist_pools):
     """A 3-token pack at degree 4 (one rank holds nothing of it) and a rank with no pack at all."""
-    from flexrl_ds.sp.plan import Pack, Plan
+    from flexrl_ds.planning.plan import Pack, Plan
 
     tiny = Plan(world_size=4, p_max=4, packs=(Pack(0, 4, (0, 1, 2, 3), ("a",)), Pack(1, 2, (0, 1), ("b", "c")),
                                               Pack(2, 1, (2,), ("d",))),

@@ -14,7 +14,7 @@ from flexrl_ds.parallel.launch import read_launch_env
 from flexrl_ds.sp.all_to_all import head_partition
 from flexrl_ds.sp.fixed_sp import fixed_sp_plan
 from flexrl_ds.sp.layout import build_rank_layout, shard_bounds
-from flexrl_ds.sp.plan import validate_plan
+from flexrl_ds.planning.plan import validate_plan
 
 
 def test_topology_blocks_are_aligned_and_nested():

@@ -34,7 +34,7 @@ def assets(tmp_path_factory):
 def _load(model_dir: str):
     import transformers
 
-    from flexrl_ds.sp.hf_adapter import is_vision_language
+    from flexrl_ds.models.hf_adapter import is_vision_language
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     cls = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") \
@@ -68,7 +68,7 @@ def rank_zero3_step(model_dir: str, data_path: str, plan_json: dict, p_max: int,
 
     from flexrl_ds.models.flex_model import build_step_batch
     from flexrl_ds.models.zero3 import Zero3Config, build_engine, flex_step_loss, full_grads
-    from flexrl_ds.sp.plan import parse_plan
+    from flexrl_ds.planning.plan import parse_plan
 
     torch.manual_seed(0)
     tree = cached_group_tree(dist.get_world_size(), p_max)
@@ -110,7 +110,7 @@ def _reference(model_dir: str, data_path: str, shared: bool = False):
 
 def _all_on_rank_zero(lengths, world):
     """Every sequence in one degree-1 pack on rank 0: ranks 1.. hold no token (idle forward)."""
-    from flexrl_ds.sp.plan import Pack, Plan
+    from flexrl_ds.planning.plan import Pack, Plan
 
     return Plan(world_size=world, p_max=world, packs=(Pack(0, 1, (0,), tuple(lengths)),),
                 rank_order={r: ((0,) if r == 0 else ()) for r in range(world)})

@@ -12,7 +12,7 @@ import pytest
 
 from flexrl_ds.bench.sp_bench import SPBenchConfig, format_table, make_plans, skewed_lengths
 from flexrl_ds.cli.main import main
-from flexrl_ds.sp.plan import validate_plan
+from flexrl_ds.planning.plan import validate_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -103,7 +103,8 @@ def test_logprobs_cli_two_gpus_equals_hf(tmp_path):
     from flexrl_ds.models.flex_model import reference_logprobs
     from flexrl_ds.models.sample_data import random_plan_for
     from flexrl_ds.parallel import device
-    from flexrl_ds.rl.logprobs import encode_dataset, load_model
+    from flexrl_ds.models.loading import load_model
+    from flexrl_ds.tools.logprobs import encode_dataset
 
     if device.num_gpus() < 2:
         pytest.skip("needs 2 GPUs")

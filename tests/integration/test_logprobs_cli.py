@@ -25,7 +25,8 @@ def setup(tmp_path_factory):
 
 def _reference(model_dir, data):
     from flexrl_ds.models.flex_model import reference_logprobs
-    from flexrl_ds.rl.logprobs import encode_dataset, load_model
+    from flexrl_ds.models.loading import load_model
+    from flexrl_ds.tools.logprobs import encode_dataset
 
     model = load_model(str(model_dir))
     samples = encode_dataset(str(model_dir), str(data))

@@ -18,12 +18,12 @@ import torch
 from ray_helpers import wait_until_lost
 
 from flexrl_ds.bench.loader_media import MediaDatasetSpec, write_media_dataset
-from flexrl_ds.data.config import DataConfig, LoaderSection, PoolSection
-from flexrl_ds.data.loader_service import LoaderService, RemoteRepair
-from flexrl_ds.data.materializer import Materializer, RayFetcher
-from flexrl_ds.data.preprocess import SamplePreprocessor
-from flexrl_ds.data.proxy_loader import requests_for_samples
-from flexrl_ds.data.records import read_dataset
+from flexrl_ds.media.config import DataConfig, LoaderSection, PoolSection
+from flexrl_ds.loader.loader_service import LoaderService, RemoteRepair
+from flexrl_ds.loader.materializer import Materializer, RayFetcher
+from flexrl_ds.media.preprocess import SamplePreprocessor
+from flexrl_ds.loader.proxy_loader import requests_for_samples
+from flexrl_ds.media.records import read_dataset
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
@@ -109,7 +109,7 @@ class _ErrorPolicyService:
 
 
 def test_remote_repair_raises_the_loaders_value_error_as_itself(ray_session):
-    from flexrl_ds.data.metastore import PromptKey
+    from flexrl_ds.loader.metastore import PromptKey
 
     service = _ErrorPolicyService.remote()
     try:

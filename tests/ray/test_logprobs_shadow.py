@@ -25,7 +25,8 @@ BAD_ROWS = [
 def setup(tmp_path_factory):
     from flexrl_ds.models.flex_model import reference_logprobs
     from flexrl_ds.models.sample_data import random_plan_for, write_scoring_dataset
-    from flexrl_ds.rl.logprobs import encode_dataset, load_model
+    from flexrl_ds.models.loading import load_model
+    from flexrl_ds.tools.logprobs import encode_dataset
 
     root = tmp_path_factory.mktemp("logprobs_shadow")
     assert main(["make-tiny-model", "--out", str(root / "model"), "--seed", "9"]) == 0
@@ -63,7 +64,7 @@ def local_run(setup):
 
 
 def _shadow(root, data, out, num_actors):
-    from flexrl_ds.rl.logprobs import LogprobsConfig, run_logprobs
+    from flexrl_ds.tools.logprobs import LogprobsConfig, run_logprobs
 
     return run_logprobs(LogprobsConfig(model_dir=str(root / "model"), data_path=str(data), out_path=str(out),
                                        num_procs=2, plan_in=str(root / "plan.json"), loader="shadow",
@@ -81,7 +82,7 @@ def _assert_same(shadow, local, reference):
 
 
 def test_shadow_equals_local_and_hf_without_pixels_in_parent(ray_session, setup, local_run, capsys):
-    from flexrl_ds.rl.logprobs import pixel_bytes_in
+    from flexrl_ds.tools.logprobs import pixel_bytes_in
 
     root, data, samples, reference = setup
     local, local_err = local_run
@@ -105,7 +106,7 @@ def test_actor_lost_after_decode_is_rerouted(ray_session, setup, local_run, monk
     """An actor dies after the step was decoded, before the ranks fetch: the ranks fail with lost
     objects, the parent re-routes that actor's prompts (decoded again elsewhere) and runs the ranks
     again; the output is unchanged."""
-    from flexrl_ds.rl import shadow_inputs
+    from flexrl_ds.runtime import shadow_session
 
     root, data, _, reference = setup
     load_step, killed = shadow_inputs.ShadowSession.load_step, []

@@ -14,13 +14,13 @@ import torch
 from ray_helpers import wait_until_lost
 
 from flexrl_ds.bench.loader_media import MediaDatasetSpec, write_media_dataset
-from flexrl_ds.data.actors import PoolConfig, PreprocessPool
-from flexrl_ds.data.central_loader import CentralLoader
-from flexrl_ds.data.config import DataConfig
-from flexrl_ds.data.materializer import Materializer, RayFetcher, SliceRequest
-from flexrl_ds.data.preprocess import SamplePreprocessor
-from flexrl_ds.data.proxy_loader import LoaderConfig, ProxyLoader, requests_for_samples
-from flexrl_ds.data.records import read_dataset
+from flexrl_ds.loader.actors import PoolConfig, PreprocessPool
+from flexrl_ds.loader.central_loader import CentralLoader
+from flexrl_ds.media.config import DataConfig
+from flexrl_ds.loader.materializer import Materializer, RayFetcher, SliceRequest
+from flexrl_ds.media.preprocess import SamplePreprocessor
+from flexrl_ds.loader.proxy_loader import LoaderConfig, ProxyLoader, requests_for_samples
+from flexrl_ds.media.records import read_dataset
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

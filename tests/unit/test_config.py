@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from flexrl_ds.config.flexrl_config import SPConfig, load_run_config, parse_run_config
+from flexrl_ds.config.flexrl_config import load_run_config, parse_run_config
+from flexrl_ds.planning.config import SPConfig
 
 
 def test_ds_configs_in_repo_load(tmp_path):
@@ -20,8 +21,8 @@ def test_ds_configs_in_repo_load(tmp_path):
 def test_ds_configs_drive_the_loader():
     from pathlib import Path
 
-    from flexrl_ds.data.config import DataConfig
-    from flexrl_ds.data.loader_settings import loader_settings
+    from flexrl_ds.media.config import DataConfig
+    from flexrl_ds.loader.loader_settings import loader_settings
 
     folder = Path(__file__).resolve().parents[2] / "ds_configs"
     for name in ("zero3_flexrl.json", "cpu_test.json"):
@@ -75,7 +76,7 @@ def test_bad_file(tmp_path):
 
 
 def test_data_section_is_typed():
-    from flexrl_ds.data.config import DataConfig
+    from flexrl_ds.media.config import DataConfig
 
     run = parse_run_config({"flexrl": {"data": {"video_fps": 1.0, "bad_record_policy": "replace"}}})
     assert isinstance(run.flexrl.data, DataConfig)

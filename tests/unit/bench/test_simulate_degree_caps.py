@@ -8,8 +8,8 @@ import pytest
 
 from flexrl_ds.bench.simulator import default_extra_p_maxes
 from flexrl_ds.cli.main import main
-from flexrl_ds.config.flexrl_config import SPConfig
-from flexrl_ds.sp.cost_model import load_cost_model
+from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.cost_model import load_cost_model
 
 COST_7B = load_cost_model("qwen2.5-vl-7b")
 

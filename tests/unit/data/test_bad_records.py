@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 
-from flexrl_ds.data.config import DataConfig
-from flexrl_ds.data.dataset import apply_policy, probe_dataset, probe_entries
-from flexrl_ds.data.preprocess import SamplePreprocessor
-from flexrl_ds.data.video_backends import available_backends
-from flexrl_ds.data.types import BadMediaError, BadRecord, MediaItem, Record, SampleMeta
+from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.dataset import apply_policy, probe_dataset, probe_entries
+from flexrl_ds.media.preprocess import SamplePreprocessor
+from flexrl_ds.media.video_backends import available_backends
+from flexrl_ds.media.types import BadMediaError, BadRecord, MediaItem, Record, SampleMeta
 
 CONFIG = DataConfig(image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 64,
                     video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 16, video_max_frames=8)
@@ -153,8 +153,8 @@ def test_failure_at_materialise_follows_the_policy(mixed_dataset):
 def test_offline_path_and_training_loader_choose_the_same_samples(mixed_dataset, policy, batch, shuffle):
     """The same bad dataset through `probe_dataset` (offline) and the loader's step composition
     (`StepSource`, probing with the same preprocessor) gives the same steps and replacements."""
-    from flexrl_ds.data.proxy_loader import LoaderConfig, StepSource
-    from flexrl_ds.data.records import read_dataset
+    from flexrl_ds.loader.proxy_loader import LoaderConfig, StepSource
+    from flexrl_ds.media.records import read_dataset
 
     config = DataConfig(**{**CONFIG.__dict__, "bad_record_policy": policy})
     preprocessor = SamplePreprocessor(config)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flexrl_ds.config.flexrl_config import parse_run_config
-from flexrl_ds.data.config import DataConfig
+from flexrl_ds.media.config import DataConfig
 
 
 def test_from_run_config_section():
@@ -52,9 +52,9 @@ def test_with_processor_dir(tmp_path):
 
 
 def test_loader_and_pool_sections_drive_the_loader_configs():
-    from flexrl_ds.data.actors import PoolConfig
-    from flexrl_ds.data.loader_settings import loader_settings
-    from flexrl_ds.data.proxy_loader import LoaderConfig
+    from flexrl_ds.loader.actors import PoolConfig
+    from flexrl_ds.loader.loader_settings import loader_settings
+    from flexrl_ds.loader.proxy_loader import LoaderConfig
 
     defaults = loader_settings(DataConfig())
     assert defaults == (LoaderConfig(global_batch=8), PoolConfig())  # today's defaults
@@ -89,7 +89,7 @@ def test_loader_and_pool_sections_are_strict(raw, message):
     assert message in str(error.value) and "run.json" in str(error.value)
 
 
-# ---- processor files: honoured, checked, ignored (flexrl_ds/data/processor_files.py) -------------
+# ---- processor files: honoured, checked, ignored (flexrl_ds/media/processor_files.py) -------------
 QWEN_FILE = {  # what transformers writes for Qwen2.5-VL (keys of every kind)
     "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 0.00392156862745098,
     "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
@@ -219,8 +219,8 @@ def test_video_settings_are_checked_and_must_agree_with_image_settings(tmp_path,
 
 
 def test_transparency_is_a_strict_choice():
-    from flexrl_ds.data import image_io
-    from flexrl_ds.data.config import TRANSPARENCY_MODES
+    from flexrl_ds.media import image_io
+    from flexrl_ds.media.config import TRANSPARENCY_MODES
 
     assert TRANSPARENCY_MODES == ("auto",) + image_io.TRANSPARENCY_POLICIES
     assert DataConfig.from_dict({"transparency": "white"}).transparency == "white"

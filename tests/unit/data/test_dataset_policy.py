@@ -11,13 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexrl_ds.data.actors import DecodeFailure, PoolConfig, SliceMaker
-from flexrl_ds.data.bad_records import BadRecordPolicy, EpochOrder, original_id
-from flexrl_ds.data.dataset import apply_policy
-from flexrl_ds.data.materializer import Materializer
-from flexrl_ds.data.preprocess import ItemTensors
-from flexrl_ds.data.proxy_loader import LoaderConfig, ProxyLoader, StepSource, requests_for_samples
-from flexrl_ds.data.types import BadMediaError, BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
+from flexrl_ds.loader.actors import DecodeFailure, PoolConfig, SliceMaker
+from flexrl_ds.media.bad_records import BadRecordPolicy, EpochOrder, original_id
+from flexrl_ds.media.dataset import apply_policy
+from flexrl_ds.loader.materializer import Materializer
+from flexrl_ds.media.preprocess import ItemTensors
+from flexrl_ds.loader.proxy_loader import LoaderConfig, ProxyLoader, StepSource, requests_for_samples
+from flexrl_ds.media.types import BadMediaError, BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
 
 
 def _records(num: int, bad: set[int]) -> list[Record]:

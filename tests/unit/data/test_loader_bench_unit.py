@@ -47,8 +47,8 @@ def _bench_config(tmp_path, **options):
 
 def test_without_config_the_runs_get_the_loader_and_pool_they_always_had(tmp_path):
     from flexrl_ds.bench.loader_bench import run_settings
-    from flexrl_ds.data.actors import PoolConfig
-    from flexrl_ds.data.proxy_loader import LoaderConfig
+    from flexrl_ds.loader.actors import PoolConfig
+    from flexrl_ds.loader.proxy_loader import LoaderConfig
 
     loader_config, pool_config = run_settings(_bench_config(tmp_path).data_config(), 4, 2)
     # what the bench built by hand before it read flexrl.data

@@ -8,13 +8,13 @@ import time
 import pytest
 import torch
 
-from flexrl_ds.data.central_loader import CentralLoader
-from flexrl_ds.data.materializer import Materializer, PromptSource, SliceRequest, WorkerAssignment
-from flexrl_ds.data.metastore import PromptKey, make_layout
-from flexrl_ds.data.proxy_loader import LoaderConfig, ProxyLoader, RecordOrder, requests_for_samples
-from flexrl_ds.data.types import BadMediaError, BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
-from flexrl_ds.data.actors import DecodeFailure, PoolConfig, SliceMaker, item_layouts
-from flexrl_ds.data.preprocess import ItemTensors
+from flexrl_ds.loader.central_loader import CentralLoader
+from flexrl_ds.loader.materializer import Materializer, PromptSource, SliceRequest, WorkerAssignment
+from flexrl_ds.loader.metastore import PromptKey, make_layout
+from flexrl_ds.loader.proxy_loader import LoaderConfig, ProxyLoader, RecordOrder, requests_for_samples
+from flexrl_ds.media.types import BadMediaError, BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
+from flexrl_ds.loader.actors import DecodeFailure, PoolConfig, SliceMaker, item_layouts
+from flexrl_ds.media.preprocess import ItemTensors
 
 
 def _record(index, kinds):
@@ -307,7 +307,7 @@ def test_logprobs_rank_fetch_fails_loudly_naming_a_withdrawn_prompt():
     """`flexrl logprobs` cannot drop a prompt from a planned step: it stops, naming the record."""
     import types
 
-    from flexrl_ds.rl.shadow_fetch import RankPixels
+    from flexrl_ds.runtime.rank_pixels import RankPixels
 
     pool, loader, step, requests, broken = _step_with_a_broken_prompt("skip")
     materializer = Materializer(FakeFetcher(pool.objects, dead={"a"}), repair=loader.repair)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flexrl_ds.bench.loader_bench import EXPOSED_PHASES, LoaderBenchConfig, add_decode_timings, step_phases
-from flexrl_ds.data.actors import shippable_slice
-from flexrl_ds.data.materializer import SliceRequest, cut_request
-from flexrl_ds.data.metastore import PromptKey, SliceKey, make_layout
+from flexrl_ds.loader.actors import shippable_slice
+from flexrl_ds.loader.materializer import SliceRequest, cut_request
+from flexrl_ds.loader.metastore import PromptKey, SliceKey, make_layout
 
 
 def _store_views(key, layout, full_TD):

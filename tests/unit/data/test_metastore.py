@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexrl_ds.data.metastore import MetaStore, PromptEntry, PromptKey, SampleId, SliceKey, make_layout
+from flexrl_ds.loader.metastore import MetaStore, PromptEntry, PromptKey, SampleId, SliceKey, make_layout
 
 
 def _entry(step, slot, kinds=(("video", (5, 2, 2)),), groups_per_chunk=2):

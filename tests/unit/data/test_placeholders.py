@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from flexrl_ds.data.placeholders import TensorPlaceholder
-from flexrl_ds.data.types import ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
+from flexrl_ds.media.placeholders import TensorPlaceholder
+from flexrl_ds.media.types import ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
 
 
 def video_placeholder(groups=6, h=4, w=6) -> TensorPlaceholder:

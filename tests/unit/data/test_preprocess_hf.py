@@ -30,11 +30,11 @@ from transformers.image_transforms import normalize as hf_normalize
 from transformers.image_transforms import rescale as hf_rescale
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from flexrl_ds.data import image_io
-from flexrl_ds.data.config import DataConfig
-from flexrl_ds.data.image_io import resize_pil, resize_torch
-from flexrl_ds.data.preprocess import SamplePreprocessor, collate
-from flexrl_ds.data.types import MediaItem, Record, SampleMeta
+from flexrl_ds.media import image_io
+from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.image_io import resize_pil, resize_torch
+from flexrl_ds.media.preprocess import SamplePreprocessor, collate
+from flexrl_ds.media.types import MediaItem, Record, SampleMeta
 
 IMAGE_SIZE = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}
 VIDEO_LIMITS = {"size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 24}, "min_frames": 4, "max_frames": 12}
@@ -206,7 +206,7 @@ def test_videos_equal_hf_video_processor_where_torchvision_exists(media, process
     pytest.importorskip("torchvision", reason="transformers' Qwen2-VL video processor needs torchvision")
     from transformers import Qwen2VLVideoProcessor
 
-    from flexrl_ds.data.video_backends import get_video_backend
+    from flexrl_ds.media.video_backends import get_video_backend
 
     hf = Qwen2VLVideoProcessor.from_pretrained(processor_dir)
     preprocessor = SamplePreprocessor(config)
@@ -404,7 +404,7 @@ def test_every_kwarg_of_the_hf_qwen2_vl_processors_is_classified(hf_video_functi
     from transformers import Qwen2VLImageProcessorPil
     from transformers.processing_utils import VideosKwargs
 
-    from flexrl_ds.data import processor_files as pf
+    from flexrl_ds.media import processor_files as pf
 
     classified = set(pf.COMMON_KEYS + pf.SIZE_KEYS + pf.VIDEO_KEYS + pf.TYPE_KEYS) | pf.IGNORED_KEYS
     image_keys = set(Qwen2VLImageProcessorPil.valid_kwargs.__annotations__)
@@ -421,7 +421,7 @@ def test_class_defaults_are_transformers(hf_video_functions):
 
     from transformers import Qwen2VLImageProcessorPil
 
-    from flexrl_ds.data import processor_files as pf
+    from flexrl_ds.media import processor_files as pf
 
     hf_image = Qwen2VLImageProcessorPil
     for key, value in pf.CLASS_DEFAULTS.items():

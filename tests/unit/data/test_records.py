@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from flexrl_ds.data.records import read_dataset
-from flexrl_ds.data.types import BadRecord, Record
+from flexrl_ds.media.records import read_dataset
+from flexrl_ds.media.types import BadRecord, Record
 
 
 def write_jsonl(path, rows):

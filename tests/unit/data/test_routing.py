@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexrl_ds.data.routing import LoadTracker, chunk_ranges, chunks_covering, least_loaded, route_greedy
+from flexrl_ds.loader.routing import LoadTracker, chunk_ranges, chunks_covering, least_loaded, route_greedy
 
 
 def test_least_loaded_picks_smallest_load_and_breaks_ties_by_name():

@@ -8,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flexrl_ds.data.config import DataConfig
-from flexrl_ds.data.preprocess import SamplePreprocessor
-from flexrl_ds.data.types import BadRecord, MediaItem, Record
+from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.preprocess import SamplePreprocessor
+from flexrl_ds.media.types import BadRecord, MediaItem, Record
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -45,7 +45,7 @@ def test_images(tmp_path, height, width, min_tokens, extra_tokens, max_pixels):
        max_frames=st.integers(2, 40), clip=st.booleans())
 def test_videos(tmp_path, backend, half_width, half_height, num_frames, fps, target_fps, max_frames, clip):
     from flexrl_ds.bench.datasets import write_video
-    from flexrl_ds.data.video_backends import available_backends
+    from flexrl_ds.media.video_backends import available_backends
 
     if backend not in available_backends():
         pytest.skip(f"{backend} not available")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexrl_ds.data.config import DataConfig
-from flexrl_ds.data.preprocess import SamplePreprocessor
-from flexrl_ds.data.types import MediaItem, Record
-from flexrl_ds.data.video_backends import available_backends, get_video_backend
+from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.preprocess import SamplePreprocessor
+from flexrl_ds.media.types import MediaItem, Record
+from flexrl_ds.media.video_backends import available_backends, get_video_backend
 
 pytestmark = pytest.mark.skipif(
     set(available_backends()) != {"torchcodec", "opencv"}, reason="needs both torchcodec and OpenCV"

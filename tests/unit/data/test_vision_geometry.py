@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from flexrl_ds.data.config import DataConfig
-from flexrl_ds.data.types import MediaInfo, MediaItem
-from flexrl_ds.data.vision_geometry import (
+from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.types import MediaInfo, MediaItem
+from flexrl_ds.media.vision_geometry import (
     clip_frame_range,
     fit_to_patch_grid,
     plan_image,

@@ -19,7 +19,8 @@ def tiny_assets(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vl_samples(tiny_assets):
-    from flexrl_ds.rl.logprobs import encode_dataset, load_model
+    from flexrl_ds.models.loading import load_model
+    from flexrl_ds.tools.logprobs import encode_dataset
 
     model = load_model(tiny_assets["vl"])
     return model, encode_dataset(tiny_assets["vl"], tiny_assets["data"])

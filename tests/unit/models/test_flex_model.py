@@ -7,10 +7,11 @@ import torch
 
 from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch, reference_inputs, reference_logprobs
 from flexrl_ds.models.sample_data import random_plan_for
-from flexrl_ds.rl.logprobs import encode_dataset, load_model
-from flexrl_ds.rl.logprob_worker import assemble
-from flexrl_ds.sp import hf_adapter
-from flexrl_ds.sp.positions import sequence_positions
+from flexrl_ds.models.loading import load_model
+from flexrl_ds.tools.logprobs import encode_dataset
+from flexrl_ds.tools.logprob_worker import assemble
+from flexrl_ds.models import hf_adapter
+from flexrl_ds.models.positions import sequence_positions
 
 
 def test_whole_sequence_positions_equal_hf_own_mrope(vl_samples):
@@ -76,7 +77,7 @@ def test_idle_rank_runs_every_module_once_and_contributes_zero(tiny_assets):
     """A rank without tokens (text model, no collectives needed) still gives every parameter a
     gradient (ZeRO-3 reduces all of them on every rank), all zeros."""
     from flexrl_ds.models.sample_data import text_only_copy
-    from flexrl_ds.sp.plan import Pack, Plan
+    from flexrl_ds.planning.plan import Pack, Plan
 
     model = load_model(tiny_assets["q2"])
     samples = encode_dataset(tiny_assets["q2"], str(text_only_copy(tiny_assets["data"], "idle_text.jsonl")))

@@ -11,7 +11,7 @@ from flexrl_ds.models.processing import SampleEncoder, encode_records
 
 
 def test_pads_expand_to_merged_tokens_and_response_follows(tiny_assets, vl_samples):
-    from flexrl_ds.data.records import read_dataset
+    from flexrl_ds.media.records import read_dataset
 
     model, samples = vl_samples
     config = model.config

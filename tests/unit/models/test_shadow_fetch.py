@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from flexrl_ds.data.metastore import PromptKey
+from flexrl_ds.loader.metastore import PromptKey
 from flexrl_ds.models.flex_model import build_step_batch
 from flexrl_ds.models.sample_data import random_plan_for
-from flexrl_ds.rl.shadow_fetch import FetchedRows, rank_units, unit_requests
-from flexrl_ds.sp.vision_balance import VisionUnit, unit_pixels
+from flexrl_ds.runtime.rank_pixels import FetchedRows, rank_units, unit_requests
+from flexrl_ds.models.vision_balance import VisionUnit, unit_pixels
 
 
 def _unit(seq_id, item_index, t_index):

@@ -73,9 +73,9 @@ def test_auto_processor_loads_and_matches_shadowloader_where_torchvision_exists(
     import transformers
     from PIL import Image
 
-    from flexrl_ds.data.config import DataConfig
-    from flexrl_ds.data.preprocess import SamplePreprocessor
-    from flexrl_ds.data.types import MediaItem, Record
+    from flexrl_ds.media.config import DataConfig
+    from flexrl_ds.media.preprocess import SamplePreprocessor
+    from flexrl_ds.media.types import MediaItem, Record
 
     main(["make-tiny-model", "--out", str(tmp_path / "vl"), "--seed", "3"])
     processor = transformers.AutoProcessor.from_pretrained(tmp_path / "vl")

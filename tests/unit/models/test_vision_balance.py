@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from flexrl_ds.models.flex_model import reference_inputs, vision_route
 from flexrl_ds.models.sample_data import random_plan_for
 from flexrl_ds.sp.layout import build_rank_layout
-from flexrl_ds.sp.vision_balance import assign_units, unit_pixels
+from flexrl_ds.models.vision_balance import assign_units, unit_pixels
 
 
 @given(st.lists(st.integers(1, 500), min_size=0, max_size=40), st.sampled_from([1, 2, 4, 8]))

@@ -1,0 +1,98 @@
+"""ShadowLoader's controller side as a Ray actor, so that workers in other processes can repair.
+
+`ProxyLoader.repair(prompt, generation)` decides, once, what happens to a prompt whose owner died
+(re-route) and to a prompt whose re-decode then fails (withdrawn by the bad-record policy,
+`bad_records.py`). A bound method of a loader in the driver process cannot be called from a
+worker process, so in a multi-process job the loader runs inside `LoaderService` (a thin Ray
+actor around a plain `ProxyLoader` and its `PreprocessPool`) and workers hand their Materializer
+a `RemoteRepair(service)`: the decision is still taken in one place, whichever process finds the
+failure. The driver calls the same methods remotely (`next_step`, `assignment`, `release`); the
+`LoaderStep` it receives is a snapshot, `report(step)` includes withdrawals found after hand-out.
+
+    service = LoaderService.options(max_concurrency=8).remote(records, make_preprocessor, data_config)
+    step = ray.get(service.next_step.remote())
+    assignment = ray.get(service.assignment.remote(step.step, requests))     # to a worker
+    Materializer(RayFetcher(), repair=RemoteRepair(service),                  # on the worker
+                 bad_record_policy=data_config.bad_record_policy)
+
+A prompt withdrawn after hand-out reaches the worker as `MaterializedStep.withdrawn` (the other
+prompts' tensors intact), and the driver sees it in `report(step)["withdrawn"]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+
+from flexrl_ds.loader.loader_settings import loader_settings
+from flexrl_ds.loader.materializer import PromptSource, SliceRequest, WorkerAssignment
+from flexrl_ds.loader.metastore import PromptKey
+
+
+@ray.remote
+class LoaderService:
+    """Thin Ray actor around `ProxyLoader` + `PreprocessPool`; start it with `max_concurrency` > 1
+    so repairs from workers are served while `next_step` waits for decodes."""
+
+    def __init__(self, records: Sequence[Any], make_preprocessor: Callable[[], Any], data_config: Any):
+        from flexrl_ds.loader.actors import PreprocessPool
+        from flexrl_ds.loader.proxy_loader import ProxyLoader
+
+        loader_config, pool_config = loader_settings(data_config)
+        self.pool = PreprocessPool(make_preprocessor, pool_config)
+        self.loader = ProxyLoader(records, self.pool, loader_config)
+        self._steps: dict[int, Any] = {}
+
+    def wait_ready(self) -> None:
+        self.pool.wait_ready()
+
+    def next_step(self) -> Any:
+        step = self.loader.next_step()
+        self._steps[step.step] = step
+        return step
+
+    def assignment(self, step: int, requests: Sequence[SliceRequest]) -> WorkerAssignment:
+        return self.loader.assignment(self._steps[step], requests)
+
+    def repair(self, key: PromptKey, failed_generation: int) -> PromptSource:
+        return self.loader.repair(key, failed_generation)
+
+    def report(self, step: int) -> dict[str, Any]:
+        """The step's current report (withdrawals found after hand-out included)."""
+        return self._steps[step].report()
+
+    def stats(self) -> dict[str, Any]:
+        return self.loader.stats.as_dict()
+
+    def owner_of(self, key: PromptKey) -> str:
+        return self.loader.store.entry(key).owner
+
+    def kill_preprocess_actor(self, name: str) -> None:
+        """Fault injection (tests, benchmarks)."""
+        self.pool.kill(name)
+
+    def release(self, step: int) -> None:
+        self.loader.release(self._steps.pop(step))
+
+    def shutdown(self) -> None:
+        self.loader.close()
+        self.pool.shutdown()
+
+
+class RemoteRepair:
+    """Picklable `repair` callable for a worker's Materializer: asks a `LoaderService`. The
+    loader's ValueError (policy `error`: a record whose re-decode failed, named) is raised here as
+    itself, not wrapped in Ray's task error."""
+
+    def __init__(self, service: Any, timeout_s: float = 600.0):
+        self.service, self.timeout_s = service, timeout_s
+
+    def __call__(self, key: PromptKey, failed_generation: int) -> PromptSource:
+        try:
+            return ray.get(self.service.repair.remote(key, failed_generation), timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, ValueError):
+                raise error.cause from None
+            raise

@@ -1,0 +1,200 @@
+"""Typed settings of the ShadowLoader data layer (section `flexrl.data` of a run config).
+
+Defaults follow the Hugging Face Qwen2-VL / Qwen2.5-VL image and video processors, so that the
+shapes predicted from metadata and the tensors produced here equal what the model's processor makes.
+`DataConfig.with_processor_dir(model_dir)` reads a saved processor's JSON files (no transformers
+import) and overrides the pixel settings with the model's own values, strictly: a setting the
+ShadowLoader cannot reproduce is a ValueError naming the file and key (`processor_files.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from flexrl_ds.common.typed import from_dict
+
+OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+VIDEO_BACKENDS = ("auto", "torchcodec", "opencv")
+RESIZE_IMPLS = ("auto", "pil", "torch")
+TRANSPARENCY_MODES = ("auto", "white", "drop")
+"""`image_io.load_image_rgb` transparency handling (kept equal to ("auto",) + image_io.TRANSPARENCY_POLICIES)."""
+BAD_RECORD_POLICIES = ("skip", "replace", "error")
+"""The one list of bad-record policies (semantics: `flexrl_ds/media/bad_records.py`)."""
+
+
+@dataclass
+class LoaderSection:
+    """Step composition and look-ahead of the training loader (section `flexrl.data.loader`).
+    `loader_settings.loader_settings` turns it into `proxy_loader.LoaderConfig`."""
+
+    global_batch: int = 8
+    """Prompts per step (B)."""
+    num_samples_per_prompt: int = 1
+    """GRPO group size n: samples per prompt, all sharing the prompt's one decode."""
+    seed: int = 0
+    """Seed of the per-epoch permutation of dataset rows."""
+    shuffle: bool = True
+    """Visit rows in a seeded permutation (False: file order)."""
+    lookahead_steps: int = 1
+    """Steps whose probing and decoding are dispatched ahead of the step being trained on."""
+    groups_per_chunk: int = 4
+    """Temporal patch groups (2 frames each for Qwen2.5-VL) per cached video slice."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "num_samples_per_prompt", "groups_per_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"flexrl.data.loader.{name}: must be at least 1, got {getattr(self, name)}")
+        if self.lookahead_steps < 0:
+            raise ValueError(f"flexrl.data.loader.lookahead_steps: must be >= 0, got {self.lookahead_steps}")
+
+
+@dataclass
+class PoolSection:
+    """ShadowLoader preprocessing actors (section `flexrl.data.pool`); becomes `actors.PoolConfig`."""
+
+    num_actors_per_node: int = 1
+    """Preprocessing actors started on every alive Ray node."""
+    num_cpus_per_actor: float = 1.0
+    """CPUs Ray reserves per actor; fractions allowed (e.g. 0.5 packs two actors per core)."""
+    probe_chunk_size: int = 8
+    """Records per metadata-probe task."""
+    timeout_s: float = 600.0
+    """Longest wait for one probe or decode task before the step fails with a TimeoutError."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_actors_per_node", "probe_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"flexrl.data.pool.{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("num_cpus_per_actor", "timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"flexrl.data.pool.{name}: must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class DataConfig:
+    """ShadowLoader data settings (section `flexrl.data`)."""
+
+    image_min_pixels: int = 56 * 56
+    """Smallest pixel count an image is resized to (HF image processor `size.shortest_edge`)."""
+    image_max_pixels: int = 28 * 28 * 1280
+    """Largest pixel count of a resized image (`size.longest_edge`); a record's `max_pixels` lowers it."""
+    video_min_pixels: int = 128 * 28 * 28
+    """Smallest pixel count of a resized video frame (HF video processor `size.shortest_edge`)."""
+    video_max_pixels: int = 28 * 28 * 768
+    """Largest pixel count of a resized video frame (`size.longest_edge`); per-record `max_pixels` lowers it."""
+    video_fps: float = 2.0
+    """Frames sampled per second of video; a record's `fps` overrides it."""
+    video_min_frames: int = 4
+    """Fewest frames sampled from a video (HF `min_frames`), if the video has that many."""
+    video_max_frames: int = 768
+    """Most frames sampled from a video (HF `max_frames`); a record's `max_frames` overrides it."""
+    video_max_total_tokens: int | None = None
+    """If set, HF's `cap_pixels_per_frame`: frames of long videos shrink so the whole video stays
+    within 90% of this many tokens' pixels (HF `max_video_tokens`). None: no total cap (HF default)."""
+    patch_size: int = 14
+    """Vision transformer patch side in pixels."""
+    merge_size: int = 2
+    """Spatial merge of patches into one LLM token (2x2 for Qwen2.5-VL)."""
+    temporal_patch_size: int = 2
+    """Frames per temporal patch; an image is repeated to fill it."""
+    image_mean: list[float] = field(default_factory=lambda: list(OPENAI_CLIP_MEAN))
+    """Per-channel normalisation mean (after scaling to [0, 1])."""
+    image_std: list[float] = field(default_factory=lambda: list(OPENAI_CLIP_STD))
+    """Per-channel normalisation standard deviation."""
+    rescale_factor: float = 1 / 255
+    """uint8 pixel values are multiplied by this before normalising (HF `rescale_factor`; 1.0 for a
+    processor saved with `do_rescale: false`)."""
+    do_normalize: bool = True
+    """Standardise per channel with image_mean / image_std after rescaling (HF `do_normalize`)."""
+    transparency: str = "auto"
+    """Images with transparency (alpha band or transparent colour): white (composited onto white) |
+    drop (alpha ignored, PIL `convert("RGB")`) | auto (what the installed transformers' image
+    processors do: 5.24 composites onto white, 5.17/5.18 drop)."""
+    video_backend: str = "auto"
+    """Video decoder: torchcodec | opencv | auto (torchcodec if importable, else OpenCV)."""
+    decoder_threads: int = 1
+    """FFmpeg threads per torchcodec decode (0: FFmpeg decides); 1 suits many actors per node."""
+    resize_impl: str = "auto"
+    """Resize kernel: pil (HF PIL backend) | torch (HF torchvision backend: antialiased bicubic on
+    tensors) | auto (what transformers picks here: torch if torchvision is importable, else pil).
+    Videos always use torch, as HF's video processor does."""
+    media_root: str | None = None
+    """Folder under which absolute media paths are accepted; None: absolute paths are rejected."""
+    bad_record_policy: str = "skip"
+    """What happens to a bad record, in the training loader and the offline tools alike:
+    skip (dropped, reported) | replace (a good record reserved from the end of the epoch's order
+    stands in, reported) | error (stop with the record id and reason). Semantics:
+    `flexrl_ds/media/bad_records.py`."""
+    max_vision_tokens_per_sample: int | None = None
+    """A sample whose predicted vision tokens exceed this is a bad record ("oversized"); None: no cap."""
+    verify_images: bool = True
+    """While probing, check image files for corruption (PIL verify: reads, does not decode pixels)."""
+    loader: LoaderSection = field(default_factory=LoaderSection)
+    """Training loader: batch, GRPO group size, order, look-ahead, slice size."""
+    pool: PoolSection = field(default_factory=PoolSection)
+    """Preprocessing actors: count per node, CPUs, probe chunking, timeout."""
+
+    def __post_init__(self) -> None:
+        for name in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",
+                     "video_min_frames", "video_max_frames", "patch_size", "merge_size",
+                     "temporal_patch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"flexrl.data.{name}: must be positive, got {getattr(self, name)}")
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError("flexrl.data.image_min_pixels exceeds flexrl.data.image_max_pixels")
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ValueError("flexrl.data.video_min_pixels exceeds flexrl.data.video_max_pixels")
+        if self.decoder_threads < 0:
+            raise ValueError(f"flexrl.data.decoder_threads: must be >= 0, got {self.decoder_threads}")
+        if self.video_fps <= 0:
+            raise ValueError(f"flexrl.data.video_fps: must be positive, got {self.video_fps}")
+        _check_choice("video_backend", self.video_backend, VIDEO_BACKENDS)
+        _check_choice("resize_impl", self.resize_impl, RESIZE_IMPLS)
+        _check_choice("bad_record_policy", self.bad_record_policy, BAD_RECORD_POLICIES)
+        _check_choice("transparency", self.transparency, TRANSPARENCY_MODES)
+        if not (math.isfinite(self.rescale_factor) and self.rescale_factor > 0):
+            raise ValueError(f"flexrl.data.rescale_factor: must be a positive number, got {self.rescale_factor}")
+        for name in ("image_mean", "image_std"):
+            if len(getattr(self, name)) != 3:
+                raise ValueError(f"flexrl.data.{name}: needs 3 values (RGB), got {getattr(self, name)}")
+        for name in ("video_max_total_tokens", "max_vision_tokens_per_sample"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"flexrl.data.{name}: must be positive, got {value}")
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this (patch_size * merge_size = 28 for Qwen2.5-VL)."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "flexrl.data") -> DataConfig:
+        """Validated construction from the JSON `flexrl.data` object."""
+        return from_dict(cls, raw, where=where)
+
+    def with_processor_dir(self, model_dir: str | Path) -> DataConfig:
+        """This config with the pixel settings of a saved HF processor (processor_config.json,
+        preprocessor_config.json, video_preprocessor_config.json, found as transformers 5.x finds
+        them): sizes, patch/merge/temporal patch, mean/std, rescale factor, normalisation, frame
+        sampling. A key the files leave out takes the Qwen2-VL processor class default; loader,
+        pool, policy and transparency fields are kept. Settings ShadowLoader cannot reproduce
+        (another resample, no RGB conversion, ...) raise a ValueError naming the file and key;
+        the full list of honoured, checked and ignored keys: `flexrl_ds/media/processor_files.py`."""
+        from flexrl_ds.media.processor_files import processor_settings
+
+        try:
+            return replace(self, **processor_settings(model_dir))
+        except ValueError as error:
+            if str(error).startswith("flexrl.data."):  # the combination fails DataConfig's own checks
+                raise ValueError(f"{model_dir}: processor settings give {error}") from None
+            raise
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"flexrl.data.{name}: {value!r} is not one of {', '.join(allowed)}")

@@ -1,0 +1,45 @@
+"""FlexUlysses planning settings (section `flexrl.sp` of a run config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexrl_ds.common import is_power_of_two
+
+
+@dataclass
+class SPConfig:
+    """FlexUlysses sequence-parallel planning (section `flexrl.sp`)."""
+
+    p_max: int = 8
+    """Largest Ulysses degree a sequence may get; a power of two, at most the SP domain size."""
+    h_pack: int | None = None
+    """Sequences shorter than this many tokens are packed together; None: the planner's default."""
+    H_pack: int | None = None
+    """Token budget of one pack of short sequences; None: the planner's default."""
+    max_tokens_per_rank: int | None = None
+    """Cap on the tokens one rank holds in a step (activation memory); None: no cap."""
+    cost_model: str = "qwen2.5-vl-7b"
+    """A preset name (qwen2.5-vl-7b, qwen2.5-vl-32b, mimo-vl-7b) or the path of a HF config.json."""
+    calibration: str | None = None
+    """Path of a calibration JSON written by `flexrl bench sp --calibrate`; None: formula defaults."""
+    domain_size: int | None = None
+    """Ranks of one sequence-parallel domain; None: the whole world. Must divide the world size."""
+    overlap: bool = True
+    """Overlap pack j+1's all-to-all with pack j's attention."""
+    balance_vision: bool = True
+    """Spread images/frames over the SP domain's ranks by patch count."""
+    oversize: str = "error"
+    """What to do with a sequence that cannot fit at p_max under the token cap: error|drop|truncate."""
+
+    def __post_init__(self) -> None:
+        if not is_power_of_two(self.p_max):
+            raise ValueError(f"flexrl.sp.p_max: {self.p_max} is not a power of two")
+        for name in ("h_pack", "H_pack", "max_tokens_per_rank", "domain_size"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"flexrl.sp.{name}: must be positive, got {value}")
+        if self.h_pack is not None and self.H_pack is not None and self.h_pack > self.H_pack:
+            raise ValueError(f"flexrl.sp.h_pack ({self.h_pack}) exceeds flexrl.sp.H_pack ({self.H_pack})")
+        if self.oversize not in ("error", "drop", "truncate"):
+            raise ValueError(f"flexrl.sp.oversize: {self.oversize!r} is not one of error, drop, truncate")

@@ -1,0 +1,146 @@
+"""`flexrl logprobs --loader shadow`, rank side: pull exactly this rank's vision units from the actors.
+
+A rank encodes only its balanced share of the step's vision units (flexrl_ds/models/vision_balance.py:
+an image, or one temporal patch group of a video); the tokens its packs hold need no pixels (their
+embeddings arrive through the vision all-to-all). So the rank
+
+1. computes its units from metadata alone (`rank_units`: the same layouts and `vision_route` as
+   `build_step_batch`, with the model's config instead of its weights), before loading the model;
+2. joins the controller's Ray cluster as a driver (unless it joined already), takes the step's `PromptSource`s from the
+   `SourceBoard` (references only), and starts a `Materializer` fetching one `SliceRequest` per run
+   of consecutive units of an item (`unit_requests`) straight from the owning actors' object stores,
+   while the model loads;
+3. after `build_step_batch`, swaps the placeholders of its units' items for `FetchedRows`: the
+   fetched groups, addressable by row ranges like a full `pixel_values` tensor (what
+   `vision_balance.unit_pixels` slices). Rows of groups that were not fetched cannot be read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+
+class FetchedRows:
+    """An item's pixel rows of which only some temporal groups are present on this rank.
+
+    Indexing with a row slice that covers whole groups of one fetched run returns those rows; any
+    other access raises (it would mean the rank encodes a unit it did not fetch)."""
+
+    def __init__(self, grid_thw: tuple[int, int, int], runs: Sequence[tuple[int, torch.Tensor]]):
+        """runs: (first temporal group, rows of consecutive groups from there) per fetched run."""
+        self.grid_thw = tuple(grid_thw)
+        self.rows_per_group = self.grid_thw[1] * self.grid_thw[2]
+        self.runs = sorted(runs, key=lambda run: run[0])
+        for start, rows in self.runs:
+            assert rows.shape[0] % self.rows_per_group == 0 and start >= 0, (start, tuple(rows.shape))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Shape of the whole item's `pixel_values` (most of which is not here)."""
+        return (self.grid_thw[0] * self.rows_per_group, self.runs[0][1].shape[1])
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"FetchedRows supports row slices only, got {index!r}")
+        first, stop = index.start or 0, index.stop
+        for start, rows in self.runs:
+            lo = start * self.rows_per_group
+            if lo <= first and stop <= lo + rows.shape[0]:
+                return rows[first - lo:stop - lo]
+        raise KeyError(f"rows [{first}, {stop}) of an item with grid {self.grid_thw} were not fetched by this "
+                       f"rank (fetched groups: {[(s, s + r.shape[0] // self.rows_per_group) for s, r in self.runs]})")
+
+
+def rank_units(model_config, plan, samples: Mapping[str, Any], rank: int) -> tuple[Any, ...]:
+    """The vision units `rank` encodes in this step (same as `build_step_batch(...).route.my_units`),
+    from the HF config alone (no weights)."""
+    from flexrl_ds.models.flex_model import vision_route
+    from flexrl_ds.sp.layout import build_rank_layout
+
+    if getattr(model_config, "vision_config", None) is None:
+        return ()
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    lengths = {seq_id: sample.length for seq_id, sample in samples.items()}
+    layouts = [build_rank_layout(plan, lengths, r, None, num_heads=text.num_attention_heads,
+                                 num_kv_heads=text.num_key_value_heads) for r in range(plan.world_size)]
+    return vision_route(types.SimpleNamespace(config=model_config), plan, samples, layouts, rank).my_units
+
+
+def unit_requests(units: Sequence[Any], prompt_keys: Mapping[str, Any]) -> list[Any]:
+    """One `SliceRequest` per run of consecutive temporal groups of one item among `units`."""
+    from flexrl_ds.loader.materializer import SliceRequest
+
+    groups: dict[tuple[str, int], list[int]] = {}
+    for unit in units:
+        groups.setdefault((unit.seq_id, unit.item_index), []).append(unit.t_index)
+    requests = []
+    for (seq_id, item_index), t_indices in groups.items():
+        t_indices = sorted(set(t_indices))
+        start = previous = t_indices[0]
+        for t in t_indices[1:] + [None]:
+            if t is not None and t == previous + 1:
+                previous = t
+                continue
+            requests.append(SliceRequest(prompt_keys[seq_id], item_index, start, previous + 1))
+            if t is not None:
+                start = previous = t
+    return requests
+
+
+class RankPixels:
+    """This rank's pixel fetch for one step: started before its batch is built, read after."""
+
+    def __init__(self, handle, units: Sequence[Any]):
+        import ray
+
+        from flexrl_ds.loader.materializer import Materializer, RayFetcher, WorkerAssignment
+
+        self.handle, self.units = handle, tuple(units)
+        self._joined_ray = not ray.is_initialized()  # ranks of `RankProcesses` joined already
+        if self._joined_ray:
+            ray.init(address=handle.ray_address, namespace=handle.namespace, log_to_driver=False,
+                     configure_logging=False)
+        board = ray.get_actor(handle.board_name, namespace=handle.namespace)
+        sources = ray.get(board.take.remote(), timeout=handle.timeout_s)
+        self.requests = unit_requests(self.units, handle.prompt_keys)
+        needed = {request.prompt for request in self.requests}
+        self.materializer = Materializer(RayFetcher(timeout_s=handle.timeout_s))
+        self.materializer.prefetch(WorkerAssignment(handle.step, tuple(self.requests),
+                                                    {key: sources[key] for key in needed}))
+        self.stats: dict[str, float] = {}
+
+    def items(self, samples: Mapping[str, Any], units: Sequence[Any]) -> dict[str, list[Any]]:
+        """seq id -> VisionItems where the items of this rank's units carry `FetchedRows`."""
+        assert tuple(units) == self.units, "the batch's vision route differs from the one prefetched"
+        fetched = self.materializer.get(self.handle.step)
+        if fetched.withdrawn:
+            raise ValueError(
+                f"step {self.handle.step}: prompt(s) withdrawn after hand-out (decode failed): "
+                + "; ".join(f"record {record_id!r}: {reason}"
+                            for record_id, reason in fetched.withdrawn_reasons().items())
+                + ". `flexrl logprobs` cannot drop a prompt from a step whose plan is fixed: "
+                  "fix or remove the record and run again")
+        self.stats = {"pixel_bytes": float(fetched.bytes_fetched), "wait_s": fetched.wait_s,
+                      "num_requests": float(len(self.requests))}
+        seq_of = {key: seq_id for seq_id, key in self.handle.prompt_keys.items()}
+        runs: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}
+        for request, tensors in zip(self.requests, fetched.tensors):
+            runs.setdefault((seq_of[request.prompt], request.item_index), []).append(
+                (request.t_start, tensors["pixel_values"].float()))
+        items = {seq_id: list(sample.items) for seq_id, sample in samples.items()}
+        for (seq_id, item_index), item_runs in runs.items():
+            item = items[seq_id][item_index]
+            items[seq_id][item_index] = dataclasses.replace(item, pixel_values=FetchedRows(item.grid_thw, item_runs))
+        return items
+
+    def close(self) -> None:
+        import ray
+
+        self.materializer.close()
+        if self._joined_ray:
+            ray.shutdown()

@@ -1,0 +1,47 @@
+"""Trainer settings (section `flexrl.trainer` of a run config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainerConfig:
+    """Where the GRPO workers run and what the run keeps (section `flexrl.trainer`)."""
+
+    num_policy_ranks: int = 2
+    """Policy (and reference) ranks: one DeepSpeed ZeRO-3 engine each; the FlexUlysses world size."""
+    seed: int = 0
+    """Seed of the run: model init of nothing (weights come from --model), sampling per (step, prompt,
+    sample), and every other random choice."""
+    max_steps: int = 1
+    """GRPO steps to run (the CLI's --max-steps overrides)."""
+    save_every: int = 0
+    """Write a checkpoint and an HF export every N steps; 0: only after the last step."""
+    save_rollouts: bool = False
+    """Write rollouts/step_N.jsonl (ids, tokens, text, reward, advantage per sample)."""
+    colocate: bool = True
+    """Policy, reference and rollout engines share the same devices, each offloaded or asleep while
+    another runs; false: rollout engines get devices of their own."""
+    num_cpus_per_rank: float = 1.0
+    """Ray CPUs reserved per policy rank (fractions allowed)."""
+    num_gpus_per_rank: float = 0.0
+    """Ray GPUs per policy rank (0 on CPU machines)."""
+    timeout_s: float = 900.0
+    """Collective timeout of the policy group, and the longest wait for one worker call."""
+    tensorboard: bool = True
+    """Also write the step metrics as TensorBoard scalars under OUT/tensorboard (when installed)."""
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project (when wandb is installed); None: off."""
+
+    def __post_init__(self) -> None:
+        if self.num_policy_ranks < 1:
+            raise ValueError(f"flexrl.trainer.num_policy_ranks: must be at least 1, got {self.num_policy_ranks}")
+        if self.max_steps < 1:
+            raise ValueError(f"flexrl.trainer.max_steps: must be at least 1, got {self.max_steps}")
+        if self.save_every < 0:
+            raise ValueError(f"flexrl.trainer.save_every: must be >= 0, got {self.save_every}")
+        if self.num_cpus_per_rank <= 0 or self.num_gpus_per_rank < 0:
+            raise ValueError("flexrl.trainer.num_cpus_per_rank must be > 0 and num_gpus_per_rank >= 0")
+        if self.timeout_s <= 0:
+            raise ValueError(f"flexrl.trainer.timeout_s: must be positive, got {self.timeout_s}")

@@ -1,0 +1,85 @@
+"""`flexrl make-workload | plan | simulate | bench planner` through flexrl_ds.cli.main.main."""
+
+from __future__ import annotations
+
+import json
+
+from flexrl_ds.cli.main import main
+from flexrl_ds.planning.plan import load_plan, load_workload, validate_plan
+from flexrl_ds.planning.schedule import check_schedule
+
+
+def test_make_workload_then_plan(tmp_path, capsys):
+    workload_path, plan_path = tmp_path / "w.json", tmp_path / "plan.json"
+    assert main(["make-workload", "--mix", "video-heavy", "--num", "96", "--seed", "2", "--n-samples", "4",
+                 "--out", str(workload_path)]) == 0
+    workload = load_workload(workload_path)
+    assert len(workload.sequences) == 96
+    assert main(["plan", "--workload", str(workload_path), "--world-size", "16", "--model", "qwen2.5-vl-7b",
+                 "--p-max", "8", "--h-pack", "2048", "--H-pack", "8192", "--out", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    for word in ("attention balance", "cost balance", "token balance", "efficiency", "degrees", "packs",
+                 "all-to-all", "deadlock-free", "bounds for any plan"):
+        assert word in out
+    raw = json.loads(plan_path.read_text())
+    assert set(raw) >= {"world_size", "p_max", "packs", "rank_order"}
+    assert set(raw["rank_order"]) == {str(r) for r in range(16)}
+    assert raw["h_pack"] == 2048 and raw["H_pack"] == 8192
+    plan = load_plan(plan_path)
+    validate_plan(plan, workload)
+    assert check_schedule(plan).deadlock_free
+
+
+def test_plan_reads_the_config_and_reports_json(tmp_path, capsys):
+    workload_path = tmp_path / "w.json"
+    workload_path.write_text(json.dumps({"sequences": [{"id": "big", "tokens": 70000},
+                                                       {"id": "a", "tokens": 500}, {"id": "b", "tokens": 700}]}))
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3},
+                                  "flexrl": {"sp": {"p_max": 4, "max_tokens_per_rank": 10000, "oversize": "drop"}}}))
+    assert main(["plan", "--workload", str(workload_path), "--world-size", "8", "--config", str(config), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["dropped"] == ["big"]
+    assert main(["plan", "--workload", str(workload_path), "--world-size", "8", "--config", str(config),
+                 "--oversize", "truncate", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["truncated"] == {"big": 40000}
+
+
+def test_bad_input_exits_2_naming_the_culprit(tmp_path, capsys):
+    workload_path = tmp_path / "w.json"
+    workload_path.write_text(json.dumps({"sequences": [{"id": "x", "tokens": 10}, {"id": "x", "tokens": 20}]}))
+    assert main(["plan", "--workload", str(workload_path), "--world-size", "8"]) == 2
+    assert "'x'" in capsys.readouterr().err
+    workload_path.write_text(json.dumps({"sequences": [{"id": "x", "tokens": 10}]}))
+    assert main(["plan", "--workload", str(workload_path), "--world-size", "6"]) == 2
+    assert "world_size 6" in capsys.readouterr().err
+    assert main(["plan", "--workload", str(workload_path), "--world-size", "8", "--p-max", "3"]) == 2
+    assert "p_max" in capsys.readouterr().err
+    assert main(["make-workload", "--mix", "audio", "--num", "5", "--out", str(tmp_path / "a.json")]) == 2
+    assert "--mix" in capsys.readouterr().err
+
+
+def test_simulate_table_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "loads.png"
+    assert main(["simulate", "--mix", "image-heavy", "--world-size", "8", "--gbs", "8", "--n-samples", "2",
+                 "--seeds", "2", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for method in ("bucketing (veRL)", "bucketing (LPT)", "SP=2", "SP=4", "SP=8", "FlexUlysses"):
+        assert method in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["simulate", "--mix", "only-video", "--world-size", "4", "--gbs", "4", "--seeds", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "SP=8" not in result["methods"]  # larger than the world
+    flex = result["methods"]["FlexUlysses"]
+    assert flex["efficiency"] >= 0.97
+    assert flex["attention_balance"] >= flex["attention_balance_bound"] - 1e-9
+    assert flex["efficiency"] <= flex["efficiency_bound"] + 1e-9
+
+
+def test_bench_planner_small_grid(capsys):
+    assert main(["bench", "planner", "--json", "--repeats", "1", "--seeds", "1", "--counts", "64",
+                 "--world-sizes", "8,16"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [(r["num_sequences"], r["world_size"]) for r in result["timing"]] == [(64, 8), (64, 16)]
+    assert len(result["quality"]) == 3 * 2
+    assert all(r["plan_ms"] > 0 for r in result["timing"])
