@@ -16,13 +16,12 @@ off the busiest block while its cost drops, then moves/swaps lowering the busies
 attention while no block's cost exceeds a ceiling; where attention is still more than 1 % above
 max(goal, partition bound), rounds of exchanges — one item of a block above the goal for up to
 two of a block below it, the 2-for-1 swaps that move attention at equal cost — lower it without
-raising the busiest block's cost. `split_block` does (2) by
-recursive halving under per-rank rooms (cost, attention, tokens): on a block of `b` ranks the `k`
-largest shardable sequences stay at degree `b` (the same share on every rank), the others are split
-over the two halves (greedy or snake order, then move/swap repair) so that both fit the rooms
-left; the smallest `k` that works is taken
-(exponential, then binary search), so only what balance needs is sharded. Each half recurses with
-the room the degree-`b` sequences left.
+raising the busiest block's cost. `split_block` does (2) by recursive halving under per-rank rooms
+(cost, attention, tokens): on a block of `b` ranks the `k` largest shardable sequences stay at
+degree `b` (the same share on every rank), the others are split over the two halves (greedy or
+snake order, then move/swap repair) so that both fit the rooms left; the smallest `k` that works is
+taken (exponential, then binary search), so only what balance needs is sharded. Each half recurses
+with the room the degree-`b` sequences left.
 """
 
 from __future__ import annotations
@@ -211,14 +210,13 @@ def _improve(blocks: np.ndarray, values: np.ndarray, dim: int, ceilings: np.ndar
 
 def _exchange_pairs(values: np.ndarray, blocks: np.ndarray, num_blocks: int, ceilings: np.ndarray, steps: int,
                     good_enough: float) -> None:
-    """Attention refinement for the blocks whose attention exceeds `good_enough` (hot): exchanges
-    of one item of a hot block for up to two items of a cold block (a move, a swap or a 2-for-1
-    swap) keeping both blocks' cost and tokens under `ceilings` and lowering the larger attention
-    of the two; per round, the best exchange of every hot block (busiest first, each cold block
-    used once). When every block's cost sits at the ceiling a swap of equal cost cannot change
-    attention (cost is monotone in length); trading one long item for two shorter ones of the same
-    cost moves attention while cost stays. The second item is found by sorted search on cost, so a
-    round is O(hot items × cold items). Stops when no exchange lowers a hot block."""
+    """Attention refinement of the blocks whose attention exceeds `good_enough` (hot): exchanges of
+    one item of a hot block for up to two of a cold block (move, swap or 2-for-1 swap) keeping both
+    blocks' cost and tokens under `ceilings` and lowering the larger attention of the two; per
+    round, the best exchange of every hot block (busiest first, each cold block used once). At the
+    cost ceiling a swap of equal cost cannot change attention (cost is monotone in length); one
+    long item for two shorter ones of the same cost can. The second item is found by sorted search
+    on cost (a round is O(hot × cold items)). Stops when no exchange lowers a hot block."""
     padded = np.concatenate([values, np.zeros((3, 1))], axis=1)  # column -1: "nothing"
     rows = [0, 1, 2] if np.isfinite(ceilings[2]) else [0, 1]
     for _ in range(steps):
@@ -398,7 +396,7 @@ def _bisect_snake(items: Items, rest: list[int], scale):
 
 
 def _excess(loads, scale) -> tuple[float, float, float]:
-    sc, sa, st = scale
+    sc, sa, st = scale  # per-dimension 1/room (0: no room limit)
     soft = max(loads[0][0] * sc, loads[0][1] * sa, loads[1][0] * sc, loads[1][1] * sa) - 1 - SLACK
     hard = max(loads[0][2], loads[1][2]) * st - 1 - SLACK if st else -1.0
     return max(soft, hard), 0.0, hard
