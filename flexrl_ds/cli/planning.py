@@ -124,7 +124,7 @@ def _plan(args) -> int:
     if args.out:
         result.plan.save(args.out)
     summary = result.metrics.summary()
-    summary.update(dropped=list(result.dropped), truncated={k: v[1] for k, v in result.truncated.items()},
+    summary.update(degree_cap=result.plan.extra["degree_cap"], dropped=list(result.dropped), truncated={k: v[1] for k, v in result.truncated.items()},
                    schedule=check.describe(), h_pack=result.limits.h_pack, H_pack=result.limits.H_pack)
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -138,7 +138,10 @@ def _plan(args) -> int:
           f"token balance {m.token_balance:.3f}   efficiency {m.efficiency:.3f}")
     print(f"  bounds for any plan on aligned groups: attention balance >= {m.attention_balance_bound:.3f}, "
           f"efficiency <= {m.efficiency_bound:.3f}")
+    cap = result.plan.extra["degree_cap"]
     print(f"  degrees: {hist}   packs: {m.num_packs}   schedule: {check.describe()}")
+    print(f"  largest degree {cap['max_degree']} (bound by {cap['by']}: p_max {cap['p_max']}, "
+          f"world size {cap['world_size']}, {cap['num_heads']} query heads, head rule {options.head_rule})")
     print(f"  all-to-all volume {m.all_to_all_volume:.0f} tokens = {m.all_to_all_relative:.3f} x fixed SP at p_max")
     if result.dropped:
         print(f"  dropped (oversize): {', '.join(result.dropped)}")

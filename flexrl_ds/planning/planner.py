@@ -45,8 +45,9 @@ leave no choice). Where the attention-first search's partition is taken, the bus
 (cost balance ≤ ~1.03 where the schema's lower bound is the mean; efficiency ≥ 1/1.03 − 2·tol).
 
 Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the group. "uneven"
-(default) allows every power-of-two degree ≤ p_max; when d does not divide num_heads the executor
-uses an uneven-heads all-to-all (some ranks get one more head). "divisible" only allows degrees that
+(default) allows every power-of-two degree ≤ min(p_max, num_heads) (every rank needs a query head;
+the plan's `degree_cap` says which limit bound); when d does not divide num_heads the executor
+uses an uneven-heads all-to-all (some ranks get one more head: planning/heads.py). "divisible" only allows degrees that
 divide num_heads (Qwen2.5-VL-7B: 28 heads → at most 4). KV heads fewer than d are replicated so each
 rank holds the KV heads its query heads use; KV heads more than d are scattered like query heads.
 """
@@ -59,6 +60,7 @@ import numpy as np
 
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import CostModel
+from flexrl_ds.planning.heads import max_degree_for_heads
 from flexrl_ds.planning.attention_repair import repair_attention
 from flexrl_ds.planning.attention_search import search_partition
 from flexrl_ds.planning.metrics import PlanMetrics, attention_cost_infeasible, compute_metrics, partition_bound, rank_sums
@@ -144,7 +146,9 @@ HEAD_RULES = ("uneven", "divisible")
 
 
 def allowed_degrees(world_size: int, sp: SPConfig, cost: CostModel, head_rule: str) -> tuple[int, ...]:
-    """Powers of two ≤ min(p_max, world_size), filtered by the head rule; validates world_size/p_max."""
+    """Powers of two ≤ min(p_max, world_size, query heads), filtered by the head rule; validates
+    world_size/p_max. The head cap holds under every rule: each rank of a pack needs one query head
+    (`build_rank_layout` rejects a degree above the head count)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if not is_power_of_two(sp.p_max):
@@ -154,10 +158,18 @@ def allowed_degrees(world_size: int, sp: SPConfig, cost: CostModel, head_rule: s
         raise ValueError(f"world_size {world_size} is not a multiple of the group size p_max={sp.p_max}")
     if head_rule not in HEAD_RULES:
         raise ValueError(f"head_rule {head_rule!r} is not one of {', '.join(HEAD_RULES)}")
-    degrees = [1 << k for k in range(p_eff.bit_length()) if (1 << k) <= p_eff]
+    degrees = [1 << k for k in range(p_eff.bit_length()) if (1 << k) <= min(p_eff, cost.num_heads)]
     if head_rule == "divisible":
         degrees = [d for d in degrees if cost.num_heads % d == 0]
     return tuple(degrees)
+
+
+def degree_cap(world_size: int, sp: SPConfig, cost: CostModel, allowed: tuple[int, ...]) -> dict:
+    """What bounds the largest degree (for the plan summary): p_max, the world size, the query
+    heads or the head rule."""
+    limits = {"p_max": sp.p_max, "world_size": world_size, "num_heads": cost.num_heads}
+    binding = [name for name, value in limits.items() if max_degree_for_heads(value) == allowed[-1]]
+    return {"max_degree": allowed[-1], "by": binding[0] if binding else "head_rule", **limits}
 
 
 def apply_oversize(workload: Workload, sp: SPConfig, max_degree: int
@@ -285,9 +297,10 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
             f"sequence {seq.id!r}: no group of ranks has room for its {seq.tokens} tokens under "
             f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
     plan = build_plan(planned.sequences, degrees, starts, world_size, sp.p_max, limits)
-    metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=sp.p_max,
+    metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=allowed[-1],
                               c=cost.c, num_packs=len(plan.packs))
     extra = {"metrics": metrics.summary(), "cost_model": {"name": cost.name, "c": cost.c},
+             "degree_cap": degree_cap(world_size, sp, cost, allowed),
              "h_pack": limits.h_pack, "H_pack": limits.H_pack, "head_rule": options.head_rule,
              "dropped": list(dropped), "truncated": {k: v[1] for k, v in truncated.items()}}
     plan = replace(plan, extra=extra)
