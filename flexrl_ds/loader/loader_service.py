@@ -48,6 +48,9 @@ class LoaderService:
     def wait_ready(self) -> None:
         self.pool.wait_ready()
 
+    def skip_steps(self, num_steps: int) -> None:
+        self.loader.skip_steps(num_steps)
+
     def next_step(self) -> Any:
         step = self.loader.next_step()
         self._steps[step.step] = step

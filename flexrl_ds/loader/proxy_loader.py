@@ -294,6 +294,15 @@ class ProxyLoader:
         self.stats.loader_s += time.perf_counter() - started
         return step
 
+    def skip_steps(self, num_steps: int) -> None:
+        """Replay the order and the bad-record policy over the next `num_steps` steps without
+        decoding anything (a resumed run continues where the interrupted one stopped: the same
+        records per step, the same substitutes). Only before the first `next_step`."""
+        if self._upcoming or self._handed_out:
+            raise RuntimeError("ProxyLoader.skip_steps: steps were already composed; skip before the first next_step")
+        for _ in range(num_steps):
+            self.source.compose()
+
     def wait_composed(self) -> None:
         """Block until every look-ahead step is probed and dispatched (tests, shutdown)."""
         for future in list(self._upcoming):

@@ -85,6 +85,16 @@ class SampleEncoder:
         self.merge_size = int(processor_settings(model_dir)["merge_size"]) if self.has_vision else 2
 
     def encode_items(self, record_id: str, prompt: str, response: str, items: list[VisionItem]) -> EncodedSample:
+        prompt_ids = self.encode_prompt(record_id, prompt, items)
+        response_ids = self.tokenizer(response, add_special_tokens=False)["input_ids"]
+        if not response_ids:
+            raise ValueError(f"record {record_id!r}: empty response")
+        input_ids = torch.tensor(prompt_ids + response_ids, dtype=torch.long)
+        return EncodedSample(record_id, input_ids, len(prompt_ids), items)
+
+    def encode_prompt(self, record_id: str, prompt: str, items: list[VisionItem]) -> list[int]:
+        """Token ids of the chat-rendered prompt (generation prompt added), one pad per merged
+        vision token of each item; `items` need only their kind and grid (placeholders do)."""
         parts, pieces = [], MARKER.split(prompt)
         for index, piece in enumerate(pieces):
             if index % 2 == 0:
@@ -95,12 +105,7 @@ class SampleEncoder:
         messages = [{"role": "user", "content": parts}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         text = self._expand_pads(record_id, text, items)
-        prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        response_ids = self.tokenizer(response, add_special_tokens=False)["input_ids"]
-        if not response_ids:
-            raise ValueError(f"record {record_id!r}: empty response")
-        input_ids = torch.tensor(prompt_ids + response_ids, dtype=torch.long)
-        return EncodedSample(record_id, input_ids, len(prompt_ids), items)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _expand_pads(self, record_id: str, text: str, items: list[VisionItem]) -> str:
         """Each rendered pad token becomes one pad per merged vision token of its item (in order)."""

@@ -1,0 +1,182 @@
+"""Worker groups: one object that owns where a group's ranks run and calls a method on all of them.
+
+A worker is a plain class (testable without Ray) whose constructor takes `WorkerPlace` first: its
+rank, the group's size, the rendezvous address and port. Two groups run the same worker class:
+
+- `RayWorkerGroup`: one Ray actor per rank, placed by a placement group (one bundle per rank,
+  `PACK` strategy), the rendezvous at rank 0's node on a port rank 0 picked. This is the `flexrl
+  train` driver's path (a local Ray, or a cluster under `ray job submit`).
+- `SPMDWorkerGroup`: the processes a launcher started (`deepspeed --hostfile`, torchrun): every
+  process holds its own worker; rank 0 runs the driver and `run(...)` broadcasts the call to the
+  other ranks, which wait in `serve()`; results come back to rank 0 with `gather_object`.
+
+Both give `run(method, *args, **kwargs) -> [result of rank 0, ..., rank N-1]` with the same
+arguments on every rank (collective methods, e.g. a ZeRO-3 forward), and `run_each(method,
+per_rank_args)` with one argument tuple per rank.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where one worker sits in its group."""
+
+    rank: int
+    """Rank within the group, 0..world_size-1."""
+    world_size: int
+    """Ranks in the group."""
+    master_addr: str
+    """Rendezvous host of the group's process group (rank 0's node)."""
+    master_port: int
+    """Rendezvous port."""
+    local_rank: int = 0
+    """Rank on this node (selects the GPU)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host`."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def node_address() -> str:
+    """This node's address as Ray sees it (127.0.0.1 without Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+class _Host:
+    """The Ray actor body: builds the worker once the group's rendezvous is known."""
+
+    def __init__(self):
+        self.worker = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        address = node_address()
+        return address, free_port(address if address != "localhost" else "127.0.0.1")
+
+    def start(self, place: WorkerPlace, factory: Callable[..., Any], kwargs: dict) -> bool:
+        self.worker = factory(place, **kwargs)
+        return True
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+class RayWorkerGroup:
+    """`num_ranks` Ray actors, each holding one worker built by `factory(place, **kwargs)`."""
+
+    def __init__(self, factory: Callable[..., Any], num_ranks: int, kwargs: dict | None = None,
+                 num_cpus_per_rank: float = 1.0, num_gpus_per_rank: float = 0.0, name: str = "workers",
+                 timeout_s: float = 900.0, env: dict[str, str] | None = None):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if num_ranks < 1:
+            raise ValueError(f"{name}: a worker group needs at least one rank, got {num_ranks}")
+        self.name, self.num_ranks, self.timeout_s = name, num_ranks, timeout_s
+        bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
+        self.placement = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK")
+        ray.get(self.placement.ready(), timeout=timeout_s)
+        actor_cls = ray.remote(_Host)
+        runtime_env = {"env_vars": dict(env)} if env else None
+        self.actors = [
+            actor_cls.options(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, runtime_env=runtime_env,
+                              scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, index)).remote()
+            for index in range(num_ranks)]
+        address, port = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout_s)
+        places = [WorkerPlace(rank, num_ranks, address, port, local_rank=rank) for rank in range(num_ranks)]
+        self._get([actor.start.remote(place, factory, kwargs or {}) for actor, place in zip(self.actors, places)],
+                  "start")
+
+    def _get(self, refs: list, what: str) -> list:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
+                               "(a hang or a crash on some rank)") from None
+
+    def run_async(self, method: str, *args, **kwargs) -> list:
+        """Start `method(*args, **kwargs)` on every rank; the Ray references, in rank order."""
+        return [actor.call.remote(method, args, kwargs) for actor in self.actors]
+
+    def run(self, method: str, *args, **kwargs) -> list:
+        """`method(*args, **kwargs)` on every rank (the same arguments); results in rank order."""
+        return self._get(self.run_async(method, *args, **kwargs), method)
+
+    def run_each(self, method: str, per_rank: Sequence[tuple]) -> list:
+        """`method(*per_rank[r])` on rank r; results in rank order."""
+        assert len(per_rank) == self.num_ranks, (len(per_rank), self.num_ranks)
+        return self._get([actor.call.remote(method, tuple(args), {}) for actor, args in zip(self.actors, per_rank)],
+                         method)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self.placement)
+        self.actors = []
+
+
+_STOP = "__stop__"
+
+
+class SPMDWorkerGroup:
+    """The launcher's processes as a worker group: every process holds its worker, rank 0 drives.
+
+    Build it on every rank after `torch.distributed` is initialised (the launcher's environment,
+    `parallel.launch.init_distributed`); rank 0 calls `run`/`run_each`, the others call `serve()`,
+    which returns after rank 0's `shutdown()`."""
+
+    def __init__(self, worker: Any, rank: int, world_size: int, group: Any = None):
+        self.worker, self.rank, self.num_ranks, self.group = worker, rank, world_size, group
+
+    def _broadcast(self, message: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _execute(self, message: tuple) -> list | None:
+        import torch.distributed as dist
+
+        method, per_rank, kwargs = message
+        result = getattr(self.worker, method)(*per_rank[self.rank], **kwargs)
+        gathered = [None] * self.num_ranks if self.rank == 0 else None
+        dist.gather_object(result, gathered, dst=0, group=self.group)
+        return gathered
+
+    def run(self, method: str, *args, **kwargs) -> list:
+        assert self.rank == 0, "only rank 0 drives an SPMD group"
+        return self._execute(self._broadcast((method, [args] * self.num_ranks, kwargs)))
+
+    def run_each(self, method: str, per_rank: Sequence[tuple]) -> list:
+        assert self.rank == 0 and len(per_rank) == self.num_ranks
+        return self._execute(self._broadcast((method, [tuple(a) for a in per_rank], {})))
+
+    def serve(self) -> None:
+        """Ranks other than 0: execute rank 0's calls until it shuts the group down."""
+        while (message := self._broadcast(None)) != _STOP:
+            self._execute(message)
+
+    def shutdown(self) -> None:
+        if self.rank == 0:
+            self._broadcast(_STOP)

@@ -1,0 +1,125 @@
+"""A GRPO step's prompts and samples as the driver holds them: token ids and metadata, no pixels.
+
+- `encode_prompts`: the step's prompts as token ids (chat template, one pad per merged vision
+  token) with shape-only vision items whose `share_key` is the prompt's name, so the n samples of a
+  prompt encode its pixels once per step (models/vision_balance.py).
+- `sample_seed`: the sampling seed of one sample, a function of (run seed, step, slot, sample
+  index) only, so a resumed run, or another split over engines, draws the same responses.
+- `StepSamples`: the rollouts of a step: per sample its prompt, response ids, reward and advantage;
+  `encoded()` gives the `EncodedSample`s (prompt + response) the planner and the ranks use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from flexrl_ds.loader.metastore import PromptKey, SampleId
+from flexrl_ds.models.processing import EncodedSample, VisionItem
+from flexrl_ds.runtime.data_controller import ControllerStep, prompt_name, sample_name
+
+
+@dataclass
+class PromptInputs:
+    """One prompt of a step, encoded."""
+
+    key: PromptKey
+    """(step, slot)."""
+    name: str
+    """`prompt_name(key)`, e.g. "s3p1"."""
+    record: Any
+    """The dataset `Record`."""
+    prompt_ids: list[int]
+    """Chat-rendered prompt with expanded vision pads."""
+    items: list[VisionItem]
+    """Vision items with shape-only placeholders (share_key = name)."""
+    sample_names: list[str]
+    """Its n samples' ids, e.g. ["s3p1k0", "s3p1k1"]."""
+
+
+def placeholder_items(meta: Any, share_key: str) -> list[VisionItem]:
+    """VisionItems of a probed sample: shape-only placeholders, shared by the prompt's samples."""
+    return [VisionItem(item.kind, meta.item_placeholder(index), tuple(item.grid_thw), item.second_per_grid_t or 1.0,
+                       share_key=f"{share_key}/{index}")
+            for index, item in enumerate(meta.items)]
+
+
+def encode_prompts(encoder: Any, step: ControllerStep) -> list[PromptInputs]:
+    """The step's prompts as token ids (the driver's tokenizer; metadata only)."""
+    out = []
+    for prompt in step.prompts:
+        name = prompt_name(prompt.key)
+        items = placeholder_items(prompt.meta, name)
+        ids = encoder.encode_prompt(prompt.record.id, prompt.record.prompt, items)
+        out.append(PromptInputs(prompt.key, name, prompt.record, ids, items,
+                                [sample_name(sample) for sample in step.sample_ids(prompt)]))
+    return out
+
+
+def sample_seed(run_seed: int, sample: SampleId) -> int:
+    """A 63-bit sampling seed that depends only on (run seed, step, slot, sample index)."""
+    text = f"flexrl/{run_seed}/{sample.step}/{sample.slot}/{sample.sample_index}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
+def parse_sample_name(name: str) -> SampleId:
+    """Inverse of `sample_name` ("s3p1k0" -> SampleId(3, 1, 0))."""
+    step, rest = name[1:].split("p", 1)
+    slot, index = rest.split("k", 1)
+    return SampleId(int(step), int(slot), int(index))
+
+
+@dataclass
+class StepSamples:
+    """The rollouts of one step, in sample order (prompt-major)."""
+
+    prompts: list[PromptInputs]
+    """The prompts that got responses."""
+    response_ids: dict[str, list[int]]
+    """Sample name -> generated token ids (EOS included when generation stopped there)."""
+    engine_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    """Sample name -> the engine's log-prob of each generated token."""
+    finish_reasons: dict[str, str] = field(default_factory=dict)
+    """Sample name -> "stop" (EOS) or "length" (max_response_length)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    advantages: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for prompt in self.prompts for name in prompt.sample_names if name in self.response_ids]
+
+    def prompt_of(self) -> dict[str, PromptInputs]:
+        return {name: prompt for prompt in self.prompts for name in prompt.sample_names}
+
+    def encoded(self, names: Sequence[str] | None = None) -> dict[str, EncodedSample]:
+        """EncodedSample (prompt + response, placeholders for pixels) per sample name."""
+        prompts = self.prompt_of()
+        out = {}
+        for name in (self.names if names is None else names):
+            prompt = prompts[name]
+            ids = torch.tensor(prompt.prompt_ids + self.response_ids[name], dtype=torch.long)
+            out[name] = EncodedSample(name, ids, len(prompt.prompt_ids), prompt.items)
+        return out
+
+    def prompt_keys(self) -> dict[str, PromptKey]:
+        """Sample name -> its prompt's key (where its pixels live)."""
+        return {name: prompt.key for prompt in self.prompts for name in prompt.sample_names}
+
+
+def split_mini_batches(prompts: Sequence[PromptInputs], names: Sequence[str], num: int) -> list[list[str]]:
+    """`names` in `num` mini-batches of whole prompt groups (contiguous prompts, sizes within one
+    prompt of each other); groups are never split, so every mini-batch holds complete groups."""
+    present = set(names)
+    groups = [[n for n in prompt.sample_names if n in present] for prompt in prompts]
+    groups = [group for group in groups if group]
+    if num > len(groups):
+        raise ValueError(f"flexrl.rl.mini_batches_per_step = {num} exceeds the {len(groups)} prompts of the step")
+    batches, start = [], 0
+    for index in range(num):
+        stop = start + len(groups) // num + (1 if index < len(groups) % num else 0)
+        batches.append([name for group in groups[start:stop] for name in group])
+        start = stop
+    return batches
