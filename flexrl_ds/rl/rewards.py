@@ -1,11 +1,31 @@
-"""Rule-based (verifiable) rewards: a response's final answer against the record's `answer` (pure).
+"""Built-in rewards (pure): the rule reward against the record's `answer`, and a keyword reward.
 
-A record's `data_source` picks the reward function (data-format.md); sources not registered in
-`REWARD_FUNCTIONS` use `"default"`. The final answer of a response is the content of its last
-`<answer>...</answer>` tag, else of its last `\\boxed{...}` (nested braces allowed), else None
-(reward 0). Comparison: multiple-choice letters by letter ("B", "(b)", "B. the ball" all mean B),
-numbers by value (1e-6 relative; "1,000" and "1000.0" match), otherwise case- and space-insensitive
-text with surrounding `$`, trailing periods and outer spaces removed.
+`REWARDS` holds the built-ins by name, each with the batch signature of a custom reward function
+(`flexrl.rl.reward_fn`, see `reward_fn.py`): `(responses: list[str], records: list[dict]) -> list[float]`.
+
+**accuracy** (the rule reward). A record's `data_source` picks the per-sample function
+(data-format.md); sources not registered in `REWARD_FUNCTIONS` use `"default"`. The final answer of a
+response is the content of its last `<answer>...</answer>` tag, else of its last `\\boxed{...}`
+(nested braces allowed), else None (reward 0). Both sides are normalised (`normalize_answer`:
+lower-cased, surrounding `$`, trailing periods and outer spaces removed, whitespace runs collapsed),
+then compared in the first way that applies:
+- a reference that is one ASCII letter (or "(b)") is a multiple-choice letter. The prediction means
+  that letter when it is the letter alone, "(b)", "b." or "b)", the last three optionally followed
+  by a space and text ("B. the ball"). A letter followed by anything else is not a choice: "a cat",
+  "x = 5", "x=5" and "e.g." do not mean A, X or E;
+- when both sides are numbers they match by value (relative 1e-6). A number is an optional sign,
+  digits, an optional fraction and an optional exponent. A comma is a thousands separator only in
+  valid 3-digit grouping: "1,000" and "12,345.5" are numbers, "1,2", "1,2,3" and "1,0000" are not,
+  so they are compared as text ("1,2" is not "12");
+- otherwise the normalised texts must be equal.
+
+**keyword** (a dense reward that even a tiny random model can earn, for demos). The record's
+`answer` is a keyword; the reward is the share of the response's non-whitespace characters that are
+spelled by non-overlapping, case-insensitive copies of the keyword (whitespace runs count as one
+space): "cat cat" and "catcat" score 1,
+"a cat" scores 3/4, a response without the keyword 0. It rewards saying the keyword and nothing else:
+an honest, checkable task with a signal from the first step (random text contains the keyword now
+and then), not a measure of understanding.
 """
 
 from __future__ import annotations
@@ -15,8 +35,9 @@ import re
 from collections.abc import Callable, Sequence
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_CHOICE = re.compile(r"^\(?([A-Za-z])\)?(?:[.):]|\s|$)")
-_NUMBER = re.compile(r"^[-+]?(\d[\d,]*\.?\d*|\.\d+)(e[-+]?\d+)?$", re.IGNORECASE)
+_CHOICE = re.compile(r"^(?:([a-z])|\(([a-z])\)(?:\s.*)?|([a-z])[.)](?:\s.*)?)$", re.DOTALL)
+_REFERENCE_CHOICE = re.compile(r"^\(?([a-z])\)?$")
+_NUMBER = re.compile(r"^[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?$", re.IGNORECASE)
 
 
 def _last_boxed(text: str) -> str | None:
@@ -57,12 +78,18 @@ def _as_number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _choice_letter(normalized: str) -> str | None:
+    """The multiple-choice letter a normalised prediction states ("b", "(b) ...", "b. ..."), or None."""
+    match = _CHOICE.match(normalized)
+    return None if match is None else next(group for group in match.groups() if group)
+
+
 def answers_match(predicted: str, expected: str) -> bool:
     """True when `predicted` and the reference `expected` mean the same answer."""
     predicted, expected = normalize_answer(predicted), normalize_answer(expected)
-    if len(expected) == 1 and expected.isalpha():
-        choice = _CHOICE.match(predicted)
-        return choice is not None and choice.group(1).lower() == expected
+    reference_choice = _REFERENCE_CHOICE.match(expected)
+    if reference_choice is not None:
+        return _choice_letter(predicted) == reference_choice.group(1)
     expected_number, predicted_number = _as_number(expected), _as_number(predicted)
     if expected_number is not None and predicted_number is not None:
         return math.isclose(predicted_number, expected_number, rel_tol=1e-6, abs_tol=1e-9)
@@ -79,6 +106,10 @@ REWARD_FUNCTIONS: dict[str, Callable[[str, str], float]] = {"default": accuracy_
 """data_source -> reward(response, answer); "default" serves every source not listed."""
 
 
+def _source_reward(response: str, answer: str, source: str | None) -> float:
+    return float(REWARD_FUNCTIONS.get(source or "default", REWARD_FUNCTIONS["default"])(response, answer))
+
+
 def score_responses(
     responses: Sequence[str],
     answers: Sequence[str | None],
@@ -93,6 +124,46 @@ def score_responses(
     for index, (response, answer, source) in enumerate(zip(responses, answers, data_sources)):
         if answer is None:
             raise ValueError(f"sample {index}: the record has no 'answer' to reward against (data_source {source!r})")
-        reward_function = REWARD_FUNCTIONS.get(source or "default", REWARD_FUNCTIONS["default"])
-        rewards.append(float(reward_function(response, answer)))
+        rewards.append(_source_reward(response, answer, source))
     return rewards
+
+
+def record_answer(record: dict) -> str:
+    """The record's `answer` as text (JSON numbers are accepted); ValueError naming the record if absent."""
+    answer = record.get("answer")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        return str(answer)
+    if answer is None:
+        raise ValueError(f"record {record.get('id')!r} has no 'answer' to reward against")
+    if not isinstance(answer, str):
+        raise ValueError(f"record {record.get('id')!r}: 'answer' must be a string to reward against, got {answer!r}")
+    return answer
+
+
+def accuracy(responses: list[str], records: list[dict]) -> list[float]:
+    """Built-in "accuracy": the rule reward of each response against its record's `answer`, by `data_source`."""
+    assert len(responses) == len(records), (len(responses), len(records))
+    return [_source_reward(response, record_answer(record), record.get("data_source"))
+            for response, record in zip(responses, records)]
+
+
+def keyword_reward(response: str, keyword: str) -> float:
+    """Share of the response's non-whitespace characters spelled by copies of `keyword` (module docstring)."""
+    keyword = re.sub(r"\s+", " ", keyword.strip().lower())
+    if not keyword:
+        raise ValueError("keyword reward: the keyword (the record's 'answer') is empty")
+    spelled = len(re.sub(r"\s+", "", response))
+    if spelled == 0:
+        return 0.0
+    copies = re.sub(r"\s+", " ", response.lower()).count(keyword)
+    return copies * len(keyword.replace(" ", "")) / spelled
+
+
+def keyword(responses: list[str], records: list[dict]) -> list[float]:
+    """Built-in "keyword": `keyword_reward` of each response with its record's `answer` as the keyword."""
+    assert len(responses) == len(records), (len(responses), len(records))
+    return [keyword_reward(response, record_answer(record)) for response, record in zip(responses, records)]
+
+
+REWARDS: dict[str, Callable[[list[str], list[dict]], list[float]]] = {"accuracy": accuracy, "keyword": keyword}
+"""Built-in rewards by name (`flexrl.rl.reward_fn`), with the batch signature of a custom reward."""
