@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-ROLLOUT_BACKENDS = ("hf", "vllm")
-"""hf: batched HF `generate` with a KV cache (CPU, tests, fallback); vllm: vLLM engines (GPU)."""
+BACKEND_NAMES = ("hf", "vllm")
+"""hf: batched HF `generate` with a KV cache (CPU, tests, fallback); vllm: vLLM engines (GPU).
+The names of `rollout.base.ROLLOUT_BACKENDS` (kept here so the config needs no engine imports)."""
 
 
 @dataclass
@@ -14,7 +15,7 @@ class RolloutConfig:
     """How the rollout engines sample n responses per prompt (section `flexrl.rollout`)."""
 
     backend: Literal["hf", "vllm"] = "hf"
-    """Rollout engine implementation (ROLLOUT_BACKENDS)."""
+    """Rollout engine implementation (BACKEND_NAMES)."""
     num_engines: int = 1
     """Rollout engines (each a Ray actor holding a full copy of the policy's weights)."""
     max_response_length: int = 1024
@@ -33,8 +34,8 @@ class RolloutConfig:
     """Ray GPUs reserved per engine (0 on CPU machines; fractions allowed when colocated)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ROLLOUT_BACKENDS:
-            raise ValueError(f"flexrl.rollout.backend: {self.backend!r} is not one of {', '.join(ROLLOUT_BACKENDS)}")
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"flexrl.rollout.backend: {self.backend!r} is not one of {', '.join(BACKEND_NAMES)}")
         for name in ("num_engines", "max_response_length", "max_batch_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"flexrl.rollout.{name}: must be at least 1, got {getattr(self, name)}")

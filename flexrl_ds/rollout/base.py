@@ -1,0 +1,142 @@
+"""What every rollout engine takes and returns, and the registry of engine backends.
+
+An engine is a plain class (no Ray inside; the trainer wraps it in a thin actor). It receives
+`RolloutRequest`s (prompt token ids with expanded vision pads, the prompt's `VisionItem`s with real
+pixels, a seed per sample) and returns one `RolloutResult` per request, in request order. A sample's
+response depends only on the weights, its prompt, the `SamplingParams` and its seed: not on the other
+requests of the call, their order or the batch it lands in (so a resumed run regenerates the same
+responses).
+
+`engine_class(backend)` resolves `ROLLOUT_BACKENDS[backend]` lazily: asking for "hf" never imports
+vLLM, and the vllm backend is only imported where it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from flexrl_ds.models.processing import VisionItem
+    from flexrl_ds.rollout.config import RolloutConfig
+
+MAX_SEED = 2**63 - 1
+
+ROLLOUT_BACKENDS = {
+    "hf": "flexrl_ds.rollout.hf_engine:HFRolloutEngine",
+    "vllm": "flexrl_ds.rollout.vllm_engine:VLLMEngine",
+}
+"""Backend name (`flexrl.rollout.backend`) -> "module:class" of its engine, imported on demand."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one engine call samples: the same for every request of the call."""
+
+    temperature: float = 1.0
+    """Logits are divided by it before top-k / top-p; 0 means greedy decoding (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches top_p; 1: off."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0: off."""
+    max_new_tokens: int = 1024
+    """Most tokens per response (finish_reason "length" when reached without an EOS)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """A response stops after the first of these it samples (the EOS is kept in the response);
+    empty: only `max_new_tokens` stops it."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling top_k: must be >= 0 (0: off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling max_new_tokens: must be at least 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_config(cls, config: "RolloutConfig", eos_token_ids: Iterable[int]) -> "SamplingParams":
+        """The sampling settings of `flexrl.rollout`, with the tokenizer's EOS ids."""
+        return cls(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                   max_new_tokens=config.max_response_length, eos_token_ids=tuple(eos_token_ids))
+
+
+@dataclass
+class RolloutRequest:
+    """One sample to generate: a prompt (with its media) and the seed of this sample."""
+
+    sample_key: str
+    """Caller's id of the sample (e.g. "<record id>/<k>"), echoed in the result."""
+    prompt_ids: list[int]
+    """Prompt token ids, chat-rendered, with each vision pad expanded to its item's merged tokens."""
+    items: "list[VisionItem]" = field(default_factory=list)
+    """The prompt's images/videos in prompt order, with real pixel rows; empty for text prompts."""
+    seed: int = 0
+    """Seeds this sample's random draws, in [0, 2**63) (the trainer derives it from run seed, step, prompt
+    and sample index: trainer/samples.sample_seed)."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"rollout request {self.sample_key!r}: empty prompt_ids")
+        if not 0 <= int(self.seed) <= MAX_SEED:
+            raise ValueError(f"rollout request {self.sample_key!r}: seed must be in [0, 2**63), got {self.seed}")
+
+
+@dataclass
+class RolloutResult:
+    """One generated response."""
+
+    sample_key: str
+    """The request's sample_key."""
+    response_ids: list[int]
+    """Sampled tokens, up to and including the first EOS (nothing after it: no padding)."""
+    logprobs: list[float]
+    """Per response token, the model's log-probability of it: log_softmax of the raw logits
+    (temperature 1, before top-k / top-p filtering) at the position that produced it."""
+    finish_reason: Literal["stop", "length"]
+    """"stop": ended with an EOS; "length": reached max_new_tokens without one."""
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from an engine backend."""
+
+    def generate(self, requests: Sequence[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
+        """One result per request, in request order."""
+        ...
+
+    def load_weights(self, named_tensors: "Iterable[tuple[str, torch.Tensor]]") -> None:
+        """Overwrite parameters; called with successive buckets, names as in the HF model's named_parameters()."""
+        ...
+
+    def sleep(self) -> None:
+        """Free what the engine can while another model uses the device (weights come back on wake)."""
+        ...
+
+    def wake(self) -> None:
+        """Undo sleep()."""
+        ...
+
+
+def engine_class(backend: str) -> type:
+    """The engine class of a backend name, imported only now (vLLM is never imported for "hf")."""
+    if backend not in ROLLOUT_BACKENDS:
+        raise ValueError(f"flexrl.rollout.backend: {backend!r} is not one of {', '.join(ROLLOUT_BACKENDS)}")
+    module_name, class_name = ROLLOUT_BACKENDS[backend].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise ImportError(f"flexrl.rollout.backend {backend!r} needs {error.name!r}, which is not "
+                              f"installed here") from error
+        raise ImportError(f"flexrl.rollout.backend {backend!r} is not available in this version: "
+                          f"{module_name} does not exist") from error
+    return getattr(module, class_name)

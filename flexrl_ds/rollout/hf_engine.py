@@ -1,0 +1,150 @@
+"""The `hf` rollout backend: batched HF `generate` with a KV cache (CPU, tests, fallback).
+
+Requests that share one prompt (identical `prompt_ids` and items: the n GRPO samples of a prompt) go
+through one `generate` call, up to `max_batch_sequences` rows, without padding; different prompts get
+calls of their own. `generate` runs greedily with `SeededSampler` as its logits processor: the sampler
+draws each row's token from that row's seeded stream (temperature, top-k, top-p) and forces it, so a
+sample's response depends only on its prompt, the weights, the sampling settings and its seed.
+
+Vision-language models get the inputs the HF processor would give (`models.flex_model.reference_inputs`:
+pixel_values / image_grid_thw, pixel_values_videos / video_grid_thw / second_per_grid_ts and
+mm_token_type_ids, without which transformers 5.x silently falls back to 1D positions), repeated once
+per row of the call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+import transformers
+
+from flexrl_ds.models.flex_model import reference_inputs
+from flexrl_ds.models.loading import load_model
+from flexrl_ds.models.processing import EncodedSample, VisionItem
+from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
+from flexrl_ds.rollout.sampling import SeededSampler
+
+
+class HFRolloutEngine:
+    """A full copy of the policy as an HF model, sampling with `generate` (see the module docstring)."""
+
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
+                 max_batch_sequences: int = 64):
+        if max_batch_sequences < 1:
+            raise ValueError(f"max_batch_sequences: must be at least 1, got {max_batch_sequences}")
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype: {dtype!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(f"model_dir: {model_dir} is not a model directory (no config.json)")
+        if device is None:
+            from flexrl_ds.parallel.device import detect
+
+            device = detect().device(0)
+        self.device = torch.device(device)
+        self.max_batch_sequences = max_batch_sequences
+        self.model = load_model(str(model_dir), dtype).to(self.device)
+        # A clean generation config: no sampling defaults or penalties carried over from the checkpoint.
+        self.model.generation_config = transformers.GenerationConfig()
+        text_config = self.model.config.get_text_config()
+        self.pad_token_id = int(text_config.pad_token_id if text_config.pad_token_id is not None else 0)
+        self.is_vision_language = getattr(self.model.config, "vision_config", None) is not None
+        self._parameters = dict(self.model.named_parameters())
+
+    def generate(self, requests: Sequence[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
+        """One result per request, in request order."""
+        for request in requests:
+            self._check_request(request)
+        results: list[RolloutResult | None] = [None] * len(requests)
+        for indices in group_requests(requests, self.max_batch_sequences):
+            batch = [requests[index] for index in indices]
+            for index, result in zip(indices, self._generate_batch(batch, params)):
+                results[index] = result
+        assert all(result is not None for result in results)
+        return results  # type: ignore[return-value]
+
+    def _generate_batch(self, batch: list[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
+        """Rows sharing one prompt, in one `generate` call."""
+        first = batch[0]
+        prompt = EncodedSample(first.sample_key, torch.tensor(first.prompt_ids, dtype=torch.long),
+                               len(first.prompt_ids), list(first.items))
+        inputs = {name: value.repeat(len(batch), *[1] * (value.dim() - 1)).to(self.device)
+                  for name, value in reference_inputs(self.model, prompt).items()}
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        sampler = SeededSampler([request.seed for request in batch], params)
+        config = transformers.GenerationConfig(
+            do_sample=False, num_beams=1, use_cache=True, max_new_tokens=params.max_new_tokens,
+            eos_token_id=list(params.eos_token_ids) or None, pad_token_id=self.pad_token_id)
+        with torch.no_grad():
+            sequences = self.model.generate(**inputs, generation_config=config,
+                                            logits_processor=transformers.LogitsProcessorList([sampler]))
+        rows = sampler.results(params.eos_token_ids)
+        start = len(first.prompt_ids)
+        for row, (tokens, _, _) in enumerate(rows):
+            assert sequences[row, start:start + len(tokens)].tolist() == tokens, "generate ignored the sampler"
+        return [RolloutResult(request.sample_key, tokens, logprobs, reason)  # type: ignore[arg-type]
+                for request, (tokens, logprobs, reason) in zip(batch, rows)]
+
+    def _check_request(self, request: RolloutRequest) -> None:
+        if request.items and not self.is_vision_language:
+            raise ValueError(f"rollout request {request.sample_key!r}: has media but the model has no vision tower")
+        if not self.is_vision_language:
+            return
+        config = self.model.config
+        merge = int(config.vision_config.spatial_merge_size)
+        for kind, token_id in (("image", config.image_token_id), ("video", config.video_token_id)):
+            expected = sum(item.num_tokens(merge) for item in request.items if item.kind == kind)
+            found = sum(1 for token in request.prompt_ids if token == token_id)
+            if expected != found:
+                raise ValueError(f"rollout request {request.sample_key!r}: {found} {kind} pad tokens in "
+                                 f"prompt_ids but its {kind} items make {expected}")
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the parameters of those names (one bucket of a weight sync)."""
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                parameter = self._parameters.get(name)
+                if parameter is None:
+                    raise ValueError(f"load_weights: {name!r} is not a parameter of the rollout model")
+                if tuple(parameter.shape) != tuple(tensor.shape):
+                    raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the rollout model's is {tuple(parameter.shape)}")
+                parameter.copy_(tensor.to(device=parameter.device, dtype=parameter.dtype))
+
+    def sleep(self) -> None:
+        """Nothing to free: the hf engine keeps its weights (no separate KV cache between calls)."""
+
+    def wake(self) -> None:
+        """Nothing to restore (see sleep)."""
+
+
+def group_requests(requests: Sequence[RolloutRequest], max_batch_sequences: int) -> list[list[int]]:
+    """Request indices in batches of identical prompts (ids and items), each at most max_batch_sequences."""
+    groups: list[list[int]] = []
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for index, request in enumerate(requests):
+        candidates = by_prompt.setdefault(tuple(request.prompt_ids), [])
+        for group_index in candidates:
+            group = groups[group_index]
+            if len(group) < max_batch_sequences and same_items(requests[group[0]].items, request.items):
+                group.append(index)
+                break
+        else:
+            candidates.append(len(groups))
+            groups.append([index])
+    return groups
+
+
+def same_items(left: Sequence[VisionItem], right: Sequence[VisionItem]) -> bool:
+    """Whether two prompts' media are the same (equal share keys, or equal pixels)."""
+    if len(left) != len(right):
+        return False
+    for a, b in zip(left, right):
+        if (a.kind, tuple(a.grid_thw), a.second_per_grid_t) != (b.kind, tuple(b.grid_thw), b.second_per_grid_t):
+            return False
+        if a.share_key is not None and a.share_key == b.share_key:
+            continue
+        if a.pixel_values is not b.pixel_values and not torch.equal(a.pixel_values, b.pixel_values):
+            return False
+    return True
