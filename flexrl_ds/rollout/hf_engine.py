@@ -1,8 +1,9 @@
 """The `hf` rollout backend: batched HF `generate` with a KV cache (CPU, tests, fallback).
 
-Requests that share one prompt (identical `prompt_ids` and items: the n GRPO samples of a prompt) go
-through one `generate` call, up to `max_batch_sequences` rows, without padding; different prompts get
-calls of their own. `generate` runs greedily with `SeededSampler` as its logits processor: the sampler
+Requests that share one prompt (identical `prompt_ids` and items: the n GRPO samples of a prompt) form
+a group of rows that needs no padding; groups (by prompt length) are packed whole into `generate` calls
+of at most `max_batch_sequences` rows, shorter prompts left-padded (`pad_prompts=False`: one call per
+group). The tests check that a padded batch gives the same tokens as prompts run alone. `generate` runs greedily with `SeededSampler` as its logits processor: the sampler
 draws each row's token from that row's seeded stream (temperature, top-k, top-p) and forces it, so a
 sample's response depends only on its prompt, the weights, the sampling settings and its seed.
 
@@ -31,7 +32,8 @@ class HFRolloutEngine:
     """A full copy of the policy as an HF model, sampling with `generate` (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
-                 max_batch_sequences: int = 64):
+                 max_batch_sequences: int = 64, pad_prompts: bool = True):
+        """pad_prompts: batch different prompts together, left-padded (else one call per prompt)."""
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences: must be at least 1, got {max_batch_sequences}")
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -44,6 +46,7 @@ class HFRolloutEngine:
             device = detect().device(0)
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
+        self.pad_prompts = pad_prompts
         self.model = load_model(str(model_dir), dtype).to(self.device)
         # A clean generation config: no sampling defaults or penalties carried over from the checkpoint.
         self.model.generation_config = transformers.GenerationConfig()
@@ -56,35 +59,61 @@ class HFRolloutEngine:
         """One result per request, in request order."""
         for request in requests:
             self._check_request(request)
+        groups = group_requests(requests, self.max_batch_sequences)
+        if self.pad_prompts:
+            groups.sort(key=lambda group: len(requests[group[0]].prompt_ids))
+            batches = pack_groups(groups, self.max_batch_sequences)
+        else:
+            batches = [[group] for group in groups]
         results: list[RolloutResult | None] = [None] * len(requests)
-        for indices in group_requests(requests, self.max_batch_sequences):
-            batch = [requests[index] for index in indices]
-            for index, result in zip(indices, self._generate_batch(batch, params)):
+        for batch in batches:
+            indices = [index for group in batch for index in group]
+            rows = self._generate_batch([requests[group[0]] for group in batch], [len(g) for g in batch],
+                                        [requests[index] for index in indices], params)
+            for index, result in zip(indices, rows):
                 results[index] = result
         assert all(result is not None for result in results)
         return results  # type: ignore[return-value]
 
-    def _generate_batch(self, batch: list[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
-        """Rows sharing one prompt, in one `generate` call."""
-        first = batch[0]
-        prompt = EncodedSample(first.sample_key, torch.tensor(first.prompt_ids, dtype=torch.long),
-                               len(first.prompt_ids), list(first.items))
-        inputs = {name: value.repeat(len(batch), *[1] * (value.dim() - 1)).to(self.device)
-                  for name, value in reference_inputs(self.model, prompt).items()}
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        sampler = SeededSampler([request.seed for request in batch], params)
+    def _generate_batch(self, prompts: list[RolloutRequest], counts: list[int], rows: list[RolloutRequest],
+                        params: SamplingParams) -> list[RolloutResult]:
+        """One `generate` call: prompts[i] repeated counts[i] times (left-padded to the longest)."""
+        inputs = self._batch_inputs(prompts, counts)
+        sampler = SeededSampler([request.seed for request in rows], params)
         config = transformers.GenerationConfig(
             do_sample=False, num_beams=1, use_cache=True, max_new_tokens=params.max_new_tokens,
             eos_token_id=list(params.eos_token_ids) or None, pad_token_id=self.pad_token_id)
         with torch.no_grad():
             sequences = self.model.generate(**inputs, generation_config=config,
                                             logits_processor=transformers.LogitsProcessorList([sampler]))
-        rows = sampler.results(params.eos_token_ids)
-        start = len(first.prompt_ids)
-        for row, (tokens, _, _) in enumerate(rows):
+        results = sampler.results(params.eos_token_ids)
+        start = inputs["input_ids"].shape[1]
+        for row, (tokens, _, _) in enumerate(results):
             assert sequences[row, start:start + len(tokens)].tolist() == tokens, "generate ignored the sampler"
         return [RolloutResult(request.sample_key, tokens, logprobs, reason)  # type: ignore[arg-type]
-                for request, (tokens, logprobs, reason) in zip(batch, rows)]
+                for request, (tokens, logprobs, reason) in zip(rows, results)]
+
+    def _batch_inputs(self, prompts: list[RolloutRequest], counts: list[int]) -> dict[str, torch.Tensor]:
+        """Model inputs of the rows: token rows left-padded (attention_mask 0 there), media concatenated in
+        row order, as the model scatters vision embeddings over the batch's pad tokens row by row."""
+        per_prompt = []
+        for prompt, count in zip(prompts, counts):
+            sample = EncodedSample(prompt.sample_key, torch.tensor(prompt.prompt_ids, dtype=torch.long),
+                                   len(prompt.prompt_ids), list(prompt.items))
+            per_prompt.append({name: value.repeat(count, *[1] * (value.dim() - 1))
+                               for name, value in reference_inputs(self.model, sample).items()})
+        length = max(len(prompt.prompt_ids) for prompt in prompts)
+        batch: dict[str, list[torch.Tensor]] = {"attention_mask": []}
+        for inputs in per_prompt:
+            pad = length - inputs["input_ids"].shape[1]
+            batch["attention_mask"].append(torch.nn.functional.pad(torch.ones_like(inputs["input_ids"]), (pad, 0)))
+            for name, value in inputs.items():
+                if name == "input_ids":
+                    value = torch.nn.functional.pad(value, (pad, 0), value=self.pad_token_id)
+                elif name == "mm_token_type_ids":
+                    value = torch.nn.functional.pad(value, (pad, 0), value=0)
+                batch.setdefault(name, []).append(value)
+        return {name: torch.cat(values).to(self.device) for name, values in batch.items()}
 
     def _check_request(self, request: RolloutRequest) -> None:
         if request.items and not self.is_vision_language:
@@ -134,6 +163,20 @@ def group_requests(requests: Sequence[RolloutRequest], max_batch_sequences: int)
             candidates.append(len(groups))
             groups.append([index])
     return groups
+
+
+def pack_groups(groups: list[list[int]], max_batch_sequences: int) -> list[list[list[int]]]:
+    """Consecutive groups packed into batches of at most max_batch_sequences rows (groups kept whole)."""
+    batches: list[list[list[int]]] = []
+    rows = 0
+    for group in groups:
+        if batches and rows + len(group) <= max_batch_sequences:
+            batches[-1].append(group)
+            rows += len(group)
+        else:
+            batches.append([group])
+            rows = len(group)
+    return batches
 
 
 def same_items(left: Sequence[VisionItem], right: Sequence[VisionItem]) -> bool:

@@ -32,9 +32,9 @@ def test_response_depends_only_on_its_seed(q2_engine, prompts):
     p, q = prompts["p"], prompts["q"]
     # 4 samples of p: batches of 3 + 1 (max_batch_sequences=3)
     first = by_key(q2_engine.generate([RolloutRequest(f"p{s}", p, seed=s) for s in (5, 6, 7, 8)], SAMPLED))
-    # other positions, other batch mates, another prompt interleaved
-    second = by_key(q2_engine.generate([RolloutRequest("q1", q, seed=1), RolloutRequest("p8", p, seed=8),
-                                        RolloutRequest("q5", q, seed=5), RolloutRequest("p5", p, seed=5)], SAMPLED))
+    # other positions, other batch mates, a longer prompt in the same (left-padded) batch of 3
+    second = by_key(q2_engine.generate([RolloutRequest("q5", q, seed=5), RolloutRequest("p8", p, seed=8),
+                                        RolloutRequest("p5", p, seed=5)], SAMPLED))
     for key in ("p5", "p8"):
         assert second[key].response_ids == first[key].response_ids
         assert second[key].logprobs == pytest.approx(first[key].logprobs, abs=1e-5)
@@ -43,6 +43,23 @@ def test_response_depends_only_on_its_seed(q2_engine, prompts):
     responses = [tuple(first[f"p{s}"].response_ids) for s in (5, 6, 7, 8)]
     assert len(set(responses)) == 4, "different seeds gave equal responses at temperature 1"
     assert second["q5"].response_ids != first["p5"].response_ids
+
+
+def test_left_padded_batches_equal_one_call_per_prompt(q2_engine, prompts, tokenizer):
+    texts = ("two", "the red ball is left of the blue chair because", "find the angle")
+    requests = [RolloutRequest(f"{i}/{s}", tokenizer(t, add_special_tokens=False)["input_ids"], seed=s)
+                for i, t in enumerate(texts) for s in (1, 2)]
+    assert len({len(r.prompt_ids) for r in requests}) == 3
+    q2_engine.max_batch_sequences = 64
+    try:
+        padded = q2_engine.generate(requests, SAMPLED)
+        q2_engine.pad_prompts = False
+        alone = q2_engine.generate(requests, SAMPLED)
+    finally:
+        q2_engine.max_batch_sequences, q2_engine.pad_prompts = 3, True
+    for a, b in zip(padded, alone):
+        assert a.sample_key == b.sample_key and a.response_ids == b.response_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
 def test_greedy_equals_hf_generate(q2_engine, prompts, hf_model):

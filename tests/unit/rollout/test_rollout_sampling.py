@@ -42,8 +42,8 @@ def test_greedy_is_argmax_and_streams_are_per_seed():
     assert torch.equal(row_uniforms([7], 3)[0], streams[0, :3])
 
 
-def test_group_requests_batches_identical_prompts_only():
-    from flexrl_ds.rollout.hf_engine import group_requests
+def test_group_requests_batches_identical_prompts_and_packs_whole_groups():
+    from flexrl_ds.rollout.hf_engine import group_requests, pack_groups
 
     pixels = torch.randn(16, 12)
     image = VisionItem("image", pixels, (1, 4, 4))
@@ -54,6 +54,7 @@ def test_group_requests_batches_identical_prompts_only():
                 RolloutRequest("a2", [1, 2], [image], 2), RolloutRequest("b1", [1, 3], [], 1)]
     assert group_requests(requests, 64) == [[0, 2, 4], [1, 5], [3]]
     assert group_requests(requests, 2) == [[0, 2], [1, 5], [3], [4]]
+    assert pack_groups([[0, 2], [1, 5], [3], [4]], 3) == [[[0, 2]], [[1, 5], [3]], [[4]]]
 
 
 def test_sampling_params_from_config_and_checks():
