@@ -35,6 +35,15 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import psutil
+
+from flexrl_ds.config.flexrl_config import load_run_config
+from flexrl_ds.loader.config import DataConfig, LoaderConfig, PoolConfig
+from flexrl_ds.media.records import read_dataset
+
+# Ray and the loader classes (which import Ray and torch) are imported where a run needs them:
+# `flexrl --help` imports this module to register the command and must stay fast.
+
 MODES = ("none", "central", "shadow")
 """none: the same loop with no data at all: the loop's own cost (Ray calls, sleep granularity)."""
 DEFAULT_CPUS_PER_ACTOR = 0.5
@@ -74,7 +83,7 @@ class LoaderBenchConfig:
     """Which of none / central / shadow to run (the ratios need central and shadow)."""
     run_config: str | None = None
     """DeepSpeed JSON whose `flexrl.data` section sets the loader, the pool, the bad-record policy
-    and the pixel settings (through `loader_settings`); None: `DataConfig()` defaults. The bench's
+    and the pixel settings; None: `DataConfig()` defaults. The bench's
     options override it: B and K per run, n / seed / CPUs per actor / processor when given."""
 
     def __post_init__(self) -> None:
@@ -92,15 +101,11 @@ class LoaderBenchConfig:
             raise ValueError(f"--config {self.run_config}: file not found")
         self.data_config()  # a bad config, processor or override fails here, before Ray starts
 
-    def data_config(self):
+    def data_config(self) -> DataConfig:
         """The run's `flexrl.data` (`DataConfig`): --config's (or the defaults), the processor of
         --model, and the bench's n, seed and CPUs per actor. B and K are set per run (`run_settings`)."""
-        from flexrl_ds.media.config import DataConfig
-
         data = DataConfig()
         if self.run_config is not None:
-            from flexrl_ds.config.flexrl_config import load_run_config
-
             data = load_run_config(self.run_config).flexrl.data
         if self.model_dir:
             data = data.with_processor_dir(self.model_dir)
@@ -116,13 +121,11 @@ def _override(section: Any, **values: Any) -> Any:
     return replace(section, **{name: value for name, value in values.items() if value is not None})
 
 
-def run_settings(data_config: Any, batch: int, num_actors: int) -> tuple[Any, Any]:
-    """(LoaderConfig, PoolConfig) of one run: `loader_settings` of `data_config` with global batch
-    `batch` and `num_actors` preprocessing actors per node (0: no pool, the config's count kept)."""
-    from flexrl_ds.loader.loader_settings import loader_settings
-
-    pool = _override(data_config.pool, num_actors_per_node=num_actors or None)
-    return loader_settings(replace(data_config, loader=replace(data_config.loader, global_batch=batch), pool=pool))
+def run_settings(data_config: DataConfig, batch: int, num_actors: int) -> tuple[LoaderConfig, PoolConfig]:
+    """(LoaderConfig, PoolConfig) of one run: `data_config`'s loader and pool sections with global
+    batch `batch` and `num_actors` preprocessing actors per node (0: no pool, the config's count kept)."""
+    return (replace(data_config.loader, global_batch=batch),
+            _override(data_config.pool, num_actors_per_node=num_actors or None))
 
 
 @dataclass
@@ -199,9 +202,7 @@ class _RssSampler:
     """Peak RSS of this process and of the sum over `pids`, sampled in a thread."""
 
     def __init__(self, interval_s: float = 0.02):
-        import psutil
-
-        self._psutil, self.interval_s = psutil, interval_s
+        self.interval_s = interval_s
         self.me = psutil.Process()
         self.start_rss = self.peak_self = self.me.memory_info().rss
         self.peak_total = self.peak_self
@@ -215,8 +216,8 @@ class _RssSampler:
             total = own
             for pid in self.pids:
                 try:
-                    total += self._psutil.Process(pid).memory_info().rss
-                except self._psutil.Error:
+                    total += psutil.Process(pid).memory_info().rss
+                except psutil.Error:
                     pass
             self.peak_self, self.peak_total = max(self.peak_self, own), max(self.peak_total, total)
 
@@ -284,7 +285,8 @@ class _NoDataLoader:
         pass
 
 
-def _build_loader(mode: str, records: list, data_config: Any, loader_config: Any, pool_config: Any):
+def _build_loader(mode: str, records: list, data_config: DataConfig, loader_config: LoaderConfig,
+                  pool_config: PoolConfig):
     """(loader, preprocessing pool or None) of one run."""
     from flexrl_ds.loader.actors import PreprocessPool
     from flexrl_ds.loader.central_loader import CentralLoader
@@ -295,10 +297,10 @@ def _build_loader(mode: str, records: list, data_config: Any, loader_config: Any
     if mode == "none":
         return _NoDataLoader(), None
     if mode == "central":
-        return CentralLoader(records, make_preprocessor, loader_config), None
+        return CentralLoader(records, make_preprocessor, loader_config, data_config.bad_record_policy), None
     pool = PreprocessPool(make_preprocessor, pool_config)
     pool.wait_ready()
-    return ProxyLoader(records, pool, loader_config), pool
+    return ProxyLoader(records, pool, loader_config, data_config.bad_record_policy), pool
 
 
 @dataclass
@@ -390,13 +392,11 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
     """One measured run in this (controller) process; Ray must already be initialised."""
     import ray
 
-    from flexrl_ds.media.records import read_dataset
-
     rss = _RssSampler()  # baseline: this process before it holds any data
     data_config = config.data_config()
     loader_config, pool_config = run_settings(data_config, batch, num_actors)
     records = read_dataset(config.data)
-    workers = [_make_worker_class().remote(loader_config.bad_record_policy, pool_config.timeout_s)
+    workers = [_make_worker_class().remote(data_config.bad_record_policy, pool_config.timeout_s)
                for _ in range(config.num_workers)]
     loader, pool = _build_loader(mode, records, data_config, loader_config, pool_config)
     rss.pids = ray.get([w.pid.remote() for w in workers]) + ([s["pid"] for s in pool.stats()] if pool else [])

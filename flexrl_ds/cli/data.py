@@ -6,6 +6,15 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
+
+from flexrl_ds.config.flexrl_config import load_run_config
+from flexrl_ds.loader.config import DataConfig
+from flexrl_ds.media.config import VIDEO_BACKENDS
+from flexrl_ds.media.types import BadMediaError, BadRecord, SampleMeta
+
+# The dataset maker, the preprocessor and the probe bench import torch: they are imported in the
+# handlers, so that `flexrl --help` (which imports this module to register the commands) stays fast.
 
 
 def register(commands, bench) -> None:
@@ -33,7 +42,7 @@ def register(commands, bench) -> None:
     inspect.add_argument("--config", help="DeepSpeed JSON whose flexrl.data section configures the loader")
     inspect.add_argument("--materialize", action="store_true", help="decode and compare actual shapes")
     inspect.add_argument("--json", action="store_true", help="one JSON object per record on stdout")
-    inspect.add_argument("--backend", choices=["auto", "torchcodec", "opencv"], help="video backend")
+    inspect.add_argument("--backend", choices=VIDEO_BACKENDS, help="video backend")
     inspect.add_argument("--media-root", help="folder under which absolute media paths are allowed")
     inspect.add_argument("--plot", help="write a PNG histogram of vision tokens per record here")
     inspect.set_defaults(func=_inspect_data)
@@ -46,7 +55,7 @@ def register(commands, bench) -> None:
     probe.add_argument("--data", required=True, help="dataset file (.jsonl or .parquet)")
     probe.add_argument("--model", help="model folder whose preprocessor_config.json sets the geometry")
     probe.add_argument("--config", help="DeepSpeed JSON whose flexrl.data section configures the loader")
-    probe.add_argument("--backend", choices=["auto", "torchcodec", "opencv"], help="video backend")
+    probe.add_argument("--backend", choices=VIDEO_BACKENDS, help="video backend")
     probe.add_argument("--media-root", help="folder under which absolute media paths are allowed")
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
     probe.set_defaults(func=_bench_probe)
@@ -77,15 +86,9 @@ def _make_dataset(args: argparse.Namespace) -> int:
     return 0
 
 
-def _data_config(args: argparse.Namespace):
-    from dataclasses import replace
-
-    from flexrl_ds.media.config import DataConfig
-
+def _data_config(args: argparse.Namespace) -> DataConfig:
     config = DataConfig()
     if args.config:
-        from flexrl_ds.config.flexrl_config import load_run_config
-
         config = load_run_config(args.config).flexrl.data
     if args.model:
         config = config.with_processor_dir(args.model)
@@ -130,7 +133,6 @@ def _bench_probe(args: argparse.Namespace) -> int:
 def inspect_entry(entry, preprocessor, materialize: bool) -> dict:
     """The `inspect-data --json` object of one probed entry (SampleMeta or BadRecord)."""
     from flexrl_ds.media.preprocess import collate
-    from flexrl_ds.media.types import BadMediaError, BadRecord
 
     if isinstance(entry, BadRecord):
         return {"id": entry.id, "ok": False, "reason": f"{entry.stage}: {entry.reason}",
@@ -156,8 +158,6 @@ def plot_vision_tokens(entries, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from flexrl_ds.media.types import SampleMeta
 
     groups: dict[str, list[int]] = {}
     for entry in entries:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
+
+from flexrl_ds.bench import loader_bench
+from flexrl_ds.bench.loader_bench import DEFAULT_CPUS_PER_ACTOR, MODES, LoaderBenchConfig
+from flexrl_ds.bench.loader_report import format_table, summary
 
 
 def register(commands, bench) -> None:
-    from flexrl_ds.bench.loader_bench import DEFAULT_CPUS_PER_ACTOR, MODES
-
     loader = bench.add_parser(
         "loader", help="centralised vs ShadowLoader: exposed data time, controller RSS and bytes, samples/s",
         description="Runs the centralised (controller decodes and ships tensors) and the ShadowLoader "
@@ -44,18 +47,13 @@ def register(commands, bench) -> None:
 
 
 def _bench_loader(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from flexrl_ds.bench.loader_bench import LoaderBenchConfig, run_bench
-    from flexrl_ds.bench.loader_report import format_table, summary
-
     config = LoaderBenchConfig(
         data=args.data, global_batches=args.global_batch, steps=args.steps, actors=args.actors,
         compute_ms=args.compute_ms, num_workers=args.workers, num_samples_per_prompt=args.n_samples,
         warmup_steps=args.warmup_steps, num_cpus_per_actor=args.cpus_per_actor, seed=args.seed,
         model_dir=args.model, modes=args.modes, run_config=args.config,
     )
-    results = run_bench(config)
+    results = loader_bench.run_bench(config)
     if args.plot:
         _plot(results, args.plot)
     if args.json:

@@ -15,7 +15,7 @@ from typing import Any
 
 from flexrl_ds.common.json_files import read_json
 from flexrl_ds.common.typed import from_dict
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.loader.config import DataConfig
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.rl.config import GRPOConfig
 from flexrl_ds.rollout.config import RolloutConfig
@@ -29,7 +29,8 @@ class FlexRLConfig:
     sp: SPConfig = field(default_factory=SPConfig)
     """FlexUlysses planning and execution."""
     data: DataConfig = field(default_factory=DataConfig)
-    """ShadowLoader data settings (flexrl_ds/media/config.py)."""
+    """ShadowLoader data settings: media (flexrl_ds/media/config.py), loader and pool
+    (flexrl_ds/loader/config.py)."""
     rl: GRPOConfig = field(default_factory=GRPOConfig)
     """GRPO advantage and loss settings (flexrl_ds/rl/config.py)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

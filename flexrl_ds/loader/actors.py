@@ -24,41 +24,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from flexrl_ds.loader.config import PoolConfig
 from flexrl_ds.loader.metastore import ItemLayout, PromptKey, SliceKey, make_layout
 from flexrl_ds.loader.routing import LoadTracker
+from flexrl_ds.media.types import BadMediaError
 
 MAX_DECODE_TIMES = 4096
 """Decode timings an actor keeps (oldest dropped first)."""
 
 # Errors meaning "the actor (or the owner of an object) is gone": re-route, do not give up.
 LOST_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
-
-
-@dataclass
-class PoolConfig:
-    """Preprocessing actors (section `flexrl.data.pool` once wired into the run config)."""
-
-    num_actors_per_node: int = 1
-    """Preprocessing actors started on every alive Ray node."""
-    num_cpus_per_actor: float = 1.0
-    """CPUs Ray reserves per actor; fractions allowed (e.g. 0.5 packs two actors per core)."""
-    groups_per_chunk: int = 4
-    """Temporal patch groups (2 frames each for Qwen2.5-VL) per cached video slice."""
-    probe_chunk_size: int = 8
-    """Records per metadata-probe task."""
-    timeout_s: float = 600.0
-    """Longest wait for one probe task before the step fails with a TimeoutError."""
-
-    def __post_init__(self) -> None:
-        if self.num_actors_per_node < 1:
-            raise ValueError(f"num_actors_per_node: must be at least 1, got {self.num_actors_per_node}")
-        if self.num_cpus_per_actor <= 0:
-            raise ValueError(f"num_cpus_per_actor: must be positive, got {self.num_cpus_per_actor}")
-        if self.groups_per_chunk < 1 or self.probe_chunk_size < 1:
-            raise ValueError("groups_per_chunk and probe_chunk_size must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -146,8 +126,6 @@ class PreprocessActor:
     @ray.method(concurrency_group="decode")
     def preprocess(self, key: PromptKey, meta: Any,
                    layouts: Sequence[ItemLayout]) -> dict[SliceKey, ray.ObjectRef] | DecodeFailure:
-        from flexrl_ds.media.types import BadMediaError
-
         if self.decode_delay_s:
             time.sleep(self.decode_delay_s)  # tests: widen the window in which an actor can die
         started = time.time()
@@ -180,8 +158,6 @@ class PreprocessActor:
 
     @ray.method(concurrency_group="meta")
     def stats(self) -> dict[str, Any]:
-        import psutil
-
         return {
             "name": self.name, "pid": os.getpid(), "rss": psutil.Process().memory_info().rss,
             "num_decoded": self.maker.num_decoded, "num_cached": len(self.cache),
@@ -194,8 +170,7 @@ class PreprocessPool:
 
     def __init__(self, make_preprocessor: Callable[[], Any], config: PoolConfig | None = None,
                  decode_delay_s: float = 0.0):
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+        """`config`: the run's `flexrl.data.pool` (None: its defaults)."""
         self.config = config or PoolConfig()
         self.actors: dict[str, Any] = {}
         nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])

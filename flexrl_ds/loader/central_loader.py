@@ -16,18 +16,23 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flexrl_ds.loader.actors import SliceMaker, item_layouts
+from flexrl_ds.loader.config import LoaderConfig
 from flexrl_ds.loader.materializer import PromptSource, SliceRequest, WorkerAssignment, chunk_keys_for
 from flexrl_ds.loader.metastore import ItemLayout, PromptKey, SliceKey
-from flexrl_ds.loader.proxy_loader import LoaderConfig, LoaderStats, LoaderStep, StepSource
+from flexrl_ds.loader.proxy_loader import LoaderStats, LoaderStep, StepSource
+from flexrl_ds.media.types import BadMediaError
 
 
 class CentralLoader:
     """Controller decodes everything; workers receive tensors through the controller."""
 
-    def __init__(self, records: Sequence[Any], make_preprocessor: Callable[[], Any], config: LoaderConfig):
+    def __init__(self, records: Sequence[Any], make_preprocessor: Callable[[], Any], config: LoaderConfig,
+                 bad_record_policy: str = "skip"):
+        """`config`: the run's `flexrl.data.loader`; `bad_record_policy`: its
+        `flexrl.data.bad_record_policy` (as for `ProxyLoader`)."""
         self.config = config
         self.maker = SliceMaker(make_preprocessor)
-        self.source = StepSource(records, config, self.maker.probe)
+        self.source = StepSource(records, config, self.maker.probe, bad_record_policy)
         self._prompts: dict[PromptKey, tuple[tuple[ItemLayout, ...], dict[SliceKey, dict]]] = {}
 
     @property
@@ -43,8 +48,6 @@ class CentralLoader:
 
     def _decode(self, prompt: Any) -> Any:
         """Decode one prompt here; None on success, its `BadRecord` when decoding fails."""
-        from flexrl_ds.media.types import BadMediaError
-
         layouts = item_layouts(prompt.meta, self.config.groups_per_chunk)
         try:
             self._prompts[prompt.key] = (layouts, self.maker.make_slices(prompt.key, prompt.meta, layouts))

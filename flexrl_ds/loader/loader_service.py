@@ -26,9 +26,11 @@ from typing import Any
 
 import ray
 
-from flexrl_ds.loader.loader_settings import loader_settings
+from flexrl_ds.loader.actors import PreprocessPool
+from flexrl_ds.loader.config import DataConfig
 from flexrl_ds.loader.materializer import PromptSource, SliceRequest, WorkerAssignment
 from flexrl_ds.loader.metastore import PromptKey
+from flexrl_ds.loader.proxy_loader import ProxyLoader
 
 
 @ray.remote
@@ -36,13 +38,10 @@ class LoaderService:
     """Thin Ray actor around `ProxyLoader` + `PreprocessPool`; start it with `max_concurrency` > 1
     so repairs from workers are served while `next_step` waits for decodes."""
 
-    def __init__(self, records: Sequence[Any], make_preprocessor: Callable[[], Any], data_config: Any):
-        from flexrl_ds.loader.actors import PreprocessPool
-        from flexrl_ds.loader.proxy_loader import ProxyLoader
-
-        loader_config, pool_config = loader_settings(data_config)
-        self.pool = PreprocessPool(make_preprocessor, pool_config)
-        self.loader = ProxyLoader(records, self.pool, loader_config)
+    def __init__(self, records: Sequence[Any], make_preprocessor: Callable[[], Any], data_config: DataConfig):
+        """`data_config`: the run's `flexrl.data`; its `pool`, `loader` and `bad_record_policy` are used."""
+        self.pool = PreprocessPool(make_preprocessor, data_config.pool)
+        self.loader = ProxyLoader(records, self.pool, data_config.loader, data_config.bad_record_policy)
         self._steps: dict[int, Any] = {}
 
     def wait_ready(self) -> None:

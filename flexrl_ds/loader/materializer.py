@@ -39,6 +39,8 @@ import numpy as np
 import torch
 
 from flexrl_ds.loader.metastore import ItemLayout, PromptKey, SliceKey
+from flexrl_ds.media.bad_records import check_policy
+from flexrl_ds.media.types import BadMediaError
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class RayFetcher:
     """`ray.get` with a timeout; names the errors that mean "owner gone, re-route"."""
 
     def __init__(self, timeout_s: float = 600.0):
-        import ray
+        import ray  # lazy: a rank fed inline (centralised baseline) runs without Ray
 
         self._ray = ray
         self.timeout_s = timeout_s
@@ -212,8 +214,6 @@ class Materializer:
         """`bad_record_policy`: the run's `flexrl.data.bad_record_policy` (the loader's). skip /
         replace: a prompt whose decode failed after hand-out comes back withdrawn; error: `get`
         raises `BadMediaError` naming the record."""
-        from flexrl_ds.media.bad_records import check_policy
-
         self.fetcher = fetcher if fetcher is not None else RayFetcher()
         self.repair = repair
         self.max_attempts = max_attempts
@@ -270,8 +270,6 @@ class Materializer:
             slices, source = self._fetch_prompt(source, requests, repairs, seconds)
         except _DecodeFailed as failed:
             if self.bad_record_policy == "error":
-                from flexrl_ds.media.types import BadMediaError
-
                 raise BadMediaError(failed.bad) from None
             return _PromptResult({}, 0, {**seconds, "cut_s": 0.0}, time.time(), withdrawn=failed.bad)
         fetched = time.perf_counter()

@@ -36,6 +36,7 @@ bad row, `LoaderStats` counts them.
 
 from __future__ import annotations
 
+import io
 import pickle
 import threading
 import time
@@ -45,45 +46,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexrl_ds.media.bad_records import BadRecordCounts, BadRecordPolicy, EpochOrder, StepReport, check_policy, is_bad
+import ray
 
-from flexrl_ds.loader.metastore import MetaStore, PromptEntry, PromptKey, SampleId
+from flexrl_ds.loader.actors import DecodeFailure, item_layouts
+from flexrl_ds.loader.config import LoaderConfig
 from flexrl_ds.loader.materializer import PromptSource, SliceRequest, WorkerAssignment
-
-@dataclass
-class LoaderConfig:
-    """Step composition and look-ahead of ShadowLoader and the centralised baseline. Built from the
-    run config's `flexrl.data` section by `loader_settings.loader_settings`."""
-
-    global_batch: int
-    """Prompts per step (B)."""
-    num_samples_per_prompt: int = 1
-    """GRPO group size n: samples per prompt, all sharing the prompt's one decode."""
-    seed: int = 0
-    """Seed of the per-epoch permutation."""
-    shuffle: bool = True
-    """Visit rows in a seeded permutation (False: file order)."""
-    bad_record_policy: str = "skip"
-    """skip | replace | error (`bad_records.py`); copied from `flexrl.data.bad_record_policy`,
-    the one setting that also drives the offline tools."""
-    lookahead_steps: int = 1
-    """Steps whose preprocessing is dispatched ahead of the step being trained on."""
-    groups_per_chunk: int = 4
-    """Temporal patch groups per cached video slice."""
-
-    def __post_init__(self) -> None:
-        if self.global_batch < 1:
-            raise ValueError(f"global_batch: must be at least 1, got {self.global_batch}")
-        if self.num_samples_per_prompt < 1:
-            raise ValueError(f"num_samples_per_prompt: must be at least 1, got {self.num_samples_per_prompt}")
-        check_policy(self.bad_record_policy, where="bad_record_policy")
-        if self.lookahead_steps < 0 or self.groups_per_chunk < 1:
-            raise ValueError("lookahead_steps must be >= 0 and groups_per_chunk >= 1")
-
-
-RecordOrder = EpochOrder
-"""The loader's row order (`bad_records.EpochOrder`)."""
-
+from flexrl_ds.loader.metastore import MetaStore, PromptEntry, PromptKey, SampleId
+from flexrl_ds.media.bad_records import BadRecordCounts, BadRecordPolicy, EpochOrder, StepReport, is_bad
 
 @dataclass
 class StepPrompt:
@@ -182,10 +151,6 @@ class LoaderStats:
 
 def payload_bytes(obj: Any) -> int:
     """Pickled size of `obj`, with each Ray ObjectRef counted as its id (what Ray ships for it)."""
-    import io
-
-    import ray
-
     class _Pickler(pickle.Pickler):
         def persistent_id(self, value):
             return value.binary() if isinstance(value, ray.ObjectRef) else None
@@ -206,10 +171,12 @@ class StepSource:
     """Step composition shared by ProxyLoader and the centralised baseline: the order and the
     bad-record policy (`bad_records.BadRecordPolicy`), with the probe injected."""
 
-    def __init__(self, records: Sequence[Any], config: LoaderConfig, probe: Callable[[list], list]):
+    def __init__(self, records: Sequence[Any], config: LoaderConfig, probe: Callable[[list], list],
+                 bad_record_policy: str = "skip"):
+        """`bad_record_policy`: the run's `flexrl.data.bad_record_policy` (skip | replace | error)."""
         self.records, self.config, self._probe = list(records), config, probe
         self.order = EpochOrder(len(self.records), config.seed, config.shuffle)
-        self.policy = BadRecordPolicy(config.bad_record_policy, self.order, self._probe_rows)
+        self.policy = BadRecordPolicy(bad_record_policy, self.order, self._probe_rows)
         self.stats = LoaderStats(bad_record_counts=self.policy.counts)
         self._next_index = 0
         self.lock = threading.RLock()
@@ -259,9 +226,11 @@ class StepSource:
 class ProxyLoader:
     """ShadowLoader's controller side: metadata, routing and references only."""
 
-    def __init__(self, records: Sequence[Any], pool: Any, config: LoaderConfig):
+    def __init__(self, records: Sequence[Any], pool: Any, config: LoaderConfig, bad_record_policy: str = "skip"):
+        """`pool`: a `PreprocessPool` (or a stand-in with its methods); `config`: the run's
+        `flexrl.data.loader`; `bad_record_policy`: its `flexrl.data.bad_record_policy`."""
         self.pool, self.config = pool, config
-        self.source = StepSource(records, config, self._probe)
+        self.source = StepSource(records, config, self._probe, bad_record_policy)
         self.store = MetaStore(config.num_samples_per_prompt)
         self._upcoming: deque[Future] = deque()  # composed (or composing) steps, in order
         self._composer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-compose")
@@ -336,8 +305,6 @@ class ProxyLoader:
         """Wait for `key`'s current task, re-routing it while its actor is lost: None (slices
         ready) or the `BadRecord` of a `DecodeFailure`. Each loss marks one actor dead, so this
         ends; with no live actor left the pool raises."""
-        from flexrl_ds.loader.actors import DecodeFailure
-
         while True:
             entry = self.store.entry(key)
             try:
@@ -355,8 +322,6 @@ class ProxyLoader:
             return result.bad
 
     def _dispatch(self, prompt: StepPrompt) -> None:
-        from flexrl_ds.loader.actors import item_layouts
-
         layouts = item_layouts(prompt.meta, self.config.groups_per_chunk)
         cost = max(1.0, float(sum(layout.num_patches for layout in layouts)))
         self.store.add(PromptEntry(prompt.key, prompt.meta.id, layouts, cost))

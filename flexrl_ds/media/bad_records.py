@@ -1,8 +1,9 @@
 """The one bad-record policy of the data layer (training loader and offline tools alike).
 
-Pure: no Ray, no torch. Setting: `flexrl.data.bad_record_policy` (`DataConfig`), copied into
-`LoaderConfig` by `loader_settings`. A bad record is a `BadRecord(id, reason, index, stage)`: found
-while reading (stage read), probing metadata (probe) or decoding pixels (materialize).
+Pure: no Ray, no torch. Setting: `flexrl.data.bad_record_policy` (`MediaConfig`), passed to the
+training loader as its `bad_record_policy` argument. A bad record is a `BadRecord(id, reason,
+index, stage)`: found while reading (stage read), probing metadata (probe) or decoding pixels
+(materialize).
 
 Order. Rows are visited per epoch in an `EpochOrder`: a permutation seeded by (seed, epoch), or
 file order without shuffling. A step takes the next `global_batch` positions from the *head*

@@ -1,8 +1,10 @@
-"""Typed settings of the ShadowLoader data layer (section `flexrl.data` of a run config).
+"""Typed media settings of the ShadowLoader data layer (section `flexrl.data` of a run config,
+without its `loader` and `pool` parts: those belong to the loader, `flexrl_ds/loader/config.py`,
+whose `DataConfig` adds them to `MediaConfig`).
 
 Defaults follow the Hugging Face Qwen2-VL / Qwen2.5-VL image and video processors, so that the
 shapes predicted from metadata and the tensors produced here equal what the model's processor makes.
-`DataConfig.with_processor_dir(model_dir)` reads a saved processor's JSON files (no transformers
+`MediaConfig.with_processor_dir(model_dir)` reads a saved processor's JSON files (no transformers
 import) and overrides the pixel settings with the model's own values, strictly: a setting the
 ShadowLoader cannot reproduce is a ValueError naming the file and key (`processor_files.py`).
 """
@@ -15,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from flexrl_ds.common.typed import from_dict
+from flexrl_ds.media.processor_files import processor_settings
 
 OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 VIDEO_BACKENDS = ("auto", "torchcodec", "opencv")
+"""Accepted `video_backend` names: "auto" + the keys of `video_backends.VIDEO_BACKENDS` (the registry;
+a test keeps the two equal, so that loading a config never imports torch)."""
 RESIZE_IMPLS = ("auto", "pil", "torch")
 TRANSPARENCY_MODES = ("auto", "white", "drop")
 """`image_io.load_image_rgb` transparency handling (kept equal to ("auto",) + image_io.TRANSPARENCY_POLICIES)."""
@@ -28,56 +33,9 @@ BAD_RECORD_POLICIES = ("skip", "replace", "error")
 
 
 @dataclass
-class LoaderSection:
-    """Step composition and look-ahead of the training loader (section `flexrl.data.loader`).
-    `loader_settings.loader_settings` turns it into `proxy_loader.LoaderConfig`."""
-
-    global_batch: int = 8
-    """Prompts per step (B)."""
-    num_samples_per_prompt: int = 1
-    """GRPO group size n: samples per prompt, all sharing the prompt's one decode."""
-    seed: int = 0
-    """Seed of the per-epoch permutation of dataset rows."""
-    shuffle: bool = True
-    """Visit rows in a seeded permutation (False: file order)."""
-    lookahead_steps: int = 1
-    """Steps whose probing and decoding are dispatched ahead of the step being trained on."""
-    groups_per_chunk: int = 4
-    """Temporal patch groups (2 frames each for Qwen2.5-VL) per cached video slice."""
-
-    def __post_init__(self) -> None:
-        for name in ("global_batch", "num_samples_per_prompt", "groups_per_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"flexrl.data.loader.{name}: must be at least 1, got {getattr(self, name)}")
-        if self.lookahead_steps < 0:
-            raise ValueError(f"flexrl.data.loader.lookahead_steps: must be >= 0, got {self.lookahead_steps}")
-
-
-@dataclass
-class PoolSection:
-    """ShadowLoader preprocessing actors (section `flexrl.data.pool`); becomes `actors.PoolConfig`."""
-
-    num_actors_per_node: int = 1
-    """Preprocessing actors started on every alive Ray node."""
-    num_cpus_per_actor: float = 1.0
-    """CPUs Ray reserves per actor; fractions allowed (e.g. 0.5 packs two actors per core)."""
-    probe_chunk_size: int = 8
-    """Records per metadata-probe task."""
-    timeout_s: float = 600.0
-    """Longest wait for one probe or decode task before the step fails with a TimeoutError."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_actors_per_node", "probe_chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"flexrl.data.pool.{name}: must be at least 1, got {getattr(self, name)}")
-        for name in ("num_cpus_per_actor", "timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"flexrl.data.pool.{name}: must be positive, got {getattr(self, name)}")
-
-
-@dataclass
-class DataConfig:
-    """ShadowLoader data settings (section `flexrl.data`)."""
+class MediaConfig:
+    """Media settings of `flexrl.data`: pixel geometry, decoding, bad-record policy. The section's
+    loader and pool parts are added by `loader.config.DataConfig`, a subclass."""
 
     image_min_pixels: int = 56 * 56
     """Smallest pixel count an image is resized to (HF image processor `size.shortest_edge`)."""
@@ -134,10 +92,6 @@ class DataConfig:
     """A sample whose predicted vision tokens exceed this is a bad record ("oversized"); None: no cap."""
     verify_images: bool = True
     """While probing, check image files for corruption (PIL verify: reads, does not decode pixels)."""
-    loader: LoaderSection = field(default_factory=LoaderSection)
-    """Training loader: batch, GRPO group size, order, look-ahead, slice size."""
-    pool: PoolSection = field(default_factory=PoolSection)
-    """Preprocessing actors: count per node, CPUs, probe chunking, timeout."""
 
     def __post_init__(self) -> None:
         for name in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels",
@@ -173,24 +127,23 @@ class DataConfig:
         return self.patch_size * self.merge_size
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], where: str = "flexrl.data") -> DataConfig:
+    def from_dict(cls, raw: dict[str, Any], where: str = "flexrl.data") -> MediaConfig:
         """Validated construction from the JSON `flexrl.data` object."""
         return from_dict(cls, raw, where=where)
 
-    def with_processor_dir(self, model_dir: str | Path) -> DataConfig:
+    def with_processor_dir(self, model_dir: str | Path) -> MediaConfig:
         """This config with the pixel settings of a saved HF processor (processor_config.json,
         preprocessor_config.json, video_preprocessor_config.json, found as transformers 5.x finds
         them): sizes, patch/merge/temporal patch, mean/std, rescale factor, normalisation, frame
-        sampling. A key the files leave out takes the Qwen2-VL processor class default; loader,
-        pool, policy and transparency fields are kept. Settings ShadowLoader cannot reproduce
+        sampling. A key the files leave out takes the Qwen2-VL processor class default; the other
+        fields (policy, transparency, ...; a `DataConfig`'s loader and pool) are kept, and so is the
+        class. Settings ShadowLoader cannot reproduce
         (another resample, no RGB conversion, ...) raise a ValueError naming the file and key;
         the full list of honoured, checked and ignored keys: `flexrl_ds/media/processor_files.py`."""
-        from flexrl_ds.media.processor_files import processor_settings
-
         try:
             return replace(self, **processor_settings(model_dir))
         except ValueError as error:
-            if str(error).startswith("flexrl.data."):  # the combination fails DataConfig's own checks
+            if str(error).startswith("flexrl.data."):  # the combination fails MediaConfig's own checks
                 raise ValueError(f"{model_dir}: processor settings give {error}") from None
             raise
 

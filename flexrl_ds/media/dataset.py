@@ -1,7 +1,7 @@
 """A probed dataset under the bad-record policy (offline tools: tests, inspection, scripts).
 
 `probe_dataset(path, preprocessor)` reads every row, probes its media (metadata only) and applies
-`DataConfig.bad_record_policy` with the *same* code as the training loader
+`MediaConfig.bad_record_policy` with the *same* code as the training loader
 (`bad_records.BadRecordPolicy`, semantics in its module docstring): rows are taken in windows of
 `global_batch` from one epoch's order (file order unless `shuffle`), `skip` drops a bad row's
 slot, `replace` fills it with a row reserved from the tail of the epoch's order, `error` stops

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from flexrl_ds.media import image_io
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.placeholders import IMAGE_KEY, VIDEO_KEY, TensorPlaceholder
 from flexrl_ds.media.types import VIDEO, BadMediaError, BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
 from flexrl_ds.media.video_backends import VideoBackend, get_video_backend
@@ -43,8 +43,8 @@ class ItemTensors:
 class SamplePreprocessor:
     """Probe and materialise samples for one data config (thread-compatible, holds no files open)."""
 
-    def __init__(self, config: DataConfig | None = None, video_backend: VideoBackend | None = None):
-        self.config = config or DataConfig()
+    def __init__(self, config: MediaConfig | None = None, video_backend: VideoBackend | None = None):
+        self.config = config or MediaConfig()
         self._video_backend = video_backend
         impl = self.config.resize_impl
         self.image_resize_impl = ("torch" if image_io.torchvision_importable() else "pil") if impl == "auto" else impl

@@ -1,4 +1,4 @@
-"""Read a saved Hugging Face Qwen2-VL processor's JSON files into `DataConfig` field values (strict).
+"""Read a saved Hugging Face Qwen2-VL processor's JSON files into `MediaConfig` field values (strict).
 
 `processor_settings(model_dir)` finds the image and video processor settings the way transformers 5.x
 loads them - the image processor from `processor_config.json["image_processor"]`, else
@@ -6,14 +6,14 @@ loads them - the image processor from `processor_config.json["image_processor"]`
 else `video_preprocessor_config.json`, else `preprocessor_config.json` - and classifies every key the
 Qwen2-VL processors read:
 
-- honoured (returned as `DataConfig` fields, used by `vision_geometry.py` / `preprocess.py`):
+- honoured (returned as `MediaConfig` fields, used by `vision_geometry.py` / `preprocess.py`):
   `size.shortest_edge` / `size.longest_edge` and the top-level `min_pixels` / `max_pixels` that
   override them (as transformers does); `patch_size`, `merge_size`, `temporal_patch_size`;
   `image_mean`, `image_std` (a single number means all three channels); `do_rescale` with
   `rescale_factor` (-> `rescale_factor`, 1.0 when `do_rescale` is false); `do_normalize`; and for
   videos `fps`, `min_frames`, `max_frames`, `cap_pixels_per_frame` with `max_video_tokens`
   (-> `video_max_total_tokens`). A key missing from a file takes the Qwen2-VL processor class
-  default, which is the `DataConfig` default; only `fps` and the total-token cap (arguments of the
+  default, which is the `MediaConfig` default; only `fps` and the total-token cap (arguments of the
   processor call in transformers) keep the config's value when the file does not set them.
 - accepted only at the one value ShadowLoader implements, else a ValueError naming the file, key,
   value and what is supported: `do_resize` (true), `resample` (3 = bicubic), `do_convert_rgb`
@@ -99,7 +99,7 @@ class ProcessorSettings:
 
 
 def processor_settings(model_dir: str | Path) -> dict[str, Any]:
-    """`DataConfig` field values from the processor files in `model_dir` (see the module docstring)."""
+    """`MediaConfig` field values from the processor files in `model_dir` (see the module docstring)."""
     image, video = find_settings(Path(model_dir))
     common = _common_fields(image)
     video_common = _common_fields(video)

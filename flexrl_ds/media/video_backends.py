@@ -35,6 +35,7 @@ class TorchcodecBackend:
     """FFmpeg through torchcodec. Probing uses the exact-seek index (a demux scan, no decoding)."""
 
     name = "torchcodec"
+    install_hint = "install torchcodec (CPU build 0.13) with FFmpeg's shared libraries"
 
     def __init__(self, num_threads: int = 1):
         from torchcodec.decoders import VideoDecoder  # raises if FFmpeg's libraries are missing
@@ -76,8 +77,10 @@ class OpenCVBackend:
     where seeking by frame number is not."""
 
     name = "opencv"
+    install_hint = "install opencv-python-headless"
 
-    def __init__(self) -> None:
+    def __init__(self, num_threads: int = 1) -> None:
+        """`num_threads` is not used: OpenCV chooses its decoder threads itself."""
         import cv2
 
         self._cv2 = cv2
@@ -136,13 +139,21 @@ def _first_line(error: Exception) -> str:
     return text[:200]
 
 
+VIDEO_BACKENDS: dict[str, type] = {backend.name: backend for backend in (TorchcodecBackend, OpenCVBackend)}
+"""The video backends by name, in the order `auto` tries them. A backend class has a `name`, an
+`install_hint` and `__init__(num_threads)`, raising ImportError (or torchcodec's RuntimeError) where
+its decoder's libraries are missing. A new backend is one class above and one entry here (the names
+`flexrl.data.video_backend` accepts, `media.config.VIDEO_BACKENDS`, are checked against this by a
+test, so that loading a config stays torch-free)."""
+
+
 @functools.lru_cache(maxsize=None)
 def available_backends() -> tuple[str, ...]:
     """Names of the backends that can be constructed here, in preference order."""
     names = []
-    for name, factory in (("torchcodec", TorchcodecBackend), ("opencv", OpenCVBackend)):
+    for name, backend in VIDEO_BACKENDS.items():
         try:
-            factory()
+            backend()
         except Exception:  # ImportError, or torchcodec's RuntimeError when FFmpeg libs are absent
             continue
         names.append(name)
@@ -150,21 +161,18 @@ def available_backends() -> tuple[str, ...]:
 
 
 def get_video_backend(name: str = "auto", num_threads: int = 1) -> VideoBackend:
-    """The named backend, or for `auto` the first available of torchcodec, OpenCV;
+    """The named backend (`VIDEO_BACKENDS`), or for `auto` the first available one;
     `num_threads` is torchcodec's FFmpeg thread count (0: FFmpeg decides)."""
     if name == "auto":
         names = available_backends()
         if not names:
-            raise ValueError("no video backend available: install torchcodec (with FFmpeg) or opencv-python-headless")
+            hints = "; ".join(backend.install_hint for backend in VIDEO_BACKENDS.values())
+            raise ValueError(f"no video backend available: {hints}")
         name = names[0]
-    if name == "torchcodec":
-        try:
-            return TorchcodecBackend(num_threads=num_threads)
-        except Exception as error:
-            raise ValueError(f"video backend 'torchcodec' unavailable ({_first_line(error)})") from None
-    if name == "opencv":
-        try:
-            return OpenCVBackend()
-        except ImportError:
-            raise ValueError("video backend 'opencv' unavailable: install opencv-python-headless") from None
-    raise ValueError(f"unknown video backend {name!r} (torchcodec, opencv or auto)")
+    if name not in VIDEO_BACKENDS:
+        raise ValueError(f"unknown video backend {name!r} ({', '.join(VIDEO_BACKENDS)} or auto)")
+    backend = VIDEO_BACKENDS[name]
+    try:
+        return backend(num_threads=num_threads)
+    except Exception as error:  # ImportError, or torchcodec's RuntimeError when FFmpeg libs are absent
+        raise ValueError(f"video backend {name!r} unavailable ({_first_line(error)}): {backend.install_hint}") from None

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.types import VIDEO, ItemMeta, MediaInfo, MediaItem
 
 MAX_ASPECT_RATIO = 200
@@ -68,7 +68,7 @@ def sample_frame_positions(num_frames: int, video_fps: float, target_fps: float,
     return [position for position in positions if position < num_frames]
 
 
-def plan_image(item: MediaItem, info: MediaInfo, config: DataConfig) -> ItemMeta:
+def plan_image(item: MediaItem, info: MediaInfo, config: MediaConfig) -> ItemMeta:
     """Geometry of one image."""
     max_pixels = min(config.image_max_pixels, item.max_pixels or config.image_max_pixels)
     resized = fit_to_patch_grid(info.height, info.width, config.factor, config.image_min_pixels, max_pixels)
@@ -76,7 +76,7 @@ def plan_image(item: MediaItem, info: MediaInfo, config: DataConfig) -> ItemMeta
     return _item_meta(item, info, resized, grid, config)
 
 
-def plan_video(item: MediaItem, info: MediaInfo, config: DataConfig) -> ItemMeta:
+def plan_video(item: MediaItem, info: MediaInfo, config: MediaConfig) -> ItemMeta:
     """Geometry of one video: the exact frames decoded, their resized size and the grid."""
     if info.num_frames <= 0:
         raise ValueError("video has no frames")
@@ -104,13 +104,13 @@ def plan_video(item: MediaItem, info: MediaInfo, config: DataConfig) -> ItemMeta
                       config.temporal_patch_size / sampled_fps)
 
 
-def plan_item(item: MediaItem, info: MediaInfo, config: DataConfig) -> ItemMeta:
+def plan_item(item: MediaItem, info: MediaInfo, config: MediaConfig) -> ItemMeta:
     """`plan_video` or `plan_image` by the item's kind."""
     return plan_video(item, info, config) if item.kind == VIDEO else plan_image(item, info, config)
 
 
 def _item_meta(item: MediaItem, info: MediaInfo, resized: tuple[int, int], grid: tuple[int, int, int],
-               config: DataConfig, frame_indices: tuple[int, ...] = (),
+               config: MediaConfig, frame_indices: tuple[int, ...] = (),
                second_per_grid_t: float | None = None) -> ItemMeta:
     return ItemMeta(
         item=item, info=info, resized_hw=resized, grid_thw=grid, frame_indices=frame_indices,

@@ -127,13 +127,13 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
     Records need the text to score under `response_key` ("response", "answer", or any other field). Media go through the ShadowLoader's
     `SamplePreprocessor` with the geometry of the model's saved processor.
     """
-    from flexrl_ds.media.config import DataConfig
+    from flexrl_ds.media.config import MediaConfig
     from flexrl_ds.media.preprocess import SamplePreprocessor
     from flexrl_ds.media.records import read_dataset
     from flexrl_ds.media.types import BadMediaError, BadRecord
 
     encoder = SampleEncoder(model_dir)
-    preprocessor = SamplePreprocessor(DataConfig().with_processor_dir(model_dir)) if encoder.has_vision else None
+    preprocessor = SamplePreprocessor(MediaConfig().with_processor_dir(model_dir)) if encoder.has_vision else None
     samples: dict[str, EncodedSample] = {}
     for record in read_dataset(data_path):
         response = None if isinstance(record, BadRecord) else _field(record, response_key)

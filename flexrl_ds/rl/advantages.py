@@ -16,9 +16,10 @@ With outcome rewards every response token of a sample carries the sample's advan
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from flexrl_ds.rl.config import ADVANTAGE_ESTIMATORS
+import torch
 
 
 def grouped_rewards(rewards: torch.Tensor, num_samples_per_prompt: int) -> torch.Tensor:
@@ -50,6 +51,39 @@ def grouped_rewards(rewards: torch.Tensor, num_samples_per_prompt: int) -> torch
     return rewards.reshape(-1, n)
 
 
+def _group_norm(groups_PN: torch.Tensor, eps: float) -> torch.Tensor:
+    return (groups_PN - groups_PN.mean(dim=1, keepdim=True)) / (groups_PN.std(dim=1, keepdim=True) + eps)
+
+
+def _dr_grpo(groups_PN: torch.Tensor, eps: float) -> torch.Tensor:
+    return groups_PN - groups_PN.mean(dim=1, keepdim=True)
+
+
+def _rloo(groups_PN: torch.Tensor, eps: float) -> torch.Tensor:
+    others_mean_PN = (groups_PN.sum(dim=1, keepdim=True) - groups_PN) / (groups_PN.shape[1] - 1)
+    return groups_PN - others_mean_PN
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """One entry of `ESTIMATORS`."""
+
+    compute: Callable[[torch.Tensor, float], torch.Tensor]
+    """(rewards (num_prompts, n), eps) -> advantages (num_prompts, n)."""
+    min_samples_per_prompt: int
+    """Smallest group size n it is defined for."""
+
+
+ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "group_norm": AdvantageEstimator(_group_norm, min_samples_per_prompt=2),  # a group of one has no spread
+    "dr_grpo": AdvantageEstimator(_dr_grpo, min_samples_per_prompt=1),
+    "rloo": AdvantageEstimator(_rloo, min_samples_per_prompt=2),  # ... and no "others"
+}
+"""The advantage estimators by name (`flexrl.rl.advantage_estimator`). A new estimator is one
+function and one entry here; `rl/config.py` lists the names without importing torch
+(`ADVANTAGE_ESTIMATORS`, kept equal to these keys by a test)."""
+
+
 def group_advantages(
     rewards: torch.Tensor,
     num_samples_per_prompt: int,
@@ -60,20 +94,14 @@ def group_advantages(
 
     group_norm and rloo need n >= 2 (a group of one has no spread and no "others").
     """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"estimator: {estimator!r} is not one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator: {estimator!r} is not one of {', '.join(ESTIMATORS)}")
     groups_PN = grouped_rewards(rewards, num_samples_per_prompt)
-    n = num_samples_per_prompt
-    if estimator in ("group_norm", "rloo") and n < 2:
-        raise ValueError(f"estimator {estimator!r} needs num_samples_per_prompt >= 2, got {n}")
-    mean_P1 = groups_PN.mean(dim=1, keepdim=True)
-    if estimator == "group_norm":
-        advantages_PN = (groups_PN - mean_P1) / (groups_PN.std(dim=1, keepdim=True) + eps)
-    elif estimator == "dr_grpo":
-        advantages_PN = groups_PN - mean_P1
-    else:  # rloo: baseline = (sum - r) / (n - 1)
-        others_mean_PN = (groups_PN.sum(dim=1, keepdim=True) - groups_PN) / (n - 1)
-        advantages_PN = groups_PN - others_mean_PN
+    n, entry = num_samples_per_prompt, ESTIMATORS[estimator]
+    if n < entry.min_samples_per_prompt:
+        raise ValueError(f"estimator {estimator!r} needs num_samples_per_prompt >= {entry.min_samples_per_prompt}, "
+                         f"got {n}")
+    advantages_PN = entry.compute(groups_PN, eps)
     # A group of equal rewards carries no signal. Rounding leaves r - mean ~ ulp and std ~ ulp, which
     # group_norm would blow up to O(1) in float32 (0.1 x 7 gives 0.82): pin such groups to 0.
     constant_P1 = groups_PN.amax(dim=1, keepdim=True) == groups_PN.amin(dim=1, keepdim=True)

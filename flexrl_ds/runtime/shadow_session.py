@@ -14,7 +14,7 @@
    pickled through multiprocessing would be pinned for the controller's lifetime). Each rank then
    fetches exactly the slices of its vision units (flexrl_ds/runtime/rank_pixels.py).
 
-Settings: `flexrl.data` of the run config (`--config`) through `loader.loader_settings`, adapted to a
+Settings: `flexrl.data` of the run config (`--config`; `loader.config.DataConfig`), adapted to a
 scoring tool (`tool_loader_configs`). `ShadowSession` owns all of it (context manager: actors, board and a cluster started here are
 torn down on exit). Bytes the controller handled are counted as `payload_bytes` counts them
 (pickled size, object references as their ids).
@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+
+from flexrl_ds.loader.config import DataConfig, LoaderConfig, PoolConfig
 
 
 @dataclass
@@ -58,21 +60,20 @@ class ShadowSettings:
             raise ValueError(f"groups_per_chunk must be at least 1, got {self.groups_per_chunk}")
 
 
-def tool_loader_configs(data_config: Any, settings: ShadowSettings, num_records: int):
-    """(LoaderConfig, PoolConfig) from the run config's `flexrl.data` (`loader_settings`), adapted to
-    a scoring tool: the whole file is one step in file order, without look-ahead; bad records are
+def tool_loader_configs(data_config: DataConfig, settings: ShadowSettings,
+                        num_records: int) -> tuple[LoaderConfig, PoolConfig, str]:
+    """(loader config, pool config, bad-record policy) from the run config's `flexrl.data`, adapted
+    to a scoring tool: the whole file is one step in file order, without look-ahead; bad records are
     skipped (as by `--loader local`) unless the policy is `error`; `settings` override the pool."""
-    from flexrl_ds.loader.loader_settings import loader_settings
-
-    loader, pool = loader_settings(data_config)
-    policy = "error" if loader.bad_record_policy == "error" else "skip"
-    loader = dataclasses.replace(loader, global_batch=max(1, num_records), num_samples_per_prompt=1, shuffle=False,
-                                 lookahead_steps=0, bad_record_policy=policy, groups_per_chunk=settings.groups_per_chunk)
+    policy = "error" if data_config.bad_record_policy == "error" else "skip"
+    loader = dataclasses.replace(data_config.loader, global_batch=max(1, num_records), num_samples_per_prompt=1,
+                                 shuffle=False, lookahead_steps=0, groups_per_chunk=settings.groups_per_chunk)
+    pool = data_config.pool
     pool = dataclasses.replace(
-        pool, groups_per_chunk=settings.groups_per_chunk, timeout_s=settings.timeout_s,
+        pool, timeout_s=settings.timeout_s,
         num_actors_per_node=settings.num_actors_per_node or pool.num_actors_per_node,
         num_cpus_per_actor=settings.num_cpus_per_actor or pool.num_cpus_per_actor)
-    return loader, pool
+    return loader, pool, policy
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,6 @@ class ShadowSession:
                  data_config: Any = None):
         """data_config: the run config's `flexrl.data` (`DataConfig`; None: defaults); the vision
         geometry always comes from the model's saved processor, as in `--loader local`."""
-        from flexrl_ds.media.config import DataConfig
         from flexrl_ds.media.processor_files import has_processor_files
 
         self.model_dir, self.data_path, self.response_key, self.settings = model_dir, data_path, response_key, settings
@@ -181,7 +181,8 @@ class ShadowSession:
 
         self.encoder = SampleEncoder(self.model_dir)
         self.records = _scorable(read_dataset(self.data_path, self.data_config.media_root), self.response_key, self.encoder.has_vision)
-        self.loader_config, pool_config = tool_loader_configs(self.data_config, self.settings, len(self.records))
+        self.loader_config, pool_config, self.bad_record_policy = tool_loader_configs(
+            self.data_config, self.settings, len(self.records))
         cpus = int(pool_config.num_actors_per_node * pool_config.num_cpus_per_actor) + 2
         started = time.perf_counter()
         self.started_ray = connect_ray(max(4, cpus))
@@ -198,7 +199,7 @@ class ShadowSession:
         from flexrl_ds.models.processing import _field
 
         encoder = self.encoder
-        self.loader = ProxyLoader(self.records, self.pool, self.loader_config)
+        self.loader = ProxyLoader(self.records, self.pool, self.loader_config, self.bad_record_policy)
         self.step = self.loader.next_step()  # probed, decoded on the actors, decode failures settled
         for bad in self.step.bad_records:
             print(f"skipped record {bad.id!r}: {bad.reason}", file=sys.stderr)

@@ -18,19 +18,19 @@ import torch
 from ray_helpers import wait_until_lost
 
 from flexrl_ds.bench.loader_media import MediaDatasetSpec, write_media_dataset
-from flexrl_ds.media.config import DataConfig, LoaderSection, PoolSection
+from flexrl_ds.loader.config import DataConfig, LoaderConfig, PoolConfig
 from flexrl_ds.loader.loader_service import LoaderService, RemoteRepair
 from flexrl_ds.loader.materializer import Materializer, RayFetcher
-from flexrl_ds.media.preprocess import SamplePreprocessor
 from flexrl_ds.loader.proxy_loader import requests_for_samples
+from flexrl_ds.media.preprocess import SamplePreprocessor
 from flexrl_ds.media.records import read_dataset
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
 DATA_CONFIG = DataConfig(
     image_max_pixels=28 * 28 * 16, bad_record_policy="replace",
-    loader=LoaderSection(global_batch=4, shuffle=False, lookahead_steps=0),
-    pool=PoolSection(num_actors_per_node=2, num_cpus_per_actor=0.5, timeout_s=60.0),
+    loader=LoaderConfig(global_batch=4, shuffle=False, lookahead_steps=0),
+    pool=PoolConfig(num_actors_per_node=2, num_cpus_per_actor=0.5, timeout_s=60.0),
 )
 _make_preprocessor = functools.partial(SamplePreprocessor, DATA_CONFIG)
 

@@ -14,17 +14,18 @@ import torch
 from ray_helpers import wait_until_lost
 
 from flexrl_ds.bench.loader_media import MediaDatasetSpec, write_media_dataset
-from flexrl_ds.loader.actors import PoolConfig, PreprocessPool
+from flexrl_ds.loader.actors import PreprocessPool
 from flexrl_ds.loader.central_loader import CentralLoader
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.loader.config import LoaderConfig, PoolConfig
 from flexrl_ds.loader.materializer import Materializer, RayFetcher, SliceRequest
+from flexrl_ds.loader.proxy_loader import ProxyLoader, requests_for_samples
+from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.preprocess import SamplePreprocessor
-from flexrl_ds.loader.proxy_loader import LoaderConfig, ProxyLoader, requests_for_samples
 from flexrl_ds.media.records import read_dataset
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
-DATA_CONFIG = DataConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 16, video_fps=4.0)
+DATA_CONFIG = MediaConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 16, video_fps=4.0)
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +63,8 @@ def shared_pool(ray_session):
 def test_workers_get_exact_slices_from_actors_with_one_decode_per_prompt(shared_pool, records):
     pool = shared_pool
     decoded_before = sum(stats["num_decoded"] for stats in pool.stats())
-    config = LoaderConfig(global_batch=3, num_samples_per_prompt=2, seed=1, bad_record_policy="skip",
-                          groups_per_chunk=2)
-    loader = ProxyLoader(records, pool, config)
+    config = LoaderConfig(global_batch=3, num_samples_per_prompt=2, seed=1, groups_per_chunk=2)
+    loader = ProxyLoader(records, pool, config, bad_record_policy="skip")
     workers = [Materializer(RayFetcher(timeout_s=60), repair=loader.repair) for _ in range(2)]
     pixel_bytes, num_prompts = 0, 0
     for _ in range(2):
@@ -90,8 +90,9 @@ def test_workers_get_exact_slices_from_actors_with_one_decode_per_prompt(shared_
 
 def test_central_baseline_trains_on_the_same_samples_with_the_same_tensors(shared_pool, records):
     pool = shared_pool
-    config = LoaderConfig(global_batch=4, seed=2, bad_record_policy="replace")
-    proxy, central = ProxyLoader(records, pool, config), CentralLoader(records, _make_preprocessor, config)
+    config = LoaderConfig(global_batch=4, seed=2)
+    proxy = ProxyLoader(records, pool, config, bad_record_policy="replace")
+    central = CentralLoader(records, _make_preprocessor, config, bad_record_policy="replace")
     a, b = proxy.next_step(), central.next_step()
     assert a.report() == b.report()
     requests = requests_for_samples(a, a.sample_ids())
@@ -108,8 +109,9 @@ def test_decode_failure_after_a_good_probe_is_reported_and_handled_by_the_policy
     image-0001, missing-0000. A window of 5 holds the corrupt video; replacements come from the tail."""
     expected_videos = [f"video-{i:04d}" for i in range(4)]
     for policy, last in (("skip", None), ("replace", "corrupt-0000->image-0001")):
-        config = LoaderConfig(global_batch=5, shuffle=False, bad_record_policy=policy)
-        proxy, central = ProxyLoader(records, shared_pool, config), CentralLoader(records, _make_preprocessor, config)
+        config = LoaderConfig(global_batch=5, shuffle=False)
+        proxy = ProxyLoader(records, shared_pool, config, bad_record_policy=policy)
+        central = CentralLoader(records, _make_preprocessor, config, bad_record_policy=policy)
         step = proxy.next_step()
         report = step.report()
         assert report == central.next_step().report()  # same samples whichever loader decodes
@@ -132,8 +134,8 @@ def test_killing_an_actor_mid_step_loses_and_duplicates_nothing(shared_pool, rec
     """Runs last: it kills two of the shared pool's three actors."""
     pool = shared_pool
     pool.set_decode_delay(1.0)  # keep work queued on every actor
-    config = LoaderConfig(global_batch=5, num_samples_per_prompt=2, seed=3, bad_record_policy="skip")
-    loader = ProxyLoader(records, pool, config)
+    config = LoaderConfig(global_batch=5, num_samples_per_prompt=2, seed=3)
+    loader = ProxyLoader(records, pool, config, bad_record_policy="skip")
     step = loader.next_step()  # step 0 decoded; the look-ahead step 1 is composed in the background
     loader.wait_composed()  # ... and now queued on the actors
     victim = loader.store.owner_of(step.sample_ids()[0])

@@ -21,19 +21,16 @@ def test_ds_configs_in_repo_load(tmp_path):
 def test_ds_configs_drive_the_loader():
     from pathlib import Path
 
-    from flexrl_ds.media.config import DataConfig
-    from flexrl_ds.loader.loader_settings import loader_settings
+    from flexrl_ds.loader.config import DataConfig
 
     folder = Path(__file__).resolve().parents[2] / "ds_configs"
     for name in ("zero3_flexrl.json", "cpu_test.json"):
         raw = json.loads((folder / name).read_text())
         assert {"bad_record_policy", "loader", "pool"} <= set(raw["flexrl"]["data"]), name
         data = load_run_config(folder / name).flexrl.data
-        loader_config, pool_config = loader_settings(data)
-        assert loader_config.bad_record_policy == data.bad_record_policy
-        assert loader_config.global_batch == raw["flexrl"]["data"]["loader"]["global_batch"]
-        assert pool_config.num_actors_per_node == raw["flexrl"]["data"]["pool"]["num_actors_per_node"]
-        assert pool_config.groups_per_chunk == loader_config.groups_per_chunk
+        assert data.bad_record_policy == raw["flexrl"]["data"]["bad_record_policy"]
+        assert data.loader.global_batch == raw["flexrl"]["data"]["loader"]["global_batch"]
+        assert data.pool.num_actors_per_node == raw["flexrl"]["data"]["pool"]["num_actors_per_node"]
         # the files spell out today's defaults
         assert (data.loader, data.pool) == (DataConfig().loader, DataConfig().pool), name
 
@@ -76,7 +73,7 @@ def test_bad_file(tmp_path):
 
 
 def test_data_section_is_typed():
-    from flexrl_ds.media.config import DataConfig
+    from flexrl_ds.loader.config import DataConfig
 
     run = parse_run_config({"flexrl": {"data": {"video_fps": 1.0, "bad_record_policy": "replace"}}})
     assert isinstance(run.flexrl.data, DataConfig)

@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.dataset import apply_policy, probe_dataset, probe_entries
 from flexrl_ds.media.preprocess import SamplePreprocessor
 from flexrl_ds.media.video_backends import available_backends
 from flexrl_ds.media.types import BadMediaError, BadRecord, MediaItem, Record, SampleMeta
 
-CONFIG = DataConfig(image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 64,
+CONFIG = MediaConfig(image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 64,
                     video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 16, video_max_frames=8)
 
 
@@ -35,7 +35,7 @@ def test_bad_media_found_while_probing(media, backend, name, expected):
     if backend not in available_backends():
         pytest.skip(f"video backend {backend} not available")
     path = media.bad.get(name, media.folder / name)
-    preprocessor = SamplePreprocessor(DataConfig(video_backend=backend))
+    preprocessor = SamplePreprocessor(MediaConfig(video_backend=backend))
     bad = preprocessor.probe(record(f"rec-{name}", path, index=3))
     assert isinstance(bad, BadRecord), bad
     assert (bad.id, bad.index, bad.stage) == (f"rec-{name}", 3, "probe")
@@ -49,7 +49,7 @@ def test_truncated_video_with_intact_index(media):
     path = media.bad["faststart_cut.mp4"]
     bad = SamplePreprocessor(CONFIG).probe(record("cut", path))
     assert isinstance(bad, BadRecord) and "truncated video" in bad.reason
-    preprocessor = SamplePreprocessor(DataConfig(**{**CONFIG.__dict__, "video_backend": "opencv"}))
+    preprocessor = SamplePreprocessor(MediaConfig(**{**CONFIG.__dict__, "video_backend": "opencv"}))
     meta = preprocessor.probe(record("cut", path))
     assert isinstance(meta, SampleMeta)
     with pytest.raises(BadMediaError) as caught:
@@ -59,7 +59,7 @@ def test_truncated_video_with_intact_index(media):
 
 
 def test_oversized_sample(media):
-    preprocessor = SamplePreprocessor(DataConfig(**{**CONFIG.__dict__, "max_vision_tokens_per_sample": 10}))
+    preprocessor = SamplePreprocessor(MediaConfig(**{**CONFIG.__dict__, "max_vision_tokens_per_sample": 10}))
     bad = preprocessor.probe(record("big", media.videos[0]))
     assert isinstance(bad, BadRecord) and "oversized" in bad.reason and "10" in bad.reason
 
@@ -110,7 +110,7 @@ def test_replace_policy_draws_substitutes_from_the_tail_of_the_epoch(mixed_datas
     """Rows: g0 b-garbage g1 b-count b-cut g2 b-missing. Steps of 2 in file order: step 0 = rows
     0, 1; b-garbage's substitute is reserved from the tail: row 6 (bad, reported), then row 5 (g2).
     Step 1 = rows 2, 3; b-count's substitute: row 4 (bad), then no unused row is left."""
-    config = DataConfig(**{**CONFIG.__dict__, "bad_record_policy": "replace"})
+    config = MediaConfig(**{**CONFIG.__dict__, "bad_record_policy": "replace"})
     dataset = probe_dataset(mixed_dataset, SamplePreprocessor(config), global_batch=2)
     assert [[meta.id for meta in step] for step in dataset.steps] == [["g0", "b-garbage->g2"], ["g1"]]
     assert dataset.replacements == {"b-garbage": "g2"}
@@ -128,7 +128,7 @@ def test_replace_policy_draws_substitutes_from_the_tail_of_the_epoch(mixed_datas
 
 
 def test_error_policy_names_the_first_bad_record(mixed_dataset):
-    config = DataConfig(**{**CONFIG.__dict__, "bad_record_policy": "error"})
+    config = MediaConfig(**{**CONFIG.__dict__, "bad_record_policy": "error"})
     with pytest.raises(ValueError, match="record 'b-garbage': image 0 \\(garbage.png\\): cannot read image"):
         probe_dataset(mixed_dataset, SamplePreprocessor(config))
     with pytest.raises(ValueError, match="record 'b-garbage'"):
@@ -153,15 +153,16 @@ def test_failure_at_materialise_follows_the_policy(mixed_dataset):
 def test_offline_path_and_training_loader_choose_the_same_samples(mixed_dataset, policy, batch, shuffle):
     """The same bad dataset through `probe_dataset` (offline) and the loader's step composition
     (`StepSource`, probing with the same preprocessor) gives the same steps and replacements."""
-    from flexrl_ds.loader.proxy_loader import LoaderConfig, StepSource
+    from flexrl_ds.loader.config import LoaderConfig
+    from flexrl_ds.loader.proxy_loader import StepSource
     from flexrl_ds.media.records import read_dataset
 
-    config = DataConfig(**{**CONFIG.__dict__, "bad_record_policy": policy})
+    config = MediaConfig(**{**CONFIG.__dict__, "bad_record_policy": policy})
     preprocessor = SamplePreprocessor(config)
     offline = probe_dataset(mixed_dataset, preprocessor, global_batch=batch, seed=4, shuffle=shuffle)
-    loader_config = LoaderConfig(global_batch=batch, seed=4, shuffle=shuffle, bad_record_policy=policy)
+    loader_config = LoaderConfig(global_batch=batch, seed=4, shuffle=shuffle)
     source = StepSource(read_dataset(mixed_dataset), loader_config,
-                        lambda records: [preprocessor.probe(record) for record in records])
+                        lambda records: [preprocessor.probe(record) for record in records], bad_record_policy=policy)
     steps = [source.compose() for _ in offline.steps]
     assert [[p.meta.id for p in step.prompts] for step in steps] == [[m.id for m in s] for s in offline.steps]
     assert {k: v for step in steps for k, v in step.replacements.items()} == offline.replacements

@@ -1,4 +1,5 @@
-"""DataConfig: the `flexrl.data` section, validation and processor-folder geometry."""
+"""DataConfig: the `flexrl.data` section (media settings, loader, pool), validation and processor-folder
+geometry."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 import pytest
 
 from flexrl_ds.config.flexrl_config import parse_run_config
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.loader.config import DataConfig, LoaderConfig, PoolConfig
+from flexrl_ds.media import image_io, video_backends
+from flexrl_ds.media.config import TRANSPARENCY_MODES, VIDEO_BACKENDS, MediaConfig
 
 
 def test_from_run_config_section():
@@ -51,24 +54,39 @@ def test_with_processor_dir(tmp_path):
         DataConfig().with_processor_dir(tmp_path / "missing")
 
 
-def test_loader_and_pool_sections_drive_the_loader_configs():
-    from flexrl_ds.loader.actors import PoolConfig
-    from flexrl_ds.loader.loader_settings import loader_settings
-    from flexrl_ds.loader.proxy_loader import LoaderConfig
-
-    defaults = loader_settings(DataConfig())
-    assert defaults == (LoaderConfig(global_batch=8), PoolConfig())  # today's defaults
+def test_loader_and_pool_sections_are_the_loader_configs():
+    defaults = DataConfig()
+    assert (defaults.loader, defaults.pool) == (LoaderConfig(global_batch=8), PoolConfig())  # today's defaults
     run = parse_run_config({"flexrl": {"data": {
         "bad_record_policy": "replace",
         "loader": {"global_batch": 6, "num_samples_per_prompt": 4, "seed": 3, "shuffle": False,
                    "lookahead_steps": 2, "groups_per_chunk": 3},
         "pool": {"num_actors_per_node": 2, "num_cpus_per_actor": 0.5, "probe_chunk_size": 5, "timeout_s": 30},
     }}})
-    loader_config, pool_config = loader_settings(run.flexrl.data)
-    assert loader_config == LoaderConfig(global_batch=6, num_samples_per_prompt=4, seed=3, shuffle=False,
-                                         bad_record_policy="replace", lookahead_steps=2, groups_per_chunk=3)
-    assert pool_config == PoolConfig(num_actors_per_node=2, num_cpus_per_actor=0.5, groups_per_chunk=3,
-                                     probe_chunk_size=5, timeout_s=30.0)
+    data = run.flexrl.data
+    assert data.loader == LoaderConfig(global_batch=6, num_samples_per_prompt=4, seed=3, shuffle=False,
+                                       lookahead_steps=2, groups_per_chunk=3)
+    assert data.pool == PoolConfig(num_actors_per_node=2, num_cpus_per_actor=0.5, probe_chunk_size=5, timeout_s=30.0)
+    assert data.bad_record_policy == "replace"  # passed to the loader as its own argument
+
+
+def test_processor_dir_keeps_the_loader_and_pool_and_the_class(tmp_path):
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 3136,
+                                                                            "longest_edge": 50176}}))
+    data = DataConfig(loader=LoaderConfig(global_batch=3), pool=PoolConfig(timeout_s=5.0))
+    read = data.with_processor_dir(tmp_path)
+    assert isinstance(read, DataConfig) and (read.loader, read.pool) == (data.loader, data.pool)
+    assert read.image_max_pixels == 50176
+    media = MediaConfig().with_processor_dir(tmp_path)
+    assert type(media) is MediaConfig and not hasattr(media, "loader")
+    assert {name: getattr(read, name) for name in vars(media)} == vars(media)  # same media settings
+
+
+def test_loader_configs_check_their_values_when_built_in_code():
+    with pytest.raises(ValueError, match="flexrl.data.loader.groups_per_chunk: must be at least 1"):
+        LoaderConfig(groups_per_chunk=0)
+    with pytest.raises(ValueError, match="flexrl.data.pool.timeout_s: must be positive"):
+        PoolConfig(timeout_s=0)
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -218,10 +236,14 @@ def test_video_settings_are_checked_and_must_agree_with_image_settings(tmp_path,
     assert message in str(error.value) and "video_preprocessor_config.json" in str(error.value)
 
 
-def test_transparency_is_a_strict_choice():
-    from flexrl_ds.media import image_io
-    from flexrl_ds.media.config import TRANSPARENCY_MODES
+def test_video_backend_names_are_the_registry():
+    # media/config.py keeps the names so that loading a config never imports torch
+    assert VIDEO_BACKENDS == ("auto",) + tuple(video_backends.VIDEO_BACKENDS)
+    for name in VIDEO_BACKENDS:
+        assert DataConfig.from_dict({"video_backend": name}).video_backend == name
 
+
+def test_transparency_is_a_strict_choice():
     assert TRANSPARENCY_MODES == ("auto",) + image_io.TRANSPARENCY_POLICIES
     assert DataConfig.from_dict({"transparency": "white"}).transparency == "white"
     with pytest.raises(ValueError, match="flexrl.data.transparency: 'black' is not one of auto, white, drop"):

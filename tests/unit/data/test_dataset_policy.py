@@ -11,12 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexrl_ds.loader.actors import DecodeFailure, PoolConfig, SliceMaker
+from flexrl_ds.loader.actors import DecodeFailure, SliceMaker
+from flexrl_ds.loader.config import LoaderConfig, PoolConfig
+from flexrl_ds.loader.materializer import Materializer
+from flexrl_ds.loader.proxy_loader import ProxyLoader, StepSource, requests_for_samples
 from flexrl_ds.media.bad_records import BadRecordPolicy, EpochOrder, original_id
 from flexrl_ds.media.dataset import apply_policy
-from flexrl_ds.loader.materializer import Materializer
 from flexrl_ds.media.preprocess import ItemTensors
-from flexrl_ds.loader.proxy_loader import LoaderConfig, ProxyLoader, StepSource, requests_for_samples
 from flexrl_ds.media.types import BadMediaError, BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
 
 
@@ -35,8 +36,8 @@ def _probe(records):
     return [_probe_one(record) for record in records]
 
 
-def _loader_steps(records, config: LoaderConfig, num_steps: int):
-    source = StepSource(records, config, _probe)
+def _loader_steps(records, config: LoaderConfig, num_steps: int, policy: str):
+    source = StepSource(records, config, _probe, bad_record_policy=policy)
     return [source.compose() for _ in range(num_steps)], source
 
 
@@ -45,8 +46,8 @@ def _loader_steps(records, config: LoaderConfig, num_steps: int):
 def test_offline_and_loader_compose_the_same_steps(policy, shuffle, seed, batch):
     records = _records(23, bad={0, 4, 5, 11, 17, 22})
     offline = apply_policy(_probe(records), policy, global_batch=batch, seed=seed, shuffle=shuffle)
-    config = LoaderConfig(global_batch=batch, seed=seed, shuffle=shuffle, bad_record_policy=policy)
-    steps, source = _loader_steps(records, config, len(offline.steps))
+    config = LoaderConfig(global_batch=batch, seed=seed, shuffle=shuffle)
+    steps, source = _loader_steps(records, config, len(offline.steps), policy)
     assert [[p.meta.id for p in step.prompts] for step in steps] == [[m.id for m in s] for s in offline.steps]
     replacements = {bad: sub for step in steps for bad, sub in step.replacements.items()}
     assert replacements == offline.replacements
@@ -61,7 +62,7 @@ def test_error_policy_names_the_record_on_both_paths():
     records = _records(6, bad={2})
     with pytest.raises(ValueError, match=r"step 0: record 'r2-bad': missing file /fake/2.png"):
         apply_policy(_probe(records), "error", global_batch=3)
-    source = StepSource(records, LoaderConfig(global_batch=3, shuffle=False, bad_record_policy="error"), _probe)
+    source = StepSource(records, LoaderConfig(global_batch=3, shuffle=False), _probe, bad_record_policy="error")
     with pytest.raises(ValueError, match=r"step 0: record 'r2-bad': missing file /fake/2.png"):
         source.compose()
     assert source.stats.num_bad == 1
@@ -74,8 +75,7 @@ def test_replace_never_duplicates_and_reports_exactly_what_is_trained(num, data)
     batch = data.draw(st.integers(1, num))
     seed = data.draw(st.integers(0, 5))
     records = _records(num, bad)
-    steps, _ = _loader_steps(records, LoaderConfig(global_batch=batch, seed=seed, bad_record_policy="replace"),
-                             num // batch)
+    steps, _ = _loader_steps(records, LoaderConfig(global_batch=batch, seed=seed), num // batch, "replace")
     used: dict[int, list[str]] = {}
     for step in steps:
         ids = [p.meta.id for p in step.prompts]
@@ -95,7 +95,7 @@ def test_replace_never_duplicates_and_reports_exactly_what_is_trained(num, data)
 
 def test_skip_keeps_every_other_step_window():
     clean = StepSource(_records(12, set()), LoaderConfig(global_batch=3, seed=2), _probe)
-    dirty = StepSource(_records(12, {7}), LoaderConfig(global_batch=3, seed=2, bad_record_policy="replace"), _probe)
+    dirty = StepSource(_records(12, {7}), LoaderConfig(global_batch=3, seed=2), _probe, bad_record_policy="replace")
     clean_steps = [[p.meta.record.index for p in clean.compose().prompts] for _ in range(3)]
     dirty_steps = [dirty.compose() for _ in range(3)]
     hit = next(i for i, step in enumerate(dirty_steps) if step.bad_records)
@@ -110,7 +110,7 @@ def test_decode_failure_before_hand_out_gives_the_same_substitute_on_both_paths(
     failed = offline.steps[0][1]  # the substitute r10 fails to decode in its turn; r9 is still unused
     bad = BadRecord("r10", "cannot decode frames", 10, "materialize")
     offline.resolve_failure(failed, bad)
-    source = StepSource(records, LoaderConfig(global_batch=3, shuffle=False, bad_record_policy="replace"), _probe)
+    source = StepSource(records, LoaderConfig(global_batch=3, shuffle=False), _probe, bad_record_policy="replace")
     step = source.settle(source.compose(), lambda prompt: bad if prompt.meta.record.id == "r10" else None)
     assert [p.meta.id for p in step.prompts] == [m.id for m in offline.steps[0]] == ["r0", "r1-bad->r9", "r2"]
     assert step.replacements == offline.replacements == {"r1-bad": "r9"}
@@ -204,8 +204,8 @@ class _Fetcher:
 def _handed_out_step(policy: str):
     _Preprocessor.broken = set()
     pool = _Pool()
-    loader = ProxyLoader(_records(6, set()), pool, LoaderConfig(global_batch=4, shuffle=False, lookahead_steps=0,
-                                                               bad_record_policy=policy))
+    loader = ProxyLoader(_records(6, set()), pool, LoaderConfig(global_batch=4, shuffle=False, lookahead_steps=0),
+                         bad_record_policy=policy)
     step = loader.next_step()
     assert [p.meta.id for p in step.prompts] == ["r0", "r1", "r2", "r3"] and not step.bad_records
     victim = loader.store.entry(step.prompts[0].key).owner
@@ -267,7 +267,7 @@ def test_substitute_after_look_ahead_started_the_next_epoch_is_not_already_in_th
     step 3 (epoch 1) before step 2 settles. r5 then fails to decode: epoch 1's tail is row 5, then
     4 — both already drawn by step 2 — so the substitute is row 3."""
     records = _records(6, set())
-    source = StepSource(records, LoaderConfig(global_batch=2, shuffle=False, bad_record_policy="replace"), _probe)
+    source = StepSource(records, LoaderConfig(global_batch=2, shuffle=False), _probe, bad_record_policy="replace")
     steps = [source.compose() for _ in range(4)]
     assert [s.epoch for s in steps] == [0, 0, 0, 1]
     bad = BadRecord("r5", "cannot decode frames", 5, "materialize")

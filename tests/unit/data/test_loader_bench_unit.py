@@ -47,12 +47,13 @@ def _bench_config(tmp_path, **options):
 
 def test_without_config_the_runs_get_the_loader_and_pool_they_always_had(tmp_path):
     from flexrl_ds.bench.loader_bench import run_settings
-    from flexrl_ds.loader.actors import PoolConfig
-    from flexrl_ds.loader.proxy_loader import LoaderConfig
+    from flexrl_ds.loader.config import LoaderConfig, PoolConfig
 
-    loader_config, pool_config = run_settings(_bench_config(tmp_path).data_config(), 4, 2)
+    data_config = _bench_config(tmp_path).data_config()
+    loader_config, pool_config = run_settings(data_config, 4, 2)
     # what the bench built by hand before it read flexrl.data
-    assert loader_config == LoaderConfig(global_batch=4, num_samples_per_prompt=1, seed=0, bad_record_policy="skip")
+    assert loader_config == LoaderConfig(global_batch=4, num_samples_per_prompt=1, seed=0)
+    assert data_config.bad_record_policy == "skip"
     assert pool_config == PoolConfig(num_actors_per_node=2, num_cpus_per_actor=0.5)
 
 
@@ -73,10 +74,9 @@ def test_config_file_sets_the_loader_and_pool_and_the_bench_options_override_it(
     loader_config, pool_config = run_settings(data_config, 8, 3)
     assert (loader_config.global_batch, pool_config.num_actors_per_node) == (8, 3)  # B and K: per run
     assert (loader_config.num_samples_per_prompt, loader_config.seed, loader_config.shuffle) == (4, 7, False)
-    assert (loader_config.bad_record_policy, loader_config.lookahead_steps, loader_config.groups_per_chunk) == (
+    assert (data_config.bad_record_policy, loader_config.lookahead_steps, loader_config.groups_per_chunk) == (
         "replace", 2, 3)
-    assert (pool_config.num_cpus_per_actor, pool_config.probe_chunk_size, pool_config.timeout_s,
-            pool_config.groups_per_chunk) == (2.0, 5, 30.0, 3)
+    assert (pool_config.num_cpus_per_actor, pool_config.probe_chunk_size, pool_config.timeout_s) == (2.0, 5, 30.0)
     overridden = _bench_config(tmp_path, run_config=str(run_config), num_samples_per_prompt=2, seed=3,
                                num_cpus_per_actor=0.25)
     loader_config, pool_config = run_settings(overridden.data_config(), 8, 3)

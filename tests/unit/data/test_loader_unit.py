@@ -8,13 +8,15 @@ import time
 import pytest
 import torch
 
+from flexrl_ds.loader.actors import DecodeFailure, SliceMaker, item_layouts
 from flexrl_ds.loader.central_loader import CentralLoader
+from flexrl_ds.loader.config import LoaderConfig, PoolConfig
 from flexrl_ds.loader.materializer import Materializer, PromptSource, SliceRequest, WorkerAssignment
 from flexrl_ds.loader.metastore import PromptKey, make_layout
-from flexrl_ds.loader.proxy_loader import LoaderConfig, ProxyLoader, RecordOrder, requests_for_samples
-from flexrl_ds.media.types import BadMediaError, BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
-from flexrl_ds.loader.actors import DecodeFailure, PoolConfig, SliceMaker, item_layouts
+from flexrl_ds.loader.proxy_loader import ProxyLoader, requests_for_samples
+from flexrl_ds.media.bad_records import EpochOrder
 from flexrl_ds.media.preprocess import ItemTensors
+from flexrl_ds.media.types import BadMediaError, BadRecord, ItemMeta, MediaInfo, MediaItem, Record, SampleMeta
 
 
 def _record(index, kinds):
@@ -107,19 +109,19 @@ class FakeFetcher:
 
 
 def test_record_order_is_seeded_and_covers_each_epoch():
-    first, again = RecordOrder(10, seed=3, shuffle=True), RecordOrder(10, seed=3, shuffle=True)
+    first, again = EpochOrder(10, seed=3, shuffle=True), EpochOrder(10, seed=3, shuffle=True)
     windows = [first.take(4) for _ in range(2)]
     assert windows == [again.take(4) for _ in range(2)]
     assert len(set(windows[0] + windows[1])) == 8
     assert first.take(4) and first.epoch == 1  # only 2 rows left: next epoch
-    assert RecordOrder(10, seed=4, shuffle=True).take(10) != RecordOrder(10, seed=3, shuffle=True).take(10)
+    assert EpochOrder(10, seed=4, shuffle=True).take(10) != EpochOrder(10, seed=3, shuffle=True).take(10)
 
 
 @pytest.mark.parametrize("policy", ["skip", "replace"])
 def test_bad_records_are_reported_and_never_shift_other_steps(policy):
-    config = LoaderConfig(global_batch=3, bad_record_policy=policy, lookahead_steps=0, shuffle=False)
-    clean = ProxyLoader(_records(12), FakePool(), config)
-    dirty = ProxyLoader(_records(12, bad=(1,)), FakePool(), config)
+    config = LoaderConfig(global_batch=3, lookahead_steps=0, shuffle=False)
+    clean = ProxyLoader(_records(12), FakePool(), config, bad_record_policy=policy)
+    dirty = ProxyLoader(_records(12, bad=(1,)), FakePool(), config, bad_record_policy=policy)
     clean_steps = [clean.next_step() for _ in range(3)]
     dirty_steps = [dirty.next_step() for _ in range(3)]
     assert [b.id for b in dirty_steps[0].bad_records] == ["rec-1-bad"]
@@ -135,8 +137,8 @@ def test_bad_records_are_reported_and_never_shift_other_steps(policy):
 
 
 def test_error_policy_names_the_record():
-    loader = ProxyLoader(_records(6, bad=(0,)), FakePool(), LoaderConfig(global_batch=3, bad_record_policy="error",
-                                                                          shuffle=False))
+    loader = ProxyLoader(_records(6, bad=(0,)), FakePool(), LoaderConfig(global_batch=3, shuffle=False),
+                         bad_record_policy="error")
     with pytest.raises(ValueError, match="rec-0-bad.*missing file"):
         loader.next_step()
 
@@ -198,9 +200,10 @@ def test_repair_reroutes_each_lost_prompt_once():
 
 
 def test_central_loader_gives_the_same_steps_and_tensors_and_ships_pixels():
-    config = LoaderConfig(global_batch=3, num_samples_per_prompt=2, seed=5, bad_record_policy="replace")
+    config = LoaderConfig(global_batch=3, num_samples_per_prompt=2, seed=5)
     records = _records(9, bad=(4,))
-    proxy, central = ProxyLoader(records, FakePool(), config), CentralLoader(records, FakePreprocessor, config)
+    proxy = ProxyLoader(records, FakePool(), config, bad_record_policy="replace")
+    central = CentralLoader(records, FakePreprocessor, config, bad_record_policy="replace")
     pool = proxy.pool
     for _ in range(2):
         a, b = proxy.next_step(), central.next_step()
@@ -246,8 +249,8 @@ def _step_with_a_broken_prompt(policy):
     fails to re-decode. Returns (pool, loader, step, requests, broken key)."""
     pool = RedecodeFailsPool()
     config = LoaderConfig(global_batch=4, num_samples_per_prompt=2, lookahead_steps=0, shuffle=False,
-                          groups_per_chunk=2, bad_record_policy=policy)
-    loader = ProxyLoader(_records(6), pool, config)
+                          groups_per_chunk=2)
+    loader = ProxyLoader(_records(6), pool, config, bad_record_policy=policy)
     step = loader.next_step()
     broken = loader.store.owned_by("a")[0]
     pool.failing.add(step.prompts[broken.slot].meta.id)

@@ -2,7 +2,7 @@
 
 Both sides are configured from the same saved processor - `make-tiny-model`'s preprocessor JSON
 (`processor_dir`), with this module's pixel and frame limits: HF's processors are loaded from it with
-`from_pretrained`, ours reads it with `DataConfig.with_processor_dir`. Nothing relies on a processor
+`from_pretrained`, ours reads it with `MediaConfig.with_processor_dir`. Nothing relies on a processor
 class's constructor defaults, which drift between transformers releases.
 
 References:
@@ -31,7 +31,7 @@ from transformers.image_transforms import rescale as hf_rescale
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from flexrl_ds.media import image_io
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.image_io import resize_pil, resize_torch
 from flexrl_ds.media.preprocess import SamplePreprocessor, collate
 from flexrl_ds.media.types import MediaItem, Record, SampleMeta
@@ -55,9 +55,9 @@ def processor_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def config(processor_dir) -> DataConfig:
+def config(processor_dir) -> MediaConfig:
     """Our preprocessing configured from the same files; images resized with PIL (HF's PIL backend)."""
-    return DataConfig(resize_impl="pil").with_processor_dir(processor_dir)
+    return MediaConfig(resize_impl="pil").with_processor_dir(processor_dir)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_images_equal_auto_image_processor(media, transparent_images, processor_
         hf = AutoImageProcessor.from_pretrained(processor_dir)
     except ImportError as error:  # transformers 5.17 without torchvision cannot build AutoImageProcessor
         pytest.skip(f"AutoImageProcessor unavailable here: {str(error).strip().splitlines()[0]}")
-    preprocessor = SamplePreprocessor(DataConfig().with_processor_dir(processor_dir))
+    preprocessor = SamplePreprocessor(MediaConfig().with_processor_dir(processor_dir))
     assert_images_equal_hf(hf, preprocessor, media.images + transparent_images)
 
 
@@ -172,7 +172,7 @@ def test_transparency_policies(transparent_images):
         image_io.load_image_rgb(str(rgba), "black")
 
 
-def reference_video(path, hf_video_functions, config: DataConfig, fps=None):
+def reference_video(path, hf_video_functions, config: MediaConfig, fps=None):
     """HF's Qwen2-VL video pipeline from its own pieces (see module docstring)."""
     decoders = pytest.importorskip("torchcodec.decoders", reason="the reference decodes with torchcodec")
     VideoDecoder = decoders.VideoDecoder
@@ -269,7 +269,7 @@ def test_tiny_model_processor_dir_sets_geometry(tmp_path):
     files = processor_configs(config)
     for name, content in files.items():
         (tmp_path / name).write_text(json.dumps(content))
-    data_config = DataConfig().with_processor_dir(tmp_path)
+    data_config = MediaConfig().with_processor_dir(tmp_path)
     assert (data_config.image_min_pixels, data_config.image_max_pixels) == (config.min_pixels, config.max_pixels)
     assert (data_config.video_min_pixels, data_config.video_max_pixels) == (config.min_pixels, config.max_pixels)
     image, video = files["preprocessor_config.json"], files["video_preprocessor_config.json"]
@@ -322,7 +322,7 @@ def test_processor_settings_equal_hf_image_processor(media, transparent_images, 
 
     folder = processor_variant(processor_dir, tmp_path, SETTING_VARIANTS[variant])
     hf = Qwen2VLImageProcessorPil.from_pretrained(folder)
-    preprocessor = SamplePreprocessor(DataConfig(resize_impl="pil").with_processor_dir(folder))
+    preprocessor = SamplePreprocessor(MediaConfig(resize_impl="pil").with_processor_dir(folder))
     for path in media.images[:4] + transparent_images[:1]:
         meta, outputs = preprocessor.process(record_of(path))
         with Image_open(path) as image:
@@ -343,7 +343,7 @@ def test_processor_settings_equal_hf_video_pipeline(media, hf_video_functions, p
     """Videos through the reference pipeline above, with HF's rescale/normalize set as the files say."""
     decoders = pytest.importorskip("torchcodec.decoders", reason="the reference decodes with torchcodec")
     folder = processor_variant(processor_dir, tmp_path, SETTING_VARIANTS[variant])
-    config = DataConfig(resize_impl="pil").with_processor_dir(folder)
+    config = MediaConfig(resize_impl="pil").with_processor_dir(folder)
     settings = json.loads((folder / "video_preprocessor_config.json").read_text())
     path = media.videos[0]
     meta, outputs = SamplePreprocessor(config).process(record_of(path))

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.preprocess import SamplePreprocessor
 from flexrl_ds.media.types import BadRecord, MediaItem, Record
 
@@ -27,7 +27,7 @@ def test_images(tmp_path, height, width, min_tokens, extra_tokens, max_pixels):
 
     path = tmp_path / f"i{height}x{width}.png"
     Image.fromarray(np.full((height, width, 3), 90, dtype=np.uint8)).save(path)
-    config = DataConfig(image_min_pixels=min_tokens * 784, image_max_pixels=(min_tokens + extra_tokens) * 784)
+    config = MediaConfig(image_min_pixels=min_tokens * 784, image_max_pixels=(min_tokens + extra_tokens) * 784)
     record = Record("r", "<image>", (MediaItem("image", str(path), max_pixels=max_pixels),))
     result = SamplePreprocessor(config).process(record)
     if max(height, width) / min(height, width) > 200:
@@ -52,7 +52,7 @@ def test_videos(tmp_path, backend, half_width, half_height, num_frames, fps, tar
     path = tmp_path / f"v{half_width}_{half_height}_{num_frames}_{fps}.mp4"
     if not path.exists():
         write_video(path, num_frames, 2 * half_width, 2 * half_height, fps)
-    config = DataConfig(video_min_pixels=784 * 4, video_max_pixels=784 * 20, video_backend=backend)
+    config = MediaConfig(video_min_pixels=784 * 4, video_max_pixels=784 * 20, video_backend=backend)
     duration = num_frames / fps
     options = {"start": duration / 4, "end": duration} if clip else {}
     record = Record("r", "<video>", (MediaItem("video", str(path), fps=target_fps, max_frames=max_frames, **options),))

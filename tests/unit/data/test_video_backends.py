@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.preprocess import SamplePreprocessor
 from flexrl_ds.media.types import MediaItem, Record
 from flexrl_ds.media.video_backends import available_backends, get_video_backend
@@ -13,7 +13,7 @@ from flexrl_ds.media.video_backends import available_backends, get_video_backend
 pytestmark = pytest.mark.skipif(
     set(available_backends()) != {"torchcodec", "opencv"}, reason="needs both torchcodec and OpenCV"
 )
-CONFIG = DataConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 24, video_max_frames=16)
+CONFIG = MediaConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 24, video_max_frames=16)
 
 
 def test_both_backends_probe_the_same_metadata(media):
@@ -40,7 +40,7 @@ def test_both_backends_decode_the_same_frames(media):
 def test_preprocessing_agrees_across_backends(media):
     outputs = {}
     for backend in ("torchcodec", "opencv"):
-        preprocessor = SamplePreprocessor(DataConfig(**{**CONFIG.__dict__, "video_backend": backend}))
+        preprocessor = SamplePreprocessor(MediaConfig(**{**CONFIG.__dict__, "video_backend": backend}))
         for path in media.videos:
             record = Record(id=path.name, prompt="<video>", items=(MediaItem("video", str(path)),))
             meta, tensors = preprocessor.process(record)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from flexrl_ds.media.config import DataConfig
+from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.types import MediaInfo, MediaItem
 from flexrl_ds.media.vision_geometry import (
     clip_frame_range,
@@ -66,7 +66,7 @@ def test_clip_range_selects_frames_by_timestamp():
 
 
 def test_plan_video_clip_offsets_indices_and_counts_tokens():
-    config = DataConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 16)
+    config = MediaConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 16)
     info = MediaInfo(width=128, height=96, num_frames=240, fps=24.0, duration=10.0)
     whole = plan_video(MediaItem("video", "v.mp4"), info, config)
     clip = plan_video(MediaItem("video", "v.mp4", start=2.0, end=6.0, fps=1.0), info, config)
@@ -79,7 +79,7 @@ def test_plan_video_clip_offsets_indices_and_counts_tokens():
 
 
 def test_plan_image_respects_per_item_max_pixels():
-    config = DataConfig(image_min_pixels=28 * 28, image_max_pixels=28 * 28 * 1000)
+    config = MediaConfig(image_min_pixels=28 * 28, image_max_pixels=28 * 28 * 1000)
     info = MediaInfo(width=800, height=600)
     free = plan_image(MediaItem("image", "a.png"), info, config)
     capped = plan_image(MediaItem("image", "a.png", max_pixels=28 * 28 * 50), info, config)
@@ -89,7 +89,7 @@ def test_plan_image_respects_per_item_max_pixels():
 
 
 def test_total_token_cap_shrinks_frames_like_hf():
-    config = DataConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 256, video_max_total_tokens=200)
+    config = MediaConfig(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 256, video_max_total_tokens=200)
     info = MediaInfo(width=640, height=480, num_frames=300, fps=10.0)
     meta = plan_video(MediaItem("video", "v.mp4"), info, config)
     frames = len(meta.frame_indices)

@@ -73,7 +73,7 @@ def test_auto_processor_loads_and_matches_shadowloader_where_torchvision_exists(
     import transformers
     from PIL import Image
 
-    from flexrl_ds.media.config import DataConfig
+    from flexrl_ds.media.config import MediaConfig
     from flexrl_ds.media.preprocess import SamplePreprocessor
     from flexrl_ds.media.types import MediaItem, Record
 
@@ -87,7 +87,7 @@ def test_auto_processor_loads_and_matches_shadowloader_where_torchvision_exists(
     Image.fromarray(np.dstack([pixels, alpha])).save(tmp_path / "rgba.png")  # transparency: release-dependent
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    config = DataConfig().with_processor_dir(tmp_path / "vl")
+    config = MediaConfig().with_processor_dir(tmp_path / "vl")
     image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     for name in ("img.png", "rgba.png"):
         with Image.open(tmp_path / name) as image:  # as the file opens: the processor converts to RGB

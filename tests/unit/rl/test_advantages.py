@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import statistics
+import typing
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexrl_ds.rl.advantages import group_advantages, grouped_rewards, token_advantages
+from flexrl_ds.rl.advantages import ESTIMATORS, group_advantages, grouped_rewards, token_advantages
+from flexrl_ds.rl.config import ADVANTAGE_ESTIMATORS, GRPOConfig
 
 EPS = 1e-9
 
@@ -102,6 +104,14 @@ def test_std_and_leave_one_out_need_two_samples(estimator):
     assert torch.equal(group_advantages(torch.tensor([1.0, 0.0]), 1, "dr_grpo"), torch.zeros(2))
     with pytest.raises(ValueError, match="estimator: 'gae' is not one of"):
         group_advantages(torch.tensor([1.0, 0.0]), 2, "gae")
+
+
+def test_the_config_accepts_exactly_the_registered_estimators():
+    # rl/config.py is torch-free, so it keeps the names; they must be the registry's, in its order
+    assert ADVANTAGE_ESTIMATORS == tuple(ESTIMATORS)
+    assert typing.get_args(typing.get_type_hints(GRPOConfig)["advantage_estimator"]) == tuple(ESTIMATORS)
+    for name in ESTIMATORS:
+        assert GRPOConfig(advantage_estimator=name).advantage_estimator == name
 
 
 @settings(max_examples=30, deadline=None)
