@@ -1,30 +1,98 @@
 """An HF causal LM (Qwen2.5-VL or Qwen2) running one FlexUlysses step on one rank.
 
-`build_step_batch` turns the step's encoded samples, the plan and this rank's place into a `StepBatch`:
-local token ids, local position ids (computed per whole sequence, then sliced), next-token targets,
-the response mask and, for a VLM, the vision route (which units this rank encodes and where their
-embeddings go). It reads only metadata every rank has, so all ranks agree without communicating.
+`place_rank` is the rank's one metadata pass over a step: from the HF config, the plan and the
+step's samples it builds the rank's layout and its vision route (which units it encodes, where their
+embeddings go), before any weight is loaded (the pixel fetch starts from `RankPlacement.units`).
+`build_step_batch` adds the tensors: local token ids, local position ids (computed per whole sequence,
+then sliced), next-token targets and the response mask. It reads only metadata every rank has, so
+all ranks agree without communicating.
 
 `FlexUlyssesLM` is a plain `nn.Module` around the HF model (so DeepSpeed can wrap it): its forward
 embeds the local tokens, encodes this rank's vision units and routes their embeddings into place,
 runs the HF model on `inputs_embeds` with FlexUlysses attention (the layout travels as the
 `flexrl_step` forward keyword, see flexrl_ds/models/hf_adapter.py) and returns per-token log-probs of
-the targets.
+the targets (and their distributions' entropy when asked), computed `logits_chunk` tokens at a time:
+full (tokens, vocab) fp32 logits never exist, with or without grad (each chunk is checkpointed, so
+backward recomputes one chunk's logits at a time).
+
+Collectives are the same on every rank: a rank without tokens still runs every module once (on one
+placeholder token) and joins the exchanges of the packs it belongs to with zero tokens; under ZeRO-3
+(`zero_group` set) the number of lm_head chunks is the maximum over the group, ranks with fewer
+tokens running empty chunks, because every lm_head call gathers its partitioned weight.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from flexrl_ds.models import hf_adapter
+from flexrl_ds.models.positions import local_position_ids, mm_token_type_ids, sequence_positions
+from flexrl_ds.models.vision_balance import (VisionRoute, assign_units, build_route, encode_and_route,
+                                             representatives, vision_units)
+from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.sp.layout import RankLayout, build_rank_layout
-from flexrl_ds.models.positions import local_position_ids, sequence_positions
-from flexrl_ds.models.vision_balance import VisionRoute, assign_units, build_route, representatives, vision_units
 
 IGNORE = -100
+
+PositionsFn = Callable[[torch.Tensor, Any], torch.Tensor]
+"""(whole-sequence input_ids (L,), its VisionItems) -> whole-sequence positions ((3, L) or (1, L))."""
+
+
+def _is_vision_language(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one rank's work of a step lies, from metadata alone (no weights, no pixels)."""
+
+    layout: RankLayout
+    """This rank's packs (HSF order) and local token order."""
+    route: VisionRoute | None
+    """Vision units this rank encodes and the embedding exchange; None for a text model."""
+
+    @property
+    def units(self) -> tuple:
+        """The vision units this rank encodes (what it fetches pixels for)."""
+        return self.route.my_units if self.route is not None else ()
+
+
+def place_rank(config, plan, samples: Mapping[str, Any], rank: int, group_tree=None) -> RankPlacement:
+    """This rank's layout and vision route for `plan` over `samples` (EncodedSample by id, the same on
+    every rank). `config`: the HF model config. `group_tree`: process groups of this rank's packs
+    (None: a layout without groups, for planning and tests)."""
+    text = _text_config(config)
+    lengths = {seq_id: sample.length for seq_id, sample in samples.items()}
+    layouts = [build_rank_layout(plan, lengths, r, group_tree if r == rank else None,
+                                 num_heads=text.num_attention_heads, num_kv_heads=text.num_key_value_heads)
+               for r in range(plan.world_size)]
+    route = vision_route(config, plan, samples, layouts, rank) if _is_vision_language(config) else None
+    return RankPlacement(layouts[rank], route)
+
+
+def positions_fn(model) -> PositionsFn:
+    """Whole-sequence positions by the model's own rope-index logic (mRoPE needs it)."""
+    return functools.partial(sequence_positions, model)
+
+
+def _config_positions(config, input_ids_L: torch.Tensor, items) -> torch.Tensor:
+    """Positions of a sequence without vision items: 0..L-1 ((3, L) for an mRoPE model)."""
+    if items:
+        raise ValueError("build_step_batch: a sequence with vision items needs mRoPE positions: pass "
+                         "positions=positions_fn(model) or precomputed whole-sequence positions")
+    length = int(input_ids_L.shape[0])
+    rows = 3 if _is_vision_language(config) else 1
+    return torch.arange(length, dtype=torch.long).view(1, length).expand(rows, length).contiguous()
 
 
 @dataclass
@@ -45,6 +113,9 @@ class StepBatch:
     """Vision units this rank encodes and the embedding exchange (VLM only)."""
     items: Mapping[str, Any] | None = None
     """seq id -> its VisionItems (pixel rows); needed for the units in `route.my_units`."""
+    response_tokens: Mapping[str, int] | None = None
+    """seq id -> response tokens of the WHOLE sequence (every sequence of the step; a sequence's
+    tokens may lie on several ranks): the per-sequence denominators of `sequence_mean`."""
 
 
 def _targets_and_mask(sample) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,40 +127,47 @@ def _targets_and_mask(sample) -> tuple[torch.Tensor, torch.Tensor]:
     return targets, mask
 
 
-def build_step_batch(model, plan, samples: Mapping[str, Any], rank: int, group_tree=None,
-                     positions: Mapping[str, torch.Tensor] | None = None) -> StepBatch:
+def build_step_batch(config, plan, samples: Mapping[str, Any], rank: int, group_tree=None,
+                     positions: Mapping[str, torch.Tensor] | PositionsFn | None = None,
+                     placement: RankPlacement | None = None) -> StepBatch:
     """This rank's `StepBatch` for `plan` over `samples` (EncodedSample by id; all ranks pass the same).
 
-    `model`: the HF model (for its config and rope-index logic). `positions`: precomputed
-    whole-sequence positions by id (else computed here).
+    `config`: the HF model config (or the HF model itself: its config, and by default its own
+    positions). `positions`: whole-sequence positions by id, or a function computing them
+    (`positions_fn(model)`); None: 0..L-1, which is only right for sequences without vision items (a
+    sequence with items then raises). `placement`: this rank's `place_rank` result when already
+    computed (e.g. to start the pixel fetch); None: computed here.
     """
-    config = hf_adapter.text_config(model)
-    lengths = {seq_id: sample.length for seq_id, sample in samples.items()}
-    layouts = [build_rank_layout(plan, lengths, r, group_tree if r == rank else None,
-                                 num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads)
-               for r in range(plan.world_size)]
-    layout = layouts[rank]
+    if isinstance(config, torch.nn.Module):
+        positions = positions_fn(config) if positions is None else positions
+        config = config.config
+    if placement is None:
+        placement = place_rank(config, plan, samples, rank, group_tree)
+    assert placement.layout.rank == rank, (placement.layout.rank, rank)
+    layout = placement.layout
     if positions is None:
-        positions = {s: sequence_positions(model, samples[s].input_ids, samples[s].items) for s in samples}
-    targets, masks = zip(*(_targets_and_mask(samples[s]) for s in samples))
-    by_id = dict(zip(samples, zip(targets, masks)))
+        positions = functools.partial(_config_positions, config)
+    if callable(positions):
+        seq_ids = [seq_id for seq_id, *_ in layout.segments()] or list(samples)[:1]  # (an idle rank: shape only)
+        positions = {s: positions(samples[s].input_ids, samples[s].items) for s in seq_ids}
+    by_id = {s: _targets_and_mask(x) for s, x in samples.items()}
     batch = StepBatch(
         layout=layout,
         input_ids=layout.slice_tokens({s: x.input_ids for s, x in samples.items()}),
         position_ids=local_position_ids(layout, positions),
         targets=layout.slice_tokens({s: t for s, (t, _) in by_id.items()}),
         response_mask=layout.slice_tokens({s: m for s, (_, m) in by_id.items()}),
+        route=placement.route,
+        response_tokens={s: x.length - x.response_start for s, x in samples.items()},
     )
-    if hf_adapter.is_vision_language(model):
-        batch.route = vision_route(model, plan, samples, layouts, rank)
+    if placement.route is not None:
         batch.items = {s: x.items for s, x in samples.items()}
     return batch
 
 
-def vision_route(model, plan, samples: Mapping[str, Any], layouts, rank: int) -> VisionRoute:
+def vision_route(config, plan, samples: Mapping[str, Any], layouts, rank: int) -> VisionRoute:
     """Balanced vision work of the step (units spread by patches over the domain; units sharing a
-    `share_key` encoded once) for `rank`."""
-    config = model.config
+    `share_key` encoded once) for `rank`. `config`: the HF config of a vision-language model."""
     seq_order = [seq_id for pack in plan.packs for seq_id in pack.sequences]
     units = vision_units(seq_order, {s: samples[s].input_ids for s in seq_order},
                          {s: samples[s].items for s in seq_order},
@@ -102,25 +180,38 @@ def vision_route(model, plan, samples: Mapping[str, Any], layouts, rank: int) ->
     return build_route(units, [unit_rank[rep[i]] for i in range(len(units))], layouts, rank)
 
 
-class FlexUlyssesLM(torch.nn.Module):
-    """HF causal LM + FlexUlysses: `forward(batch) -> (token log-probs (local,), zero term)`."""
+class TokenOutputs(NamedTuple):
+    """What `FlexUlyssesLM.forward` returns for one rank's local tokens."""
 
-    def __init__(self, hf_model, attention=None, vision_group=None, logits_chunk: int = 4096):
+    logprobs: torch.Tensor
+    """(local,) fp32 log p(target) (arbitrary where the target is IGNORE: mask with response_mask)."""
+    entropy: torch.Tensor | None
+    """(local,) fp32 entropy of each token's next-token distribution; None unless asked for."""
+    zero: torch.Tensor
+    """A scalar 0 that depends on every module's output: add it to the loss (ZeRO-3 needs every
+    parameter's gradient on every rank, also where a rank's share of a module's work is empty)."""
+
+
+class FlexUlyssesLM(torch.nn.Module):
+    """HF causal LM + FlexUlysses: `forward(batch, with_entropy=False) -> TokenOutputs`."""
+
+    def __init__(self, hf_model, attention=None, vision_group=None, logits_chunk: int = 4096, zero_group=None):
         """attention: a FlexUlyssesAttention (default one with overlap). vision_group: the SP domain's
         process group for the vision embedding exchange (None: the default group). logits_chunk:
-        tokens per lm_head chunk in no-grad passes (bounds the (tokens, vocab) logits memory)."""
+        tokens per lm_head chunk (bounds the (tokens, vocab) logits memory, with and without grad).
+        zero_group: the group over which lm_head's weight is partitioned (ZeRO-3; set by
+        `zero3.build_engine`): every rank of it runs the same number of chunks. None: no such sync."""
         super().__init__()
+        if logits_chunk < 1:
+            raise ValueError(f"logits_chunk: must be at least 1, got {logits_chunk}")
         self.logits_chunk = logits_chunk
-        from flexrl_ds.sp.attention import FlexUlyssesAttention
-
+        self.zero_group = zero_group
         self.hf_model = hf_adapter.use_flex_ulysses(hf_model)
         self.attention = attention if attention is not None else FlexUlyssesAttention()
         self.vision_group = vision_group
 
     def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Local input embeddings with routed vision embeddings in place; and the zero term."""
-        from flexrl_ds.models.vision_balance import encode_and_route
-
         embed_tokens = self.hf_model.get_input_embeddings()
         device = embed_tokens.weight.device
         ids = batch.input_ids
@@ -137,39 +228,51 @@ class FlexUlyssesLM(torch.nn.Module):
         embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
         return embeds, zero
 
-    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: StepBatch, with_entropy: bool = False) -> TokenOutputs:
         embeds, zero = self.embed(batch)
-        if batch.layout.num_local_tokens == 0:
-            return self._idle_forward(batch, embeds, zero)
-        step = hf_adapter.FlexStep(batch.layout, self.attention)
-        kwargs = dict(inputs_embeds=embeds.unsqueeze(0), position_ids=batch.position_ids.to(embeds.device),
-                      use_cache=False, **{hf_adapter.STEP_KWARG: step})
-        targets = batch.targets.to(embeds.device)
-        if torch.is_grad_enabled():
-            return _target_logprobs(self.hf_model(**kwargs).logits[0], targets), zero
-        # No gradient (reference / old-policy pass): never hold (tokens, vocab) fp32 logits at once.
-        hidden = self.hf_model.model(**kwargs).last_hidden_state[0]
+        idle = batch.layout.num_local_tokens == 0
+        positions = batch.position_ids
+        if idle:  # one placeholder token at position 0 runs every module (ZeRO-3 gathers are collective)
+            positions = torch.zeros((*positions.shape[:-1], 1), dtype=torch.long)
+        step = hf_adapter.FlexStep(batch.layout, self.attention, idle=idle)
+        hidden = self.hf_model.model(inputs_embeds=embeds.unsqueeze(0), position_ids=positions.to(embeds.device),
+                                     use_cache=False, **{hf_adapter.STEP_KWARG: step}).last_hidden_state[0]
+        if idle:
+            zero = zero + hidden.float().sum() * 0.0
+            hidden = hidden[:0]
+        logprobs, entropy = self._token_outputs(hidden, batch.targets.to(hidden.device), with_entropy)
+        zero = zero + logprobs.sum() * 0.0 + (entropy.sum() * 0.0 if entropy is not None else 0.0)
+        return TokenOutputs(logprobs, entropy, zero)
+
+    def num_chunks(self, num_tokens: int, device=None) -> int:
+        """lm_head chunks this rank runs: its own count (at least 1: every module runs on every rank),
+        or the maximum over `zero_group`."""
+        count = max(1, -(-num_tokens // self.logits_chunk))
+        if self.zero_group is None or not dist.is_initialized():
+            return count
+        value = torch.tensor([count], dtype=torch.long, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.zero_group)
+        return int(value.item())
+
+    def _token_outputs(self, hidden, targets, with_entropy: bool):
+        """Per-token target log-probs (and entropy), `logits_chunk` tokens at a time."""
         size = self.logits_chunk
-        chunks = [_target_logprobs(self.hf_model.lm_head(hidden[i:i + size]), targets[i:i + size])
-                  for i in range(0, hidden.shape[0], size)]
-        return (torch.cat(chunks) if chunks else hidden.new_zeros(0)), zero
+        outs = []
+        for index in range(self.num_chunks(hidden.shape[0], hidden.device)):
+            piece = (hidden[index * size:(index + 1) * size], targets[index * size:(index + 1) * size])
+            if torch.is_grad_enabled():  # backward recomputes this chunk's logits, one chunk at a time
+                outs.append(checkpoint(self._chunk, *piece, with_entropy, use_reentrant=False))
+            else:
+                outs.append(self._chunk(*piece, with_entropy))
+        logprobs = torch.cat([lp for lp, _ in outs])
+        return logprobs, (torch.cat([ent for _, ent in outs]) if with_entropy else None)
 
-    def _idle_forward(self, batch: StepBatch, embeds, zero) -> tuple[torch.Tensor, torch.Tensor]:
-        """A rank without tokens: one placeholder token through every module (ZeRO-3 gathers are
-        collective), local attention only (it is in no pack), output folded into the zero term."""
-        placeholder = embeds.unsqueeze(0)  # (1, 1, hidden): the embedded placeholder token
-        positions = torch.zeros((batch.position_ids.shape[0], 1, 1) if batch.position_ids.dim() == 3 else (1, 1),
-                                dtype=torch.long, device=embeds.device)
-        step = hf_adapter.FlexStep(batch.layout, self.attention, idle=True)
-        logits = self.hf_model(inputs_embeds=placeholder, position_ids=positions, use_cache=False,
-                               **{hf_adapter.STEP_KWARG: step}).logits
-        return logits.new_zeros(0, dtype=torch.float32), zero + logits.float().sum() * 0.0
-
-
-def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per row, in fp32 (targets < 0 give an arbitrary value the caller masks)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return logprobs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    def _chunk(self, hidden, targets, with_entropy: bool):
+        logprobs = torch.log_softmax(self.hf_model.lm_head(hidden).float(), dim=-1)
+        target = logprobs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+        if not with_entropy:
+            return target, None
+        return target, -(logprobs.exp() * logprobs).sum(dim=-1)
 
 
 def reference_logprobs(model, sample) -> torch.Tensor:
@@ -182,8 +285,6 @@ def reference_logprobs(model, sample) -> torch.Tensor:
 
 def reference_inputs(model, sample) -> dict:
     """What the HF processor would hand the model for one sample (batch of 1)."""
-    from flexrl_ds.models.positions import mm_token_type_ids
-
     kwargs: dict[str, Any] = {"input_ids": sample.input_ids.unsqueeze(0)}
     if not hf_adapter.is_vision_language(model):
         return kwargs

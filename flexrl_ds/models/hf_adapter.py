@@ -34,7 +34,8 @@ class FlexStep:
     """A `FlexUlyssesAttention` (or any callable `(q, k, v, layout, scaling) -> out`)."""
     idle: bool = False
     """This rank holds no token this step and runs a 1-token placeholder forward (so ZeRO-3's
-    collective parameter gathers still happen): attention is local, no FlexUlysses collective."""
+    collective parameter gathers still happen): the placeholder's attention is local, and the rank
+    joins the all-to-alls of its packs (if any: e.g. a 5-token sequence at degree 8) with 0 tokens."""
 
 
 def flex_ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -54,6 +55,8 @@ def flex_ulysses_attention(module, query, key, value, attention_mask, scaling=No
         from flexrl_ds.sp.local_attention import sdpa_causal_varlen
 
         out = sdpa_causal_varlen(q, k, v, [0, q.shape[0]], q.shape[0], scaling)
+        if step.layout.packs:  # packs whose other ranks hold tokens: join their exchanges with none
+            out = out + step.attention(q[:0], k[:0], v[:0], step.layout, scaling).sum() * 0.0
     else:
         out = step.attention(q, k, v, step.layout, scaling)
     return out.unsqueeze(0), None

@@ -1,68 +1,101 @@
-"""FlexUlysses forward + backward inside a DeepSpeed ZeRO-3 engine.
+"""FlexUlysses inside a DeepSpeed ZeRO-3 engine, configured by the run config's DeepSpeed JSON as written.
 
-`build_engine` wraps `FlexUlyssesLM(hf_model)` in a ZeRO-3 engine (all parameters partitioned: the
-persistence threshold is 0, so even a tiny model exercises the gathers). `flex_step_loss` computes
-this rank's share of the step loss, normalised by the GLOBAL token count (all-reduced), and scaled
-by the data-parallel world size because DeepSpeed averages gradients over ranks: the sum over ranks
-of the local losses is then the single-process mean loss, and the averaged gradients equal the
-single-process gradients. `full_grads` reads ZeRO-3's partitioned gradients back whole.
+`build_engine(hf_model, ds_config)` wraps `FlexUlyssesLM(hf_model)` and hands `ds_config` (the run
+config without its `flexrl` key) to `deepspeed.initialize(config=...)` unchanged: DeepSpeed builds the
+optimizer from its `optimizer` block (on CPU `"torch_adam": true` avoids compiling fused Adam), the
+scheduler, bf16/fp32, ZeRO-3 buckets and offload, gradient clipping. Settings the trainer owns are
+checked first (`check_ds_config`) and rejected with a `ValueError` naming the key, never overridden:
+
+- `zero_optimization.stage` must be 3 (parameters, gradients and optimizer states partitioned);
+- `gradient_accumulation_steps` must be 1 (absent: 1): the trainer calls `engine.step()` once per
+  mini-batch, whose loss is already normalised by the mini-batch's global token count;
+- `train_batch_size`, if given, must equal train_micro_batch_size_per_gpu x data-parallel ranks;
+- `sequence_parallel_size` other than 1: FlexUlysses owns sequence parallelism;
+- `train=True` needs an `optimizer` block (no client optimizer is passed); `train=False` builds an
+  inference engine (the reference model): ZeRO-3 partitioned parameters and no optimizer, so the
+  `optimizer` and `scheduler` blocks are left out there (the same JSON serves both engines).
+
+`flex_step_loss` is the plain NLL step loss (all-reduced global token count; scaled by the
+data-parallel world size because DeepSpeed averages gradients over ranks). `full_grads` reads
+ZeRO-3's partitioned gradients back whole.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from flexrl_ds.models.flex_model import FlexUlyssesLM
+
+INFERENCE_DROPPED_KEYS = ("optimizer", "scheduler")
+"""Blocks an inference engine (train=False) does not use."""
 
 
-@dataclass(frozen=True)
-class Zero3Config:
-    """DeepSpeed settings of the FlexUlysses ZeRO-3 engine (the "flexrl" CPU test config by default)."""
+def check_ds_config(ds_config: dict[str, Any], world_size: int, train: bool = True) -> None:
+    """ValueError naming the key if `ds_config` sets something the trainer must own (see module doc)."""
+    if not isinstance(ds_config, dict):
+        raise ValueError(f"DeepSpeed config: must be a JSON object, got {type(ds_config).__name__}")
+    if "flexrl" in ds_config:
+        raise ValueError("DeepSpeed config: pass the run config without its 'flexrl' section "
+                         "(config.flexrl_config.load_run_config(...).deepspeed)")
+    zero = ds_config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if stage != 3:
+        raise ValueError(f"zero_optimization.stage: must be 3 (FlexUlysses runs on ZeRO-3), got {stage!r}")
+    accumulation = ds_config.get("gradient_accumulation_steps", 1)
+    if accumulation != 1:
+        raise ValueError(f"gradient_accumulation_steps: must be 1, got {accumulation!r}: the trainer calls "
+                         "engine.step() once per mini-batch (set flexrl.rl.mini_batches_per_step instead)")
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    total = ds_config.get("train_batch_size")
+    if micro is None and total is None:
+        raise ValueError("train_micro_batch_size_per_gpu: required (e.g. 1; the trainer feeds one packed "
+                         "FlexUlysses batch per rank and step)")
+    if total is not None and micro is not None and total != micro * world_size:
+        raise ValueError(f"train_batch_size: {total} != train_micro_batch_size_per_gpu {micro} x "
+                         f"{world_size} data-parallel ranks (x gradient_accumulation_steps 1)")
+    if ds_config.get("sequence_parallel_size", 1) != 1:
+        raise ValueError(f"sequence_parallel_size: must be 1 (got {ds_config['sequence_parallel_size']!r}): "
+                         "FlexUlysses plans sequence parallelism per sequence (flexrl.sp)")
+    if train and not isinstance(ds_config.get("optimizer"), dict):
+        raise ValueError("optimizer: a training engine needs DeepSpeed's optimizer block, e.g. "
+                         '{"type": "AdamW", "params": {"lr": 1e-6, "torch_adam": true}}')
 
-    learning_rate: float = 1e-3
-    """Learning rate of the torch optimizer handed to DeepSpeed (CPU: no fused Adam)."""
-    persistence_threshold: int = 0
-    """stage3_param_persistence_threshold: parameters smaller than this stay whole on every rank."""
-    bf16: bool = False
-    """Train in bf16 (GPU); fp32 otherwise."""
-    reduce_bucket_size: int = 500_000_000
-    """Elements per gradient reduce-scatter bucket (small values force many buckets: tests use that
-    to check that ranks with different graphs still reduce the same parameters together)."""
 
-    def deepspeed_config(self, world_size: int) -> dict:
-        return {
-            "train_micro_batch_size_per_gpu": 1,
-            "train_batch_size": world_size,
-            "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": self.persistence_threshold,
-                                  "stage3_max_live_parameters": 10**9, "stage3_prefetch_bucket_size": 0,
-                                  "reduce_bucket_size": self.reduce_bucket_size},
-            "bf16": {"enabled": self.bf16},
-            "gradient_clipping": 0.0,
-            "wall_clock_breakdown": False,
-            "zero_allow_untested_optimizer": True,
-        }
+def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_group=None, train: bool = True,
+                 logits_chunk: int = 4096):
+    """A DeepSpeed ZeRO-3 engine around `FlexUlyssesLM(hf_model)`, configured by `ds_config` as written.
 
-
-def build_engine(hf_model, config: Zero3Config | None = None, attention=None, vision_group=None):
-    """A DeepSpeed ZeRO-3 engine around FlexUlyssesLM(hf_model); torch.distributed must be initialised."""
+    torch.distributed (and deepspeed.comm) must be initialised. `attention` / `vision_group` /
+    `logits_chunk`: see `FlexUlyssesLM`. `train=False`: the reference model's inference engine.
+    The module's `zero_group` is set to the group its parameters are partitioned over.
+    """
     import deepspeed
-    import torch.distributed as dist
 
-    from flexrl_ds.models.flex_model import FlexUlyssesLM
-
-    config = config or Zero3Config()
-    module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group)
-    optimizer = torch.optim.SGD(module.parameters(), lr=config.learning_rate)
-    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer,
-                                      config=config.deepspeed_config(dist.get_world_size()))
+    check_ds_config(ds_config, dist.get_world_size(), train)
+    config = copy.deepcopy(ds_config)  # DeepSpeed may write into the dict it is given
+    if not train:
+        for key in INFERENCE_DROPPED_KEYS:
+            config.pop(key, None)
+    module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk)
+    parameters = [p for p in module.parameters() if p.requires_grad] if train else None
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=parameters, config=config)
+    module.zero_group = engine.seq_data_parallel_group
+    if not train:
+        engine.eval()
     return engine
+
+
+def data_parallel_size(engine) -> int:
+    """Ranks DeepSpeed averages gradients over (the ZeRO-3 partition group)."""
+    return dist.get_world_size(engine.seq_data_parallel_group) if dist.is_initialized() else 1
 
 
 def global_token_count(local_count: int, device=None, group=None) -> int:
     """Sum of every rank's loss tokens (all-reduce)."""
-    import torch.distributed as dist
-
     count = torch.tensor([float(local_count)], device=device)
     if dist.is_initialized():
         dist.all_reduce(count, group=group)
@@ -75,16 +108,13 @@ def flex_step_loss(engine, batch) -> tuple[torch.Tensor, torch.Tensor, int]:
     loss = world_size * sum(local NLL) / global tokens + zero term, so that after DeepSpeed's
     gradient averaging the gradients are those of the single-process mean NLL.
     """
-    import torch.distributed as dist
-
-    logprobs, zero = engine(batch)
+    logprobs, _, zero = engine(batch)
     mask = batch.response_mask.to(logprobs.device)
-    local_nll = -(logprobs * mask).sum()
+    local_nll = -torch.where(mask, logprobs, 0.0).sum()
     num_global = global_token_count(int(mask.sum()), device=logprobs.device)
     if num_global == 0:
         raise ValueError("the step has no response tokens on any rank")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    loss = local_nll * (world / num_global) + zero
+    loss = local_nll * (data_parallel_size(engine) / num_global) + zero
     return loss, local_nll.detach(), num_global
 
 

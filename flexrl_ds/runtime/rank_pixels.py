@@ -4,8 +4,8 @@ A rank encodes only its balanced share of the step's vision units (flexrl_ds/mod
 an image, or one temporal patch group of a video); the tokens its packs hold need no pixels (their
 embeddings arrive through the vision all-to-all). So the rank
 
-1. computes its units from metadata alone (`rank_units`: the same layouts and `vision_route` as
-   `build_step_batch`, with the model's config instead of its weights), before loading the model;
+1. computes its units from metadata alone (`flex_model.place_rank`: its layout and vision route,
+   from the model's config, before loading the model; the same placement then builds its batch);
 2. joins the controller's Ray cluster as a driver (unless it joined already), takes the step's `PromptSource`s from the
    `SourceBoard` (references only), and starts a `Materializer` fetching one `SliceRequest` per run
    of consecutive units of an item (`unit_requests`) straight from the owning actors' object stores,
@@ -18,11 +18,12 @@ embeddings arrive through the vision all-to-all). So the rank
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from flexrl_ds.models.flex_model import place_rank
 
 
 class FetchedRows:
@@ -58,17 +59,9 @@ class FetchedRows:
 
 def rank_units(model_config, plan, samples: Mapping[str, Any], rank: int) -> tuple[Any, ...]:
     """The vision units `rank` encodes in this step (same as `build_step_batch(...).route.my_units`),
-    from the HF config alone (no weights)."""
-    from flexrl_ds.models.flex_model import vision_route
-    from flexrl_ds.sp.layout import build_rank_layout
-
-    if getattr(model_config, "vision_config", None) is None:
-        return ()
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    lengths = {seq_id: sample.length for seq_id, sample in samples.items()}
-    layouts = [build_rank_layout(plan, lengths, r, None, num_heads=text.num_attention_heads,
-                                 num_kv_heads=text.num_key_value_heads) for r in range(plan.world_size)]
-    return vision_route(types.SimpleNamespace(config=model_config), plan, samples, layouts, rank).my_units
+    from the HF config alone (no weights). A rank that also builds its batch should call
+    `flex_model.place_rank` once and pass the placement to `build_step_batch` instead."""
+    return place_rank(model_config, plan, samples, rank).units
 
 
 def unit_requests(units: Sequence[Any], prompt_keys: Mapping[str, Any]) -> list[Any]:

@@ -54,9 +54,10 @@ def rank_logprobs(job: LogprobJob, rank: int, group_tree=None, device=None,
     from flexrl_ds.planning.plan import parse_plan
 
     plan = parse_plan(job.plan_json)
-    pixels = _start_pixel_fetch(job, plan, rank) if job.shadow is not None else None
+    placement = _place(job, plan, rank, group_tree, model)
+    pixels = _start_pixel_fetch(job, placement) if job.shadow is not None else None
     try:
-        logprobs, batch = _forward(job, plan, rank, group_tree, device, pixels, model)
+        logprobs, batch = _forward(job, plan, rank, placement, device, pixels, model)
     finally:
         if pixels is not None:
             pixels.close()
@@ -68,20 +69,27 @@ def rank_logprobs(job: LogprobJob, rank: int, group_tree=None, device=None,
     return pieces
 
 
-def _start_pixel_fetch(job: LogprobJob, plan, rank: int):
-    """Start pulling this rank's vision units (before its batch is built); None when it has none."""
+def _place(job: LogprobJob, plan, rank: int, group_tree, model=None):
+    """This rank's layout and vision route, once, from the model's config (no weights needed)."""
     import transformers
 
-    from flexrl_ds.runtime.rank_pixels import RankPixels, rank_units
+    from flexrl_ds.models.flex_model import place_rank
 
-    units = rank_units(transformers.AutoConfig.from_pretrained(job.model_dir), plan, job.samples, rank)
-    return RankPixels(job.shadow, units) if units else None
+    config = model.config if model is not None else transformers.AutoConfig.from_pretrained(job.model_dir)
+    return place_rank(config, plan, job.samples, rank, group_tree)
 
 
-def _forward(job: LogprobJob, plan, rank: int, group_tree, device, pixels, model=None):
+def _start_pixel_fetch(job: LogprobJob, placement):
+    """Start pulling this rank's vision units (before its batch is built); None when it has none."""
+    from flexrl_ds.runtime.rank_pixels import RankPixels
+
+    return RankPixels(job.shadow, placement.units) if placement.units else None
+
+
+def _forward(job: LogprobJob, plan, rank: int, placement, device, pixels, model=None):
     """Load the model (unless given), build this rank's batch (pixels from `pixels` if given), one
     no-grad forward."""
-    from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch
+    from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch, positions_fn
     from flexrl_ds.parallel.device import use_full_precision_kernels
     from flexrl_ds.models.loading import load_model
 
@@ -91,13 +99,14 @@ def _forward(job: LogprobJob, plan, rank: int, group_tree, device, pixels, model
             model = model.to(device)
     if job.dtype != "bfloat16":  # fp32/fp64 mean full precision: no TF32 kernels on GPUs
         use_full_precision_kernels()
-    batch = build_step_batch(model, plan, job.samples, rank, group_tree)
+    batch = build_step_batch(model.config, plan, job.samples, rank, positions=positions_fn(model),
+                             placement=placement)
     if pixels is not None:
         batch.items = pixels.items(job.samples, batch.route.my_units)
     else:
         assert job.shadow is None or batch.route is None or not batch.route.my_units, "units without a fetch"
     with torch.no_grad():
-        logprobs, _ = FlexUlyssesLM(model)(batch)
+        logprobs = FlexUlyssesLM(model)(batch).logprobs
     return logprobs, batch
 
 

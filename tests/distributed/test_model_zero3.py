@@ -66,8 +66,10 @@ def rank_zero3_step(model_dir: str, data_path: str, plan_json: dict, p_max: int,
     """On every rank: ZeRO-3 engine, one FlexUlysses forward+backward; rank 0 returns grads."""
     import torch.distributed as dist
 
-    from flexrl_ds.models.flex_model import build_step_batch
-    from flexrl_ds.models.zero3 import Zero3Config, build_engine, flex_step_loss, full_grads
+    from zero3_configs import zero3_config
+
+    from flexrl_ds.models.flex_model import build_step_batch, positions_fn
+    from flexrl_ds.models.zero3 import build_engine, flex_step_loss, full_grads
     from flexrl_ds.planning.plan import parse_plan
 
     torch.manual_seed(0)
@@ -75,9 +77,9 @@ def rank_zero3_step(model_dir: str, data_path: str, plan_json: dict, p_max: int,
     samples = _samples(model_dir, data_path, shared)
     model = _load(model_dir)
     plan = parse_plan(plan_json)
-    batch = build_step_batch(model, plan, samples, tree.local_rank, tree)
+    batch = build_step_batch(model.config, plan, samples, tree.local_rank, tree, positions=positions_fn(model))
     # small reduce buckets: many reduce-scatters, so a rank-dependent gradient order would show
-    engine = build_engine(model, Zero3Config(reduce_bucket_size=4096))
+    engine = build_engine(model, zero3_config(reduce_bucket_size=4096))
     loss, local_nll, num_global = flex_step_loss(engine, batch)
     engine.backward(loss)
     grads = full_grads(engine)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch, reference_inputs, reference_logprobs
+from flexrl_ds.models.flex_model import (FlexUlyssesLM, build_step_batch, positions_fn, reference_inputs,
+                                         reference_logprobs)
 from flexrl_ds.models.sample_data import random_plan_for
 from flexrl_ds.models.loading import load_model
 from flexrl_ds.tools.logprobs import encode_dataset
@@ -30,10 +31,10 @@ def test_whole_sequence_positions_equal_hf_own_mrope(vl_samples):
 
 
 def _one_rank_logprobs(model, samples, plan):
-    batch = build_step_batch(model, plan, samples, 0)
+    batch = build_step_batch(model.config, plan, samples, 0, positions=positions_fn(model))
     flex = FlexUlyssesLM(model, logits_chunk=7)  # no-grad path: lm_head in chunks of 7 tokens
     with torch.no_grad():
-        logprobs, _ = flex(batch)
+        logprobs = flex(batch).logprobs
     pieces = {}
     for seq_id, lo, hi, local in batch.layout.segments():
         pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].tolist()))
@@ -82,12 +83,57 @@ def test_idle_rank_runs_every_module_once_and_contributes_zero(tiny_assets):
     model = load_model(tiny_assets["q2"])
     samples = encode_dataset(tiny_assets["q2"], str(text_only_copy(tiny_assets["data"], "idle_text.jsonl")))
     plan = Plan(world_size=2, p_max=2, packs=(Pack(0, 1, (0,), tuple(samples)),), rank_order={0: (0,), 1: ()})
-    batch = build_step_batch(model, plan, samples, rank=1)
+    batch = build_step_batch(model.config, plan, samples, rank=1)
     assert batch.layout.num_local_tokens == 0
     flex = FlexUlyssesLM(model)
-    logprobs, zero = flex(batch)
-    assert logprobs.numel() == 0 and float(zero.detach()) == 0.0
+    logprobs, entropy, zero = flex(batch)
+    assert logprobs.numel() == 0 and entropy is None and float(zero.detach()) == 0.0
     zero.backward()
     for name, param in model.named_parameters():
         assert param.grad is not None, name
         assert not param.grad.any(), name
+
+
+def _reference_with_entropy(model, sample):
+    """Plain HF: response-token log-probs and next-token entropies from the full fp32 logits."""
+    logits = model(**reference_inputs(model, sample)).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    target = logprobs.gather(1, sample.input_ids[1:].unsqueeze(1)).squeeze(1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    start = sample.response_start - 1
+    return target[start:], entropy[start:]
+
+
+def test_chunked_logprobs_and_entropy_with_grad_equal_hf(tiny_assets):
+    """With grad: lm_head in checkpointed chunks of 5 tokens; values and every parameter's gradient
+    of a weighted sum of log-probs and entropies equal the full-logits HF computation."""
+    samples = encode_dataset(tiny_assets["vl"], tiny_assets["data"])
+    reference_model, model = load_model(tiny_assets["vl"]), load_model(tiny_assets["vl"])
+    weights = {s: torch.randn(x.length - x.response_start, 2, generator=torch.Generator().manual_seed(i))
+               for i, (s, x) in enumerate(samples.items())}
+    total = 0.0
+    expected = {}
+    for seq_id, sample in samples.items():
+        logprobs, entropy = _reference_with_entropy(reference_model, sample)
+        expected[seq_id] = (logprobs.detach(), entropy.detach())
+        total = total + (logprobs * weights[seq_id][:, 0]).sum() + (entropy * weights[seq_id][:, 1]).sum()
+    total.backward()
+    plan = random_plan_for({s: x.length for s, x in samples.items()}, 1, 1, seed=0)
+    batch = build_step_batch(model.config, plan, samples, 0, positions=positions_fn(model))
+    logprobs, entropy, zero = FlexUlyssesLM(model, logits_chunk=5)(batch, with_entropy=True)
+    mask = batch.response_mask
+    local_w = batch.layout.slice_tokens({s: torch.cat([torch.zeros(x.response_start - 1, 2), weights[s],
+                                                         torch.zeros(1, 2)]) for s, x in samples.items()}, dim=0)
+    for seq_id, lo, hi, local in batch.layout.segments():
+        start = samples[seq_id].response_start - 1
+        piece = slice(local + start - lo, local + hi - 1 - lo)
+        torch.testing.assert_close(logprobs[piece].detach(), expected[seq_id][0], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy[piece].detach(), expected[seq_id][1], atol=2e-5, rtol=1e-5)
+    loss = (torch.where(mask, logprobs * local_w[:, 0] + entropy * local_w[:, 1], 0.0)).sum() + zero
+    loss.backward()
+    reference_grads = dict(reference_model.named_parameters())
+    for name, param in model.named_parameters():
+        expected_grad = reference_grads[name].grad
+        assert (param.grad is None) == (expected_grad is None), name
+        if expected_grad is not None:
+            torch.testing.assert_close(param.grad, expected_grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexrl_ds.loader.metastore import PromptKey
-from flexrl_ds.models.flex_model import build_step_batch
+from flexrl_ds.models.flex_model import build_step_batch, positions_fn
 from flexrl_ds.models.sample_data import random_plan_for
 from flexrl_ds.runtime.rank_pixels import FetchedRows, rank_units, unit_requests
 from flexrl_ds.models.vision_balance import VisionUnit, unit_pixels
@@ -47,7 +47,7 @@ def test_rank_units_from_config_match_the_batch_and_cover_every_unit_once(vl_sam
     seen = []
     for rank in range(world):
         units = rank_units(model.config, plan, samples, rank)
-        assert units == build_step_batch(model, plan, samples, rank).route.my_units
+        assert units == build_step_batch(model.config, plan, samples, rank, positions=positions_fn(model)).route.my_units
         seen += units
         # what the rank would fetch: only its requests' groups, cut from the real pixels
         runs = {}

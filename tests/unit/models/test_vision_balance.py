@@ -45,7 +45,7 @@ def test_routes_agree_between_ranks_and_cover_every_vision_token(vl_samples, wor
     model, samples = vl_samples
     plan = random_plan_for({s: x.length for s, x in samples.items()}, world, min(world, 4), seed)
     layouts = _layouts(model, plan, samples)
-    routes = [vision_route(model, plan, samples, layouts, r) for r in range(world)]
+    routes = [vision_route(model.config, plan, samples, layouts, r) for r in range(world)]
     for r in range(world):
         for o in range(world):
             assert routes[r].send_splits[o] == routes[o].recv_splits[r]
@@ -83,7 +83,7 @@ def _emulate_and_check(model, samples, seed):
     world = 4
     plan = random_plan_for({s: x.length for s, x in samples.items()}, world, 4, seed=seed)
     layouts = _layouts(model, plan, samples)
-    routes = [vision_route(model, plan, samples, layouts, r) for r in range(world)]
+    routes = [vision_route(model.config, plan, samples, layouts, r) for r in range(world)]
     items = {s: x.items for s, x in samples.items()}
     visual = model.model.visual
     with torch.no_grad():
