@@ -95,7 +95,7 @@ def _resolve(args):
         if key != "oversize" and key not in ("cost_model", "calibration") and value <= 0:
             raise ValueError(f"--{key.replace('_', '-')}: must be positive, got {value}")
     sp = dataclasses.replace(base, **overrides)
-    cost = load_cost_model(sp.cost_model, sp.calibration)
+    cost = load_cost_model(sp.cost_model or "qwen2.5-vl-7b", sp.calibration)
     return sp, cost, PlannerOptions(head_rule=args.head_rule)
 
 

@@ -19,8 +19,9 @@ class SPConfig:
     """Token budget of one pack of short sequences; None: the planner's default."""
     max_tokens_per_rank: int | None = None
     """Cap on the tokens one rank holds in a step (activation memory); None: no cap."""
-    cost_model: str = "qwen2.5-vl-7b"
-    """A preset name (qwen2.5-vl-7b, qwen2.5-vl-32b, mimo-vl-7b) or the path of a HF config.json."""
+    cost_model: str | None = None
+    """A preset name (qwen2.5-vl-7b, qwen2.5-vl-32b, mimo-vl-7b) or the path of a HF config.json;
+    None: the trained model's own config.json (`flexrl train`), qwen2.5-vl-7b for the planning tools."""
     calibration: str | None = None
     """Path of a calibration JSON written by `flexrl bench sp --calibrate`; None: formula defaults."""
     domain_size: int | None = None

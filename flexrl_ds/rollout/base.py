@@ -47,6 +47,9 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     """A response stops after the first of these it samples (the EOS is kept in the response);
     empty: only `max_new_tokens` stops it."""
+    suppressed_token_ids: tuple[int, ...] = ()
+    """Tokens never sampled (their logits are set to -inf before any filtering): the vision
+    placeholders and markers of a VLM, which a response must not contain (each would claim pixels)."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -58,16 +61,19 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling max_new_tokens: must be at least 1, got {self.max_new_tokens}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        object.__setattr__(self, "suppressed_token_ids", tuple(int(t) for t in self.suppressed_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @classmethod
-    def from_config(cls, config: "RolloutConfig", eos_token_ids: Iterable[int]) -> "SamplingParams":
+    def from_config(cls, config: "RolloutConfig", eos_token_ids: Iterable[int],
+                    suppressed_token_ids: Iterable[int] = ()) -> "SamplingParams":
         """The sampling settings of `flexrl.rollout`, with the tokenizer's EOS ids."""
         return cls(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                   max_new_tokens=config.max_response_length, eos_token_ids=tuple(eos_token_ids))
+                   max_new_tokens=config.max_response_length, eos_token_ids=tuple(eos_token_ids),
+                   suppressed_token_ids=tuple(suppressed_token_ids))
 
 
 @dataclass

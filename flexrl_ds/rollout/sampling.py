@@ -5,7 +5,9 @@ A row's stream is `max_new_tokens` uniforms drawn up front from `torch.Generator
 (CPU, float64): decoding step t of that row consumes uniform t and nothing else, whatever the batch
 size, the row's position or how many other rows have finished. A token is drawn by inverting the
 cumulative distribution of the filtered probabilities (temperature, then top-k, then top-p) at that
-uniform.
+uniform; only top-k / top-p sort the vocabulary (plain temperature sampling inverts it in vocabulary
+order). The draw is a function of the row's logits: where the computed logits themselves depend on the
+batch (bf16 GEMMs on a GPU pick kernels by shape), a token near a CDF boundary can still flip.
 
 `SeededSampler` is a transformers `LogitsProcessor`: it samples the next token itself and returns
 scores that leave only that token finite, so `generate` run greedily (do_sample=False) emits it. It
@@ -34,22 +36,25 @@ def sample_tokens(logits_BV: torch.Tensor, uniforms_B: torch.Tensor, params: Sam
 
     Greedy (temperature 0) takes the argmax and ignores the uniforms.
     """
+    if params.suppressed_token_ids:
+        logits_BV = logits_BV.float().index_fill(-1, torch.tensor(params.suppressed_token_ids,
+                                                                  device=logits_BV.device), float("-inf"))
     if params.greedy:
         return logits_BV.argmax(dim=-1)
-    scaled = logits_BV.double() / params.temperature
-    vocab = scaled.shape[-1]
-    if 0 < params.top_k < vocab:
-        values, indices = torch.topk(scaled, params.top_k, dim=-1)
-    else:
-        values, indices = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(values, dim=-1)
-    if params.top_p < 1:
+    scaled = logits_BV.float() / params.temperature
+    indices = None
+    if 0 < params.top_k < scaled.shape[-1]:
+        scaled, indices = torch.topk(scaled, params.top_k, dim=-1)
+    elif params.top_p < 1:
+        scaled, indices = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1:  # probs are sorted here: keep a token while the mass before it is below top_p
         mass_before = torch.cumsum(probs, dim=-1) - probs
         probs = torch.where(mass_before < params.top_p, probs, torch.zeros_like(probs))
-    cdf = torch.cumsum(probs, dim=-1)
+    cdf = torch.cumsum(probs.double(), dim=-1)
     target = uniforms_B.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
-    position = torch.searchsorted(cdf, target, right=True).clamp_(max=values.shape[-1] - 1)
-    return indices.gather(-1, position).squeeze(-1)
+    position = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+    return position.squeeze(-1) if indices is None else indices.gather(-1, position).squeeze(-1)
 
 
 class SeededSampler(LogitsProcessor):

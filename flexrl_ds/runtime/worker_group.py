@@ -98,7 +98,8 @@ class RayWorkerGroup:
                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, index)).remote()
             for index in range(num_ranks)]
         address, port = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout_s)
-        places = [WorkerPlace(rank, num_ranks, address, port, local_rank=rank) for rank in range(num_ranks)]
+        # Ray gives each actor its own GPU(s) (CUDA_VISIBLE_DEVICES): local device 0 in every actor.
+        places = [WorkerPlace(rank, num_ranks, address, port, local_rank=0) for rank in range(num_ranks)]
         self._get([actor.start.remote(place, factory, kwargs or {}) for actor, place in zip(self.actors, places)],
                   "start")
 

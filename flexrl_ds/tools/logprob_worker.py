@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from flexrl_ds.runtime.pieces import assemble  # noqa: F401  (re-exported: callers import it from here)
+
 
 PRELOAD = ("torch", "torch.distributed", "transformers", "flexrl_ds.models.flex_model",
            "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.qwen2.modeling_qwen2")
@@ -108,21 +110,6 @@ def _forward(job: LogprobJob, plan, rank: int, placement, device, pixels, model=
     with torch.no_grad():
         logprobs = FlexUlyssesLM(model)(batch).logprobs
     return logprobs, batch
-
-
-def assemble(samples: dict[str, Any], per_rank: list[dict[str, list]]) -> dict[str, list[float]]:
-    """Response log-probs per sequence from every rank's pieces; checks full coverage."""
-    out = {}
-    for seq_id, sample in samples.items():
-        values: list[float | None] = [None] * sample.length
-        for pieces in per_rank:
-            for lo, chunk in pieces.get(seq_id, ()):
-                values[lo:lo + len(chunk)] = chunk
-        wanted = values[sample.response_start - 1:sample.length - 1]
-        if any(v is None for v in wanted):
-            raise RuntimeError(f"sequence {seq_id!r}: some positions came back from no rank")
-        out[seq_id] = wanted
-    return out
 
 
 def _free_port() -> int:

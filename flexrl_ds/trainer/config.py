@@ -27,6 +27,8 @@ class TrainerConfig:
     """Ray CPUs reserved per policy rank (fractions allowed)."""
     num_gpus_per_rank: float = 0.0
     """Ray GPUs per policy rank (0 on CPU machines)."""
+    weight_sync_bucket_mb: int = 512
+    """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0
     """Collective timeout of the policy group, and the longest wait for one worker call."""
     tensorboard: bool = True
@@ -43,5 +45,7 @@ class TrainerConfig:
             raise ValueError(f"flexrl.trainer.save_every: must be >= 0, got {self.save_every}")
         if self.num_cpus_per_rank <= 0 or self.num_gpus_per_rank < 0:
             raise ValueError("flexrl.trainer.num_cpus_per_rank must be > 0 and num_gpus_per_rank >= 0")
+        if self.weight_sync_bucket_mb < 1:
+            raise ValueError(f"flexrl.trainer.weight_sync_bucket_mb: must be at least 1, got {self.weight_sync_bucket_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"flexrl.trainer.timeout_s: must be positive, got {self.timeout_s}")

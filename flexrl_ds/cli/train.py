@@ -1,0 +1,37 @@
+"""`flexrl train`: GRPO training of a vision-language model (flexrl_ds/trainer/launch.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(commands, bench) -> None:
+    train = commands.add_parser(
+        "train",
+        help="GRPO training: Ray driver, DeepSpeed ZeRO-3 policy/reference ranks with FlexUlysses, rollouts, rewards",
+        description="Runs GRPO steps configured by a DeepSpeed JSON with a 'flexrl' section. Without RAY_ADDRESS "
+                    "a local Ray is started; under `ray job submit` the job joins that cluster. With --spmd "
+                    "(scripts/train_deepspeed.sh) the launcher's processes are the policy ranks and rank 0 drives. "
+                    "Outputs under --out: metrics.jsonl, tensorboard/, plans/, rollouts/, checkpoints/, hf/.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    train.add_argument("--config", required=True, help="DeepSpeed JSON with a 'flexrl' section (ds_configs/)")
+    train.add_argument("--model", required=True, help="HF model directory the policy starts from")
+    train.add_argument("--data", required=True, help="dataset (.jsonl / .parquet, data-format.md)")
+    train.add_argument("--out", required=True, help="output directory")
+    train.add_argument("--max-steps", type=int, default=None, help="GRPO steps in all (default flexrl.trainer.max_steps)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
+    train.add_argument("--spmd", action="store_true",
+                       help="run as one rank of a launcher-started job (deepspeed --hostfile / torchrun)")
+    train.set_defaults(func=_train)
+
+
+def _train(args) -> int:
+    from flexrl_ds.common.json_files import read_json
+    from flexrl_ds.config.flexrl_config import load_run_config
+    from flexrl_ds.trainer.launch import TrainArgs, train_spmd, train_with_ray
+
+    run = load_run_config(args.config)
+    train_args = TrainArgs(args.config, args.model, args.data, args.out, args.max_steps, args.resume, args.spmd)
+    raw = read_json(args.config, "config file")
+    return (train_spmd if args.spmd else train_with_ray)(run, train_args, raw)

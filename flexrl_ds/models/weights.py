@@ -1,0 +1,95 @@
+"""ZeRO-3 parameters gathered in buckets (weight sync, HF export).
+
+`iter_weight_buckets(module, bucket_bytes)` walks the HF model's parameters in `named_parameters()`
+order and gathers them a bucket at a time with `deepspeed.zero.GatheredParameters` (one collective
+per bucket, not per parameter), yielding full CPU copies named as in the HF model. Every rank of the
+ZeRO-3 group must iterate it to the end (the gathers are collective); every rank receives the
+tensors. Outside ZeRO-3 (plain parameters) it just copies. `save_hf_export` writes a directory that
+`from_pretrained` loads: the model's config, safetensors weights and the tokenizer / processor files
+of the directory the model came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+               "pytorch_model.bin")
+"""Files of a model directory that an export replaces (everything else is copied: tokenizer, processor)."""
+
+
+def _is_partitioned(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def _param_bytes(param: torch.nn.Parameter) -> int:
+    numel = param.ds_numel if _is_partitioned(param) else param.numel()
+    return int(numel) * param.element_size()
+
+
+def _gathered(params: list[torch.nn.Parameter]):
+    if any(_is_partitioned(p) for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Successive buckets of (HF name, full CPU tensor), each about `bucket_bytes` (collective)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.nn.Parameter]] = []
+    size = 0
+    for name, param in module.named_parameters():
+        bucket.append((name, param))
+        size += _param_bytes(param)
+        if size >= bucket_bytes:
+            yield _gather(bucket)
+            bucket, size = [], 0
+    if bucket:
+        yield _gather(bucket)
+
+
+def _gather(bucket: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
+    with _gathered([param for _, param in bucket]):
+        return [(name, param.detach().to("cpu", copy=True)) for name, param in bucket]
+
+
+def save_hf_export(module: torch.nn.Module, out_dir: str | Path, model_dir: str | Path, rank: int = 0,
+                   bucket_bytes: int = 512 * 2**20) -> None:
+    """Write `module` (an HF model, ZeRO-3 partitioned or not) as an HF directory at `out_dir`.
+
+    Collective: every rank calls it; rank `rank` == 0 writes. Non-weight files of `model_dir`
+    (tokenizer, chat template, processor configs) are copied."""
+    from safetensors.torch import save_file
+
+    state = {}
+    for bucket in iter_weight_buckets(module, bucket_bytes):
+        if rank == 0:
+            state.update(bucket)
+    if rank != 0:
+        return
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in Path(model_dir).iterdir():
+        if path.is_file() and path.name not in MODEL_FILES:
+            shutil.copy2(path, out / path.name)
+    module.config.save_pretrained(out)
+    if getattr(module, "generation_config", None) is not None:
+        module.generation_config.save_pretrained(out)
+    save_file(_untied(state, module), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _untied(state: dict[str, torch.Tensor], module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage: tied weights are saved once (HF re-ties them on load)."""
+    tied = getattr(module, "_tied_weights_keys", None) or {}
+    names = tied if isinstance(tied, (list, tuple, set)) else list(tied)
+    if getattr(module.config, "tie_word_embeddings", False):
+        return {k: v for k, v in state.items() if k not in names}
+    return {k: v.contiguous() for k, v in state.items()}

@@ -1,0 +1,67 @@
+"""Where a run keeps its state: checkpoints/step_N (DeepSpeed + trainer state), hf/step_N exports.
+
+`checkpoints/step_N/` holds the policy's DeepSpeed checkpoint (tag "policy", written by every rank)
+and `trainer_state.json`: the step it ends, the loader position (steps drawn), the driver's RNG
+states and the run config it was written with. `latest_checkpoint(out)` finds the newest complete one
+(a checkpoint is complete once its trainer_state.json exists: it is written last).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The output folders of one run."""
+
+    out_dir: Path
+
+    def checkpoint(self, step: int) -> Path:
+        return self.out_dir / "checkpoints" / f"step_{step}"
+
+    def hf_export(self, step: int) -> Path:
+        return self.out_dir / "hf" / f"step_{step}"
+
+    def rollouts(self, step: int) -> Path:
+        return self.out_dir / "rollouts" / f"step_{step}.jsonl"
+
+    def plan(self, step: int, suffix: str = "") -> Path:
+        path = self.out_dir / "plans" / f"step_{step}{suffix}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def write_trainer_state(directory: Path, step: int, loader_steps: int, run_config: dict[str, Any]) -> None:
+    state = {"step": step, "loader_steps": loader_steps,
+             "rng": {"python": repr(random.getstate()), "numpy_seed_state": int(np.random.get_state()[1][0]),
+                     "torch_initial_seed": int(torch.initial_seed())},
+             "run_config": run_config}
+    (directory / STATE_FILE).write_text(json.dumps(state, indent=1))
+
+
+def read_trainer_state(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / STATE_FILE).read_text())
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The complete checkpoint of the highest step under OUT/checkpoints, or None."""
+    root = out_dir / "checkpoints"
+    if not root.is_dir():
+        return None
+    found = []
+    for path in root.iterdir():
+        match = re.fullmatch(r"step_(\d+)", path.name)
+        if match and (path / STATE_FILE).exists():
+            found.append((int(match.group(1)), path))
+    return max(found)[1] if found else None

@@ -1,0 +1,233 @@
+"""The GRPO driver: one step = data → rollout → reward → plan → log-probs → advantages → update → sync.
+
+`GRPOTrainer(run, options, policy, rollout, controller)` runs the loop of trainer.md with the
+groups it is given (trainer/launch.py builds them: Ray actors under `flexrl train`, the launcher's
+processes under `deepspeed --hostfile`). Per step it moves token ids, lengths, rewards and plans —
+never pixels: the rollout hosts and the policy ranks pull their own from the preprocessing actors.
+
+1. data: the next step's prompts from the ShadowLoader (metadata; the look-ahead decodes meanwhile);
+2. rollout: n samples per prompt, each seeded by (seed, step, slot, k) (trainer/samples.py);
+3. reward: the configured reward over the responses' text and their records (rl/reward_fn.py); a
+   reward function that raises scores the affected samples 0, and the run reports them;
+4. plan: FlexUlysses over prompt + response lengths (planning/planner.py), with `flexrl.sp`;
+5. inference: reference and old-policy log-probs, no grad, on the planned layout;
+6. advantages (rl/advantages.py) and the update: `mini_batches_per_step` optimizer steps, each
+   mini-batch planned on its own, loss normalised by the mini-batch's response tokens;
+7. sync: the policy's weights to the rollout engines, gathered from ZeRO-3 in buckets.
+Metrics, rollouts, plans, checkpoints and HF exports go under OUT (trainer/metrics.py, checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexrl_ds.planning.plan import SequenceSpec, Workload
+from flexrl_ds.planning.planner import plan_step
+from flexrl_ds.rl.advantages import group_advantages
+from flexrl_ds.rl.reward_fn import score_batch
+from flexrl_ds.runtime.data_controller import record_fields
+from flexrl_ds.runtime.pieces import assemble
+from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
+from flexrl_ds.trainer.metrics import StepLog
+from flexrl_ds.trainer.policy_worker import PassJob
+from flexrl_ds.trainer.rollout_host import PromptJob
+from flexrl_ds.trainer.samples import StepSamples, encode_prompts, parse_sample_name, sample_seed, split_mini_batches
+
+
+@dataclass
+class TrainOptions:
+    """What the driver needs besides the groups (resolved from the CLI and the run config)."""
+
+    out_dir: Path
+    max_steps: int
+    start_step: int
+    seed: int
+    save_every: int
+    save_rollouts: bool
+    sampling: Any
+    """`rollout.base.SamplingParams`."""
+    rl: Any
+    """`GRPOConfig`."""
+    sp: Any
+    """`SPConfig`."""
+    cost: Any
+    """`planning.cost_model.CostModel` of the trained model."""
+    num_ranks: int
+    bucket_bytes: int
+    run_config: dict
+
+
+class GRPOTrainer:
+    """The loop of the module docstring over given groups."""
+
+    def __init__(self, options: TrainOptions, encoder: Any, reward_fn: Any, controller: Any, policy: Any,
+                 rollout: Any, log: StepLog):
+        self.o, self.encoder, self.reward_fn = options, encoder, reward_fn
+        self.controller, self.policy, self.rollout, self.log = controller, policy, rollout, log
+        self.paths = RunPaths(options.out_dir)
+
+    def run(self) -> list[dict[str, Any]]:
+        rows = []
+        for step in range(self.o.start_step, self.o.max_steps):
+            rows.append(self.train_step(step))
+            last = step == self.o.max_steps - 1
+            if last or (self.o.save_every and (step + 1) % self.o.save_every == 0):
+                self.save(step)
+        return rows
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        times: dict[str, float] = {}
+        started = time.perf_counter()
+        cstep = self._timed(times, "data", self.controller.next_step)
+        assert cstep.step == step, (cstep.step, step)
+        prompts = encode_prompts(self.encoder, cstep)
+        samples = self._timed(times, "rollout", self._rollout, step, prompts)
+        reward_info = self._timed(times, "reward", self._reward, samples)
+        inference = self._timed(times, "inference", self._inference, step, samples)
+        update = self._timed(times, "update", self._update, step, samples, inference)
+        times["sync"] = self.rollout.sync(self.policy, self.o.bucket_bytes)
+        self.controller.release(step)
+        times["step"] = time.perf_counter() - started
+        metrics = self._metrics(step, samples, reward_info, inference, update, times)
+        self.log.write(metrics, self.o.max_steps)
+        if self.o.save_rollouts:
+            self._save_rollouts(step, samples)
+        return metrics
+
+    @staticmethod
+    def _timed(times: dict[str, float], name: str, function, *args):
+        started = time.perf_counter()
+        result = function(*args)
+        times[name] = time.perf_counter() - started
+        return result
+
+    # ---- phases -------------------------------------------------------------------------------
+    def _rollout(self, step: int, prompts: list) -> StepSamples:
+        jobs = [PromptJob(p.key, tuple(p.prompt_ids),
+                          tuple((i.kind, tuple(i.grid_thw), float(i.second_per_grid_t)) for i in p.items),
+                          tuple((name, sample_seed(self.o.seed, parse_sample_name(name))) for name in p.sample_names))
+                for p in prompts]
+        results, withdrawn = self.rollout.generate(step, jobs, self.o.sampling)
+        kept = [p for p in prompts if p.name not in withdrawn]
+        samples = StepSamples(kept, {r.sample_key: list(r.response_ids) for r in results},
+                              {r.sample_key: list(r.logprobs) for r in results},
+                              {r.sample_key: r.finish_reason for r in results})
+        if not samples.names:
+            raise RuntimeError(f"step {step}: no prompt could be rolled out (withdrawn: {withdrawn})")
+        return samples
+
+    def _reward(self, samples: StepSamples) -> dict[str, Any]:
+        names, prompts = samples.names, samples.prompt_of()
+        texts = self.encoder.tokenizer.batch_decode([samples.response_ids[n] for n in names], skip_special_tokens=True)
+        records = [record_fields(prompts[n].record) for n in names]
+        scored = score_batch(self.reward_fn, texts, records, names)
+        for message in scored.messages():
+            print(f"reward: {message}", flush=True)
+        samples.rewards = dict(zip(names, scored.scores))
+        n = len(samples.prompts[0].sample_names)
+        rewards = torch.tensor([samples.rewards[name] for name in names], dtype=torch.float64)
+        advantages = group_advantages(rewards, n, self.o.rl.advantage_estimator, self.o.rl.advantage_eps)
+        samples.advantages = dict(zip(names, advantages.tolist()))
+        grouped = rewards.reshape(-1, n)
+        return {"texts": dict(zip(names, texts)), "num_reward_errors": len(scored.errors),
+                "zero_variance_groups": float((grouped.amax(1) == grouped.amin(1)).double().mean())}
+
+    def _plan(self, samples: StepSamples, names: list[str]):
+        encoded = samples.encoded(names)
+        sequences = tuple(
+            SequenceSpec(id=name, tokens=s.length, vision_tokens=sum(i.num_tokens() for i in s.items),
+                         images=sum(1 for i in s.items if i.kind == "image"),
+                         frames=sum(i.grid_thw[0] * 2 for i in s.items if i.kind == "video"))
+            for name, s in encoded.items())
+        return plan_step(Workload(sequences), self.o.num_ranks, self.o.cost, self.o.sp), encoded
+
+    def _inference(self, step: int, samples: StepSamples) -> dict[str, Any]:
+        result, encoded = self._plan(samples, samples.names)
+        result.plan.save(self.paths.plan(step))
+        job = PassJob(step, result.plan.to_json(), encoded, samples.prompt_keys())
+        old = assemble(encoded, self.policy.run("logprobs", job))
+        ref = {}
+        if self.o.rl.init_kl_coef > 0:
+            ref = assemble(encoded, self.policy.run("logprobs", dataclasses.replace(job, model="reference")))
+        return {"old": old, "ref": ref, "plan": result}
+
+    def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
+        batches = split_mini_batches(samples.prompts, samples.names, self.o.rl.mini_batches_per_step)
+        per_batch = []
+        for index, names in enumerate(batches):
+            result, encoded = self._plan(samples, names)
+            if len(batches) > 1:
+                result.plan.save(self.paths.plan(step, f"_mb{index}"))
+            denominator = float(sum(s.length - s.response_start for s in encoded.values()))
+            job = PassJob(step, result.plan.to_json(), encoded, samples.prompt_keys(),
+                          old_logprobs={n: inference["old"][n] for n in names},
+                          ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},
+                          advantages={n: samples.advantages[n] for n in names}, denominator=denominator)
+            per_rank = self.policy.run("train", job)
+            per_batch.append(_sum_ranks(per_rank))
+        return per_batch
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def _metrics(self, step, samples, reward_info, inference, update, times) -> dict[str, Any]:
+        names = samples.names
+        rewards = torch.tensor([samples.rewards[n] for n in names], dtype=torch.float64)
+        lengths = [len(samples.response_ids[n]) for n in names]
+        tokens = sum(len(p.prompt_ids) * len(p.sample_names) for p in samples.prompts) + sum(lengths)
+        total_tokens = sum(b["num_tokens"] for b in update)
+        last = update[-1]
+        return {
+            "step": step, "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if len(names) > 1 else 0.0,
+            "loss": sum(b["loss"] for b in update) / len(update),
+            "pg_loss": sum(b["pg_loss"] for b in update) / len(update),
+            "kl": sum(b["kl"] for b in update) / len(update),
+            "entropy": sum(b["entropy"] for b in update) / max(total_tokens, 1.0),
+            "clip_frac": sum(b["clip_frac"] for b in update) / max(total_tokens, 1.0),
+            "grad_norm": last["grad_norm"], "response_length_mean": sum(lengths) / len(lengths),
+            "clipped_length_ratio": sum(samples.finish_reasons[n] == "length" for n in names) / len(names),
+            "zero_variance_groups": reward_info["zero_variance_groups"],
+            "num_reward_errors": reward_info["num_reward_errors"], "num_samples": len(names),
+            "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
+            "attention_balance": float(inference["plan"].metrics.attention_balance),
+            "degrees": {str(k): v for k, v in sorted(inference["plan"].metrics.degree_histogram.items())},
+        }
+
+    def _save_rollouts(self, step: int, samples: StepSamples) -> None:
+        path = self.paths.rollouts(step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prompts = samples.prompt_of()
+        texts = self.encoder.tokenizer.batch_decode([samples.response_ids[n] for n in samples.names],
+                                                    skip_special_tokens=True)
+        with path.open("w") as handle:
+            for name, text in zip(samples.names, texts):
+                handle.write(json.dumps({
+                    "sample": name, "id": prompts[name].record.id, "k": parse_sample_name(name).sample_index,
+                    "prompt_ids": prompts[name].prompt_ids, "response_ids": samples.response_ids[name],
+                    "response": text, "reward": samples.rewards[name], "advantage": samples.advantages[name]}) + "\n")
+
+    def save(self, step: int) -> None:
+        """checkpoints/step_N (DeepSpeed on every rank, then the trainer state) and hf/step_N."""
+        directory = self.paths.checkpoint(step)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.policy.run("save_checkpoint", str(directory), {"step": step})
+        self.policy.run("export_hf", str(self.paths.hf_export(step)))
+        write_trainer_state(directory, step, step + 1, self.o.run_config)
+        print(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}", flush=True)
+
+
+def _sum_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    out = {key: sum(rank[key] for rank in per_rank) for key in per_rank[0] if key not in ("grad_norm", "update_s")}
+    out["grad_norm"] = per_rank[0]["grad_norm"]
+    return out
+
+
+def options_summary(options: TrainOptions) -> str:
+    data = {k: v for k, v in asdict(options).items() if k in ("max_steps", "start_step", "seed", "num_ranks")}
+    return json.dumps(data)

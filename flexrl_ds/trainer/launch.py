@@ -1,0 +1,227 @@
+"""`flexrl train`: build a run's groups and drive it, under Ray or under a launcher.
+
+- Ray (default): this process is the driver. It joins the cluster of RAY_ADDRESS (as under
+  `ray job submit`) or starts a local one, starts the data controller (preprocessing actors), the
+  policy group (one Ray actor per rank, `runtime/worker_group.RayWorkerGroup`) and the rollout
+  engines (inside the policy ranks when `flexrl.trainer.colocate`, else Ray actors of their own).
+- SPMD (`--spmd`, what scripts/train_deepspeed.sh passes under `deepspeed --hostfile`): every
+  launched process is a policy rank; rank 0 also plays the driver (metadata, planning, rewards) and
+  starts or joins Ray for the preprocessing actors; rollout is colocated in the ranks.
+Everything that can be checked is checked before any worker starts (trainer/validation.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch.distributed as dist
+import transformers
+
+from flexrl_ds.media.records import read_dataset
+from flexrl_ds.models.processing import SampleEncoder
+from flexrl_ds.planning.cost_model import load_cost_model
+from flexrl_ds.rl.reward_fn import load_reward_fn
+from flexrl_ds.rollout.base import SamplingParams
+from flexrl_ds.runtime.data_controller import DataController, usable_records
+from flexrl_ds.runtime.shadow_session import connect_ray
+from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
+from flexrl_ds.trainer.checkpoint import latest_checkpoint, read_trainer_state
+from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
+from flexrl_ds.trainer.metrics import StepLog
+from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
+from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
+from flexrl_ds.trainer.validation import check_run, model_dtype
+
+
+@dataclass
+class TrainArgs:
+    """The command line of `flexrl train`."""
+
+    config_path: str
+    model_dir: str
+    data_path: str
+    out_dir: str
+    max_steps: int | None = None
+    resume: bool = False
+    spmd: bool = False
+
+
+@dataclass
+class Prepared:
+    """A run's inputs, checked, before any worker starts."""
+
+    run: Any
+    args: TrainArgs
+    data_config: Any
+    records: list
+    encoder: SampleEncoder
+    reward_fn: Any
+    num_ranks: int
+    max_steps: int
+
+
+def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared:
+    """Validate the config, the model, the reward and the dataset (no Ray, no workers yet)."""
+    trainer = run.flexrl.trainer
+    num_ranks = num_ranks or trainer.num_policy_ranks
+    check_run(run, args.model_dir, num_ranks, config_dir=str(Path(args.config_path).resolve().parent))
+    data_config = run.flexrl.data.with_processor_dir(args.model_dir)
+    records = usable_records(read_dataset(args.data_path, data_config.media_root), args.data_path)
+    encoder = SampleEncoder(args.model_dir)
+    reward_fn = load_reward_fn(run.flexrl.rl.reward_fn, base_dir=str(Path(args.config_path).resolve().parent))
+    max_steps = args.max_steps if args.max_steps is not None else trainer.max_steps
+    if max_steps < 1:
+        raise ValueError(f"--max-steps must be at least 1, got {max_steps}")
+    return Prepared(run, args, data_config, records, encoder, reward_fn, num_ranks, max_steps)
+
+
+def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> PolicySetup:
+    return PolicySetup(
+        model_dir=model_dir, ds_config=run.deepspeed, p_max=run.flexrl.sp.p_max, rl=run.flexrl.rl,
+        pixels=pixels, dtype=model_dtype(run.deepspeed), timeout_s=run.flexrl.trainer.timeout_s,
+        seed=run.flexrl.trainer.seed, rollout_backend=run.flexrl.rollout.backend if colocated else None,
+        max_batch_sequences=run.flexrl.rollout.max_batch_sequences)
+
+
+def train_options(prepared: Prepared, start_step: int, raw_config: dict) -> TrainOptions:
+    run, trainer = prepared.run, prepared.run.flexrl.trainer
+    eos = prepared.encoder.tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    cost = load_cost_model(run.flexrl.sp.cost_model or prepared.args.model_dir, run.flexrl.sp.calibration)
+    return TrainOptions(
+        out_dir=Path(prepared.args.out_dir), max_steps=prepared.max_steps, start_step=start_step, seed=trainer.seed,
+        save_every=trainer.save_every, save_rollouts=trainer.save_rollouts,
+        sampling=SamplingParams.from_config(run.flexrl.rollout, eos_ids, vision_token_ids(prepared.args.model_dir)),
+        rl=run.flexrl.rl, sp=run.flexrl.sp,
+        cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
+        run_config=raw_config)
+
+
+def vision_token_ids(model_dir: str) -> list[int]:
+    """The model's vision placeholder and marker tokens (never sampled into a response)."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(getattr(config, name)) for name in names if getattr(config, name, None) is not None]
+
+
+def resume_point(prepared: Prepared) -> tuple[Path | None, int]:
+    """(checkpoint to load, first step to run)."""
+    if not prepared.args.resume:
+        return None, 0
+    checkpoint = latest_checkpoint(Path(prepared.args.out_dir))
+    if checkpoint is None:
+        print(f"--resume: no checkpoint under {prepared.args.out_dir}/checkpoints; starting at step 0", flush=True)
+        return None, 0
+    state = read_trainer_state(checkpoint)
+    print(f"--resume: continuing after step {state['step']} from {checkpoint}", flush=True)
+    return checkpoint, state["step"] + 1
+
+
+def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: Any, raw_config: dict) -> int:
+    """Resume if asked, run the steps, close the log."""
+    checkpoint, start = resume_point(prepared)
+    if start >= prepared.max_steps:
+        print(f"nothing to do: the checkpoint already reached step {start - 1} of --max-steps {prepared.max_steps}")
+        return 0
+    if checkpoint is not None:
+        policy.run("load_checkpoint", str(checkpoint))
+        controller.skip_steps(start)
+        rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
+    trainer_config = prepared.run.flexrl.trainer
+    log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
+                  tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
+    options = train_options(prepared, start, raw_config)
+    try:
+        GRPOTrainer(options, prepared.encoder, prepared.reward_fn, controller, policy, rollout, log).run()
+    finally:
+        log.close()
+    print(f"flexrl train: done; metrics in {Path(prepared.args.out_dir) / 'metrics.jsonl'}", flush=True)
+    return 0
+
+
+def ray_cpus(run: Any, num_ranks: int) -> int:
+    trainer, rollout, pool = run.flexrl.trainer, run.flexrl.rollout, run.flexrl.data.pool
+    cpus = num_ranks * trainer.num_cpus_per_rank + pool.num_actors_per_node * pool.num_cpus_per_actor
+    if not trainer.colocate:
+        cpus += rollout.num_engines * rollout.num_cpus_per_engine
+    return int(cpus) + 2
+
+
+def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
+    prepared = prepare(run, args)
+    trainer, rollout_config = run.flexrl.trainer, run.flexrl.rollout
+    started = connect_ray(ray_cpus(run, prepared.num_ranks))
+    controller = policy = rollout = None
+    try:
+        controller = DataController(prepared.records, prepared.data_config, trainer.timeout_s)
+        setup = policy_setup(run, args.model_dir, controller.pixels, colocated=trainer.colocate)
+        policy = RayWorkerGroup(PolicyWorker, prepared.num_ranks, {"setup": setup}, trainer.num_cpus_per_rank,
+                                trainer.num_gpus_per_rank, name="policy", timeout_s=trainer.timeout_s,
+                                env=_worker_env())
+        if trainer.colocate:
+            rollout = ColocatedRollout(policy)
+        else:
+            rollout = SeparateRollout(rollout_config.num_engines, rollout_config.backend, args.model_dir,
+                                      controller.pixels, setup.dtype, rollout_config.num_cpus_per_engine,
+                                      rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
+                                      trainer.timeout_s)
+        return drive(prepared, controller, policy, rollout, raw_config)
+    finally:
+        for part in (rollout, policy, controller):
+            if part is not None:
+                _quietly(part.shutdown if hasattr(part, "shutdown") else part.close)
+        if started:
+            ray.shutdown()
+
+
+def _worker_env() -> dict[str, str]:
+    keep = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG")
+    return {key: os.environ[key] for key in keep if key in os.environ}
+
+
+def _quietly(function) -> None:
+    try:
+        function()
+    except Exception as error:  # shutdown after a failure: report, keep the original error
+        print(f"flexrl train: shutdown step failed: {error}", file=sys.stderr)
+
+
+def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
+    """Every process of a launcher (deepspeed --hostfile, torchrun) runs this; rank 0 drives."""
+    from flexrl_ds.parallel.launch import init_distributed
+
+    context = init_distributed(timeout_s=run.flexrl.trainer.timeout_s)
+    rank, world = context.launch.rank, context.launch.world_size
+    prepared = controller = None
+    shared: list[Any] = [None]
+    if rank == 0:
+        try:
+            prepared = prepare(run, args, num_ranks=world)
+            connect_ray(ray_cpus(run, 0))
+            controller = DataController(prepared.records, prepared.data_config, run.flexrl.trainer.timeout_s)
+            shared = [(ray.get_runtime_context().gcs_address, controller.pixels)]
+        except Exception as error:
+            shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    if isinstance(shared[0], Exception):
+        if rank == 0:
+            raise shared[0]
+        return 2
+    address, pixels = shared[0]
+    if rank != 0:
+        ray.init(address=address, namespace=pixels.namespace, log_to_driver=False, configure_logging=False)
+    place = WorkerPlace(rank, world, context.launch.master_addr, context.launch.master_port, context.launch.local_rank)
+    group = SPMDWorkerGroup(PolicyWorker(place, policy_setup(run, args.model_dir, pixels, colocated=True)), rank, world)
+    if rank != 0:
+        group.serve()
+        return 0
+    try:
+        return drive(prepared, controller, group, ColocatedRollout(group), raw_config)
+    finally:
+        group.shutdown()
+        controller.close()

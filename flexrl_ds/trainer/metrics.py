@@ -1,0 +1,130 @@
+"""What a training run writes about each step: metrics.jsonl, TensorBoard, console line, a plot.
+
+`StepLog` appends one JSON object per step to OUT/metrics.jsonl (on resume the lines of steps after
+the checkpoint are dropped first, so the file reads as one run), mirrors every number to
+TensorBoard (OUT/tensorboard, when `tensorboard` is installed) and wandb (when asked and installed),
+prints one progress line per step, and at the end draws OUT/metrics.png (reward, loss, KL,
+response length and per-phase time per step).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+PHASES = ("data", "rollout", "reward", "inference", "update", "sync", "step")
+"""Keys of `time_s`: where a step's wall time went (`step` is the whole step)."""
+
+
+def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numbers of a nested metrics dict as {"time_s/rollout": ...}."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
+
+
+def progress_line(metrics: dict[str, Any], max_steps: int) -> str:
+    times = metrics["time_s"]
+    return (f"step {metrics['step'] + 1}/{max_steps} | reward {metrics['reward_mean']:.3f} ± {metrics['reward_std']:.3f}"
+            f" | loss {metrics['loss']:+.4f} kl {metrics['kl']:.4f} clip {metrics['clip_frac']:.3f}"
+            f" | len {metrics['response_length_mean']:.1f} | {times['step']:.1f} s (rollout {times['rollout']:.1f},"
+            f" inference {times['inference']:.1f}, update {times['update']:.1f}, sync {times['sync']:.2f})"
+            f" | {metrics['tokens_per_gpu_s']:.0f} tok/GPU/s")
+
+
+class StepLog:
+    """Per-step outputs of one run directory."""
+
+    def __init__(self, out_dir: str | Path, resume_after_step: int | None = None, tensorboard: bool = True,
+                 wandb_project: str | None = None, run_name: str = "flexrl"):
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows = [] if resume_after_step is None else self._kept_rows(resume_after_step)
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        self.writer = _tensorboard(Path(out_dir) / "tensorboard") if tensorboard else None
+        self.wandb = _wandb(wandb_project, run_name) if wandb_project else None
+
+    def _kept_rows(self, last_step: int) -> list[dict]:
+        if not self.path.exists():
+            return []
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [row for row in rows if row["step"] <= last_step]
+
+    def write(self, metrics: dict[str, Any], max_steps: int) -> None:
+        self.rows.append(metrics)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(metrics) + "\n")
+        scalars = flatten(metrics)
+        if self.writer is not None:
+            for name, value in scalars.items():
+                if name != "step":
+                    self.writer.add_scalar(name, value, metrics["step"])
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=metrics["step"])
+        print(progress_line(metrics, max_steps), flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.rows:
+            plot_metrics(self.rows, self.path.parent / "metrics.png")
+
+
+def _tensorboard(directory: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("flexrl train: tensorboard is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+        return None
+    return SummaryWriter(str(directory))
+
+
+def _wandb(project: str, run_name: str):
+    try:
+        import wandb
+    except ImportError:
+        print(f"flexrl train: wandb is not installed; flexrl.trainer.wandb_project={project!r} ignored",
+              file=sys.stderr)
+        return None
+    return wandb.init(project=project, name=run_name)
+
+
+def plot_metrics(rows: list[dict], path: Path) -> None:
+    """Reward, loss, KL, response length and phase times per step, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [row["step"] for row in rows]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
+    axes[0].errorbar(steps, [r["reward_mean"] for r in rows], yerr=[r["reward_std"] for r in rows], marker="o")
+    axes[0].set_title("reward (mean ± std over samples)")
+    axes[1].plot(steps, [r["loss"] for r in rows], marker="o", label="loss")
+    axes[1].plot(steps, [r["kl"] for r in rows], marker="o", label="kl")
+    axes[1].legend()
+    axes[1].set_title("loss and KL to the reference")
+    axes[2].plot(steps, [r["response_length_mean"] for r in rows], marker="o")
+    axes[2].set_title("response length (tokens)")
+    bottom = [0.0] * len(rows)
+    for phase in PHASES[:-1]:
+        values = [r["time_s"][phase] for r in rows]
+        axes[3].bar(steps, values, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    axes[3].legend(fontsize=7)
+    axes[3].set_title("time per phase (s)")
+    for axis in axes:
+        axis.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,243 @@
+"""One policy rank of the GRPO trainer: DeepSpeed ZeRO-3 policy and reference engines with FlexUlysses.
+
+`PolicyWorker(place, setup)` is a plain class (a `runtime/worker_group` group hosts one per rank,
+as a Ray actor or in a launcher-started process). It joins the group's process group, builds the
+nested SP groups, loads the policy and (when the KL term is on) the reference model, and wraps
+them in ZeRO-3 engines built from the run's DeepSpeed JSON as written (models/zero3.py). With
+`flexrl.trainer.colocate` it also hosts a rollout engine (trainer/rollout_host.py) that gets the
+policy's weights in process.
+
+Every method is collective over the group (all ranks are called with the same arguments):
+- `logprobs(job)`: one no-grad FlexUlysses pass of the policy or the reference over the job's
+  plan; returns this rank's pieces {sample: [(first position, log-probs)]};
+- `train(job)`: one mini-batch: FlexUlysses forward with grad, the GRPO loss over this rank's
+  tokens normalised by the mini-batch's global denominator, backward, optimizer step; returns
+  summed statistics (the driver adds them over ranks) and the global grad norm;
+- `sync_rollout`, `weight_buckets`: ZeRO-3 parameters gathered in buckets for the rollout engines;
+- `save_checkpoint` / `load_checkpoint` / `export_hf`.
+Each rank pulls its own pixels: exactly the vision units the step's vision balancing gives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from flexrl_ds.loader.metastore import PromptKey
+from flexrl_ds.models import weights as model_weights
+from flexrl_ds.models import zero3
+from flexrl_ds.models.flex_model import build_step_batch, place_rank
+from flexrl_ds.models.loading import load_model
+from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
+from flexrl_ds.parallel.launch import ensure_deepspeed_comm
+from flexrl_ds.planning.plan import parse_plan
+from flexrl_ds.runtime.rank_pixels import FetchedRows, unit_requests
+from flexrl_ds.runtime.worker_group import WorkerPlace
+from flexrl_ds.trainer.rank_loss import local_values, rank_grpo_loss
+from flexrl_ds.trainer.rollout_host import RolloutHost
+
+
+@dataclass(frozen=True)
+class PolicySetup:
+    """What every policy rank is built with (the same on all ranks)."""
+
+    model_dir: str
+    """HF model directory the policy and the reference start from."""
+    ds_config: dict
+    """The run config without its `flexrl` section: handed to DeepSpeed as written."""
+    p_max: int
+    """Largest Ulysses degree (`flexrl.sp.p_max`): the nested groups built."""
+    rl: Any
+    """`GRPOConfig` (flexrl.rl)."""
+    pixels: Any
+    """The run's `PixelSource`."""
+    dtype: str = "float32"
+    """Model dtype (bfloat16 when the DeepSpeed config enables bf16)."""
+    timeout_s: float = 900.0
+    """Process-group collective timeout."""
+    seed: int = 0
+    """Seeds torch / numpy / random on every rank."""
+    rollout_backend: str | None = None
+    """Backend of a colocated rollout engine in this rank (None: the engines live elsewhere)."""
+    max_batch_sequences: int = 64
+    """Sequences per generate call of the colocated engine."""
+
+
+@dataclass
+class PassJob:
+    """One FlexUlysses pass over planned samples (no pixels inside)."""
+
+    step: int
+    """Loader step (where the pixels live)."""
+    plan_json: dict
+    """The pass's plan (plan-schema.md)."""
+    samples: dict[str, Any]
+    """EncodedSample per sample name; vision items hold placeholders."""
+    prompt_keys: dict[str, PromptKey]
+    """Sample name -> its prompt (pixel source)."""
+    model: str = "policy"
+    """"policy" or "reference" (logprobs only)."""
+    old_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    """train: per sample, the old policy's log-prob of each response token."""
+    ref_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    """train: per sample, the reference's log-prob of each response token (empty: no KL)."""
+    advantages: dict[str, float] = field(default_factory=dict)
+    """train: per sample advantage."""
+    denominator: float = 1.0
+    """train: the mini-batch's global loss denominator (response tokens, or sequences)."""
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class PolicyWorker:
+    """One rank's policy/reference engines (see the module docstring)."""
+
+    def __init__(self, place: WorkerPlace, setup: PolicySetup):
+        import torch.distributed as dist
+
+        self.place, self.setup, self.rank = place, setup, place.rank
+        os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world_size), LOCAL_RANK=str(place.local_rank),
+                          MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port))
+        info = device_mod.detect()
+        self.device = device_mod.set_local_device(info, place.local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group(backend=info.backend, rank=place.rank, world_size=place.world_size,
+                                    init_method=f"tcp://{place.master_addr}:{place.master_port}",
+                                    timeout=datetime.timedelta(seconds=setup.timeout_s))
+        ensure_deepspeed_comm(info.backend)
+        _seed_everything(setup.seed)
+        self.tree = GroupTree.create(SPTopology(place.world_size, place.world_size, setup.p_max), place.rank)
+        self.hf_config = None
+        self.policy = self._engine(train=True)
+        self.reference = self._engine(train=False) if setup.rl.init_kl_coef > 0 else None
+        self.rollout = None
+        if setup.rollout_backend is not None:
+            self.rollout = RolloutHost(setup.rollout_backend, setup.model_dir, setup.pixels, setup.dtype,
+                                       self.device, setup.max_batch_sequences)
+
+    def _engine(self, train: bool):
+        model = load_model(self.setup.model_dir, self.setup.dtype)
+        self.hf_config = model.config
+        if self.device is not None:
+            model = model.to(self.device)
+        return zero3.build_engine(model, self.setup.ds_config, vision_group=None, train=train)
+
+    # ---- passes -------------------------------------------------------------------------------
+    def _batch(self, job: PassJob):
+        """This rank's StepBatch for the job, with its vision units' pixels pulled."""
+        plan = parse_plan(job.plan_json)
+        placement = place_rank(self.hf_config, plan, job.samples, self.rank, self.tree)
+        fetch = None
+        if placement.units:
+            requests = unit_requests(placement.units, job.prompt_keys)
+            fetch = (self.setup.pixels.start(job.step, requests), requests)
+        batch = build_step_batch(self.policy.module.hf_model, plan, job.samples, self.rank, self.tree,
+                                 placement=placement)
+        if fetch is not None:
+            batch.items = self._fetched_items(job, *fetch)
+        return batch
+
+    def _fetched_items(self, job: PassJob, materializer, requests) -> dict[str, list[Any]]:
+        try:
+            fetched = materializer.get(job.step)
+        finally:
+            materializer.close()
+        if fetched.withdrawn:
+            raise ValueError(f"step {job.step}: media of prompt(s) {sorted(map(str, fetched.withdrawn))} failed to "
+                             f"decode after the step was planned: {fetched.withdrawn_reasons()}")
+        prompt_samples: dict[PromptKey, list[str]] = {}
+        for name, key in job.prompt_keys.items():
+            if name in job.samples:
+                prompt_samples.setdefault(key, []).append(name)
+        runs: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}
+        for request, tensors in zip(requests, fetched.tensors):
+            for name in prompt_samples.get(request.prompt, ()):
+                runs.setdefault((name, request.item_index), []).append(
+                    (request.t_start, tensors["pixel_values"].float()))
+        items = {name: list(sample.items) for name, sample in job.samples.items()}
+        for (name, index), item_runs in runs.items():
+            item = items[name][index]
+            items[name][index] = dataclasses.replace(item, pixel_values=FetchedRows(item.grid_thw, item_runs))
+        return items
+
+    def logprobs(self, job: PassJob) -> dict[str, list]:
+        """This rank's pieces of next-token log-probs (no grad) of the policy or the reference."""
+        engine = self.reference if job.model == "reference" else self.policy
+        batch = self._batch(job)
+        with torch.no_grad():
+            logprobs = engine(batch)[0]
+        pieces: dict[str, list] = {}
+        for seq_id, lo, hi, local in batch.layout.segments():
+            pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].float().cpu().tolist()))
+        return pieces
+
+    def train(self, job: PassJob) -> dict[str, float]:
+        """One mini-batch update; summed statistics of this rank plus the global grad norm."""
+        started = time.perf_counter()
+        batch = self._batch(job)
+        tensors = local_values(batch, job.samples, job.old_logprobs, job.ref_logprobs, job.advantages)
+        loss, stats = rank_grpo_loss(self.policy, batch, tensors, self.setup.rl, job.denominator,
+                                     world_size=self.place.world_size)
+        self.policy.backward(loss)
+        self.policy.step()
+        norm = self.policy.get_global_grad_norm()
+        stats["grad_norm"] = float(norm) if norm is not None else float("nan")
+        stats["update_s"] = time.perf_counter() - started
+        return stats
+
+    # ---- weights ------------------------------------------------------------------------------
+    def sync_rollout(self, bucket_bytes: int) -> dict[str, float]:
+        """Colocated: every rank gathers the policy's weights in buckets into its own engine."""
+        started, count = time.perf_counter(), 0
+        for bucket in model_weights.iter_weight_buckets(self.policy.module.hf_model, bucket_bytes):
+            if self.rollout is not None:
+                self.rollout.engine.load_weights(bucket)
+            count += len(bucket)
+        return {"sync_s": time.perf_counter() - started, "num_tensors": float(count)}
+
+    def weight_buckets(self, bucket_bytes: int) -> list[Any]:
+        """Separate engines: the gathered buckets as Ray objects (rank 0's list; others return [])."""
+        import ray
+
+        refs = []
+        for bucket in model_weights.iter_weight_buckets(self.policy.module.hf_model, bucket_bytes):
+            if self.rank == 0:
+                refs.append(ray.put(bucket))
+        return refs
+
+    def generate(self, step: int, jobs: list, params: Any):
+        """Colocated rollout of this rank's share of the step's prompts."""
+        assert self.rollout is not None, "generate on a policy rank without a colocated engine"
+        return self.rollout.generate(step, jobs, params)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> bool:
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        self.policy.save_checkpoint(directory, tag="policy", client_state={**client_state, f"rng_{self.rank}": rng})
+        return True
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        _, client_state = self.policy.load_checkpoint(directory, tag="policy")
+        rng = (client_state or {}).get(f"rng_{self.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+        return {key: value for key, value in (client_state or {}).items() if not key.startswith("rng_")}
+
+    def export_hf(self, out_dir: str) -> bool:
+        model_weights.save_hf_export(self.policy.module.hf_model, out_dir, self.setup.model_dir, rank=self.rank)
+        return True

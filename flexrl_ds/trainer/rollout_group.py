@@ -1,0 +1,72 @@
+"""The rollout engines of a run, as the driver sees them: generate a step, take the new weights.
+
+- `ColocatedRollout`: an engine inside every policy rank (`flexrl.trainer.colocate`): a step's
+  prompts are dealt over the ranks, and after an update every rank copies the gathered ZeRO-3
+  weights into its own engine in process (no transfer between processes).
+- `SeparateRollout`: `num_engines` Ray actors of their own (`RolloutHost`), with their own CPUs /
+  GPUs; after an update rank 0 of the policy group puts the gathered buckets into the object store
+  and every engine loads them.
+Both return `(results, withdrawn prompts)` from `generate` and the seconds a sync took from `sync`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import ray
+
+from flexrl_ds.trainer.rollout_host import PromptJob, RolloutHost, spread_jobs
+
+
+def _merge(outputs: Sequence[Any]) -> tuple[list, dict[str, str]]:
+    results, withdrawn = [], {}
+    for output in outputs:
+        results.extend(output.results)
+        withdrawn.update(output.withdrawn)
+    return results, withdrawn
+
+
+class ColocatedRollout:
+    """Engines inside the policy ranks."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+
+    def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> tuple[list, dict[str, str]]:
+        shares = spread_jobs(jobs, self.policy.num_ranks)
+        return _merge(self.policy.run_each("generate", [(step, share, params) for share in shares]))
+
+    def sync(self, policy: Any, bucket_bytes: int) -> float:
+        started = time.perf_counter()
+        policy.run("sync_rollout", bucket_bytes)
+        return time.perf_counter() - started
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SeparateRollout:
+    """`num_engines` Ray actors hosting one engine each."""
+
+    def __init__(self, num_engines: int, backend: str, model_dir: str, pixels: Any, dtype: str,
+                 num_cpus: float, num_gpus: float, max_batch_sequences: int, timeout_s: float):
+        actor = ray.remote(RolloutHost)
+        self.timeout_s = timeout_s
+        self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
+            backend, model_dir, pixels, dtype, None, max_batch_sequences) for _ in range(num_engines)]
+
+    def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> tuple[list, dict[str, str]]:
+        shares = spread_jobs(jobs, len(self.hosts))
+        refs = [host.generate.remote(step, share, params) for host, share in zip(self.hosts, shares) if share]
+        return _merge(ray.get(refs, timeout=self.timeout_s))
+
+    def sync(self, policy: Any, bucket_bytes: int) -> float:
+        started = time.perf_counter()
+        buckets = policy.run("weight_buckets", bucket_bytes)[0]
+        ray.get([host.load_weights.remote(buckets) for host in self.hosts], timeout=self.timeout_s)
+        return time.perf_counter() - started
+
+    def shutdown(self) -> None:
+        for host in self.hosts:
+            ray.kill(host, no_restart=True)

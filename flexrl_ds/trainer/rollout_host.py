@@ -1,0 +1,105 @@
+"""Where a rollout engine runs: pulls its prompts' pixels itself, then generates.
+
+`RolloutHost` is a plain class holding one engine (`rollout/base.engine_class(backend)`). For a
+step it receives `PromptJob`s (token ids, item kinds/grids, per-sample seeds: metadata only), pulls
+the whole media items of those prompts from the preprocessing actors through the run's
+`PixelSource` (the driver never holds pixels), and generates the n samples of each prompt. The
+host lives either inside each policy worker (`flexrl.trainer.colocate`: weights copied in process)
+or in a Ray actor of its own (weights arrive as buckets through the object store).
+`RolloutGroup` spreads a step's prompts over the hosts and collects the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from flexrl_ds.loader.materializer import SliceRequest
+from flexrl_ds.loader.metastore import PromptKey
+from flexrl_ds.models.processing import VisionItem
+from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams, engine_class
+
+
+@dataclass(frozen=True)
+class PromptJob:
+    """One prompt to sample n responses for (no pixels inside)."""
+
+    key: PromptKey
+    """(step, slot): where its pixels live."""
+    prompt_ids: tuple[int, ...]
+    """Chat-rendered prompt with expanded vision pads."""
+    items: tuple[tuple[str, tuple[int, int, int], float], ...]
+    """(kind, grid_thw, second_per_grid_t) per media item, in prompt order."""
+    samples: tuple[tuple[str, int], ...]
+    """(sample name, sampling seed) of each of its n samples."""
+
+
+@dataclass
+class RolloutOutput:
+    """What a host returns for one call."""
+
+    results: list[RolloutResult]
+    """One per sample of the prompts it could serve."""
+    withdrawn: dict[str, str]
+    """Prompt name -> reason, for prompts whose media failed to decode after hand-out."""
+    pixel_bytes: int = 0
+    """Pixel bytes the host pulled from the preprocessing actors."""
+
+
+class RolloutHost:
+    """One rollout engine and its pixel pulls."""
+
+    def __init__(self, backend: str, model_dir: str, pixels: Any, dtype: str = "float32", device: Any = None,
+                 max_batch_sequences: int = 64):
+        """pixels: the run's `PixelSource` (data_controller.py)."""
+        self.engine = engine_class(backend)(model_dir, dtype=dtype, device=device,
+                                            max_batch_sequences=max_batch_sequences)
+        self.pixels = pixels
+
+    def generate(self, step: int, jobs: Sequence[PromptJob], params: SamplingParams) -> RolloutOutput:
+        requests = [SliceRequest(job.key, index) for job in jobs for index in range(len(job.items))]
+        fetched = self.pixels.fetch(step, requests) if requests else None
+        pixels: dict[tuple[PromptKey, int], Any] = {}
+        withdrawn: dict[str, str] = {}
+        if fetched is not None:
+            withdrawn = {f"s{key.step}p{key.slot}": bad.reason for key, bad in fetched.withdrawn.items()}
+            for request, tensors in fetched.delivered():
+                pixels[(request.prompt, request.item_index)] = tensors["pixel_values"].float()
+        rollout_requests = []
+        for job in jobs:
+            if f"s{job.key.step}p{job.key.slot}" in withdrawn:
+                continue
+            items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt)
+                     for index, (kind, grid, spgt) in enumerate(job.items)]
+            rollout_requests.extend(RolloutRequest(name, list(job.prompt_ids), items, seed) for name, seed in job.samples)
+        results = self.engine.generate(rollout_requests, params) if rollout_requests else []
+        return RolloutOutput(results, withdrawn, fetched.bytes_fetched if fetched is not None else 0)
+
+    def load_weights(self, buckets: Sequence[Any]) -> int:
+        """Load successive buckets of (name, tensor) pairs (Ray references are resolved here)."""
+        import ray
+
+        count = 0
+        for bucket in buckets:
+            if isinstance(bucket, ray.ObjectRef):
+                bucket = ray.get(bucket)
+            self.engine.load_weights(bucket)
+            count += len(bucket)
+        return count
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+
+def spread_jobs(jobs: Sequence[PromptJob], num_hosts: int) -> list[list[PromptJob]]:
+    """Prompts dealt to hosts by generated-sequence count (largest prompt first, least-loaded host)."""
+    shares: list[list[PromptJob]] = [[] for _ in range(num_hosts)]
+    loads = [0] * num_hosts
+    for job in sorted(jobs, key=lambda j: -len(j.prompt_ids) * len(j.samples)):
+        host = min(range(num_hosts), key=lambda h: (loads[h], h))
+        shares[host].append(job)
+        loads[host] += len(job.prompt_ids) * len(job.samples)
+    return shares

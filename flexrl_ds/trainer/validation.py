@@ -1,0 +1,63 @@
+"""Checks a training run's inputs before any worker starts; each failure names its cause.
+
+`check_run(run, model_dir, data_path, num_ranks)` raises ValueError for: a missing model directory,
+an inconsistent config (batch not divisible over the ranks, p_max over the SP domain, mini-batches
+that do not divide the prompts, a GRPO estimator that needs n >= 2 with n = 1, a DeepSpeed setting
+the trainer owns), an unknown reward or a missing reward file / function, and a vllm backend on a
+machine without GPUs. The dataset is checked where it is read (`data_controller.usable_records`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flexrl_ds.models.zero3 import check_ds_config
+from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.rl.reward_fn import check_reward_spec
+
+
+def check_model_dir(model_dir: str) -> None:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"--model {model_dir}: no such directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model_dir}: no config.json there (an HF model directory is needed; "
+                         "`flexrl make-tiny-model --out DIR` writes a tiny random one)")
+
+
+def check_batch(flexrl: Any, num_ranks: int) -> None:
+    loader, rl, sp = flexrl.data.loader, flexrl.rl, flexrl.sp
+    samples = loader.global_batch * loader.num_samples_per_prompt
+    if samples % num_ranks:
+        raise ValueError(
+            f"flexrl.data.loader: global_batch {loader.global_batch} x num_samples_per_prompt "
+            f"{loader.num_samples_per_prompt} = {samples} samples per step do not divide over "
+            f"flexrl.trainer.num_policy_ranks = {num_ranks}")
+    if sp.p_max > num_ranks:
+        raise ValueError(f"flexrl.sp.p_max {sp.p_max} exceeds the SP domain: flexrl.trainer.num_policy_ranks = "
+                         f"{num_ranks} ranks")
+    if loader.global_batch % rl.mini_batches_per_step:
+        raise ValueError(f"flexrl.rl.mini_batches_per_step {rl.mini_batches_per_step} does not divide "
+                         f"flexrl.data.loader.global_batch {loader.global_batch} (mini-batches hold whole prompt groups)")
+    if rl.advantage_estimator in ("group_norm", "rloo") and loader.num_samples_per_prompt < 2:
+        raise ValueError(f"flexrl.rl.advantage_estimator {rl.advantage_estimator!r} needs "
+                         f"flexrl.data.loader.num_samples_per_prompt >= 2, got {loader.num_samples_per_prompt}")
+    if rl.loss_reduction != "token_mean":
+        raise ValueError(f"flexrl.rl.loss_reduction {rl.loss_reduction!r}: the trainer implements token_mean "
+                         "(the step's response tokens across ranks) only")
+
+
+def check_run(run: Any, model_dir: str, num_ranks: int, config_dir: str | None = None) -> None:
+    """Everything that can be checked on the driver before workers start."""
+    check_model_dir(model_dir)
+    check_batch(run.flexrl, num_ranks)
+    check_ds_config(run.deepspeed, num_ranks, train=True)
+    check_reward_spec(run.flexrl.rl.reward_fn, base_dir=config_dir)
+    if run.flexrl.rollout.backend == "vllm" and not device_mod.detect().is_gpu:
+        raise ValueError("flexrl.rollout.backend 'vllm' needs GPUs; this machine has none (use 'hf')")
+
+
+def model_dtype(ds_config: dict) -> str:
+    """bfloat16 when the DeepSpeed config enables bf16, else float32."""
+    return "bfloat16" if ds_config.get("bf16", {}).get("enabled") else "float32"
