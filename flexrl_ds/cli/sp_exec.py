@@ -6,10 +6,17 @@ otherwise `--nproc N` spawns N local processes with a torchrun-style environment
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
+
+from flexrl_ds.bench.sp_bench import SHAPES, SPBenchConfig, dumps, format_table, run_rank, write_plot
+
+# parallel.device and torch.multiprocessing import torch: imported where used, so that `flexrl --help`
+# (which imports this module to register the command) stays fast.
 
 
 def register(commands, bench) -> None:
@@ -48,7 +55,6 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 
 
 def _config(args):
-    from flexrl_ds.bench.sp_bench import SHAPES, SPBenchConfig
     from flexrl_ds.parallel import device
 
     if args.shape not in SHAPES:
@@ -68,8 +74,6 @@ def _config(args):
 def _bench_sp(args) -> int:
     config = _config(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from flexrl_ds.bench.sp_bench import run_rank
-
         record = run_rank(config)
     else:
         if args.nproc < 1:
@@ -81,8 +85,6 @@ def _bench_sp(args) -> int:
 
 
 def _report(record, args) -> None:
-    from flexrl_ds.bench.sp_bench import dumps, format_table, write_plot
-
     if "calibration" in record:
         calibration = record["calibration"]
         Path(args.calibrate).write_text(dumps(calibration) + "\n")
@@ -105,17 +107,12 @@ def _report(record, args) -> None:
 def _rank_main(rank: int, world_size: int, port: int, config, out_path: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from flexrl_ds.bench.sp_bench import dumps, run_rank
-
     record = run_rank(config)
     if record is not None:
         Path(out_path).write_text(dumps(record))
 
 
 def _spawn(config, nproc: int):
-    import json
-    import socket
-
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:
