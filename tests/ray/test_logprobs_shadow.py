@@ -109,7 +109,7 @@ def test_actor_lost_after_decode_is_rerouted(ray_session, setup, local_run, monk
     from flexrl_ds.runtime import shadow_session
 
     root, data, _, reference = setup
-    load_step, killed = shadow_inputs.ShadowSession.load_step, []
+    load_step, killed = shadow_session.ShadowSession.load_step, []
 
     def load_then_kill(session):
         step = load_step(session)
@@ -126,7 +126,7 @@ def test_actor_lost_after_decode_is_rerouted(ray_session, setup, local_run, monk
         killed.append(victim)
         return step
 
-    monkeypatch.setattr(shadow_inputs.ShadowSession, "load_step", load_then_kill)
+    monkeypatch.setattr(shadow_session.ShadowSession, "load_step", load_then_kill)
     _shadow(root, data, root / "shadow_fault.jsonl", num_actors=2)
     assert killed and "re-routed" in capsys.readouterr().err
     _assert_same(_lines(root / "shadow_fault.jsonl"), local_run[0], reference)
