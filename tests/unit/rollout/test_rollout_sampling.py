@@ -34,6 +34,20 @@ def test_sampled_frequencies_follow_the_hf_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(frequencies, hf_filtered_probs(logits, params), atol=2 / num_draws, rtol=0)
 
 
+def test_suppressed_tokens_are_never_drawn():
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(5)) * 2
+    suppressed = tuple(int(t) for t in logits.topk(3).indices)  # the three most likely
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=1, suppressed_token_ids=suppressed)
+    num_draws = 20000
+    uniforms = (torch.arange(num_draws, dtype=torch.float64) + 0.5) / num_draws
+    tokens = sample_tokens(logits.expand(num_draws, -1), uniforms, params)
+    frequencies = torch.bincount(tokens, minlength=40).double() / num_draws
+    masked = logits.index_fill(0, torch.tensor(suppressed), float("-inf"))
+    torch.testing.assert_close(frequencies, hf_filtered_probs(masked, params), atol=2 / num_draws, rtol=0)
+    assert int(sample_tokens(logits[None], None, SamplingParams(temperature=0, suppressed_token_ids=suppressed))) \
+        == int(masked.argmax())
+
+
 def test_greedy_is_argmax_and_streams_are_per_seed():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
     assert torch.equal(sample_tokens(logits, None, SamplingParams(temperature=0)), logits.argmax(-1))
