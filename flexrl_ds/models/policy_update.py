@@ -1,0 +1,177 @@
+"""The GRPO policy update on one rank of a FlexUlysses step under DeepSpeed ZeRO-3.
+
+A rank holds pieces of several sequences (`RankLayout.segments()`: one contiguous piece per sequence
+it touches). Everything here works on per-local-token tensors `(local,)` in the batch's local order:
+the policy's log-probs (and entropies) from `FlexUlyssesLM`, and the old-policy / reference log-probs
+and advantages the caller placed there (`local_response_values` spreads per-sequence response values).
+
+`rank_grpo_loss` gathers the local tokens into one row per piece and calls the pure
+`rl/losses.grpo_loss` with the mini-batch's GLOBAL denominators (`Denominators`: the response token
+count for `token_mean`; the sequence count, plus each sequence's FULL response token count from the
+batch, for `sequence_mean`), so the sum over ranks of the local losses is the single-process loss.
+The entropy bonus is reduced the same way (`token_mean`: loss -= entropy_coef x mean token entropy).
+The loss handed to `engine.backward` is multiplied by the data-parallel world size because DeepSpeed
+averages gradients over ranks (as `zero3.flex_step_loss` does), and carries the forward's zero term.
+
+`RankStats` are sums over this rank's tokens (shares of the global means, token counts): `reduce_stats`
+all-reduces them into the step's metrics. `train_step` = forward + loss + `engine.backward` +
+`engine.step()`, with the global gradient norm before clipping as DeepSpeed reports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from flexrl_ds.models.flex_model import StepBatch, TokenOutputs
+from flexrl_ds.models.zero3 import data_parallel_size
+from flexrl_ds.rl.config import GRPOConfig
+from flexrl_ds.rl.losses import grpo_loss, reduce_masked
+
+
+@dataclass(frozen=True)
+class Denominators:
+    """The mini-batch's global loss denominators (all ranks, all SP domains)."""
+
+    num_tokens: int
+    """Response tokens of every sequence of the mini-batch (token_mean)."""
+    num_sequences: int
+    """Sequences of the mini-batch with at least one response token (sequence_mean)."""
+
+    def for_reduction(self, reduction: str) -> int:
+        value = self.num_tokens if reduction == "token_mean" else self.num_sequences
+        if value < 1:
+            raise ValueError(f"the mini-batch has no response tokens ({reduction} denominator is {value})")
+        return value
+
+
+def denominators(response_tokens: Mapping[str, int]) -> Denominators:
+    """Denominators from every sequence's response token count (the WHOLE mini-batch: pass the
+    counts of all SP domains' sequences, e.g. `{id: s.length - s.response_start}`)."""
+    return Denominators(num_tokens=sum(response_tokens.values()),
+                        num_sequences=sum(1 for count in response_tokens.values() if count > 0))
+
+
+def local_response_values(batch: StepBatch, values: Mapping[str, Any], fill: float = 0.0) -> torch.Tensor:
+    """(local,) float32: `values[seq]` (a float, or one value per response token of the sequence) at
+    the local positions that predict those response tokens; `fill` elsewhere."""
+    lengths = {s: n for pack in batch.layout.packs for s, n in zip(pack.sequence_ids, pack.sequence_lengths)}
+    full = {}
+    for seq_id, length in lengths.items():
+        count = batch.response_tokens[seq_id]
+        row = torch.full((length,), float(fill), dtype=torch.float32)
+        value = values[seq_id]
+        row[length - 1 - count:length - 1] = torch.as_tensor(value, dtype=torch.float32)
+        full[seq_id] = row
+    if not full:
+        return torch.zeros(0, dtype=torch.float32)
+    return batch.layout.slice_tokens(full)
+
+
+def _pieces_index(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(P, Lmax) local indices of each piece's tokens, their validity, and the pieces' sequence ids."""
+    segments = batch.layout.segments()
+    longest = max((hi - lo for _, lo, hi, _ in segments), default=0)
+    steps = torch.arange(longest)
+    starts = torch.tensor([local for *_, local in segments], dtype=torch.long)
+    sizes = torch.tensor([hi - lo for _, lo, hi, _ in segments], dtype=torch.long)
+    valid = steps[None, :] < sizes[:, None]
+    index = torch.where(valid, starts[:, None] + steps[None, :], torch.zeros_like(valid, dtype=torch.long))
+    return index, valid, [seq_id for seq_id, *_ in segments]
+
+
+@dataclass
+class RankStats:
+    """Sums over this rank's tokens; `reduce_stats` adds them over ranks into the step's metrics."""
+
+    loss: float = 0.0
+    """This rank's share of the step loss (pg + kl_coef * kl - entropy_coef * entropy)."""
+    pg_loss: float = 0.0
+    """Share of the clipped policy-gradient loss."""
+    kl: float = 0.0
+    """Share of the reference KL term (before init_kl_coef)."""
+    entropy: float = 0.0
+    """Share of the reduced token entropy (0 unless computed)."""
+    clip_count: float = 0.0
+    """Response tokens whose clipped branch was taken."""
+    approx_kl_sum: float = 0.0
+    """Sum over response tokens of the k3 estimate of KL(old || policy)."""
+    num_tokens: float = 0.0
+    """Response tokens on this rank."""
+
+
+def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.Tensor,
+                   ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, config: GRPOConfig,
+                   denoms: Denominators, dp_world_size: int) -> tuple[torch.Tensor, RankStats]:
+    """(loss for `engine.backward`, this rank's summed statistics); per-token inputs are (local,)."""
+    logprobs = outputs.logprobs
+    device = logprobs.device
+    index, valid, seq_ids = _pieces_index(batch)
+    index, valid = index.to(device), valid.to(device)
+    mask_PL = valid & batch.response_mask.to(device)[index]
+
+    def rows(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values.to(device=device, dtype=torch.float32)[index]
+
+    full_counts = torch.tensor([batch.response_tokens[s] for s in seq_ids], dtype=torch.float32, device=device)
+    reduce_args = dict(denominator=denoms.for_reduction(config.loss_reduction),
+                       sequence_num_tokens_S=full_counts if config.loss_reduction == "sequence_mean" else None)
+    loss, stats = grpo_loss(rows(logprobs), rows(old_logprobs), rows(advantages), mask_PL, config,
+                            ref_logprobs_SL=rows(ref_logprobs), **reduce_args)
+    entropy = torch.zeros((), device=device)
+    if outputs.entropy is not None:
+        entropy = reduce_masked(rows(outputs.entropy), mask_PL, config.loss_reduction, **reduce_args)
+        loss = loss - config.entropy_coef * entropy
+    num_tokens = stats.num_tokens
+    summed = RankStats(loss=float(loss.detach()), pg_loss=stats.policy_loss, kl=stats.kl_loss,
+                       entropy=float(entropy.detach()), clip_count=stats.clip_fraction * num_tokens,
+                       approx_kl_sum=stats.approx_kl * num_tokens, num_tokens=float(num_tokens))
+    return loss * dp_world_size + outputs.zero, summed
+
+
+def reduce_stats(stats: RankStats, group=None) -> dict[str, float]:
+    """The step's metrics from every rank's `RankStats` (collective over `group`): loss, pg_loss, kl,
+    entropy, clip_frac, approx_kl, num_tokens."""
+    names = [f.name for f in fields(RankStats)]
+    values = torch.tensor([getattr(stats, name) for name in names], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(values, group=group)
+    total = dict(zip(names, values.tolist()))
+    tokens = max(total["num_tokens"], 1.0)
+    return {"loss": total["loss"], "pg_loss": total["pg_loss"], "kl": total["kl"], "entropy": total["entropy"],
+            "clip_frac": total["clip_count"] / tokens, "approx_kl": total["approx_kl_sum"] / tokens,
+            "num_tokens": total["num_tokens"]}
+
+
+def no_grad_logprobs(engine, batch: StepBatch) -> torch.Tensor:
+    """(local,) fp32 target log-probs without grad (old-policy or reference pass; collective)."""
+    with torch.no_grad():
+        return engine(batch).logprobs
+
+
+@dataclass
+class TrainStepResult:
+    """One optimizer step of one rank."""
+
+    stats: RankStats
+    """This rank's sums (all-reduce with `reduce_stats`)."""
+    grad_norm: float
+    """Global gradient norm before clipping (`engine.get_global_grad_norm()`; the same on all ranks)."""
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(asdict(self.stats), grad_norm=self.grad_norm)
+
+
+def train_step(engine, batch: StepBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+               advantages: torch.Tensor, config: GRPOConfig, denoms: Denominators) -> TrainStepResult:
+    """Forward (entropy when entropy_coef > 0), GRPO loss, `engine.backward`, `engine.step()`."""
+    outputs = engine(batch, with_entropy=config.entropy_coef > 0)
+    loss, stats = rank_grpo_loss(outputs, batch, old_logprobs, ref_logprobs, advantages, config, denoms,
+                                 data_parallel_size(engine))
+    engine.backward(loss)
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return TrainStepResult(stats, float(norm) if norm is not None else float("nan"))

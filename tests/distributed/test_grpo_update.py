@@ -1,0 +1,201 @@
+"""One GRPO optimizer step on 4 gloo ranks (ZeRO-3 from a JSON dict, FlexUlysses with degrees 1, 2 and 4)
+equals the same step computed by plain single-process HF.
+
+Fixed rollouts: the tiny random Qwen2.5-VL, records with images and a video, each prompt twice (two
+GRPO samples sharing its media) with random response tokens; old-policy and reference log-probs are
+the model's own plus noise (so ratios leave the clip range), advantages random per sample.
+Reference: `model.forward` with HF positions per sample, the GRPO loss as a plain loop over tokens,
+`torch.nn.utils.clip_grad_norm_` and `torch.optim.AdamW` with the JSON's hyper-parameters. Checked:
+the loss, the global gradient norm before clipping, and every parameter after the step.
+
+The "idle" plan puts a 2-token sequence alone in a degree-4 pack, so ranks 2 and 3 hold no token at
+all but must still join that pack's all-to-alls (before, they skipped them and ranks 0-1 hung).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from harness import cached_group_tree
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+WORLD = 4
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-2, (0.9, 0.95), 1e-4, 0.01, 0.5
+RL = dict(eps_clip_low=0.2, eps_clip_high=0.28, dual_clip=3.0, init_kl_coef=0.05, kl_estimator="k3",
+          entropy_coef=0.01)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from flexrl_ds.models.sample_data import write_scoring_dataset
+    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+
+    root = tmp_path_factory.mktemp("grpo_update")
+    make_tiny_model(TinyModelConfig(out_dir=str(root / "vl"), seed=7))
+    data = write_scoring_dataset(root / "data", num_records=4, seed=5)  # image, video, image+video, text
+    return str(root / "vl"), str(data)
+
+
+def rollouts(model_dir: str, data_path: str, with_tiny: bool) -> dict:
+    """Every prompt twice with random response tokens (same on every process); `with_tiny` adds a
+    2-token text sequence (one prompt token, one response token)."""
+    from flexrl_ds.models.processing import EncodedSample, encode_records
+
+    gen = torch.Generator().manual_seed(3)
+    out = {}
+    for seq_id, sample in encode_records(model_dir, data_path).items():
+        prompt = sample.input_ids[:sample.response_start]
+        items = [dataclasses.replace(item, share_key=f"{seq_id}/{k}") for k, item in enumerate(sample.items)]
+        for copy in ("a", "b"):
+            response = torch.randint(0, 500, (int(torch.randint(2, 12, (1,), generator=gen)),), generator=gen)
+            out[f"{seq_id}-{copy}"] = EncodedSample(f"{seq_id}-{copy}", torch.cat([prompt, response]),
+                                                    sample.response_start, items)
+    if with_tiny:
+        out["tiny"] = EncodedSample("tiny", torch.tensor([17, 42]), 1, [])
+    return out
+
+
+def make_plan(ids: list[str], kind: str):
+    """mixed: degrees 4, 2, 2 and 1 on every rank. idle: 'tiny' alone at degree 4, all else on ranks 0-1."""
+    from flexrl_ds.planning.plan import Pack, Plan
+
+    ids = sorted(i for i in ids if i != "tiny")
+    if kind == "mixed":
+        specs = [(4, 0, ids[0:2]), (2, 0, ids[2:4]), (2, 2, ids[4:6])] + [(1, r, ids[6 + r::4]) for r in range(4)]
+    else:
+        specs = [(4, 0, ["tiny"]), (2, 0, ids[0:4]), (1, 0, ids[4::2]), (1, 1, ids[5::2])]
+    packs = tuple(Pack(i, d, tuple(range(f, f + d)), tuple(s)) for i, (d, f, s) in enumerate(specs) if s)
+    order = {r: tuple(p.id for p in sorted((p for p in packs if r in p.ranks), key=lambda p: (-p.degree, p.id)))
+             for r in range(WORLD)}
+    return Plan(world_size=WORLD, p_max=4, packs=packs, rank_order=order)
+
+
+def _load(model_dir: str):
+    from flexrl_ds.models.loading import load_model
+
+    return load_model(model_dir).train()
+
+
+def fixed_values(model_dir: str, samples: dict) -> dict:
+    """Old / reference log-probs per response token (the model's own plus noise) and advantages."""
+    from flexrl_ds.models.flex_model import reference_logprobs
+
+    model = _load(model_dir)
+    gen = torch.Generator().manual_seed(11)
+    values = {"old": {}, "ref": {}, "adv": {}}
+    with torch.no_grad():
+        for seq_id, sample in samples.items():
+            own = reference_logprobs(model, sample)
+            values["old"][seq_id] = (own + 0.3 * torch.randn(own.shape, generator=gen)).tolist()
+            values["ref"][seq_id] = (own + 0.2 * torch.randn(own.shape, generator=gen)).tolist()
+            values["adv"][seq_id] = float(torch.randn((), generator=gen))
+    return values
+
+
+def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict, reduction: str):
+    """On every rank: ZeRO-3 engine from JSON, one GRPO train_step; rank 0 returns the parameters."""
+    import deepspeed
+    import torch.distributed as dist
+    from zero3_configs import zero3_config
+
+    from flexrl_ds.models import policy_update as pu
+    from flexrl_ds.models.flex_model import build_step_batch, place_rank, positions_fn
+    from flexrl_ds.models.zero3 import build_engine
+    from flexrl_ds.planning.plan import parse_plan
+    from flexrl_ds.rl.config import GRPOConfig
+
+    torch.manual_seed(0)
+    plan = parse_plan(plan_json)
+    tree = cached_group_tree(WORLD, plan.p_max)
+    samples = rollouts(model_dir, data_path, with_tiny=any("tiny" in p["sequences"] for p in plan_json["packs"]))
+    model = _load(model_dir)
+    placement = place_rank(model.config, plan, samples, tree.local_rank, tree)
+    batch = build_step_batch(model.config, plan, samples, tree.local_rank, positions=positions_fn(model),
+                             placement=placement)
+    engine = build_engine(model, zero3_config(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                              gradient_clipping=CLIP, reduce_bucket_size=4096), logits_chunk=8)
+    config = GRPOConfig(loss_reduction=reduction, **RL)
+    denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})
+    result = pu.train_step(engine, batch, pu.local_response_values(batch, values["old"]),
+                           pu.local_response_values(batch, values["ref"]),
+                           pu.local_response_values(batch, values["adv"]), config, denoms)
+    out = {"metrics": pu.reduce_stats(result.stats), "grad_norm": result.grad_norm,
+           "num_local": batch.layout.num_local_tokens, "num_packs": len(batch.layout.packs)}
+    params = dict(engine.module.hf_model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        if dist.get_rank() == 0:
+            out["params"] = {name: p.detach().clone() for name, p in params.items()}
+    engine.destroy()
+    return out
+
+
+def reference_step(model_dir: str, samples: dict, values: dict, reduction: str):
+    """Plain HF + a loop over tokens + torch clip/AdamW: (loss, grad norm, parameters after the step)."""
+    model = _load(model_dir)
+    c = RL
+    per_sequence = []
+    for seq_id, sample in samples.items():
+        logits = model(**_inputs(model, sample)).logits[0].float()
+        logp_all = torch.log_softmax(logits[:-1], dim=-1)[sample.response_start - 1:]
+        targets = sample.input_ids[sample.response_start:]
+        terms = []
+        for t in range(targets.shape[0]):
+            lp = logp_all[t, targets[t]]
+            entropy = -(logp_all[t].exp() * logp_all[t]).sum()
+            ratio = torch.exp(lp - values["old"][seq_id][t])
+            adv = values["adv"][seq_id]
+            pg = -torch.min(ratio * adv, ratio.clamp(1 - c["eps_clip_low"], 1 + c["eps_clip_high"]) * adv)
+            if adv < 0:
+                pg = torch.clamp(pg, max=-c["dual_clip"] * adv)
+            log_ratio = lp - values["ref"][seq_id][t]
+            kl = (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10.0, 10.0)
+            terms.append(pg + c["init_kl_coef"] * kl - c["entropy_coef"] * entropy)
+        per_sequence.append(terms)
+    if reduction == "token_mean":
+        loss = sum(t for terms in per_sequence for t in terms) / sum(len(terms) for terms in per_sequence)
+    else:
+        loss = sum(sum(terms) / len(terms) for terms in per_sequence) / len(per_sequence)
+    loss.backward()
+    params = [p for p in model.parameters()]
+    norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
+    torch.nn.utils.clip_grad_norm_(params, CLIP)
+    torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY).step()
+    return float(loss.detach()), norm, {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _inputs(model, sample):
+    from flexrl_ds.models.flex_model import reference_inputs
+
+    return reference_inputs(model, sample)
+
+
+@pytest.mark.parametrize("kind,reduction", [("mixed", "token_mean"), ("idle", "sequence_mean")])
+def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kind, reduction):
+    model_dir, data_path = assets
+    samples = rollouts(model_dir, data_path, with_tiny=kind == "idle")
+    plan = make_plan(list(samples), kind)
+    values = fixed_values(model_dir, samples)
+    per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, plan.to_json(), values, reduction,
+                                     timeout_s=240)
+    ref_loss, ref_norm, ref_params = reference_step(model_dir, samples, values, reduction)
+    if kind == "idle":  # ranks 2, 3: no token, but a member of the degree-4 pack
+        assert [(r["num_local"] == 0, r["num_packs"]) for r in per_rank][2:] == [(True, 1), (True, 1)]
+    metrics = per_rank[0]["metrics"]
+    assert all(r["metrics"] == metrics for r in per_rank)
+    assert metrics["num_tokens"] == sum(x.length - x.response_start for x in samples.values())
+    assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    assert 0 < metrics["clip_frac"] < 1
+    norms = [r["grad_norm"] for r in per_rank]
+    assert norms == [norms[0]] * WORLD and norms[0] > CLIP  # clipping is active
+    assert norms[0] == pytest.approx(ref_norm, rel=1e-5)
+    params = per_rank[0]["params"]
+    assert set(params) == set(ref_params)
+    before = dict(_load(model_dir).named_parameters())
+    assert max(float((ref_params[n] - before[n]).abs().max()) for n in ref_params) > LR / 2  # the step moved
+    for name, expected in ref_params.items():
+        torch.testing.assert_close(params[name], expected, atol=2e-6, rtol=1e-5, msg=name)
