@@ -65,11 +65,22 @@ class DatasetSummary:
     bytes_on_disk: int
 
 
+KEYWORDS = ("girl", "ball", "circle", "door", "table", "boy")
+"""Answers of the `keyword` task: words of the tiny models' tokenizer corpus (flexrl_ds/models/tiny.py)."""
+TASKS = ("qa", "keyword")
+"""qa: geometry numbers / choice letters as answers (rule reward "accuracy"); keyword: the prompt asks
+to answer with one word, which is the record's answer (reward "keyword": the share of the response
+spelled by that word), a task a tiny random model can learn within minutes on a CPU."""
+
+
 def make_dataset(out: str | Path, mix: str, num: int, scale: str = "small", seed: int = 0,
-                 parquet: bool = False, progress: Callable[[int, int], None] | None = None) -> DatasetSummary:
+                 parquet: bool = False, progress: Callable[[int, int], None] | None = None,
+                 task: str = "qa") -> DatasetSummary:
     """Write `num` records of `mix` with their media under `out`; returns counts."""
     if mix not in MIXES:
         raise ValueError(f"--mix {mix!r}: choose one of {', '.join(MIXES)}")
+    if task not in TASKS:
+        raise ValueError(f"--task {task!r}: choose one of {', '.join(TASKS)}")
     if scale not in SCALES:
         raise ValueError(f"--scale {scale!r}: choose one of {', '.join(SCALES)}")
     if num <= 0:
@@ -83,6 +94,8 @@ def make_dataset(out: str | Path, mix: str, num: int, scale: str = "small", seed
     for index in range(num):
         profile = rng.choices(profiles, weights)[0]
         row = _make_record(out, index, profile, SCALES[scale], rng)
+        if task == "keyword":
+            row = _keyword_task(row, rng)
         num_images += len(row["images"])
         num_videos += len(row["videos"])
         rows.append(row)
@@ -125,6 +138,12 @@ def _make_record(out: Path, index: int, profile: str, scale: Scale, rng: random.
     return {"id": f"{'sv' if profile == 'short_video' else 'lv'}-{index:05d}",
             "prompt": f"<video>\n{text}? {options}", "images": [], "videos": [relative],
             "answer": rng.choice("ABCD"), "data_source": source}
+
+
+def _keyword_task(row: dict, rng: random.Random) -> dict:
+    keyword = rng.choice(KEYWORDS)
+    return {**row, "prompt": f"{row['prompt']} Answer with the word {keyword}, as often as you can.",
+            "answer": keyword, "data_source": "keyword"}
 
 
 def _even(value: int) -> int:

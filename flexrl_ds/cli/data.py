@@ -29,6 +29,9 @@ def register(commands, bench) -> None:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--out", required=True, help="output folder")
     make.add_argument("--parquet", action="store_true", help="also write DIR/train.parquet")
+    make.add_argument("--task", default="qa", choices=("qa", "keyword"),
+                      help="qa: numbers / choice letters as answers; keyword: answer with a given word "
+                           "(reward 'keyword'; learnable by a tiny random model)")
     make.set_defaults(func=_make_dataset)
 
     inspect = commands.add_parser(
@@ -79,7 +82,7 @@ def _make_dataset(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     summary = make_dataset(args.out, args.mix, args.num, args.scale, args.seed, parquet=args.parquet,
-                           progress=_progress("make-dataset"))
+                           progress=_progress("make-dataset"), task=args.task)
     print(f"wrote {summary.path}: {summary.num_records} records, {summary.num_images} images, "
           f"{summary.num_videos} videos, {summary.bytes_on_disk / 1e6:.2f} MB in "
           f"{time.monotonic() - start:.1f} s")

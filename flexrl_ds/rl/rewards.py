@@ -165,5 +165,22 @@ def keyword(responses: list[str], records: list[dict]) -> list[float]:
     return [keyword_reward(response, record_answer(record)) for response, record in zip(responses, records)]
 
 
-REWARDS: dict[str, Callable[[list[str], list[dict]], list[float]]] = {"accuracy": accuracy, "keyword": keyword}
+def keyword_letters_reward(response: str, keyword: str) -> float:
+    """A dense shaping of `keyword_reward`: the mean of (a) the share of the response's letters that
+    are letters of `keyword` and (b) `keyword_reward`. Random text already earns some of (a), so
+    GRPO has signal from the first step; only copies of the keyword itself reach 1."""
+    letters = [ch for ch in response.lower() if ch.isalpha()]
+    allowed = set(keyword.lower())
+    share = sum(ch in allowed for ch in letters) / len(letters) if letters else 0.0
+    return 0.5 * share + 0.5 * keyword_reward(response, keyword)
+
+
+def keyword_letters(responses: list[str], records: list[dict]) -> list[float]:
+    """Built-in "keyword_letters": `keyword_letters_reward` with the record's `answer` as the keyword."""
+    assert len(responses) == len(records), (len(responses), len(records))
+    return [keyword_letters_reward(response, record_answer(record)) for response, record in zip(responses, records)]
+
+
+REWARDS: dict[str, Callable[[list[str], list[dict]], list[float]]] = {
+    "accuracy": accuracy, "keyword": keyword, "keyword_letters": keyword_letters}
 """Built-in rewards by name (`flexrl.rl.reward_fn`), with the batch signature of a custom reward."""

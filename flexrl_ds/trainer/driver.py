@@ -196,6 +196,7 @@ class GRPOTrainer:
             "num_reward_errors": reward_info["num_reward_errors"], "num_samples": len(names),
             "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
             "attention_balance": float(inference["plan"].metrics.attention_balance),
+            "rollout_logprob_diff": _logprob_diff(samples, inference["old"]),
             "degrees": {str(k): v for k, v in sorted(inference["plan"].metrics.degree_histogram.items())},
         }
 
@@ -220,6 +221,17 @@ class GRPOTrainer:
         self.policy.run("export_hf", str(self.paths.hf_export(step)))
         write_trainer_state(directory, step, step + 1, self.o.run_config)
         print(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}", flush=True)
+
+
+def _logprob_diff(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> float:
+    """Mean |engine log-prob - trainer log-prob| over the step's response tokens: near 0 only when the
+    engine sampled with the policy's current weights (and the same model code)."""
+    total, count = 0.0, 0
+    for name in samples.names:
+        for engine, trainer in zip(samples.engine_logprobs[name], trainer_logprobs[name]):
+            total += abs(engine - trainer)
+            count += 1
+    return total / max(count, 1)
 
 
 def _sum_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Submit `flexrl train` as a Ray job and wait for it; exits with the job's status (0: SUCCEEDED).
+#   bash scripts/train_ray_job.sh CONFIG [flexrl train args: --model M --data D --out O ...]
+# RAY_ADDRESS names the cluster's job server (e.g. http://head:8265). Without it, a local Ray head
+# bound to 127.0.0.1 is started first and stopped after. The job's entrypoint runs in this folder on
+# the head node with this checkout's Python (PYTHON to override), so relative paths resolve as here;
+# on a remote cluster the paths must exist on the head node.
+set -euo pipefail
+if [ $# -lt 1 ]; then echo "usage: $0 CONFIG [flexrl train args]" >&2; exit 2; fi
+root=$(cd "$(dirname "$0")/.." && pwd)
+config=$1; shift
+[ -f "$config" ] || { echo "$0: config $config not found" >&2; exit 2; }
+python=${PYTHON:-$root/.venv/bin/python}
+ray_bin=${RAY_BIN:-$(dirname "$python")/ray}
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+started=0
+if [ -z "${RAY_ADDRESS:-}" ]; then
+  port=${FLEXRL_RAY_DASHBOARD_PORT:-8265}
+  echo "[train_ray_job] no RAY_ADDRESS: starting a local Ray head on 127.0.0.1 (job server :$port)"
+  "$ray_bin" start --head --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 --dashboard-port "$port" \
+    --num-cpus "${FLEXRL_RAY_CPUS:-8}" --disable-usage-stats >/dev/null
+  started=1
+  trap '"$ray_bin" stop --force >/dev/null 2>&1 || true' EXIT
+  export RAY_ADDRESS=http://127.0.0.1:$port
+fi
+job=flexrl-train-$(date +%Y%m%d-%H%M%S)-$$
+entry="cd $(printf %q "$PWD") && exec $(printf %q "$python") -m flexrl_ds train --config $(printf %q "$config")"
+for arg in "$@"; do entry+=" $(printf %q "$arg")"; done
+env_json="{\"env_vars\": {\"DS_ACCELERATOR\": \"${DS_ACCELERATOR:-}\", \"OMP_NUM_THREADS\": \"${OMP_NUM_THREADS:-1}\", \"TOKENIZERS_PARALLELISM\": \"false\", \"HF_HUB_OFFLINE\": \"1\", \"RAY_AUTH_MODE\": \"$RAY_AUTH_MODE\"}}"
+echo "[train_ray_job] submitting $job to $RAY_ADDRESS"
+"$ray_bin" job submit --address "$RAY_ADDRESS" --submission-id "$job" --no-wait \
+  --runtime-env-json "$env_json" -- bash -c "$entry" >/dev/null
+"$ray_bin" job logs --address "$RAY_ADDRESS" --follow "$job" || true
+status=$("$ray_bin" job status --address "$RAY_ADDRESS" "$job" 2>&1 | grep -oE "SUCCEEDED|FAILED|STOPPED|RUNNING|PENDING" | tail -1)
+echo "[train_ray_job] job $job: ${status:-unknown}"
+[ "$status" = SUCCEEDED ]
