@@ -1,0 +1,178 @@
+"""Bad input is refused by `launch.prepare` (and `flexrl train`) before Ray or any worker starts.
+
+Each case edits one thing of the shipped tiny config, model or dataset, and expects a ValueError
+whose message names that thing; the unedited inputs pass, so each failure is the edit's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import ray
+
+from flexrl_ds.config.flexrl_config import parse_run_config
+from flexrl_ds.trainer.launch import TrainArgs, prepare
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    """Any attempt to start or join Ray fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray was started during input validation")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    yield
+    assert not ray.is_initialized()
+
+
+def _prepare(raw: dict, tmp_path: Path, model: str, data: str):
+    config_path = tmp_path / "run.json"
+    config_path.write_text(json.dumps(raw))
+    run = parse_run_config(raw, source=str(config_path))
+    return prepare(run, TrainArgs(str(config_path), model, data, str(tmp_path / "out")))
+
+
+def _refused(raw: dict, tmp_path: Path, model: str, data: str, *fragments: str) -> str:
+    with pytest.raises(ValueError) as caught:
+        _prepare(raw, tmp_path, model, data)
+    message = str(caught.value)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+def test_valid_inputs_pass(raw_config, tmp_path, trainer_assets):
+    prepared = _prepare(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"])
+    flexrl = raw_config["flexrl"]
+    assert prepared.num_ranks == flexrl["trainer"]["num_policy_ranks"]
+    assert prepared.max_steps == flexrl["trainer"]["max_steps"]
+    lines = [line for line in Path(trainer_assets["data"]).read_text().splitlines() if line.strip()]
+    assert len(prepared.records) == len(lines)
+
+
+def test_samples_not_divisible_over_ranks(raw_config, tmp_path, trainer_assets):
+    loader = raw_config["flexrl"]["data"]["loader"]
+    ranks = raw_config["flexrl"]["trainer"]["num_policy_ranks"]
+    loader["global_batch"], loader["num_samples_per_prompt"] = 3, 3
+    assert (3 * 3) % ranks != 0
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             "num_policy_ranks", str(3 * 3), str(ranks))
+
+
+def test_p_max_over_the_domain(raw_config, tmp_path, trainer_assets):
+    ranks = raw_config["flexrl"]["trainer"]["num_policy_ranks"]
+    raw_config["flexrl"]["sp"]["p_max"] = 2 * ranks
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             "flexrl.sp.p_max", str(2 * ranks), "num_policy_ranks")
+
+
+def test_mini_batches_not_dividing_the_prompts(raw_config, tmp_path, trainer_assets):
+    batch = raw_config["flexrl"]["data"]["loader"]["global_batch"]
+    num = next(k for k in range(2, batch + 2) if batch % k)
+    raw_config["flexrl"]["rl"]["mini_batches_per_step"] = num
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             "mini_batches_per_step", str(num), str(batch))
+
+
+def test_unknown_reward_name(raw_config, tmp_path, trainer_assets):
+    raw_config["flexrl"]["rl"]["reward_fn"] = "no_such_reward"
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"], "no_such_reward", "reward_fn")
+
+
+def test_missing_reward_file(raw_config, tmp_path, trainer_assets):
+    raw_config["flexrl"]["rl"]["reward_fn"] = "missing_rewards.py:score"
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             "missing_rewards.py", "does not exist")
+
+
+def test_reward_file_without_the_function(raw_config, tmp_path, trainer_assets):
+    (tmp_path / "my_rewards.py").write_text("def other(responses, records):\n    return [0.0] * len(responses)\n")
+    raw_config["flexrl"]["rl"]["reward_fn"] = "my_rewards.py:score"
+    message = _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"], "'score'")
+    assert "other" in message  # the callables that are there
+
+
+def test_reward_file_is_found_next_to_the_config(raw_config, tmp_path, trainer_assets):
+    (tmp_path / "my_rewards.py").write_text("def score(responses, records):\n    return [1.0] * len(responses)\n")
+    raw_config["flexrl"]["rl"]["reward_fn"] = "my_rewards.py:score"
+    prepared = _prepare(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"])
+    assert prepared.reward_fn(["a", "b"], [{}, {}]) == [1.0, 1.0]
+
+
+def test_missing_model_directory(raw_config, tmp_path, trainer_assets):
+    missing = str(tmp_path / "no_model_here")
+    _refused(raw_config, tmp_path, missing, trainer_assets["data"], missing, "no such directory")
+
+
+def test_model_directory_without_config_json(raw_config, tmp_path, trainer_assets):
+    folder = tmp_path / "not_a_model"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(b"\0")
+    _refused(raw_config, tmp_path, str(folder), trainer_assets["data"], str(folder), "config.json")
+
+
+def test_empty_dataset(raw_config, tmp_path, trainer_assets):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    _refused(raw_config, tmp_path, trainer_assets["model"], str(empty), str(empty), "no usable records")
+
+
+def test_dataset_without_a_usable_record(raw_config, tmp_path, trainer_assets):
+    bad = tmp_path / "bad.jsonl"
+    rows = [{"id": "marker-mismatch", "prompt": "<image>\nwhat?", "images": []},
+            {"id": "no-prompt"}]
+    bad.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    message = _refused(raw_config, tmp_path, trainer_assets["model"], str(bad), str(bad), "no usable records")
+    assert "marker-mismatch" in message and "no-prompt" in message  # the bad records are named
+
+
+def test_missing_dataset_file(raw_config, tmp_path, trainer_assets):
+    missing = tmp_path / "absent.jsonl"
+    _refused(raw_config, tmp_path, trainer_assets["model"], str(missing), str(missing))
+
+
+@pytest.mark.parametrize("key, value", [
+    ("gradient_accumulation_steps", 2),
+    ("sequence_parallel_size", 2),
+    ("zero_optimization", {"stage": 2}),
+    ("train_batch_size", 7),
+    ("optimizer", None),
+])
+def test_deepspeed_setting_the_trainer_owns(raw_config, tmp_path, trainer_assets, key, value):
+    if value is None:
+        del raw_config[key]
+    else:
+        raw_config[key] = value
+    name = "zero_optimization.stage" if key == "zero_optimization" else key
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"], name)
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("trainer", "num_policy_rank", 2),          # misspelt key
+    ("rl", "mini_batches_per_stepp", 1),
+    ("trainer", "num_policy_ranks", "two"),     # wrong type
+    ("trainer", "num_policy_ranks", 0),         # out of range
+])
+def test_invalid_config_key(raw_config, section, key, value):
+    raw_config["flexrl"][section][key] = value
+    with pytest.raises(ValueError) as caught:
+        parse_run_config(raw_config, source="run.json")
+    message = str(caught.value)
+    assert f"flexrl.{section}.{key}" in message or (f"flexrl.{section}:" in message and repr(key) in message), message
+
+
+def test_cli_reports_the_cause_and_exits_2(raw_config, tmp_path, trainer_assets, capsys, monkeypatch):
+    from flexrl_ds.cli.main import main
+
+    monkeypatch.delenv("FLEXRL_DEBUG", raising=False)
+    config_path = tmp_path / "run.json"
+    config_path.write_text(json.dumps(raw_config))
+    missing = str(tmp_path / "no_model_here")
+    code = main(["train", "--config", str(config_path), "--model", missing, "--data", trainer_assets["data"],
+                 "--out", str(tmp_path / "out"), "--max-steps", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"^flexrl train: error: .*" + re.escape(missing), err, re.MULTILINE), err

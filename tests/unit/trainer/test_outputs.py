@@ -1,0 +1,146 @@
+"""Pure parts of the trainer's outputs and hosts: spread_jobs, metrics, StepLog, checkpoints."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+from flexrl_ds.loader.metastore import PromptKey
+from flexrl_ds.trainer.checkpoint import STATE_FILE, latest_checkpoint, read_trainer_state, write_trainer_state
+from flexrl_ds.trainer.metrics import PHASES, StepLog, flatten, plot_metrics, progress_line
+from flexrl_ds.trainer.rollout_host import PromptJob, spread_jobs
+
+
+def _jobs(rng: random.Random, num: int) -> list[PromptJob]:
+    jobs = []
+    for slot in range(num):
+        n = rng.randint(1, 4)
+        jobs.append(PromptJob(PromptKey(0, slot), tuple(range(rng.randint(1, 9))), (),
+                              tuple((f"s0p{slot}k{k}", k) for k in range(n))))
+    return jobs
+
+
+def _load(job: PromptJob) -> int:
+    return len(job.prompt_ids) * len(job.samples)
+
+
+def _best_makespan(jobs: list[PromptJob], num_hosts: int) -> int:
+    best = None
+    for assignment in itertools.product(range(num_hosts), repeat=len(jobs)):
+        loads = [0] * num_hosts
+        for job, host in zip(jobs, assignment):
+            loads[host] += _load(job)
+        best = max(loads) if best is None else min(best, max(loads))
+    return best
+
+
+def test_spread_jobs_covers_each_job_once_and_balances():
+    rng = random.Random(5)
+    for _ in range(40):
+        num_jobs, num_hosts = rng.randint(0, 6), rng.randint(1, 3)
+        jobs = _jobs(rng, num_jobs)
+        shares = spread_jobs(jobs, num_hosts)
+        assert len(shares) == num_hosts
+        dealt = [job.key for share in shares for job in share]
+        assert sorted(dealt, key=lambda k: k.slot) == [job.key for job in jobs]
+        if not jobs:
+            continue
+        makespan = max(sum(_load(j) for j in share) for share in shares)
+        best = _best_makespan(jobs, num_hosts)
+        assert makespan <= (4 / 3 - 1 / (3 * num_hosts)) * best + 1e-9  # Graham's LPT bound
+        if num_jobs <= num_hosts:
+            assert makespan == best and all(len(share) <= 1 for share in shares)
+
+
+def _metrics(step: int, rng: random.Random) -> dict:
+    return {"step": step, "reward_mean": rng.random(), "reward_std": rng.random(), "loss": rng.uniform(-1, 1),
+            "kl": rng.random() / 10, "clip_frac": rng.random(), "response_length_mean": rng.uniform(1, 16),
+            "tokens_per_gpu_s": rng.uniform(10, 1000), "time_s": {phase: rng.uniform(0.1, 2) for phase in PHASES},
+            "note": "text", "flag": True, "nested": {"deeper": {"x": 3}}}
+
+
+def _flatten_reference(metrics: dict) -> dict:
+    out, stack = {}, [("", metrics)]
+    while stack:
+        prefix, node = stack.pop()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                stack.append((prefix + key + "/", value))
+            elif type(value) in (int, float):
+                out[prefix + key] = float(value)
+    return out
+
+
+def test_flatten_keeps_numbers_with_slash_names():
+    metrics = _metrics(4, random.Random(0))
+    flat = flatten(metrics)
+    assert flat == _flatten_reference(metrics)
+    assert all(isinstance(value, float) for value in flat.values())
+    assert "flag" not in flat and "note" not in flat
+
+
+def test_progress_line_shows_the_step_and_numbers():
+    metrics = _metrics(2, random.Random(1))
+    line = progress_line(metrics, max_steps=9)
+    assert line.startswith(f"step {metrics['step'] + 1}/9")
+    for text in (f"{metrics['reward_mean']:.3f}", f"{metrics['reward_std']:.3f}", f"{metrics['loss']:+.4f}",
+                 f"{metrics['kl']:.4f}", f"{metrics['time_s']['step']:.1f} s",
+                 f"rollout {metrics['time_s']['rollout']:.1f}", f"{metrics['tokens_per_gpu_s']:.0f} tok/GPU/s"):
+        assert text in line, (text, line)
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_step_log_resume_drops_rows_after_the_checkpoint(tmp_path, capsys):
+    rng = random.Random(2)
+    first = [_metrics(step, rng) for step in range(5)]
+    log = StepLog(tmp_path, tensorboard=False)
+    for row in first:
+        log.write(row, max_steps=5)
+    log.close()
+    assert capsys.readouterr().out.splitlines() == [progress_line(row, 5) for row in first]
+    assert _rows(tmp_path / "metrics.jsonl") == first
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    resumed = StepLog(tmp_path, resume_after_step=2, tensorboard=False)
+    assert _rows(tmp_path / "metrics.jsonl") == [row for row in first if row["step"] <= 2]
+    again = _metrics(3, rng)
+    resumed.write(again, max_steps=5)
+    resumed.close()
+    assert _rows(tmp_path / "metrics.jsonl") == [row for row in first if row["step"] <= 2] + [again]
+
+    fresh = StepLog(tmp_path, tensorboard=False)  # not a resume: the file starts over
+    fresh.close()
+    assert _rows(tmp_path / "metrics.jsonl") == []
+
+
+def test_plot_metrics_writes_a_png(tmp_path):
+    rng = random.Random(3)
+    path = tmp_path / "plot.png"
+    plot_metrics([_metrics(step, rng) for step in range(3)], path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_latest_checkpoint_picks_the_highest_complete_step(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    root = tmp_path / "checkpoints"
+    complete, incomplete = [2, 9, 10], [11, 30]
+    for step in complete + incomplete:
+        (root / f"step_{step}").mkdir(parents=True)
+    for step in complete:
+        write_trainer_state(root / f"step_{step}", step, step + 1, {"seed": step})
+    (root / "step_99.tmp").mkdir()
+    (root / "step_99.tmp" / STATE_FILE).write_text("{}")
+    (root / "notes").write_text("not a checkpoint")
+    best = max(complete)  # numeric order: step_10 > step_9 > step_2
+    assert latest_checkpoint(tmp_path) == root / f"step_{best}"
+    state = read_trainer_state(latest_checkpoint(tmp_path))
+    assert (state["step"], state["loader_steps"], state["run_config"]) == (best, best + 1, {"seed": best})
+
+
+def test_latest_checkpoint_none_when_all_incomplete(tmp_path):
+    (tmp_path / "checkpoints" / "step_3").mkdir(parents=True)
+    assert latest_checkpoint(tmp_path) is None

@@ -1,0 +1,105 @@
+"""trainer/samples.py: sampling seeds, sample names, mini-batch splits and encoded samples."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from flexrl_ds.loader.metastore import PromptKey, SampleId
+from flexrl_ds.runtime.data_controller import prompt_name, sample_name
+from flexrl_ds.trainer.samples import PromptInputs, StepSamples, parse_sample_name, sample_seed, split_mini_batches
+
+GRID = list(itertools.product((0, 7), (0, 1, 12), (0, 3, 10), (0, 1, 5)))  # (seed, step, slot, k)
+
+
+def test_sample_seed_is_a_function_of_seed_step_slot_k_only():
+    for seed, step, slot, k in GRID:
+        first = sample_seed(seed, SampleId(step, slot, k))
+        again = sample_seed(seed, SampleId(int(str(step)), int(str(slot)), int(str(k))))  # fresh objects
+        assert first == again
+        assert 0 <= first < 2**63
+
+
+def test_sample_seed_differs_across_every_component():
+    seeds = {(seed, step, slot, k): sample_seed(seed, SampleId(step, slot, k)) for seed, step, slot, k in GRID}
+    assert len(set(seeds.values())) == len(seeds)
+    # "s1p23" vs "s12p3": components are separated, not concatenated
+    assert sample_seed(0, SampleId(1, 23, 0)) != sample_seed(0, SampleId(12, 3, 0))
+
+
+def test_parse_sample_name_inverts_sample_name():
+    for _, step, slot, k in GRID + [(0, 123, 45, 67)]:
+        sample = SampleId(step, slot, k)
+        assert parse_sample_name(sample_name(sample)) == sample
+
+
+def _prompts(num_prompts: int, n: int, step: int = 3) -> list[PromptInputs]:
+    prompts = []
+    for slot in range(num_prompts):
+        key = PromptKey(step, slot)
+        names = [sample_name(SampleId(step, slot, k)) for k in range(n)]
+        prompts.append(PromptInputs(key, prompt_name(key), None, list(range(slot + 2)), [], names))
+    return prompts
+
+
+def _check_split(prompts, names, num, batches):
+    present = set(names)
+    groups = [[x for x in p.sample_names if x in present] for p in prompts]
+    groups = [g for g in groups if g]
+    assert len(batches) == num
+    assert [x for batch in batches for x in batch] == [x for g in groups for x in g]  # each once, in order
+    counts, position = [], 0
+    for batch in batches:  # each batch is a run of whole, consecutive groups
+        taken = 0
+        while taken < len(batch):
+            group = groups[position]
+            assert batch[taken:taken + len(group)] == group
+            taken, position = taken + len(group), position + 1
+        counts.append(sum(1 for g in groups if set(g) <= set(batch)))
+    assert max(counts) - min(counts) <= 1
+    assert sum(counts) == len(groups)
+
+
+def test_split_mini_batches_keeps_whole_groups_and_balances():
+    rng = random.Random(0)
+    for num_prompts, n in itertools.product((1, 2, 3, 5, 8), (1, 2, 4)):
+        prompts = _prompts(num_prompts, n)
+        all_names = [x for p in prompts for x in p.sample_names]
+        kept = [x for x in all_names if rng.random() > 0.2] or all_names[:1]  # some samples missing
+        num_groups = len({parse_sample_name(x).slot for x in kept})
+        for num in range(1, num_groups + 1):
+            _check_split(prompts, kept, num, split_mini_batches(prompts, kept, num))
+
+
+def test_split_mini_batches_refuses_more_batches_than_prompts():
+    prompts = _prompts(3, 2)
+    names = [x for p in prompts for x in p.sample_names]
+    with pytest.raises(ValueError, match="mini_batches_per_step"):
+        split_mini_batches(prompts, names, 4)
+
+
+def test_step_samples_encoded_is_prompt_then_response():
+    prompts = _prompts(3, 2)
+    rng = random.Random(1)
+    responses = {x: [rng.randrange(100, 200) for _ in range(rng.randint(1, 6))]
+                 for p in prompts for x in p.sample_names}
+    del responses[prompts[1].sample_names[0]]  # a sample without a response is left out
+    samples = StepSamples(prompts, responses)
+    expected_names = [x for p in prompts for x in p.sample_names if x in responses]
+    assert samples.names == expected_names
+    encoded = samples.encoded()
+    assert list(encoded) == expected_names
+    by_name = {x: p for p in prompts for x in p.sample_names}
+    for name, sample in encoded.items():
+        prompt = by_name[name]
+        assert sample.id == name
+        assert sample.input_ids.dtype == torch.long
+        assert sample.input_ids.tolist() == prompt.prompt_ids + responses[name]
+        assert sample.response_start == len(prompt.prompt_ids)
+        assert sample.length == len(prompt.prompt_ids) + len(responses[name])
+        assert sample.items is prompt.items
+    subset = expected_names[::2]
+    assert list(samples.encoded(subset)) == subset
