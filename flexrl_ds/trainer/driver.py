@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -165,13 +165,11 @@ class GRPOTrainer:
             result, encoded = self._plan(samples, names)
             if len(batches) > 1:
                 result.plan.save(self.paths.plan(step, f"_mb{index}"))
-            denominator = float(sum(s.length - s.response_start for s in encoded.values()))
             job = PassJob(step, result.plan.to_json(), encoded, samples.prompt_keys(),
                           old_logprobs={n: inference["old"][n] for n in names},
                           ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},
-                          advantages={n: samples.advantages[n] for n in names}, denominator=denominator)
-            per_rank = self.policy.run("train", job)
-            per_batch.append(_sum_ranks(per_rank))
+                          advantages={n: samples.advantages[n] for n in names})
+            per_batch.append(self.policy.run("train", job)[0])  # all-reduced: the same on every rank
         return per_batch
 
     # ---- outputs ------------------------------------------------------------------------------
@@ -180,16 +178,18 @@ class GRPOTrainer:
         rewards = torch.tensor([samples.rewards[n] for n in names], dtype=torch.float64)
         lengths = [len(samples.response_ids[n]) for n in names]
         tokens = sum(len(p.prompt_ids) * len(p.sample_names) for p in samples.prompts) + sum(lengths)
-        total_tokens = sum(b["num_tokens"] for b in update)
+        total_tokens = max(sum(b["num_tokens"] for b in update), 1.0)
+
+        def token_weighted(key: str) -> float:
+            return sum(b[key] * b["num_tokens"] for b in update) / total_tokens
+
         last = update[-1]
         return {
             "step": step, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(names) > 1 else 0.0,
-            "loss": sum(b["loss"] for b in update) / len(update),
-            "pg_loss": sum(b["pg_loss"] for b in update) / len(update),
-            "kl": sum(b["kl"] for b in update) / len(update),
-            "entropy": sum(b["entropy"] for b in update) / max(total_tokens, 1.0),
-            "clip_frac": sum(b["clip_frac"] for b in update) / max(total_tokens, 1.0),
+            "loss": token_weighted("loss"), "pg_loss": token_weighted("pg_loss"), "kl": token_weighted("kl"),
+            "entropy": token_weighted("entropy"), "clip_frac": token_weighted("clip_frac"),
+            "approx_kl": token_weighted("approx_kl"),
             "grad_norm": last["grad_norm"], "response_length_mean": sum(lengths) / len(lengths),
             "clipped_length_ratio": sum(samples.finish_reasons[n] == "length" for n in names) / len(names),
             "zero_variance_groups": reward_info["zero_variance_groups"],
@@ -232,14 +232,3 @@ def _logprob_diff(samples: StepSamples, trainer_logprobs: dict[str, list[float]]
             total += abs(engine - trainer)
             count += 1
     return total / max(count, 1)
-
-
-def _sum_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    out = {key: sum(rank[key] for rank in per_rank) for key in per_rank[0] if key not in ("grad_norm", "update_s")}
-    out["grad_norm"] = per_rank[0]["grad_norm"]
-    return out
-
-
-def options_summary(options: TrainOptions) -> str:
-    data = {k: v for k, v in asdict(options).items() if k in ("max_steps", "start_step", "seed", "num_ranks")}
-    return json.dumps(data)

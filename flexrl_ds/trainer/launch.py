@@ -28,7 +28,7 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams
 from flexrl_ds.runtime.data_controller import DataController, usable_records
-from flexrl_ds.runtime.shadow_session import connect_ray
+from flexrl_ds.runtime.ray_session import connect_ray
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
 from flexrl_ds.trainer.checkpoint import latest_checkpoint, read_trainer_state
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from flexrl_ds.loader.metastore import PromptKey
+from flexrl_ds.models import policy_update
 from flexrl_ds.models import weights as model_weights
 from flexrl_ds.models import zero3
 from flexrl_ds.models.flex_model import build_step_batch, place_rank
@@ -42,7 +43,6 @@ from flexrl_ds.parallel.launch import ensure_deepspeed_comm
 from flexrl_ds.planning.plan import parse_plan
 from flexrl_ds.runtime.rank_pixels import FetchedRows, unit_requests
 from flexrl_ds.runtime.worker_group import WorkerPlace
-from flexrl_ds.trainer.rank_loss import local_values, rank_grpo_loss
 from flexrl_ds.trainer.rollout_host import RolloutHost
 
 
@@ -92,8 +92,6 @@ class PassJob:
     """train: per sample, the reference's log-prob of each response token (empty: no KL)."""
     advantages: dict[str, float] = field(default_factory=dict)
     """train: per sample advantage."""
-    denominator: float = 1.0
-    """train: the mini-batch's global loss denominator (response tokens, or sequences)."""
 
 
 def _seed_everything(seed: int) -> None:
@@ -178,23 +176,24 @@ class PolicyWorker:
         engine = self.reference if job.model == "reference" else self.policy
         batch = self._batch(job)
         with torch.no_grad():
-            logprobs = engine(batch)[0]
+            logprobs = engine(batch).logprobs
         pieces: dict[str, list] = {}
         for seq_id, lo, hi, local in batch.layout.segments():
             pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].float().cpu().tolist()))
         return pieces
 
     def train(self, job: PassJob) -> dict[str, float]:
-        """One mini-batch update; summed statistics of this rank plus the global grad norm."""
+        """One mini-batch update (models/policy_update.train_step); the mini-batch's statistics
+        (all-reduced: the same on every rank) and the global grad norm."""
         started = time.perf_counter()
         batch = self._batch(job)
-        tensors = local_values(batch, job.samples, job.old_logprobs, job.ref_logprobs, job.advantages)
-        loss, stats = rank_grpo_loss(self.policy, batch, tensors, self.setup.rl, job.denominator,
-                                     world_size=self.place.world_size)
-        self.policy.backward(loss)
-        self.policy.step()
-        norm = self.policy.get_global_grad_norm()
-        stats["grad_norm"] = float(norm) if norm is not None else float("nan")
+        old = policy_update.local_response_values(batch, job.old_logprobs)
+        ref = policy_update.local_response_values(batch, job.ref_logprobs) if job.ref_logprobs else None
+        advantages = policy_update.local_response_values(batch, job.advantages)
+        result = policy_update.train_step(self.policy, batch, old, ref, advantages, self.setup.rl,
+                                          policy_update.denominators(batch.response_tokens))
+        stats = policy_update.reduce_stats(result.stats)
+        stats["grad_norm"] = result.grad_norm
         stats["update_s"] = time.perf_counter() - started
         return stats
 

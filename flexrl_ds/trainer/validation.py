@@ -1,6 +1,6 @@
 """Checks a training run's inputs before any worker starts; each failure names its cause.
 
-`check_run(run, model_dir, data_path, num_ranks)` raises ValueError for: a missing model directory,
+`check_run(run, model_dir, num_ranks, config_dir)` raises ValueError for: a missing model directory,
 an inconsistent config (batch not divisible over the ranks, p_max over the SP domain, mini-batches
 that do not divide the prompts, a GRPO estimator that needs n >= 2 with n = 1, a DeepSpeed setting
 the trainer owns), an unknown reward or a missing reward file / function, and a vllm backend on a
@@ -43,9 +43,6 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
     if rl.advantage_estimator in ("group_norm", "rloo") and loader.num_samples_per_prompt < 2:
         raise ValueError(f"flexrl.rl.advantage_estimator {rl.advantage_estimator!r} needs "
                          f"flexrl.data.loader.num_samples_per_prompt >= 2, got {loader.num_samples_per_prompt}")
-    if rl.loss_reduction != "token_mean":
-        raise ValueError(f"flexrl.rl.loss_reduction {rl.loss_reduction!r}: the trainer implements token_mean "
-                         "(the step's response tokens across ranks) only")
 
 
 def check_run(run: Any, model_dir: str, num_ranks: int, config_dir: str | None = None) -> None:

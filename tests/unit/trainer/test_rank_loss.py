@@ -1,4 +1,5 @@
-"""trainer/rank_loss.local_values against a plain per-token reference built from the plan's packs."""
+"""models/policy_update.local_response_values (what the trainer's ranks use) against a plain per-token
+reference built from the plan's packs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.plan import SequenceSpec, Workload
 from flexrl_ds.planning.planner import plan_step
 from flexrl_ds.sp.layout import build_rank_layout
-from flexrl_ds.trainer.rank_loss import local_values
+from flexrl_ds.models.policy_update import local_response_values
 
 WORLD = 4
 LENGTHS = [5000, 40, 300, 5, 1200, 77, 600, 2, 9]
@@ -65,20 +66,21 @@ def test_plan_has_mixed_degrees():
     assert len({pack.degree for pack in plan.packs}) > 1
 
 
+def _batch(layout, samples):
+    return SimpleNamespace(layout=layout, response_tokens={n: s.length - s.response_start for n, s in samples.items()})
+
+
 def test_local_values_match_the_reference_on_every_rank():
     samples, old, ref, adv, _, layouts = _step()
     for layout in layouts:
         owners = _owners(layout)
         assert owners == [(s, p) for s, lo, hi, _ in layout.segments() for p in range(lo, hi)]
         rows = _expected(owners, samples, old, ref, adv)
-        mask = torch.tensor([row[0] for row in rows], dtype=torch.bool)
-        batch = SimpleNamespace(layout=layout, response_mask=mask.to(torch.int64))
-        values = local_values(batch, samples, old, ref, adv)
-        assert values.old_logprobs.shape == (layout.num_local_tokens,)
-        assert values.response_mask.dtype == torch.bool and torch.equal(values.response_mask, mask)
-        assert values.old_logprobs.tolist() == [row[1] for row in rows]
-        assert values.ref_logprobs.tolist() == [row[2] for row in rows]
-        assert values.advantages.tolist() == [row[3] for row in rows]
+        batch = _batch(layout, samples)
+        for values, column in ((old, 1), (ref, 2), (adv, 3)):
+            local = local_response_values(batch, values)
+            assert local.shape == (layout.num_local_tokens,)
+            assert local.tolist() == [row[column] for row in rows]
 
 
 def test_union_over_ranks_covers_each_response_token_once():
@@ -87,12 +89,10 @@ def test_union_over_ranks_covers_each_response_token_once():
     for layout in layouts:
         owners = _owners(layout)
         rows = _expected(owners, samples, old, ref, adv)
-        mask = torch.tensor([row[0] for row in rows], dtype=torch.bool)
-        values = local_values(SimpleNamespace(layout=layout, response_mask=mask), samples, old, {}, adv)
-        assert values.ref_logprobs is None
-        for (seq_id, _), keep, value, advantage in zip(owners, mask.tolist(), values.old_logprobs.tolist(),
-                                                       values.advantages.tolist()):
-            if keep:
+        batch = _batch(layout, samples)
+        local_old, local_adv = local_response_values(batch, old), local_response_values(batch, adv)
+        for (seq_id, _), row, value, advantage in zip(owners, rows, local_old.tolist(), local_adv.tolist()):
+            if row[0]:
                 assert advantage == adv[seq_id]
                 seen[(seq_id, value)] = seen.get((seq_id, value), 0) + 1
             else:
