@@ -72,10 +72,13 @@ def _result(name: str, workload: Workload, degrees: np.ndarray, starts: np.ndarr
             p_max: int, cost: CostModel, limits: PackingLimits) -> MethodResult:
     from flexrl_ds.planning.planner import build_plan  # planner imports nothing from here
 
-    plan = build_plan(workload.sequences, degrees, starts, world_size, max(p_max, int(degrees.max())), limits)
+    heads = (cost.num_heads, cost.num_kv_heads)
+    plan = build_plan(workload.sequences, degrees, starts, world_size, max(p_max, int(degrees.max())), limits,
+                      heads if int(degrees.max()) <= cost.num_heads else None)
     tokens = np.array([s.tokens for s in workload.sequences], dtype=float)
     metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=p_max, c=cost.c,
-                              num_packs=len(plan.packs))
+                              num_packs=len(plan.packs), num_heads=heads[0] if plan.packs[0].heads else None,
+                              num_kv_heads=heads[1])
     return MethodResult(name, plan, metrics)
 
 

@@ -1,7 +1,8 @@
 """Balance metrics of a plan (plan-schema.md "Metrics"); pure, numpy only.
 
-Per rank, a sequence of `L` tokens in a pack of degree `d` contributes `L²/d` attention,
-`(L² + c·L)/d` cost and `L/d` tokens to each rank of its group. A balance ratio is max ÷ mean over
+Per rank, a sequence of `L` tokens in a pack of degree `d` contributes `L²·h_r/H` attention (h_r of
+the model's H query heads on that rank, as the executor splits them; `L²/d` without head counts),
+`L²·h_r/H + c·L/d` cost and `L/d` tokens to each rank of its group. A balance ratio is max ÷ mean over
 ranks; efficiency is the lower bound `max(Σ cost / W, max_s cost(s) / p_max)` ÷ the max rank cost;
 all-to-all volume is `Σ L·(d−1)/d`, also given relative to fixed SP at `p_max` (every sequence
 sharded at `min(p_max, W)`).
@@ -23,6 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from flexrl_ds.planning.heads import heads_per_rank, kv_heads_held
 from flexrl_ds.planning.plan import Plan
 
 
@@ -69,6 +71,36 @@ class PlanMetrics:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["degree_histogram"] = {str(k): v for k, v in sorted(self.degree_histogram.items())}
         return out
+
+
+def head_shares(num_heads: int | None, num_kv_heads: int | None, degree: int) -> np.ndarray:
+    """Share of a sequence's attention each rank of a degree-`degree` group does: its query heads
+    ÷ all (the executor's split, planning/heads.py); an even 1/d without head counts."""
+    if num_heads is None or degree == 1:
+        return np.full(degree, 1.0 / degree)
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    return np.asarray(heads_per_rank(num_heads, kv, degree), dtype=float) / num_heads
+
+
+def kv_traffic_factor(num_heads: int | None, num_kv_heads: int | None, degree: int) -> float:
+    """All-to-all traffic of a degree-`degree` pack ÷ that without KV replication: q, k, v and the
+    output carry 2·H + 2·(KV heads held over the group) head vectors per token instead of 2·H + 2·KV."""
+    if num_heads is None or degree == 1:
+        return 1.0
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    return (2 * num_heads + 2 * kv_heads_held(num_heads, kv, degree)) / (2 * num_heads + 2 * kv)
+
+
+def rank_head_sums(values: np.ndarray, degrees: np.ndarray, starts: np.ndarray, world_size: int,
+                   num_heads: int | None, num_kv_heads: int | None) -> np.ndarray:
+    """Per-rank Σ value × the rank's head share (`head_shares`) over items on ranks [start, start+d)."""
+    out = np.zeros(world_size)
+    values, degrees, starts = np.asarray(values, dtype=float), np.asarray(degrees), np.asarray(starts)
+    for degree in np.unique(degrees).tolist():
+        on = degrees == degree
+        for offset, share in enumerate(head_shares(num_heads, num_kv_heads, int(degree)).tolist()):
+            np.add.at(out, starts[on] + offset, values[on] * share)
+    return out
 
 
 def rank_sums(values: np.ndarray, degrees: np.ndarray, starts: np.ndarray, world_size: int) -> np.ndarray:
@@ -181,15 +213,18 @@ def _ratio(loads: np.ndarray) -> float:
 
 
 def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray, *, world_size: int,
-                    p_max: int, c: float, num_packs: int) -> PlanMetrics:
-    """Metrics from per-sequence arrays: tokens L, degree d, first rank of the group."""
+                    p_max: int, c: float, num_packs: int, num_heads: int | None = None,
+                    num_kv_heads: int | None = None) -> PlanMetrics:
+    """Metrics from per-sequence arrays: tokens L, degree d, first rank of the group. With head
+    counts, a rank's attention is L² × its query heads ÷ all (the executor's split, not L²/d) and
+    the all-to-all volume counts replicated KV heads (`kv_traffic_factor`)."""
     tokens = np.asarray(tokens, dtype=float)
     degrees = np.asarray(degrees, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
     attention = tokens * tokens
     cost = attention + c * tokens
-    rank_cost = rank_sums(cost, degrees, starts, world_size)
-    rank_attention = rank_sums(attention, degrees, starts, world_size)
+    rank_attention = rank_head_sums(attention, degrees, starts, world_size, num_heads, num_kv_heads)
+    rank_cost = rank_attention + rank_sums(c * tokens, degrees, starts, world_size)
     rank_tokens = rank_sums(tokens, degrees, starts, world_size)
     p_eff = min(p_max, world_size)
     lower_bound = max(float(cost.sum()) / world_size, float(cost.max()) / p_eff)
@@ -198,8 +233,9 @@ def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
     attention_floor = max(mean_attention, float(attention.max()) / p_eff,
                           split_bound(attention, num_blocks) / p_eff)
     cost_floor = max(lower_bound, split_bound(cost, num_blocks) / p_eff)
-    volume = float((tokens * (degrees - 1) / degrees).sum())
-    fixed = float(tokens.sum()) * (p_eff - 1) / p_eff
+    factor = {int(d): kv_traffic_factor(num_heads, num_kv_heads, int(d)) for d in np.unique(degrees)}
+    volume = float((tokens * (degrees - 1) / degrees * np.array([factor[d] for d in degrees.tolist()])).sum())
+    fixed = float(tokens.sum()) * (p_eff - 1) / p_eff * kv_traffic_factor(num_heads, num_kv_heads, p_eff)
     values, counts = np.unique(degrees, return_counts=True)
     return PlanMetrics(
         attention_balance=_ratio(rank_attention), cost_balance=_ratio(rank_cost),
@@ -214,8 +250,9 @@ def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
     )
 
 
-def plan_metrics(plan: Plan, tokens_by_id: Mapping[str, int], c: float) -> PlanMetrics:
-    """Metrics of a plan file given each sequence's token count."""
+def plan_metrics(plan: Plan, tokens_by_id: Mapping[str, int], c: float, num_heads: int | None = None,
+                 num_kv_heads: int | None = None) -> PlanMetrics:
+    """Metrics of a plan file given each sequence's token count (and the model's head counts)."""
     tokens, degrees, starts = [], [], []
     for pack in plan.packs:
         for seq_id in pack.sequences:
@@ -223,4 +260,5 @@ def plan_metrics(plan: Plan, tokens_by_id: Mapping[str, int], c: float) -> PlanM
             degrees.append(pack.degree)
             starts.append(pack.ranks[0])
     return compute_metrics(np.array(tokens), np.array(degrees), np.array(starts), world_size=plan.world_size,
-                           p_max=plan.p_max, c=c, num_packs=len(plan.packs))
+                           p_max=plan.p_max, c=c, num_packs=len(plan.packs), num_heads=num_heads,
+                           num_kv_heads=num_kv_heads)

@@ -16,38 +16,24 @@ off the busiest block while its cost drops, then moves/swaps lowering the busies
 attention while no block's cost exceeds a ceiling; where attention is still more than 1 % above
 max(goal, partition bound), rounds of exchanges — one item of a block above the goal for up to
 two of a block below it, the 2-for-1 swaps that move attention at equal cost — lower it without
-raising the busiest block's cost. `split_block` does (2) by recursive halving under per-rank rooms
-(cost, attention, tokens): on a block of `b` ranks the `k` largest shardable sequences stay at
-degree `b` (the same share on every rank), the others are split over the two halves (greedy or
-snake order, then move/swap repair) so that both fit the rooms left; the smallest `k` that works is
-taken (exponential, then binary search), so only what balance needs is sharded. Each half recurses
-with the room the degree-`b` sequences left.
+raising the busiest block's cost. `split_block` (split.py) does (2) by recursive halving.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
-from dataclasses import dataclass
 
 import numpy as np
 
 from flexrl_ds.planning.metrics import partition_bound
+from flexrl_ds.planning.split import SLACK, CapacityError, Items, split_block  # noqa: F401  (re-exported)
 
 ATTENTION_SHARE_2D = 0.02
 """In the 2-D block LPT, sequences above this share of a block's mean attention are placed 2-D."""
 SWAP_BLOCKS = 8
 """Block refinement looks for swap partners on this many least-loaded blocks (keeps a step O(n))."""
-FIX_STEPS = 4
-"""Move/swap steps that try to repair a greedy two-way split exceeding its rooms."""
 FIX_SAMPLE = 192
 """Block refinement considers at most this many givers and takers per step (evenly sampled)."""
-SNAKE_ABOVE = 64
-"""Two-way splits of more items than this start from the snake order (numpy) instead of greedy."""
-SMALL_REPAIR = 64
-"""Two-way splits of at most this many items are repaired in plain Python (numpy overhead)."""
-SLACK = 1e-9
-"""Relative slack on room checks (float rounding)."""
 EXCHANGE_STEPS = 8
 """Upper bound on the rounds of attention exchanges after the block partition (~5 ms a round)."""
 EXCHANGE_GAP = 0.01
@@ -56,27 +42,6 @@ PAIR_GIVERS = 8
 """Attention exchanges consider at most this many items of the busiest block (evenly sampled) ..."""
 PAIR_TAKERS = 8
 """... and this many of every other block (all their pairs are tried: keeps a step small)."""
-
-
-class CapacityError(ValueError):
-    """No block can take a sequence under the per-rank token cap (args[0]: the sequence index)."""
-
-
-@dataclass
-class Items:
-    """Per-sequence quantities (indexed by sequence) and the placement being built."""
-
-    values: np.ndarray
-    """(3, n): cost L² + c·L, attention L², tokens L of each whole sequence."""
-    pinned: np.ndarray
-    """(n,) bool: sequence kept at degree 1 unless the token cap needs more."""
-    degrees: np.ndarray
-    """(n,) degree chosen for each sequence."""
-    starts: np.ndarray
-    """(n,) first rank of each sequence's block."""
-
-    def __post_init__(self) -> None:
-        self.cost, self.attention, self.tokens = (row.tolist() for row in self.values)
 
 
 def partition_blocks(items: Items, num_blocks: int, block_size: int, token_cap: float, steps: int,
@@ -287,211 +252,6 @@ def _apply_exchanges(blocks, attention, score, give, home, first, second, partne
             if taken >= 0:
                 blocks[taken] = block
     return done
-
-
-def split_block(items: Items, members: list[int], first: int, size: int, room: tuple[float, float, float]) -> None:
-    """Place `members` (sorted by decreasing cost) on ranks [first, first+size) under per-rank
-    `room` (cost, attention, tokens) by recursive halving (module doc). Soft rooms (cost,
-    attention) may be exceeded when pinned sequences leave no choice; the token room is hard."""
-    if not members:
-        return
-    if size == 1:
-        items.degrees[members] = 1
-        items.starts[members] = first
-        return
-    shardable = [i for i in members if not items.pinned[i]]
-    attempt = _search_k(items, members, shardable, size, room)
-    if attempt[4][2] > 0 and any(items.pinned[i] for i in members):
-        # The token cap is hard: release pinned sequences (degree `size` for all always fits).
-        shardable = list(members)
-        attempt = _search_k(items, members, shardable, size, room)
-    k, rest_room, left, right, _ = attempt
-    top = shardable[:k]
-    items.degrees[top] = size
-    items.starts[top] = first
-    half = size // 2
-    split_block(items, left, first, half, rest_room)
-    split_block(items, right, first + half, half, rest_room)
-
-
-def _search_k(items: Items, members: list[int], shardable: list[int], size: int, room):
-    """Smallest k (exponential, then binary search) whose split fits; else the least-excess try."""
-    tried: dict[int, tuple] = {}
-
-    def run(k: int):
-        if k not in tried:
-            tried[k] = _attempt(items, members, shardable, k, size, room)
-        return tried[k]
-
-    fits = lambda result: max(result[4]) <= 0  # noqa: E731
-    if fits(run(0)):
-        return tried[0]
-    low, high = 0, None
-    k = 1
-    while k < len(shardable):
-        if fits(run(k)):
-            high = k
-            break
-        low, k = k, 2 * k
-    if high is None:
-        if not fits(run(len(shardable))):
-            return min(tried.values(), key=lambda r: (r[4][2] > 0, max(r[4]), r[0]))
-        high = len(shardable)
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(run(middle)):
-            high = middle
-        else:
-            low = middle
-    return tried[high]
-
-
-def _attempt(items: Items, members: list[int], shardable: list[int], k: int, size: int, room):
-    """(k, room left per rank, left half, right half, (cost/attn excess, 0, token excess))."""
-    top = shardable[:k]
-    chosen = set(top)
-    rest = [i for i in members if i not in chosen] if k else members
-    used = [sum(column[i] for i in top) / size for column in (items.cost, items.attention, items.tokens)]
-    left_room = tuple(r - u for r, u in zip(room, used))
-    half = size // 2
-    left, right, excess = _bisect(items, rest, tuple(r * half for r in left_room))
-    return k, left_room, left, right, excess
-
-
-def _bisect(items: Items, rest: list[int], half_room: tuple[float, float, float]):
-    """Greedy two-way split of `rest` (decreasing cost) minimising the larger normalised load, then
-    a few repair moves/swaps. Returns (left, right, (soft excess, 0, token excess)); excess ≤ 0 fits."""
-    scale = tuple(0.0 if r == float("inf") else 1.0 / max(r, 1e-30) for r in half_room)
-    if len(rest) > SNAKE_ABOVE:
-        return _bisect_snake(items, rest, scale)
-    sc, sa, st = scale
-    cost, attention, tokens = items.cost, items.attention, items.tokens
-    left, right = [], []
-    lc = la = lt = rc = ra = rt = 0.0
-    for i in rest:
-        c, a, t = cost[i], attention[i], tokens[i]
-        if max((lc + c) * sc, (la + a) * sa, (lt + t) * st) <= max((rc + c) * sc, (ra + a) * sa, (rt + t) * st):
-            left.append(i)
-            lc, la, lt = lc + c, la + a, lt + t
-        else:
-            right.append(i)
-            rc, ra, rt = rc + c, ra + a, rt + t
-    loads = [[lc, la, lt], [rc, ra, rt]]
-    if _excess(loads, scale)[0] > 0 and len(rest) > 1:
-        repair = _repair_small if len(rest) <= SMALL_REPAIR else _repair
-        left, right, loads = repair(items, left, right, loads, scale)
-    return left, right, _excess(loads, scale)
-
-
-def _bisect_snake(items: Items, rest: list[int], scale):
-    """Many items: snake order (L R R L L R R L …, in decreasing cost; each half within one item of
-    the other) as one numpy step, then the sorted-search repair."""
-    index = np.asarray(rest, dtype=np.int64)
-    to_left = (np.arange(len(index)) + 1) % 4 < 2
-    loads = np.stack([items.values[:, index[to_left]].sum(axis=1), items.values[:, index[~to_left]].sum(axis=1)])
-    left, right = index[to_left].tolist(), index[~to_left].tolist()
-    if _excess(loads.tolist(), scale)[0] > 0:
-        left, right, loads = _repair(items, left, right, loads, scale)
-    return left, right, _excess(loads if isinstance(loads, list) else loads.tolist(), scale)
-
-
-def _excess(loads, scale) -> tuple[float, float, float]:
-    sc, sa, st = scale  # per-dimension 1/room (0: no room limit)
-    soft = max(loads[0][0] * sc, loads[0][1] * sa, loads[1][0] * sc, loads[1][1] * sa) - 1 - SLACK
-    hard = max(loads[0][2], loads[1][2]) * st - 1 - SLACK if st else -1.0
-    return max(soft, hard), 0.0, hard
-
-
-def _repair_small(items: Items, left: list[int], right: list[int], loads, scale):
-    """`_repair` for a few items in plain Python: per giver, the two takers (or a plain move) whose
-    value in the most loaded dimension is nearest to evening the halves (bisect), scored on all."""
-    sides = [list(left), list(right)]
-    loads = [list(loads[0]), list(loads[1])]
-    sc, sa, st = scale
-    columns = (items.cost, items.attention, items.tokens)
-    for _ in range(FIX_STEPS):
-        normalised = [max(side[0] * sc, side[1] * sa, side[2] * st) for side in loads]
-        current = max(normalised)
-        if current <= 1 + SLACK:
-            break
-        heavy = 0 if normalised[0] >= normalised[1] else 1
-        (hc, ha, ht), (lc, la, lt) = loads[heavy], loads[1 - heavy]
-        dim = max(range(3), key=lambda k: loads[heavy][k] * scale[k])
-        key = columns[dim]
-        takers = sorted([(0.0, -1)] + [(key[j], j) for j in sides[1 - heavy]])
-        values = [v for v, _ in takers]
-        half_gap = (loads[heavy][dim] - loads[1 - heavy][dim]) / 2
-        best, choice = current * (1 - SLACK), None
-        for i in sides[heavy]:
-            spot = bisect.bisect_left(values, key[i] - half_gap)
-            for position in (spot - 1, spot):
-                if not 0 <= position < len(takers):
-                    continue
-                j = takers[position][1]
-                dc = items.cost[i] - (items.cost[j] if j >= 0 else 0.0)
-                da = items.attention[i] - (items.attention[j] if j >= 0 else 0.0)
-                dt = items.tokens[i] - (items.tokens[j] if j >= 0 else 0.0)
-                score = max((hc - dc) * sc, (ha - da) * sa, (ht - dt) * st,
-                            (lc + dc) * sc, (la + da) * sa, (lt + dt) * st)
-                if score < best:
-                    best, choice = score, (i, j, dc, da, dt)
-        if choice is None:
-            break
-        i, j, dc, da, dt = choice
-        sides[heavy].remove(i)
-        sides[1 - heavy].append(i)
-        if j >= 0:
-            sides[1 - heavy].remove(j)
-            sides[heavy].append(j)
-        loads[heavy] = [hc - dc, ha - da, ht - dt]
-        loads[1 - heavy] = [lc + dc, la + da, lt + dt]
-    cost = items.cost
-    return sorted(sides[0], key=lambda i: -cost[i]), sorted(sides[1], key=lambda i: -cost[i]), loads
-
-
-def _repair(items: Items, left: list[int], right: list[int], loads: np.ndarray, scale):
-    """Moves/swaps between the halves while the larger normalised load drops. Per step, in the most
-    loaded dimension, each giver is paired with the takers whose value is nearest to leaving both
-    halves even (sorted search, O(n log n)); all dimensions then score those pairs."""
-    scale_vec = np.asarray(scale)
-    loads = np.array(loads)
-    sides = [np.array(left, dtype=np.int64), np.array(right, dtype=np.int64)]
-    for _ in range(FIX_STEPS):
-        normalised = loads * scale_vec
-        current = float(normalised.max())
-        if current <= 1 + SLACK:
-            break
-        heavy = int(np.argmax(normalised.max(axis=1)))
-        light = 1 - heavy
-        dim = int(np.argmax(normalised[heavy]))
-        give, take = sides[heavy], sides[light]
-        take_values = np.concatenate([[0.0], items.values[dim, take]])  # 0: a plain move
-        sorted_at = np.argsort(take_values, kind="stable")
-        wanted = items.values[dim, give] - (loads[heavy, dim] - loads[light, dim]) / 2
-        spot = np.searchsorted(take_values[sorted_at], wanted)
-        pairs_give = np.concatenate([np.arange(len(give))] * 2)
-        pairs_take = sorted_at[np.clip(np.concatenate([spot - 1, spot]), 0, len(take_values) - 1)]
-        taken = np.concatenate([np.zeros((3, 1)), items.values[:, take]], axis=1)[:, pairs_take]
-        delta = items.values[:, give[pairs_give]] - taken
-        score = np.maximum(((loads[heavy][:, None] - delta) * scale_vec[:, None]).max(axis=0),
-                           ((loads[light][:, None] + delta) * scale_vec[:, None]).max(axis=0))
-        best = int(np.argmin(score))
-        if score[best] >= current * (1 - SLACK):
-            break
-        moved, back = int(give[pairs_give[best]]), int(pairs_take[best]) - 1
-        back = int(take[back]) if back >= 0 else -1
-        sides[heavy] = sides[heavy][sides[heavy] != moved]
-        sides[light] = np.append(sides[light], moved)
-        loads[heavy] -= items.values[:, moved]
-        loads[light] += items.values[:, moved]
-        if back >= 0:
-            sides[light] = sides[light][sides[light] != back]
-            sides[heavy] = np.append(sides[heavy], back)
-            loads[light] -= items.values[:, back]
-            loads[heavy] += items.values[:, back]
-    order = items.values[0]
-    return (sorted(sides[0].tolist(), key=lambda i: -order[i]),
-            sorted(sides[1].tolist(), key=lambda i: -order[i]), loads.tolist())
 
 
 def _sample(side: np.ndarray, limit: int = FIX_SAMPLE) -> np.ndarray:

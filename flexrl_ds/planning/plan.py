@@ -100,6 +100,9 @@ class Pack:
     degree: int
     ranks: tuple[int, ...]
     sequences: tuple[str, ...]
+    heads: tuple[int, ...] = ()
+    """Query heads each rank of `ranks` holds, in that order (the executor's split); () when unknown
+    (plan files written before this field)."""
 
     @property
     def group_index(self) -> int:
@@ -130,7 +133,8 @@ class Plan:
             "world_size": self.world_size,
             "p_max": self.p_max,
             "packs": [
-                {"id": p.id, "degree": p.degree, "ranks": list(p.ranks), "sequences": list(p.sequences)}
+                {"id": p.id, "degree": p.degree, "ranks": list(p.ranks), "sequences": list(p.sequences),
+                 **({"heads": list(p.heads)} if p.heads else {})}
                 for p in self.packs
             ],
             "rank_order": {str(r): list(self.rank_order.get(r, ())) for r in range(self.world_size)},
@@ -148,7 +152,7 @@ def parse_plan(raw: Any, source: str = "plan") -> Plan:
     try:
         packs = tuple(
             Pack(id=int(p["id"]), degree=int(p["degree"]), ranks=tuple(int(r) for r in p["ranks"]),
-                 sequences=tuple(str(s) for s in p["sequences"]))
+                 sequences=tuple(str(s) for s in p["sequences"]), heads=tuple(int(h) for h in p.get("heads", ())))
             for p in raw["packs"]
         )
         rank_order = {int(r): tuple(int(i) for i in ids) for r, ids in raw["rank_order"].items()}
@@ -187,6 +191,9 @@ def validate_plan(plan: Plan, workload: Workload | Iterable[str] | None = None) 
             raise ValueError(f"{where}: ranks {list(pack.ranks)} are not an aligned block of {pack.degree}")
         if not pack.sequences:
             raise ValueError(f"{where}: has no sequences")
+        if pack.heads and (len(pack.heads) != pack.degree or min(pack.heads) < 1):
+            raise ValueError(f"{where}: heads {list(pack.heads)} must give >= 1 query head to each of its "
+                             f"{pack.degree} ranks")
         for seq_id in pack.sequences:
             if seq_id in placed:
                 raise ValueError(f"plan: sequence {seq_id!r} is in packs {placed[seq_id]} and {pack.id}")

@@ -60,12 +60,14 @@ import numpy as np
 
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import CostModel
-from flexrl_ds.planning.heads import max_degree_for_heads
+from flexrl_ds.planning.heads import heads_per_rank, max_degree_for_heads
 from flexrl_ds.planning.attention_repair import repair_attention
 from flexrl_ds.planning.attention_search import search_partition
-from flexrl_ds.planning.metrics import PlanMetrics, attention_cost_infeasible, compute_metrics, partition_bound, rank_sums
+from flexrl_ds.planning.metrics import (PlanMetrics, attention_cost_infeasible, compute_metrics, head_shares,
+                                        partition_bound)
 from flexrl_ds.planning.packing import PackingLimits, pack_group, packing_limits
-from flexrl_ds.planning.placement import CapacityError, Items, partition_blocks, split_block
+from flexrl_ds.planning.placement import partition_blocks
+from flexrl_ds.planning.split import CapacityError, Items, rank_costs, split_block
 from flexrl_ds.planning.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
 from flexrl_ds.planning.schedule import hsf_key, hsf_rank_order
 
@@ -198,31 +200,64 @@ def apply_oversize(workload: Workload, sp: SPConfig, max_degree: int
 
 
 def nested_layout(tokens: np.ndarray, c: float, allowed: tuple[int, ...], world_size: int, token_cap: float,
-                  options: PlannerOptions) -> tuple[np.ndarray, np.ndarray]:
+                  options: PlannerOptions, heads: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(degree, first rank) of every sequence: p-block partition, then recursive halving under
-    per-rank rooms (placement.py; module docstring)."""
+    per-rank rooms (placement.py, split.py; module docstring). `heads` (query, KV): each rank is
+    costed by the query heads it holds (planning/heads.py); None: an even split."""
     block_size = allowed[-1]
     assert allowed == tuple(1 << k for k in range(len(allowed))), allowed  # a prefix of powers of two
     num_blocks = world_size // block_size
     values = np.stack([tokens * tokens + c * tokens, tokens * tokens, tokens])
+    shares = {d: head_shares(*(heads or (None, None)), d) for d in allowed}
     items = Items(values, tokens < options.min_shard_tokens, np.ones(len(tokens), dtype=np.int64),
-                  np.zeros(len(tokens), dtype=np.int64))
-    blocks = partition_blocks(items, num_blocks, block_size, token_cap, options.refine_steps,
-                              options.balance_tolerance / 2, options.attention_goal)
+                  np.zeros(len(tokens), dtype=np.int64), shares=shares)
+    # Blocks are balanced on what a block's busiest rank does at fixed SP under the true head split
+    # (attention × p × the largest head share at p: 8/7 for 28 heads at p = 8), not on L² + c·L.
+    weight = block_size * items.busiest_share(block_size)
+    fixed_values = np.stack([values[0] + (weight - 1) * values[1], values[1], values[2]])
+    blocks = partition_blocks(replace(items, values=fixed_values), num_blocks, block_size, token_cap,
+                              options.refine_steps, options.balance_tolerance / 2, options.attention_goal)
     _repair_blocks(values, blocks, num_blocks, block_size * token_cap, options)
-    block_sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
-    tolerance = 1 + options.balance_tolerance
-    room = (float(block_sums[0].max()) / block_size * tolerance,
-            max(float(block_sums[1].max()) / block_size * tolerance,
-                options.attention_goal * float(values[1].sum()) / world_size),
-            token_cap)
     order = np.argsort(-values[0], kind="stable")
     by_block = order[np.argsort(blocks[order], kind="stable")]
     bounds = np.searchsorted(blocks[by_block], np.arange(num_blocks + 1))
     members = [by_block[bounds[b]:bounds[b + 1]].tolist() for b in range(num_blocks)]
-    for block in range(num_blocks):
-        _split_p_block(items, members[block], block * block_size, block_size, room, options)
-    return items.degrees, items.starts
+    items.degrees[:], items.starts[:] = block_size, blocks * block_size  # fixed SP at p on this partition
+    every = np.arange(len(tokens))
+    # The fallback shards every sequence at p: short ones only pay off beyond short_tolerance.
+    slack = options.short_tolerance if items.pinned.any() else options.balance_tolerance
+    best = (float(rank_costs(items, every, 0, world_size).max()), items.degrees.copy(), items.starts.copy())
+    for room in _rooms(items, blocks, num_blocks, block_size, world_size, token_cap, options):
+        items.degrees[:], items.starts[:] = 1, 0
+        items.pinned[:] = tokens < options.min_shard_tokens
+        for block in range(num_blocks):
+            _split_p_block(items, members[block], block * block_size, block_size, room, options)
+        busiest = float(rank_costs(items, every, 0, world_size).max())
+        if busiest <= best[0] * (1 + slack):  # less sharding within the tolerance
+            best = (busiest, items.degrees.copy(), items.starts.copy())
+        if busiest <= room[0] * (1 + 1e-9):
+            break  # the tightest room was met: no looser one can do better
+    return best[1], best[2]
+
+
+def _rooms(items: Items, blocks: np.ndarray, num_blocks: int, block_size: int, world_size: int,
+           token_cap: float, options: PlannerOptions) -> list[tuple[float, float, float]]:
+    """Per-rank rooms (cost, attention, tokens) to split under, tightest first: the busiest block ÷ p
+    (an even split of every block, reachable where heads split evenly), then what fixed SP at p
+    reaches under the true head split (the busiest rank of a degree-p group: linear ÷ p + attention
+    × its head share + the degree-p overheads); both × (1 + balance_tolerance)."""
+    values = items.values
+    sums = np.stack([np.bincount(blocks, weights=row, minlength=num_blocks) for row in values])
+    tolerance = 1 + options.balance_tolerance
+    goal = options.attention_goal * float(values[1].sum()) / world_size
+    share = items.busiest_share(block_size)
+    extra = items.overhead.get(block_size, np.zeros(values.shape[1]))
+    fixed = (sums[0] - sums[1]) / block_size + sums[1] * share + np.bincount(blocks, weights=extra,
+                                                                               minlength=num_blocks)
+    rooms = [(float(sums[0].max()) / block_size * tolerance,
+              max(float(sums[1].max()) / block_size * tolerance, goal), token_cap),
+             (float(fixed.max()) * tolerance, max(float(sums[1].max()) * share * tolerance, goal), token_cap)]
+    return rooms if rooms[1][0] > rooms[0][0] * (1 + 1e-9) else rooms[:1]
 
 
 def _repair_blocks(values: np.ndarray, blocks: np.ndarray, num_blocks: int, token_room: float,
@@ -272,8 +307,7 @@ def _split_p_block(items: Items, members: list[int], first: int, block_size: int
 
 def _busiest(items: Items, members: list[int], first: int, block_size: int) -> float:
     """Cost of the busiest rank of the block [first, first + block_size) holding `members`."""
-    return float(rank_sums(items.values[0, members], items.degrees[members], items.starts[members] - first,
-                           block_size).max())
+    return float(rank_costs(items, members, first, block_size).max())
 
 
 def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig,
@@ -290,15 +324,18 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
             f"max_tokens_per_rank={sp.max_tokens_per_rank}: the step's {int(tokens.sum())} tokens exceed "
             f"{world_size} ranks × the cap")
     try:
-        degrees, starts = nested_layout(tokens, cost.c, allowed, world_size, token_cap, options)
+        degrees, starts = nested_layout(tokens, cost.c, allowed, world_size, token_cap, options,
+                                        (cost.num_heads, cost.num_kv_heads))
     except CapacityError as error:
         seq = planned.sequences[error.args[0]]
         raise ValueError(
             f"sequence {seq.id!r}: no group of ranks has room for its {seq.tokens} tokens under "
             f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
-    plan = build_plan(planned.sequences, degrees, starts, world_size, sp.p_max, limits)
+    plan = build_plan(planned.sequences, degrees, starts, world_size, sp.p_max, limits,
+                      (cost.num_heads, cost.num_kv_heads))
     metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=allowed[-1],
-                              c=cost.c, num_packs=len(plan.packs))
+                              c=cost.c, num_packs=len(plan.packs), num_heads=cost.num_heads,
+                              num_kv_heads=cost.num_kv_heads)
     extra = {"metrics": metrics.summary(), "cost_model": {"name": cost.name, "c": cost.c},
              "degree_cap": degree_cap(world_size, sp, cost, allowed),
              "h_pack": limits.h_pack, "H_pack": limits.H_pack, "head_rule": options.head_rule,
@@ -308,8 +345,9 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
 
 
 def build_plan(sequences: tuple[SequenceSpec, ...], degrees: np.ndarray, starts: np.ndarray,
-               world_size: int, p_max: int, limits: PackingLimits) -> Plan:
-    """Group sequences by block, pack them, number packs in HSF order, derive rank_order."""
+               world_size: int, p_max: int, limits: PackingLimits, heads: tuple[int, int] | None = None) -> Plan:
+    """Group sequences by block, pack them, number packs in HSF order, derive rank_order; with
+    `heads` (query, KV) every pack records the query heads each of its ranks holds."""
     groups: dict[tuple[int, int], list[int]] = {}
     for index, (degree, start) in enumerate(zip(degrees.tolist(), starts.tolist())):
         groups.setdefault((degree, start), []).append(index)
@@ -319,7 +357,8 @@ def build_plan(sequences: tuple[SequenceSpec, ...], degrees: np.ndarray, starts:
     for (degree, start), members in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
         ranks = tuple(range(start, start + degree))
         for pack_members in pack_group(members, tokens, limits):
-            packs.append(Pack(len(packs), degree, ranks, tuple([ids[i] for i in pack_members])))
+            held = heads_per_rank(*heads, degree) if heads else ()
+            packs.append(Pack(len(packs), degree, ranks, tuple([ids[i] for i in pack_members]), held))
     assert [p.id for p in sorted(packs, key=hsf_key)] == list(range(len(packs)))
     return Plan(world_size=world_size, p_max=p_max, packs=tuple(packs),
                 rank_order=hsf_rank_order(packs, world_size))

@@ -69,7 +69,10 @@ def test_lpt_and_fixed_sp_degrees_and_volume():
         sp = fixed_sp(workload, 8, COST, degree, 8)
         validate_plan(sp.plan, workload)
         assert sp.metrics.degree_histogram == {degree: 64}
-        assert sp.metrics.all_to_all_relative == pytest.approx(((degree - 1) / degree) / (7 / 8))
+        # KV heads replicated at degree 8 (4 KV heads): each token's q/k/v/output carry
+        # 2·28 + 2·8 head vectors there instead of 2·28 + 2·4.
+        replicated = 72 / 64 if degree == 8 else 1.0
+        assert sp.metrics.all_to_all_relative == pytest.approx(((degree - 1) / degree * replicated) / (7 / 8 * 72 / 64))
     with pytest.raises(ValueError, match="degree 3"):
         fixed_sp(workload, 8, COST, 3, 8)
 
