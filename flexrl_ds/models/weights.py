@@ -40,10 +40,22 @@ def _gathered(params: list[torch.nn.Parameter]):
     return contextlib.nullcontext()
 
 
+def hf_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside a DeepSpeed engine (`.module`) and/or a FlexUlyssesLM (`.hf_model`)."""
+    for attribute in ("module", "hf_model"):
+        inner = getattr(module, attribute, None)
+        if isinstance(inner, torch.nn.Module):
+            module = inner
+    return module
+
+
 def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Successive buckets of (HF name, full CPU tensor), each about `bucket_bytes` (collective)."""
+    """Successive buckets of (HF name, full CPU tensor), each about `bucket_bytes` (collective).
+
+    `module`: the HF model, or an engine / FlexUlyssesLM around it (names never carry their prefix)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
+    module = hf_module(module)
     bucket: list[tuple[str, torch.nn.Parameter]] = []
     size = 0
     for name, param in module.named_parameters():
@@ -61,13 +73,20 @@ def _gather(bucket: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, tor
         return [(name, param.detach().to("cpu", copy=True)) for name, param in bucket]
 
 
-def save_hf_export(module: torch.nn.Module, out_dir: str | Path, model_dir: str | Path, rank: int = 0,
+def save_hf_export(module: torch.nn.Module, out_dir: str | Path, model_dir: str | Path, rank: int | None = None,
                    bucket_bytes: int = 512 * 2**20) -> None:
-    """Write `module` (an HF model, ZeRO-3 partitioned or not) as an HF directory at `out_dir`.
+    """Write `module` (an HF model, ZeRO-3 partitioned or not; or an engine around it) as an HF
+    directory at `out_dir`.
 
-    Collective: every rank calls it; rank `rank` == 0 writes. Non-weight files of `model_dir`
-    (tokenizer, chat template, processor configs) are copied."""
+    Collective: every rank calls it; only rank 0 writes (`rank`: this process's rank; None: the
+    torch.distributed rank, 0 without a process group). Non-weight files of `model_dir` (tokenizer,
+    chat template, processor configs) are copied."""
+    import torch.distributed as dist
     from safetensors.torch import save_file
+
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    module = hf_module(module)
 
     state = {}
     for bucket in iter_weight_buckets(module, bucket_bytes):
