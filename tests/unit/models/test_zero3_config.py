@@ -1,0 +1,51 @@
+"""The DeepSpeed JSON goes to deepspeed.initialize as written; trainer-owned settings are refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from flexrl_ds.models.zero3 import check_ds_config
+
+GOOD = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-6, "torch_adam": True}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+}
+
+
+def _with(**changes):
+    config = copy.deepcopy(GOOD)
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    return config
+
+
+def test_a_complete_config_passes_unchanged():
+    config = copy.deepcopy(GOOD)
+    check_ds_config(config, world_size=4)
+    check_ds_config(_with(train_batch_size=4), world_size=4)
+    check_ds_config(_with(optimizer=None, scheduler=None), world_size=4, train=False)
+    assert config == GOOD
+
+
+@pytest.mark.parametrize("changes,world,train,key", [
+    (dict(zero_optimization={"stage": 2}), 4, True, "zero_optimization.stage"),
+    (dict(zero_optimization=None), 4, True, "zero_optimization.stage"),
+    (dict(gradient_accumulation_steps=2), 4, True, "gradient_accumulation_steps"),
+    (dict(train_batch_size=8), 4, True, "train_batch_size"),
+    (dict(train_micro_batch_size_per_gpu=None), 4, True, "train_micro_batch_size_per_gpu"),
+    (dict(sequence_parallel_size=2), 4, True, "sequence_parallel_size"),
+    (dict(optimizer=None), 4, True, "optimizer"),
+    (dict(flexrl={"sp": {}}), 4, True, "flexrl"),
+])
+def test_trainer_owned_settings_are_rejected_by_name(changes, world, train, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        check_ds_config(_with(**changes), world_size=world, train=train)
