@@ -1,18 +1,22 @@
-"""`flexrl logprobs --loader shadow`, rank side: pull exactly this rank's vision units from the actors.
+"""A rank's own pixels: pull exactly this rank's vision units from the preprocessing actors.
 
 A rank encodes only its balanced share of the step's vision units (flexrl_ds/models/vision_balance.py:
 an image, or one temporal patch group of a video); the tokens its packs hold need no pixels (their
 embeddings arrive through the vision all-to-all). So the rank
 
 1. computes its units from metadata alone (`flex_model.place_rank`: its layout and vision route,
-   from the model's config, before loading the model; the same placement then builds its batch);
-2. joins the controller's Ray cluster as a driver (unless it joined already), takes the step's `PromptSource`s from the
-   `SourceBoard` (references only), and starts a `Materializer` fetching one `SliceRequest` per run
-   of consecutive units of an item (`unit_requests`) straight from the owning actors' object stores,
-   while the model loads;
-3. after `build_step_batch`, swaps the placeholders of its units' items for `FetchedRows`: the
-   fetched groups, addressable by row ranges like a full `pixel_values` tensor (what
-   `vision_balance.unit_pixels` slices). Rows of groups that were not fetched cannot be read.
+   from the model's config; the same placement then builds its batch);
+2. asks the run's `PixelSource` (runtime/data_controller.py) for one `SliceRequest` per run of
+   consecutive units of an item (`unit_requests`): the service hands it references, its
+   `Materializer` pulls the slices straight from the owning actors' object stores in the
+   background (a slice whose actor died is repaired through the service: re-routed, or withdrawn);
+3. after `build_step_batch`, swaps the placeholders of its units' items for `FetchedRows`
+   (`fetched_items`): the fetched groups, addressable by row ranges like a full `pixel_values`
+   tensor (what `vision_balance.unit_pixels` slices). Rows of groups not fetched cannot be read.
+
+Identity: sequences are named by the caller (a sample name "s3p1k0" in the trainer, a record id in
+`flexrl logprobs`); `prompt_keys` maps each to its prompt's `PromptKey` (where its pixels live).
+Several sequences may share a prompt (the n GRPO samples): each gets the prompt's rows.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 
 import torch
 
+from flexrl_ds.loader.materializer import SliceRequest
+from flexrl_ds.loader.metastore import PromptKey
 from flexrl_ds.models.flex_model import place_rank
 
 
@@ -66,8 +72,6 @@ def rank_units(model_config, plan, samples: Mapping[str, Any], rank: int) -> tup
 
 def unit_requests(units: Sequence[Any], prompt_keys: Mapping[str, Any]) -> list[Any]:
     """One `SliceRequest` per run of consecutive temporal groups of one item among `units`."""
-    from flexrl_ds.loader.materializer import SliceRequest
-
     groups: dict[tuple[str, int], list[int]] = {}
     for unit in units:
         groups.setdefault((unit.seq_id, unit.item_index), []).append(unit.t_index)
@@ -85,55 +89,50 @@ def unit_requests(units: Sequence[Any], prompt_keys: Mapping[str, Any]) -> list[
     return requests
 
 
+def fetched_items(samples: Mapping[str, Any], prompt_keys: Mapping[str, PromptKey],
+                  requests: Sequence[SliceRequest], tensors: Sequence[Any]) -> dict[str, list[Any]]:
+    """Sequence id -> its VisionItems, where the items that `requests` fetched (`tensors[i]` for
+    `requests[i]`) carry `FetchedRows`; every sequence of a request's prompt gets its rows."""
+    sequences: dict[PromptKey, list[str]] = {}
+    for seq_id, key in prompt_keys.items():
+        if seq_id in samples:
+            sequences.setdefault(key, []).append(seq_id)
+    runs: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}
+    for request, fetched in zip(requests, tensors):
+        for seq_id in sequences.get(request.prompt, ()):
+            runs.setdefault((seq_id, request.item_index), []).append(
+                (request.t_start, fetched["pixel_values"].float()))
+    items = {seq_id: list(sample.items) for seq_id, sample in samples.items()}
+    for (seq_id, item_index), item_runs in runs.items():
+        item = items[seq_id][item_index]
+        items[seq_id][item_index] = dataclasses.replace(item, pixel_values=FetchedRows(item.grid_thw, item_runs))
+    return items
+
+
 class RankPixels:
-    """This rank's pixel fetch for one step: started before its batch is built, read after."""
+    """This rank's pixel pull for one step: started before its batch is built, read after."""
 
-    def __init__(self, handle, units: Sequence[Any]):
-        import ray
-
-        from flexrl_ds.loader.materializer import Materializer, RayFetcher, WorkerAssignment
-
-        self.handle, self.units = handle, tuple(units)
-        self._joined_ray = not ray.is_initialized()  # ranks of `RankProcesses` joined already
-        if self._joined_ray:
-            ray.init(address=handle.ray_address, namespace=handle.namespace, log_to_driver=False,
-                     configure_logging=False)
-        board = ray.get_actor(handle.board_name, namespace=handle.namespace)
-        sources = ray.get(board.take.remote(), timeout=handle.timeout_s)
-        self.requests = unit_requests(self.units, handle.prompt_keys)
-        needed = {request.prompt for request in self.requests}
-        self.materializer = Materializer(RayFetcher(timeout_s=handle.timeout_s))
-        self.materializer.prefetch(WorkerAssignment(handle.step, tuple(self.requests),
-                                                    {key: sources[key] for key in needed}))
+    def __init__(self, pixels: Any, step: int, prompt_keys: Mapping[str, PromptKey], units: Sequence[Any]):
+        """pixels: the run's `PixelSource`; prompt_keys: sequence id -> its prompt's key."""
+        self.step, self.prompt_keys, self.units = step, dict(prompt_keys), tuple(units)
+        self.requests = unit_requests(self.units, self.prompt_keys)
+        self.materializer = pixels.start(step, self.requests)
         self.stats: dict[str, float] = {}
 
     def items(self, samples: Mapping[str, Any], units: Sequence[Any]) -> dict[str, list[Any]]:
         """seq id -> VisionItems where the items of this rank's units carry `FetchedRows`."""
         assert tuple(units) == self.units, "the batch's vision route differs from the one prefetched"
-        fetched = self.materializer.get(self.handle.step)
+        fetched = self.materializer.get(self.step)
         if fetched.withdrawn:
             raise ValueError(
-                f"step {self.handle.step}: prompt(s) withdrawn after hand-out (decode failed): "
+                f"step {self.step}: prompt(s) withdrawn after hand-out (decode failed): "
                 + "; ".join(f"record {record_id!r}: {reason}"
                             for record_id, reason in fetched.withdrawn_reasons().items())
                 + ". `flexrl logprobs` cannot drop a prompt from a step whose plan is fixed: "
                   "fix or remove the record and run again")
         self.stats = {"pixel_bytes": float(fetched.bytes_fetched), "wait_s": fetched.wait_s,
-                      "num_requests": float(len(self.requests))}
-        seq_of = {key: seq_id for seq_id, key in self.handle.prompt_keys.items()}
-        runs: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}
-        for request, tensors in zip(self.requests, fetched.tensors):
-            runs.setdefault((seq_of[request.prompt], request.item_index), []).append(
-                (request.t_start, tensors["pixel_values"].float()))
-        items = {seq_id: list(sample.items) for seq_id, sample in samples.items()}
-        for (seq_id, item_index), item_runs in runs.items():
-            item = items[seq_id][item_index]
-            items[seq_id][item_index] = dataclasses.replace(item, pixel_values=FetchedRows(item.grid_thw, item_runs))
-        return items
+                      "num_requests": float(len(self.requests)), "num_repairs": float(fetched.num_repairs)}
+        return fetched_items(samples, self.prompt_keys, self.requests, fetched.tensors)
 
     def close(self) -> None:
-        import ray
-
         self.materializer.close()
-        if self._joined_ray:
-            ray.shutdown()

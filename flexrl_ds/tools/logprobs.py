@@ -1,24 +1,30 @@
-"""`flexrl logprobs`: the reference / old-policy pass of GRPO as a tool.
+"""`flexrl logprobs`: the reference / old-policy pass of GRPO as a tool, on the trainer's runtime.
 
 Flow (the planner sees sequence lengths before any forward):
 1. read the records and encode them: tokens + vision items. `--loader shadow` (the training path):
-   Ray preprocessing actors probe and decode the media, this process (the controller) holds only
-   metadata, tokens and object references (flexrl_ds/runtime/shadow_session.py). `--loader local` (the
-   reference): this process decodes everything (flexrl_ds/models/processing.py);
+   the run's data controller (runtime/data_controller.py: a `LoaderService` actor with the
+   `ProxyLoader` and its preprocessing actors) probes and decodes the media; this process (the
+   parent) holds only metadata, tokens and prompt keys (flexrl_ds/tools/shadow_step.py).
+   `--loader local` (the reference): this process decodes everything (flexrl_ds/models/processing.py);
 2. plan the step with the FlexUlysses planner over `--nproc` ranks (`--plan-out` writes it);
-3. spawn N processes (gloo on CPU, NCCL on GPU) that each run the model once over their local tokens
-   with FlexUlysses attention and balanced vision encoding (flexrl_ds/tools/logprob_worker.py). With
-   shadow each rank pulls only its vision units' pixels from the actors (flexrl_ds/runtime/rank_pixels.py);
-   with local every rank receives every sample, pixels included;
-4. rank 0 gathers every rank's pieces and writes one line per record:
+3. run the step on a worker group of N ranks (runtime/: a `RayWorkerGroup` of rank actors for
+   shadow, a `ProcessWorkerGroup` of forked processes for local; gloo on CPU, NCCL on GPU), started
+   before the step is known so that the ranks' start overlaps its loading: each rank runs the model
+   once over its local tokens with FlexUlysses attention and balanced vision encoding
+   (flexrl_ds/tools/logprob_worker.py). With shadow each rank pulls only its vision units' pixels
+   with the controller's `PixelSource` (flexrl_ds/runtime/rank_pixels.py; a slice whose actor died
+   is re-routed through the loader service); with local every rank receives every sample, pixels
+   included;
+4. the parent assembles every rank's pieces and writes one line per record:
    {"id", "input_ids", "response_start", "logprobs"}, logprobs[i] = log p(input_ids[response_start+i]).
 
 With `--loader local --nproc 1` everything runs in this process (no process group); shadow always
-spawns its ranks, so pixels never enter this process.
+starts its ranks, so pixels never enter this process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import pickle
@@ -156,47 +162,103 @@ def run_logprobs(config: LogprobsConfig) -> LogprobsReport:
 def _run_local(config: LogprobsConfig):
     """This process decodes every record; the ranks (started first, loading the model meanwhile)
     receive every sample, pixels included."""
-    from flexrl_ds.tools.logprob_worker import RankProcesses, RankSetup
+    from flexrl_ds.runtime.process_workers import ProcessWorkerGroup
+    from flexrl_ds.tools.logprob_worker import PRELOAD, LogprobWorker, RankSetup
 
     if config.num_procs == 1:
         samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
-        return (samples, *_plan_and_run(config, samples, None, None))
-    with RankProcesses(RankSetup(config.model_dir, config.dtype, config.timeout_s), config.num_procs) as ranks:
+        return (samples, *_plan_and_run(config, samples, None))
+    setup = RankSetup(config.model_dir, config.dtype, config.timeout_s)
+    with ProcessWorkerGroup(LogprobWorker, config.num_procs, {"setup": setup}, name="flexrl logprobs ranks",
+                            timeout_s=config.timeout_s, preload=PRELOAD) as ranks:
         samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
-        return (samples, *_plan_and_run(config, samples, None, ranks))
+        return (samples, *_plan_and_run(config, samples, ranks))
+
+
+RANK_CPUS = 0.5
+"""Ray CPUs reserved per rank actor of `--loader shadow` (the ranks' threads are not limited by it)."""
+RANK_ENV = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_FORCE_CPU", "FLEXRL_DEBUG")
+"""Environment variables of this process the rank actors get too."""
 
 
 def _run_shadow(config: LogprobsConfig):
-    """The controller path: metadata here, pixels on the actors, ranks pull their own units. The
-    ranks start (process group, model, Ray) while the actors probe and decode."""
-    from flexrl_ds.tools.logprob_worker import RankProcesses, RankSetup
-    from flexrl_ds.runtime.shadow_session import ShadowSession, ShadowSettings
+    """The parent path: metadata here, pixels on the preprocessing actors (inside the data
+    controller's service), ranks (a Ray worker group) pull their own units. The ranks start
+    (process group, model) while the actors probe and decode."""
+    import ray
 
-    settings = ShadowSettings(num_actors_per_node=config.num_actors, num_cpus_per_actor=config.cpus_per_actor,
-                              timeout_s=config.timeout_s)
-    data_config = None
-    if config.run_config:
-        from flexrl_ds.config.flexrl_config import load_run_config
+    from flexrl_ds.runtime.data_controller import DataController
+    from flexrl_ds.runtime.ray_session import connect_ray, num_alive_nodes
+    from flexrl_ds.tools import shadow_step
 
-        data_config = load_run_config(config.run_config).flexrl.data
-    with ShadowSession(config.model_dir, config.data_path, config.response_key, settings, data_config) as session:
-        setup = RankSetup(config.model_dir, config.dtype, config.timeout_s, *session.ray_address())
-        with RankProcesses(setup, config.num_procs) as ranks:
-            loading = time.perf_counter()
-            step = session.load_step()
-            print(f"probed and decoded {len(step.samples)} records on the actors in "
-                  f"{time.perf_counter() - loading:.1f} s; pixels stay in their object stores", flush=True)
-            try:
-                results, usage = _plan_and_run(config, step.samples, step.handle, ranks)
-            except RuntimeError as error:  # a rank failed: retry once if actors died holding our slices
-                rerouted = session.reroute_lost()
-                if not rerouted:
-                    raise
-                print(f"a rank run failed after preprocessing actors died ({str(error).splitlines()[0][:120]}); "
-                      f"re-routed {rerouted} prompts to live actors, running the ranks again", file=sys.stderr)
-                results, usage = _plan_and_run(config, step.samples, step.handle, None)
-        usage.controller_bytes += session.controller_bytes
-        return step.samples, results, usage, len(session.pool.alive)
+    settings = shadow_step.ShadowSettings(num_actors_per_node=config.num_actors,
+                                          num_cpus_per_actor=config.cpus_per_actor, timeout_s=config.timeout_s)
+    data_config, encoder, records = shadow_step.shadow_inputs(config.model_dir, config.data_path,
+                                                              config.response_key, settings, config.run_config)
+    pool = data_config.pool
+    started = time.perf_counter()
+    started_ray = connect_ray(max(4, int(pool.num_actors_per_node * pool.num_cpus_per_actor
+                                         + config.num_procs * RANK_CPUS) + 2))
+    with contextlib.ExitStack() as stack:
+        if started_ray:
+            stack.callback(ray.shutdown)
+        joined = time.perf_counter()
+        controller = DataController(records, data_config, config.timeout_s)
+        stack.callback(controller.close)
+        num_actors = pool.num_actors_per_node * num_alive_nodes()
+        print(f"Ray {'started' if started_ray else 'joined'} in {joined - started:.1f} s; {num_actors} "
+              f"preprocessing actors ready in {time.perf_counter() - joined:.1f} s", flush=True)
+        ranks, step = _start_ranks_while_loading(config, controller, encoder, stack)
+        results, usage = _plan_and_run(config, step.samples, ranks, pixels=controller.pixels,
+                                       step=step.step.step, prompt_keys=step.prompt_keys)
+        stats = controller.stats()
+        usage.num_rerouted = int(stats["num_rerouted"])
+        if usage.num_rerouted:
+            print(f"preprocessing actors died after the step was decoded: the ranks' fetches re-routed "
+                  f"{usage.num_rerouted} prompts to live actors through the loader service", file=sys.stderr)
+        usage.controller_bytes += int(stats["bytes_through_controller"])
+        return step.samples, results, usage, num_actors
+
+
+def _start_ranks_while_loading(config: LogprobsConfig, controller, encoder, stack: contextlib.ExitStack):
+    """(rank group, `ShadowStep`): the rank actors start while the controller loads the step; the
+    group is shut down when `stack` closes (also if loading fails)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flexrl_ds.tools import shadow_step
+
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-ranks")
+    starting = executor.submit(_rank_group, config)
+
+    def stop_ranks() -> None:
+        executor.shutdown(wait=True)
+        if starting.exception() is None:
+            starting.result().shutdown()
+
+    stack.callback(stop_ranks)
+    loading = time.perf_counter()
+    step = shadow_step.load_step(controller, encoder, config.response_key, config.data_path)
+    print(f"probed and decoded {len(step.samples)} records on the actors in "
+          f"{time.perf_counter() - loading:.1f} s; pixels stay in their object stores", flush=True)
+    return starting.result(), step
+
+
+def _rank_group(config: LogprobsConfig):
+    """`config.num_procs` rank actors (one GPU each when the cluster has enough GPUs)."""
+    import os
+
+    import ray
+
+    from flexrl_ds.runtime.worker_group import RayWorkerGroup
+    from flexrl_ds.tools.logprob_worker import LogprobWorker, RankSetup
+
+    use_gpus = (os.environ.get("FLEXRL_FORCE_CPU", "0") != "1"
+                and ray.cluster_resources().get("GPU", 0) >= config.num_procs)
+    env = {name: os.environ[name] for name in RANK_ENV if name in os.environ}
+    return RayWorkerGroup(LogprobWorker, config.num_procs, {"setup": RankSetup(config.model_dir, config.dtype,
+                                                                               config.timeout_s)},
+                          num_cpus_per_rank=RANK_CPUS, num_gpus_per_rank=1.0 if use_gpus else 0.0,
+                          name="flexrl logprobs ranks", timeout_s=config.timeout_s, env=env)
 
 
 @dataclass
@@ -213,6 +275,8 @@ class DataUsage:
     """Pixel bytes the ranks pulled straight from the preprocessing actors (shadow)."""
     rank_wait_s: float = 0.0
     """Longest time a rank waited for its pixels after its vision units were known (shadow)."""
+    num_rerouted: int = 0
+    """Prompts re-routed to live preprocessing actors after theirs died (shadow)."""
 
     def describe(self, num_actors: int) -> str:
         import resource
@@ -242,10 +306,11 @@ def pixel_bytes_in(samples: dict[str, Any]) -> int:
                if isinstance(item.pixel_values, torch.Tensor))
 
 
-def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], shadow,
-                  ranks) -> tuple[dict[str, list[float]], DataUsage]:
-    """Plan the step, run it on `ranks` (started `RankProcesses`; None: spawn new ones; or here for
-    local --nproc 1), assemble the log-probs."""
+def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], ranks,
+                  **pixels: Any) -> tuple[dict[str, list[float]], DataUsage]:
+    """Plan the step, run it on `ranks` (a started worker group of `LogprobWorker`s; None: here,
+    for local --nproc 1), assemble the log-probs. `pixels`: the job's `pixels`, `step` and
+    `prompt_keys` (shadow: the ranks pull their units)."""
     from flexrl_ds.tools import logprob_worker
 
     if config.plan_in:
@@ -258,14 +323,14 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], shadow,
           f"{config.num_procs} ranks: degrees {sorted({p.degree for p in plan.packs})}, {len(plan.packs)} packs",
           flush=True)
     job = logprob_worker.LogprobJob(model_dir=config.model_dir, dtype=config.dtype, plan_json=plan.to_json(),
-                                    samples=samples, timeout_s=config.timeout_s, shadow=shadow)
+                                    samples=samples, timeout_s=config.timeout_s, **pixels)
     usage = DataUsage(controller_pixel_bytes=pixel_bytes_in(samples))
-    if config.num_procs == 1 and shadow is None:
+    if ranks is None:
         stats: dict[str, float] = {}
         per_rank = [(logprob_worker.rank_logprobs(job, rank=0, group_tree=None, stats=stats), stats)]
         usage.controller_bytes = len(pickle.dumps(samples))
     else:
-        per_rank = ranks.run(job) if ranks is not None else logprob_worker.spawn(job, config.num_procs)
+        per_rank = ranks.run("logprobs", job)
         usage.num_rank_jobs = config.num_procs
         usage.controller_bytes = len(pickle.dumps(job)) * config.num_procs
     usage.rank_pixel_bytes = int(sum(stats.get("pixel_bytes", 0) for _, stats in per_rank))

@@ -1,5 +1,5 @@
-"""`flexrl logprobs --loader shadow` (Ray preprocessing actors; spawned ranks join the session's
-cluster and pull their own vision units) equals `--loader local` and plain HF log-probs, and the
+"""`flexrl logprobs --loader shadow` (the data controller's preprocessing actors; rank actors of a
+Ray worker group pull their own vision units) equals `--loader local` and plain HF log-probs, and the
 parent handles no pixels."""
 
 from __future__ import annotations
@@ -103,31 +103,34 @@ def test_shadow_equals_local_and_hf_without_pixels_in_parent(ray_session, setup,
 
 
 def test_actor_lost_after_decode_is_rerouted(ray_session, setup, local_run, monkeypatch, capsys):
-    """An actor dies after the step was decoded, before the ranks fetch: the ranks fail with lost
-    objects, the parent re-routes that actor's prompts (decoded again elsewhere) and runs the ranks
-    again; the output is unchanged."""
-    from flexrl_ds.runtime import shadow_session
+    """An actor dies after the step was decoded, before the ranks fetch: the ranks meet lost
+    objects, the loader service re-routes that actor's prompts (decoded again elsewhere) when their
+    fetch asks it to; the output is unchanged."""
+    from flexrl_ds.loader.materializer import SliceRequest
+    from flexrl_ds.tools import shadow_step
 
     root, data, _, reference = setup
-    load_step, killed = shadow_session.ShadowSession.load_step, []
+    load_step, killed = shadow_step.load_step, []
 
-    def load_then_kill(session):
-        step = load_step(session)
-        keys = list(step.handle.prompt_keys.values())
-        entries = [session.loader.store.entry(k) for k in keys]
-        victim = max(entries, key=lambda e: e.cost).owner
-        session.pool.kill(victim)
+    def load_then_kill(controller, *args):
+        step = load_step(controller, *args)
+        service, prompts = controller.service, step.step.prompts
+        owners = ray.get([service.owner_of.remote(prompt.key) for prompt in prompts], timeout=30)
+        cost = [sum(g[0] * g[1] * g[2] for g in (item.grid_thw for item in p.meta.items)) for p in prompts]
+        victim = owners[max(range(len(prompts)), key=cost.__getitem__)]
+        requests = [SliceRequest(p.key, 0) for p in prompts if p.meta.items]
+        sources = ray.get(service.assignment.remote(step.step.step, requests), timeout=30).sources
+        ray.get(service.kill_preprocess_actor.remote(victim), timeout=30)
         # A dead owner's objects become unreachable asynchronously; wait until they are, so the
         # ranks deterministically meet the loss (not a copy still mapped in the node's store).
-        for entry in entries:
-            slice_refs = list(ray.get(entry.task_ref, timeout=10).values()) if entry.owner == victim else []
-            if slice_refs:  # text-only prompts have nothing to lose
+        for prompt, owner in zip(prompts, owners):
+            if owner == victim and prompt.key in sources:  # text-only prompts have nothing to lose
+                slice_refs = list(ray.get(sources[prompt.key].task_ref, timeout=10).values())
                 wait_until_lost(slice_refs[0], timeout_s=60)
         killed.append(victim)
         return step
 
-    monkeypatch.setattr(shadow_session.ShadowSession, "load_step", load_then_kill)
-    _shadow(root, data, root / "shadow_fault.jsonl", num_actors=2)
-    assert killed and "re-routed" in capsys.readouterr().err
+    monkeypatch.setattr(shadow_step, "load_step", load_then_kill)
+    report = _shadow(root, data, root / "shadow_fault.jsonl", num_actors=2)
+    assert killed and "re-routed" in capsys.readouterr().err and report.usage.num_rerouted > 0
     _assert_same(_lines(root / "shadow_fault.jsonl"), local_run[0], reference)
-

@@ -308,15 +308,13 @@ def test_materializer_policy_is_checked():
 
 def test_logprobs_rank_fetch_fails_loudly_naming_a_withdrawn_prompt():
     """`flexrl logprobs` cannot drop a prompt from a planned step: it stops, naming the record."""
-    import types
-
     from flexrl_ds.runtime.rank_pixels import RankPixels
 
     pool, loader, step, requests, broken = _step_with_a_broken_prompt("skip")
     materializer = Materializer(FakeFetcher(pool.objects, dead={"a"}), repair=loader.repair)
     materializer.prefetch(loader.assignment(step, requests))
     rank = RankPixels.__new__(RankPixels)  # its Ray set-up skipped: only the hand-over is tested
-    rank.handle, rank.units = types.SimpleNamespace(step=step.step, prompt_keys={}), ()
+    rank.step, rank.prompt_keys, rank.units = step.step, {}, ()
     rank.requests, rank.materializer = requests, materializer
     broken_id = step.prompts[broken.slot].meta.id
     with pytest.raises(ValueError, match=f"record {broken_id!r}: cannot decode.*cannot drop a prompt"):
