@@ -17,7 +17,7 @@ started=0
 if [ -z "${RAY_ADDRESS:-}" ]; then
   port=${FLEXRL_RAY_DASHBOARD_PORT:-8265}
   echo "[train_ray_job] no RAY_ADDRESS: starting a local Ray head on 127.0.0.1 (job server :$port)"
-  "$ray_bin" start --head --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 --dashboard-port "$port" \
+  "$ray_bin" start --head --port 0 --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 --dashboard-port "$port" \
     --num-cpus "${FLEXRL_RAY_CPUS:-8}" --disable-usage-stats >/dev/null
   started=1
   trap '"$ray_bin" stop --force >/dev/null 2>&1 || true' EXIT

@@ -38,7 +38,7 @@ def assets(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("train")
     make_tiny_model(TinyModelConfig(out_dir=str(root / "model")))
-    make_dataset(root / "data", "video-heavy", 12, "small", seed=0, task="keyword")
+    make_dataset(root / "data", "video-heavy", 12, "medium", seed=0, task="keyword")
     return root
 
 
