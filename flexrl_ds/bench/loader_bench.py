@@ -3,9 +3,10 @@
 Setup per run (one mode, one global batch B, one actor count K), each in its own controller
 process connected to one shared local Ray cluster, so that the controller's memory is measured
 alone and from a clean start:
-- W worker actors (`BenchWorker`) stand in for training ranks. Each holds a `Materializer`; a step
-  is "wait for my data, then simulate `compute_ms` of compute". The B*n samples of a step are dealt
-  round-robin to the workers; a worker requests every media item of the prompts it holds.
+- W workers (`BenchWorker`, one per rank of a `runtime/worker_group.RayWorkerGroup`) stand in for
+  training ranks. Each holds a `Materializer`; a step is "wait for my data, then simulate
+  `compute_ms` of compute". The B*n samples of a step are dealt round-robin to the workers; a
+  worker requests every media item of the prompts it holds.
 - centralised: the controller probes and decodes every prompt itself (`CentralLoader`) right
   before the step, and ships the pixel tensors to the workers inside their assignments.
 - shadow: the controller probes metadata on K preprocessing actors and dispatches decode tasks
@@ -40,6 +41,7 @@ import psutil
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.loader.config import DataConfig, LoaderConfig, PoolConfig
 from flexrl_ds.media.records import read_dataset
+from flexrl_ds.runtime.worker_group import RayWorkerGroup, WorkerPlace
 
 # Ray and the loader classes (which import Ray and torch) are imported where a run needs them:
 # `flexrl --help` imports this module to register the command and must stay fast.
@@ -230,36 +232,36 @@ class _RssSampler:
         self._thread.join()
 
 
-def _make_worker_class():
-    import ray
+class BenchWorker:
+    """A training rank's data side: prefetch, then wait + simulated compute per step. One per rank
+    of a `RayWorkerGroup` (runtime/worker_group.py)."""
 
-    from flexrl_ds.loader.materializer import Materializer, RayFetcher
+    def __init__(self, place: WorkerPlace, bad_record_policy: str, timeout_s: float):
+        from flexrl_ds.loader.materializer import Materializer, RayFetcher
 
-    @ray.remote(num_cpus=0.01)
-    class BenchWorker:
-        """A training rank's data side: prefetch, then wait + simulated compute per step."""
+        self.place = place
+        self.materializer = Materializer(RayFetcher(timeout_s=timeout_s), bad_record_policy=bad_record_policy)
 
-        def __init__(self, bad_record_policy: str, timeout_s: float):
-            self.materializer = Materializer(RayFetcher(timeout_s=timeout_s), bad_record_policy=bad_record_policy)
+    def prefetch(self, assignment) -> None:
+        self.materializer.prefetch(assignment)
 
-        def prefetch(self, assignment) -> None:
-            self.materializer.prefetch(assignment)
+    def run_step(self, step: int, compute_ms: float) -> dict[str, float]:
+        """Wall-clock stamps (`time.time()`, comparable across processes of one host) of method
+        entry, data ready and compute end, plus the Materializer's background timings."""
+        entered_at = time.time()
+        out = self.materializer.get(step)
+        data_ready_at = time.time()
+        time.sleep(compute_ms / 1000.0)
+        return {"wait_s": out.wait_s, "bytes": out.bytes_fetched, "withdrawn": len(out.withdrawn),
+                "entered_at": entered_at, "data_ready_at": data_ready_at, "compute_end_at": time.time(),
+                **out.timing}
 
-        def run_step(self, step: int, compute_ms: float) -> dict[str, float]:
-            """Wall-clock stamps (`time.time()`, comparable across processes of one host) of method
-            entry, data ready and compute end, plus the Materializer's background timings."""
-            entered_at = time.time()
-            out = self.materializer.get(step)
-            data_ready_at = time.time()
-            time.sleep(compute_ms / 1000.0)
-            return {"wait_s": out.wait_s, "bytes": out.bytes_fetched, "withdrawn": len(out.withdrawn),
-                    "entered_at": entered_at, "data_ready_at": data_ready_at, "compute_end_at": time.time(),
-                    **out.timing}
+    def pid(self) -> int:
+        return os.getpid()
 
-        def pid(self) -> int:
-            return os.getpid()
 
-    return BenchWorker
+WORKER_CPUS = 0.01
+"""Ray CPUs reserved per bench worker (they only wait and sleep)."""
 
 
 class _NoDataLoader:
@@ -319,16 +321,16 @@ class _Measured:
     elapsed_s: float = 0.0
 
 
-def _send(loader: Any, workers: list, step: Any) -> None:
+def _send(loader: Any, workers: Any, step: Any) -> None:
     """Deal the step's samples round-robin to the workers and start their prefetch."""
     from flexrl_ds.loader.proxy_loader import requests_for_samples
 
-    samples = step.sample_ids()
-    for index, worker in enumerate(workers):
-        worker.prefetch.remote(loader.assignment(step, requests_for_samples(step, samples[index::len(workers)])))
+    samples, num = step.sample_ids(), workers.num_ranks
+    workers.run_each_async("prefetch", [(loader.assignment(step, requests_for_samples(step, samples[index::num])),)
+                                        for index in range(num)])
 
 
-def _run_steps(label: str, config: LoaderBenchConfig, loader: Any, workers: list, rss: _RssSampler) -> _Measured:
+def _run_steps(label: str, config: LoaderBenchConfig, loader: Any, workers: Any, rss: _RssSampler) -> _Measured:
     """The bench loop: warm-up then measured steps, each loading the next one (the steady state
     of a long run, the last step included), sampling RSS throughout."""
     import ray
@@ -345,7 +347,7 @@ def _run_steps(label: str, config: LoaderBenchConfig, loader: Any, workers: list
             loaded_at = time.time()
             _send(loader, workers, upcoming)
             sent_at = time.time()
-            outs = ray.get([w.run_step.remote(step.step, config.compute_ms) for w in workers])
+            outs = ray.get(workers.run_async("run_step", step.step, config.compute_ms))
             results_at = time.time()
             loader.release(step)
             measured.pixel_bytes += sum(out["bytes"] for out in outs)
@@ -390,16 +392,15 @@ def _run_result(mode: str, config: LoaderBenchConfig, loader_config: Any, num_ac
 
 def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -> RunResult:
     """One measured run in this (controller) process; Ray must already be initialised."""
-    import ray
-
     rss = _RssSampler()  # baseline: this process before it holds any data
     data_config = config.data_config()
     loader_config, pool_config = run_settings(data_config, batch, num_actors)
     records = read_dataset(config.data)
-    workers = [_make_worker_class().remote(data_config.bad_record_policy, pool_config.timeout_s)
-               for _ in range(config.num_workers)]
+    workers = RayWorkerGroup(BenchWorker, config.num_workers, {"bad_record_policy": data_config.bad_record_policy,
+                                                               "timeout_s": pool_config.timeout_s},
+                             num_cpus_per_rank=WORKER_CPUS, name="bench workers", timeout_s=pool_config.timeout_s)
     loader, pool = _build_loader(mode, records, data_config, loader_config, pool_config)
-    rss.pids = ray.get([w.pid.remote() for w in workers]) + ([s["pid"] for s in pool.stats()] if pool else [])
+    rss.pids = workers.run("pid") + ([s["pid"] for s in pool.stats()] if pool else [])
     label = f"{mode} B={batch} K={num_actors}"
     measured = _run_steps(label, config, loader, workers, rss)
     if pool is not None:
@@ -409,8 +410,7 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
         loader.close()
     if pool is not None:
         pool.shutdown()
-    for worker in workers:
-        ray.kill(worker)
+    workers.shutdown()
     return result
 
 
@@ -428,19 +428,21 @@ def add_decode_timings(phases: list[dict[str, float]], asked: list[tuple[int, fl
 
 
 def _child_main(spec_json: str) -> int:
-    import ray
+    from flexrl_ds.runtime.ray_session import join_ray
 
     spec = json.loads(spec_json)
     config = LoaderBenchConfig(**spec["config"])
-    ray.init(address=spec["address"], log_to_driver=False, configure_logging=False)
+    join_ray(spec["address"])
     result = run_one(spec["mode"], config, spec["batch"], spec["actors"])
     print("RESULT " + json.dumps(asdict(result)), flush=True)
     return 0
 
 
 def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
-    """Start a local Ray cluster, then one controller process per (mode, B, K)."""
+    """Start a local Ray cluster (or join RAY_ADDRESS's), then one controller process per (mode, B, K)."""
     import ray
+
+    from flexrl_ds.runtime.ray_session import connect_ray, gcs_address
 
     runs = [("none", config.global_batches[0], 0)]
     runs += [("central", batch, 0) for batch in config.global_batches]
@@ -452,8 +454,8 @@ def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
           f"look-ahead {data.loader.lookahead_steps}, {data.loader.groups_per_chunk} groups/slice, "
           f"{data.pool.num_cpus_per_actor} CPU/actor", file=sys.stderr, flush=True)
     num_cpus = max(4, int(max(config.actors) * data.pool.num_cpus_per_actor) + 2)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    address = ray.get_runtime_context().gcs_address
+    started = connect_ray(num_cpus)
+    address = gcs_address()
     results = []
     try:
         for mode, batch, actors in runs:
@@ -466,7 +468,8 @@ def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
                 raise RuntimeError(f"bench loader: the {mode} B={batch} run failed (exit {proc.returncode})")
             results.append(RunResult(**json.loads(lines[-1][len("RESULT "):])))
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     return results
 
 

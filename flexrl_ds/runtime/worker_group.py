@@ -120,11 +120,15 @@ class RayWorkerGroup:
         """`method(*args, **kwargs)` on every rank (the same arguments); results in rank order."""
         return self._get(self.run_async(method, *args, **kwargs), method)
 
+    def run_each_async(self, method: str, per_rank: Sequence[tuple]) -> list:
+        """Start `method(*per_rank[r])` on rank r; the Ray references, in rank order (calls from one
+        caller run on each rank in the order they were started)."""
+        assert len(per_rank) == self.num_ranks, (len(per_rank), self.num_ranks)
+        return [actor.call.remote(method, tuple(args), {}) for actor, args in zip(self.actors, per_rank)]
+
     def run_each(self, method: str, per_rank: Sequence[tuple]) -> list:
         """`method(*per_rank[r])` on rank r; results in rank order."""
-        assert len(per_rank) == self.num_ranks, (len(per_rank), self.num_ranks)
-        return self._get([actor.call.remote(method, tuple(args), {}) for actor, args in zip(self.actors, per_rank)],
-                         method)
+        return self._get(self.run_each_async(method, per_rank), method)
 
     def shutdown(self) -> None:
         import ray
