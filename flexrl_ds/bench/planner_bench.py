@@ -13,20 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from flexrl_ds.bench.workloads import MIXES, make_workload
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.baselines import verl_bucketing
 from flexrl_ds.planning.cost_model import CostModel
-from flexrl_ds.planning.metrics import attention_cost_infeasible
 from flexrl_ds.planning.planner import PlannerOptions, plan_step
 
-ATTENTION_TARGET = PlannerOptions().attention_target
-"""Attention balance the issue asks for wherever the attention bound allows it (1.05)."""
-COST_TARGET = 1.03
-"""Cost balance the issue asks for together with it: a miss where no aligned plan has both
-(metrics.attention_cost_infeasible) is counted apart (attention_misses_joint)."""
 SEQUENCE_COUNTS = (64, 128, 256, 512, 1024, 2048)
 WORLD_SIZES = (8, 16, 32, 64, 128)
 
@@ -38,10 +30,8 @@ class PlannerBench:
     timing: list[dict[str, Any]] = field(default_factory=list)
     """Rows: mix, num_sequences, world_size, plan_ms / plan_cpu_ms / verl_ms (medians)."""
     quality: list[dict[str, Any]] = field(default_factory=list)
-    """Rows: mix, world_size, num_sequences, worst efficiency/balances, mean a2a relative, seeds with
-    attention above the attention target where its bound is below it (attention_misses), and of
-    those, seeds where no aligned plan has that attention with cost balance ≤ COST_TARGET
-    (attention_misses_joint: the targets conflict there)."""
+    """Rows: mix, world_size, num_sequences, worst efficiency/balances, mean a2a relative, worst
+    modelled step time (with a calibration)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"timing": self.timing, "quality": self.quality}
@@ -80,7 +70,6 @@ def time_planner(cost: CostModel, sp: SPConfig, mix: str, repeats: int, counts=S
 
 def measure_quality(cost: CostModel, sp: SPConfig, seeds: int, counts=SEQUENCE_COUNTS, world_sizes=WORLD_SIZES,
                     mixes=tuple(MIXES), progress=None, options: PlannerOptions | None = None) -> list[dict[str, Any]]:
-    target = (options or PlannerOptions()).attention_target
     rows = []
     for mix in mixes:
         for world_size in world_sizes:
@@ -88,8 +77,6 @@ def measure_quality(cost: CostModel, sp: SPConfig, seeds: int, counts=SEQUENCE_C
                 results = [plan_step(make_workload(mix, num, seed), world_size, cost, sp, options)
                            for seed in range(seeds)]
                 metrics = [r.metrics for r in results]
-                misses = [r for r in results
-                          if r.metrics.attention_balance > target > r.metrics.attention_balance_bound]
                 rows.append({
                     "mix": mix, "world_size": world_size, "num_sequences": num,
                     "efficiency_min": min(m.efficiency for m in metrics),
@@ -99,22 +86,11 @@ def measure_quality(cost: CostModel, sp: SPConfig, seeds: int, counts=SEQUENCE_C
                     "attention_balance_max": max(m.attention_balance for m in metrics),
                     "lb_is_longest": any(m.lower_bound * world_size > sum(m.rank_cost) * 1.0001 for m in metrics),
                     "all_to_all_relative_mean": statistics.fmean(m.all_to_all_relative for m in metrics),
-                    "attention_misses": len(misses),
-                    "attention_misses_joint": sum(_targets_conflict(r, cost.c, sp.p_max, target) for r in misses),
+                    "step_time_s_max": max(m.step_time_s for m in metrics),
                 })
                 if progress is not None:
                     progress(rows[-1])
     return rows
-
-
-def _targets_conflict(result, c: float, p_max: int, target: float) -> bool:
-    """No aligned plan of this step has attention balance ≤ `target` and cost balance ≤ COST_TARGET
-    (block sums against the mean block: each bounds its rank balance)."""
-    tokens = np.array([s.tokens for s in result.workload.sequences], dtype=float)
-    num_blocks = result.plan.world_size // min(p_max, result.plan.world_size)
-    attention, cost = tokens * tokens, tokens * tokens + c * tokens
-    return attention_cost_infeasible(cost, attention, num_blocks, target * attention.sum() / num_blocks,
-                                     COST_TARGET * cost.sum() / num_blocks)
 
 
 def format_timing(rows: list[dict[str, Any]]) -> str:
@@ -132,10 +108,8 @@ def format_timing(rows: list[dict[str, Any]]) -> str:
 def format_quality(rows: list[dict[str, Any]]) -> str:
     lines = ["FlexUlysses plan quality (worst over seeds): efficiency / cost balance / attention balance / "
              "a2a vs SP=p_max (mean); * = lower bound set by the longest sequence; "
-             "! = no aligned plan reaches 0.97 (efficiency bound, metrics.py); "
-             f"# = attention above {ATTENTION_TARGET} in a seed whose attention bound is below it "
-             f"(~ where every such seed cannot also have cost balance ≤ {COST_TARGET}: "
-             "metrics.attention_cost_infeasible)"]
+             "! = no aligned plan reaches 0.97 (efficiency bound, metrics.py; even head split); "
+             "with a calibration, the worst projected step time in ms follows"]
     counts = sorted({r["num_sequences"] for r in rows})
     for mix in dict.fromkeys(r["mix"] for r in rows):
         lines.append(f"{mix}")
@@ -145,14 +119,12 @@ def format_quality(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{world_size:>5}" + "".join(
                 f"{c['efficiency_min']:>7.3f}/{c['cost_balance_max']:.2f}/{c['attention_balance_max']:.2f}"
                 f"/{c['all_to_all_relative_mean']:.2f}{'*' if c['lb_is_longest'] else ' '}"
-                f"{'!' if c['efficiency_bound_min'] < 0.97 else ' '}{_miss_mark(c)}"
+                f"{'!' if c['efficiency_bound_min'] < 0.97 else ' '}"
+                f"{_step_cell(c)}"
                 for c in (cells[n] for n in counts)))
     return "\n".join(lines)
 
 
-def _miss_mark(cell: dict[str, Any]) -> str:
-    """'#' open attention misses, '~' misses only where the targets conflict, ' ' none."""
-    misses = cell.get("attention_misses", 0)
-    if not misses:
-        return " "
-    return "~" if cell.get("attention_misses_joint", 0) == misses else "#"
+def _step_cell(cell: dict[str, Any]) -> str:
+    """' <worst projected step ms>' with a calibration, '' without."""
+    return f" {cell['step_time_s_max'] * 1e3:.0f}" if cell.get("step_time_s_max") else ""

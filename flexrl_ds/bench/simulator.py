@@ -23,7 +23,8 @@ from flexrl_ds.planning.planner import PlannerOptions, plan_step
 from flexrl_ds.planning.schedule import check_schedule
 
 TABLE_METRICS = ("attention_balance", "attention_balance_bound", "cost_balance", "token_balance", "efficiency",
-                 "efficiency_bound", "all_to_all_relative", "num_packs", "plan_ms")
+                 "efficiency_bound", "all_to_all_relative", "num_packs", "step_time_s", "compute_s",
+                 "exposed_all_to_all_s", "idle_s", "plan_ms")
 """Columns of the table (PlanMetrics fields plus planning time)."""
 
 
@@ -120,7 +121,11 @@ def simulate(mix: str, world_size: int, gbs: int, n_samples: int, seeds: int, co
 def format_table(sim: SimulationResult) -> str:
     header = (f"{sim.mix}, {sim.world_size} ranks, {sim.gbs} prompts x {sim.n_samples} samples, "
               f"mean over {sim.seeds} seed(s)")
-    names = ("attn bal", "attn LB", "cost bal", "tok bal", "effic.", "eff UB", "a2a/SPmax", "packs", "plan ms")
+    names = ("attn bal", "attn LB", "cost bal", "tok bal", "effic.", "eff UB", "a2a/SPmax", "packs", "step ms",
+             "comp ms", "a2a ms", "idle ms", "plan ms")
+    timed = any(values["step_time_s"] > 0 for values in sim.means.values())
+    columns = [k for k in TABLE_METRICS if timed or not k.endswith("_s")]
+    names = [n for n, k in zip(names, TABLE_METRICS) if k in columns]
     lines = [header, f"{'method':<18}" + "".join(f"{n:>11}" for n in names)]
     footer = ("attn LB / eff UB: no plan on aligned groups of <= p_max ranks has a lower attention balance / "
               "a higher efficiency (bounds in flexrl_ds/planning/metrics.py); a2a/SPmax: all-to-all volume / fixed "
@@ -130,9 +135,13 @@ def format_table(sim: SimulationResult) -> str:
         footer += (f"\nnote: {per_rank:.0f} sequences per rank, so whole-sequence bucketing balances well; the "
                    "paper's reference (bucketing ~6.7 at 32 ranks) is a micro-step of ~2 sequences per rank, "
                    "e.g. --gbs 64 --n-samples 1")
+    if timed:
+        footer += ("\nstep/comp/a2a/idle ms: PROJECTED step time of the busiest rank (compute, all-to-all not "
+                   "hidden by overlap) and the mean idle wait, from the calibration's model (planning/step_time.py)")
     for method, values in sim.means.items():
-        cells = "".join(f"{values[k]:>11.3f}" if k not in ("num_packs", "plan_ms") else f"{values[k]:>11.1f}"
-                        for k in TABLE_METRICS)
+        cells = "".join(f"{values[k] * 1000:>11.1f}" if k.endswith("_s") else
+                        f"{values[k]:>11.3f}" if k not in ("num_packs", "plan_ms") else f"{values[k]:>11.1f}"
+                        for k in columns)
         lines.append(f"{method:<18}{cells}")
     return "\n".join(lines + [footer])
 

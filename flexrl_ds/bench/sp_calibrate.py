@@ -1,8 +1,12 @@
 """`flexrl bench sp --calibrate OUT.json`: measure the cost model's constants on this machine.
 
 Writes the calibration file format of flexrl_ds/planning/cost_model.py:
-- `attention_s_per_token2`: causal attention forward+backward of one sequence of L tokens (the
-  layer's heads, local varlen kernel), least-squares fit t = a·L² + b·L + c over several L, a × layers;
+- `attention_fit_s` / `linear_fit_s` / `num_layers`: the per-layer fits kept whole (non-negative
+  least squares): attention fwd+bwd of one pack t = a·L² + b·L + c (c the per-pack floor), linear
+  t = s·L + c; the step-time model (planning/step_time.py) uses all of them. Add `model_shapes`
+  (hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim) to let `calibration: auto`
+  pick the file for that model;
+- `attention_s_per_token2`: a × layers (older readers);
 - `linear_s_per_token`: the layer's projections + gated MLP forward+backward on L tokens, fit
   t = s·L + c, s × layers;
 - `all_to_all`: per group size d of the tree (2..p_max): latency (small message) and bytes/s
@@ -39,10 +43,23 @@ def _timed(fn: Callable[[], None], ctx, repeats: int = 3) -> float:
 
 
 def _fit(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Non-negative least squares over the columns of `xs` (every subset of terms tried; a term
+    whose unconstrained coefficient is negative is a fit artefact, not a negative cost)."""
+    import itertools
+
     import numpy as np
 
-    coef, *_ = np.linalg.lstsq(np.array(xs, dtype=float), np.array(ys, dtype=float), rcond=None)
-    return [float(c) for c in coef]
+    cols, y = np.array(xs, dtype=float), np.array(ys, dtype=float)
+    best = None
+    for k in range(1, cols.shape[1] + 1):
+        for subset in itertools.combinations(range(cols.shape[1]), k):
+            coef, *_ = np.linalg.lstsq(cols[:, subset], y, rcond=None)
+            residual = float(((cols[:, subset] @ coef - y) ** 2).sum())
+            if (coef >= 0).all() and (best is None or residual < best[0]):
+                full = np.zeros(cols.shape[1])
+                full[list(subset)] = coef
+                best = (residual, full)
+    return [float(c) for c in best[1]] if best is not None else [0.0] * cols.shape[1]
 
 
 def measure_attention(layer, ctx, dtype, lengths: Sequence[int]) -> dict[str, Any]:
@@ -62,7 +79,7 @@ def measure_attention(layer, ctx, dtype, lengths: Sequence[int]) -> dict[str, An
 
         points.append((length, _timed(step, ctx)))
     a, b, c = _fit([[n * n, n, 1] for n, _ in points], [t for _, t in points])
-    return {"points": points, "a": max(a, 1e-30)}
+    return {"points": points, "a": max(a, 1e-30), "b": b, "c": c}
 
 
 def measure_linear(layer, ctx, dtype, lengths: Sequence[int]) -> dict[str, Any]:
@@ -81,7 +98,7 @@ def measure_linear(layer, ctx, dtype, lengths: Sequence[int]) -> dict[str, Any]:
 
         points.append((length, _timed(step, ctx)))
     s, c = _fit([[n, 1] for n, _ in points], [t for _, t in points])
-    return {"points": points, "s": max(s, 1e-30)}
+    return {"points": points, "s": max(s, 1e-30), "c": c}
 
 
 def measure_all_to_all(tree, ctx, dtype, sizes_mb: Sequence[float] = (0.004, 512.0)) -> dict[str, dict[str, float]]:
@@ -111,7 +128,7 @@ def measure_all_to_all(tree, ctx, dtype, sizes_mb: Sequence[float] = (0.004, 512
         (_, t_small), (big_bytes, t_big) = times[0], times[-1]
         # Bytes leaving each rank: (d-1)/d of its buffer.
         moved = big_bytes * (degree - 1) / degree
-        out[str(degree)] = {"latency_s": t_small, "bytes_per_s": moved / t_big}
+        out[str(degree)] = {"latency_s": t_small, "bytes_per_s": moved / t_big, "source": "measured"}
     return out
 
 
@@ -124,7 +141,14 @@ def calibrate_rank(config, tree, layer, ctx) -> dict[str, Any]:
     linear = measure_linear(layer, ctx, dtype, [n for n in LINEAR_LENGTHS if n <= max(lengths)] or lengths)
     all_to_all = measure_all_to_all(tree, ctx, dtype)
     bytes_per_token = layer.heads * layer.head_dim * torch_element_size(dtype)
+    from flexrl_ds.parallel.device import accelerator_name
+
     return {
+        "attention_fit_s": {"a": attention["a"], "b": attention["b"], "c": attention["c"]},
+        "linear_fit_s": {"s": linear["s"], "c": linear["c"]},
+        "num_layers": num_layers,
+        "device_name": accelerator_name(),
+        "bytes_per_element": torch_element_size(dtype),
         "attention_s_per_token2": attention["a"] * num_layers,
         "linear_s_per_token": linear["s"] * num_layers,
         "all_to_all": all_to_all,

@@ -67,7 +67,10 @@ def _add_sp_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("planning options (override the config's flexrl.sp section)")
     group.add_argument("--config", help="DeepSpeed JSON with a flexrl section")
     group.add_argument("--model", help="qwen2.5-vl-7b | qwen2.5-vl-32b | mimo-vl-7b | path to config.json/dir")
-    group.add_argument("--calibration", help="calibration JSON (see flexrl_ds/planning/cost_model.py)")
+    group.add_argument("--calibration", help="calibration JSON (see flexrl_ds/planning/cost_model.py), 'auto' (the "
+                       "shipped file matching --device and the model; the default) or 'none' (FLOP formula)")
+    group.add_argument("--device", help="accelerator name the 'auto' calibration must match (default: the local "
+                       "GPU's, none on a machine without one), e.g. 'NVIDIA H200' to project for it")
     group.add_argument("--p-max", type=int, help="largest Ulysses degree (power of two); default 8")
     group.add_argument("--max-tokens-per-rank", type=int, help="per-rank token cap")
     group.add_argument("--h-pack", type=int, help="sequences shorter than this are packed")
@@ -95,7 +98,13 @@ def _resolve(args):
         if key != "oversize" and key not in ("cost_model", "calibration") and value <= 0:
             raise ValueError(f"--{key.replace('_', '-')}: must be positive, got {value}")
     sp = dataclasses.replace(base, **overrides)
-    cost = load_cost_model(sp.cost_model or "qwen2.5-vl-7b", sp.calibration)
+    calibration = None if sp.calibration == "none" else sp.calibration
+    device_name = args.device
+    if calibration == "auto" and device_name is None:
+        from flexrl_ds.parallel.device import accelerator_name
+
+        device_name = accelerator_name()
+    cost = load_cost_model(sp.cost_model or "qwen2.5-vl-7b", calibration, device_name=device_name)
     return sp, cost, PlannerOptions(head_rule=args.head_rule)
 
 
@@ -131,9 +140,13 @@ def _plan(args) -> int:
         return 0
     m = result.metrics
     hist = ", ".join(f"d={d}: {n}" for d, n in sorted(m.degree_histogram.items()))
+    calibration = cost.calibration.source if cost.calibration is not None else "none (FLOP formula)"
     print(f"plan for {len(result.workload.sequences)} sequences on {args.world_size} ranks "
           f"(model {cost.name}, c={cost.c:.0f}, p_max {sp.p_max}, h_pack {result.limits.h_pack}, "
-          f"H_pack {result.limits.H_pack})")
+          f"H_pack {result.limits.H_pack}, calibration {calibration})")
+    if m.step_time_s > 0:
+        print(f"  projected step {m.step_time_s * 1e3:.1f} ms on the busiest rank: compute {m.compute_s * 1e3:.1f} ms, "
+              f"exposed all-to-all {m.exposed_all_to_all_s * 1e3:.1f} ms; mean idle {m.idle_s * 1e3:.1f} ms")
     print(f"  attention balance {m.attention_balance:.3f}   cost balance {m.cost_balance:.3f}   "
           f"token balance {m.token_balance:.3f}   efficiency {m.efficiency:.3f}")
     print(f"  bounds for any plan on aligned groups: attention balance >= {m.attention_balance_bound:.3f}, "

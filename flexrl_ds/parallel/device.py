@@ -104,3 +104,8 @@ def use_full_precision_kernels() -> None:
     vision patch embedding), so fp32/fp64 runs are comparable with CPU references. No-op on CPU."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def accelerator_name() -> str | None:
+    """Name of the local GPU (e.g. "NVIDIA H200"; what shipped calibrations match), None without one."""
+    return torch.cuda.get_device_name(0) if gpu_available() else None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexrl_ds.planning.cost_model import CostModel
-from flexrl_ds.planning.metrics import PlanMetrics, compute_metrics
+from flexrl_ds.planning.metrics import PlanMetrics, compute_metrics, with_step_time
 from flexrl_ds.planning.packing import PackingLimits, packing_limits
 from flexrl_ds.planning.plan import Plan, Workload
 
@@ -79,7 +79,7 @@ def _result(name: str, workload: Workload, degrees: np.ndarray, starts: np.ndarr
     metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=p_max, c=cost.c,
                               num_packs=len(plan.packs), num_heads=heads[0] if plan.packs[0].heads else None,
                               num_kv_heads=heads[1])
-    return MethodResult(name, plan, metrics)
+    return MethodResult(name, plan, with_step_time(metrics, plan, workload, cost))
 
 
 def verl_bucketing(workload: Workload, world_size: int, cost: CostModel, p_max: int,
@@ -102,7 +102,8 @@ def verl_bucketing(workload: Workload, world_size: int, cost: CostModel, p_max: 
                    p_max, cost, limits or packing_limits(None, None))
 
 
-def _lpt_groups(costs: np.ndarray, num_groups: int) -> np.ndarray:
+def lpt_groups(costs: np.ndarray, num_groups: int) -> np.ndarray:
+    """Group of each item: longest-processing-time first onto the least-loaded group."""
     heap = [(0.0, g) for g in range(num_groups)]
     group = np.zeros(len(costs), dtype=np.int64)
     for i in np.argsort(-costs, kind="stable").tolist():
@@ -116,7 +117,7 @@ def lpt_bucketing(workload: Workload, world_size: int, cost: CostModel, p_max: i
                   limits: PackingLimits | None = None) -> MethodResult:
     """Whole sequences, free count per rank, LPT on L² + c·L."""
     tokens = np.array([s.tokens for s in workload.sequences], dtype=float)
-    starts = _lpt_groups(tokens * tokens + cost.c * tokens, world_size)
+    starts = lpt_groups(tokens * tokens + cost.c * tokens, world_size)
     return _result("bucketing (LPT)", workload, np.ones(len(tokens), dtype=np.int64), starts, world_size,
                    p_max, cost, limits or packing_limits(None, None))
 
@@ -127,7 +128,7 @@ def fixed_sp(workload: Workload, world_size: int, cost: CostModel, degree: int, 
     if degree < 1 or degree & (degree - 1) or world_size % degree:
         raise ValueError(f"fixed SP degree {degree} must be a power of two dividing world_size {world_size}")
     tokens = np.array([s.tokens for s in workload.sequences], dtype=float)
-    groups = _lpt_groups(tokens * tokens + cost.c * tokens, world_size // degree)
+    groups = lpt_groups(tokens * tokens + cost.c * tokens, world_size // degree)
     degrees = np.full(len(tokens), degree, dtype=np.int64)
     return _result(f"SP={degree}", workload, degrees, groups * degree, world_size, p_max, cost,
                    limits or packing_limits(None, None))

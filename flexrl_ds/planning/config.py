@@ -22,8 +22,10 @@ class SPConfig:
     cost_model: str | None = None
     """A preset name (qwen2.5-vl-7b, qwen2.5-vl-32b, mimo-vl-7b) or the path of a HF config.json;
     None: the trained model's own config.json (`flexrl train`), qwen2.5-vl-7b for the planning tools."""
-    calibration: str | None = None
-    """Path of a calibration JSON written by `flexrl bench sp --calibrate`; None: formula defaults."""
+    calibration: str | None = "auto"
+    """Path of a calibration JSON written by `flexrl bench sp --calibrate`; "auto": the shipped file
+    (ds_configs/calibration/) matching the accelerator and model, if any (callers pass the device
+    name to `load_cost_model`); None or "none": formula defaults."""
     domain_size: int | None = None
     """Ranks of one sequence-parallel domain; None: the whole world. Must divide the world size."""
     overlap: bool = True

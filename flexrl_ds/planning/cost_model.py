@@ -23,6 +23,15 @@ Calibration file (optional, JSON, written by measurements on the real hardware):
 ```
 With a calibration, `c` becomes the measured `linear_s_per_token / attention_s_per_token2` and
 `seconds()` converts a cost into seconds; all keys are optional except the first two.
+
+Files written since the step-time objective (planning/step_time.py) also keep all three fitted
+attention terms and the linear constant per layer, and say what hardware and model they fit:
+`"attention_fit_s": {"a", "b", "c"}`, `"linear_fit_s": {"s", "c"}`, `"num_layers"`,
+`"device_name"`, `"model_shapes"`, per all-to-all size `"source": "measured" | "assumed"`, and
+`"network": {"gpus_per_node", "latency_s", "bytes_per_s", "source"}`. Then `c = (b + s) / a`
+(the calibrated cost of a sequence is a·L² + (b + s)·L per layer, plus per-pack floors) and the
+planner minimises the modelled step time. `load_cost_model(model, "auto", device_name=...)`
+picks the shipped file (ds_configs/calibration/) whose device and model shapes match, if any.
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from flexrl_ds.common.json_files import read_json
+from flexrl_ds.planning.step_time import Link, StepTimeModel
+
+SHIPPED_CALIBRATIONS = Path(__file__).resolve().parents[2] / "ds_configs" / "calibration"
+"""Calibration files shipped with the repository (`calibration="auto"` looks here)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,10 @@ class Calibration:
     """Group size -> (latency seconds, bytes per second) of one all-to-all."""
     bytes_per_token: int = 0
     """Bytes one token carries through one all-to-all; 0 means unknown (no comm seconds)."""
+    step: StepTimeModel | None = None
+    """The step-time model (three-term attention fit, links); None for files without the fits."""
+    source: str = ""
+    """Path of the file it was read from."""
 
 
 @dataclass(frozen=True)
@@ -118,14 +135,25 @@ class CostModel:
         """Vision-tower cost in patches (independent of text length)."""
         return PATCHES_PER_VISION_TOKEN * vision_tokens
 
+    @property
+    def step(self) -> StepTimeModel | None:
+        """The calibrated step-time model, if the calibration has one."""
+        return self.calibration.step if self.calibration is not None else None
+
     def seconds(self, cost: float) -> float | None:
         """Cost units -> seconds with the calibration (None without one)."""
         if self.calibration is None:
             return None
+        if self.step is not None:
+            return cost * self.step.attention_fit[0] * self.step.num_layers
         return cost * self.calibration.attention_s_per_token2
 
     def all_to_all_seconds(self, tokens: float, degree: int) -> float | None:
-        """Seconds of one all-to-all moving `tokens` tokens in a group of `degree` (None if unknown)."""
+        """Seconds of a pack's all-to-alls (all layers, fwd+bwd, with the step model; one
+        all-to-all with an older file) moving `tokens` tokens in a group of `degree` (None if unknown)."""
+        if self.step is not None:
+            return float(self.step.all_to_all_s(tokens, degree, self.num_heads, self.num_kv_heads,
+                                                self.shapes.head_dim))
         cal = self.calibration
         if cal is None or degree <= 1 or degree not in cal.all_to_all or not cal.bytes_per_token:
             return None if degree > 1 else 0.0
@@ -163,11 +191,49 @@ def load_calibration(path: str | Path) -> Calibration:
         raise ValueError(f"{path}: malformed calibration ({type(error).__name__}: {error})") from None
     if attention <= 0 or linear <= 0:
         raise ValueError(f"{path}: attention_s_per_token2 and linear_s_per_token must be positive")
-    return Calibration(attention, linear, table, bytes_per_token)
+    return Calibration(attention, linear, table, bytes_per_token, _step_model(raw, path), str(path))
 
 
-def load_cost_model(model: str, calibration: str | Path | None = None) -> CostModel:
-    """A preset name, a model directory, or a config.json path -> CostModel."""
+def _step_model(raw: Mapping[str, Any], path: Path) -> StepTimeModel | None:
+    """The step-time model of a file with the per-layer fits; None for older files."""
+    if "attention_fit_s" not in raw:
+        return None
+    try:
+        fit, linear = raw["attention_fit_s"], raw["linear_fit_s"]
+        links = {int(k): Link(float(v["latency_s"]), float(v["bytes_per_s"]), v.get("source", "measured") == "measured")
+                 for k, v in (raw.get("all_to_all") or {}).items()}
+        net = raw.get("network")
+        network = None if net is None else Link(float(net["latency_s"]), float(net["bytes_per_s"]),
+                                                net.get("source", "measured") == "measured")
+        model = StepTimeModel((float(fit["a"]), float(fit["b"]), float(fit["c"])),
+                              (float(linear["s"]), float(linear["c"])), int(raw["num_layers"]), links,
+                              int((net or {}).get("gpus_per_node", 8)), network, int(raw.get("bytes_per_element", 2)))
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise ValueError(f"{path}: malformed step-time fits ({type(error).__name__}: {error})") from None
+    if min(model.attention_fit + model.linear_fit) < 0 or model.attention_fit[0] <= 0 or model.linear_fit[0] <= 0:
+        raise ValueError(f"{path}: attention_fit_s / linear_fit_s terms must be non-negative (a, s positive)")
+    return model
+
+
+def shipped_calibration(shapes: LayerShapes, device_name: str | None) -> Path | None:
+    """The shipped calibration whose device and model shapes match (None: no accelerator named, or
+    no file for it)."""
+    if not device_name:
+        return None
+    wanted = {"hidden_size": shapes.hidden_size, "intermediate_size": shapes.intermediate_size,
+              "num_heads": shapes.num_heads, "num_kv_heads": shapes.num_kv_heads, "head_dim": shapes.head_dim}
+    for path in sorted(SHIPPED_CALIBRATIONS.glob("*.json")):
+        raw = read_json(path, "calibration file")
+        if str(raw.get("device_name", "")).strip().lower() == device_name.strip().lower() \
+                and raw.get("model_shapes") == wanted:
+            return path
+    return None
+
+
+def load_cost_model(model: str, calibration: str | Path | None = None, device_name: str | None = None) -> CostModel:
+    """A preset name, a model directory, or a config.json path -> CostModel. `calibration`: a
+    file, None (the FLOP formula), or "auto": the shipped file matching `device_name` and the
+    model's shapes, else the formula."""
     if model in PRESETS:
         shapes = PRESETS[model]
     else:
@@ -179,7 +245,15 @@ def load_cost_model(model: str, calibration: str | Path | None = None) -> CostMo
                 f"model {model!r}: not a preset ({', '.join(PRESETS)}) and no config.json at {path}")
         shapes = shapes_from_config(read_json(path, "model config"), str(path))
     cost = CostModel(name=model, shapes=shapes, c=shapes.params_per_layer() / shapes.hidden_size)
+    if calibration == "none":
+        calibration = None
+    if calibration == "auto":
+        calibration = shipped_calibration(shapes, device_name)
     if calibration is not None:
         cal = load_calibration(calibration)
-        cost = replace(cost, c=cal.linear_s_per_token / cal.attention_s_per_token2, calibration=cal)
+        c = cal.linear_s_per_token / cal.attention_s_per_token2
+        if cal.step is not None:
+            (a, b, _), (s, _) = cal.step.attention_fit, cal.step.linear_fit
+            c = (b + s) / a
+        cost = replace(cost, c=c, calibration=cal)
     return cost

@@ -10,22 +10,22 @@ sharded at `min(p_max, W)`).
 Bounds (what no plan on aligned groups of at most `p = min(p_max, W)` ranks can beat): every
 sequence lies inside one aligned p-block, and the busiest rank of a block carries at least the
 block's total ÷ p, so the busiest rank is at least `partition_bound(values, W/p) / p` — a lower
-bound on the best split of the sequences' values over W/p bins (`partition_bound`, and
-`pairing_bound` where bins hold one or two large values each; `split_bound` is the larger). With it:
-`attention_balance_bound = max(mean, max_s L²/p, split_bound(L², W/p)/p) ÷ mean` and
-`efficiency_bound = lower_bound ÷ max(lower_bound, split_bound(cost, W/p)/p)` (the best
+bound on the best split of the sequences' values over W/p bins (`partition_bound`). With it:
+`attention_balance_bound = max(mean, max_s L²/p, partition_bound(L², W/p)/p) ÷ mean` and
+`efficiency_bound = lower_bound ÷ max(lower_bound, partition_bound(cost, W/p)/p)` (the best
 efficiency reachable; below 1 where the schema's lower bound is not attainable).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 import numpy as np
 
 from flexrl_ds.planning.heads import heads_per_rank, kv_heads_held
 from flexrl_ds.planning.plan import Plan
+from flexrl_ds.planning.step_time import plan_step_time
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,14 @@ class PlanMetrics:
     """Lowest attention balance any aligned plan can reach (module doc); ≤ attention_balance."""
     efficiency_bound: float = 1.0
     """Highest efficiency any aligned plan can reach (module doc); ≥ efficiency."""
+    step_time_s: float = 0.0
+    """Modelled step time (the busiest rank, planning/step_time.py); 0 without a calibration."""
+    compute_s: float = 0.0
+    """Linear + attention seconds of the busiest rank (0 without a calibration)."""
+    exposed_all_to_all_s: float = 0.0
+    """All-to-all seconds of the busiest rank not hidden by overlap (0 without a calibration)."""
+    idle_s: float = 0.0
+    """Mean seconds a rank waits for the busiest one (0 without a calibration)."""
     rank_cost: list[float] = field(default_factory=list, repr=False)
     """Per-rank cost (for plots)."""
     rank_attention: list[float] = field(default_factory=list, repr=False)
@@ -125,88 +133,6 @@ def partition_bound(values: np.ndarray, num_bins: int) -> float:
     return bound
 
 
-PAIRING_TERMS = 64
-"""`pairing_bound` tries at most this many counts j (its cost is O(j²); the bound stays valid)."""
-
-
-def pairing_bound(values: np.ndarray, num_bins: int) -> float:
-    """Lower bound on the largest bin sum of any split of `values` over `num_bins` bins (B),
-    sharper than `partition_bound` where bins hold 1–2 large values each. For each j with
-    1 ≤ j ≤ B and B + j ≤ n, take the m = B + j largest values: either some bin holds three of them
-    (its sum ≥ the 3 smallest of the m), or every bin holds at most two, and then at least j bins
-    hold two (2a + b = m, a + b ≤ B ⇒ a ≥ j): j disjoint pairs of the m, whose largest pair sum is
-    at least that of the 2j smallest of the m paired largest-with-smallest (that pairing minimises
-    the largest sum of a fixed set, and smaller values only lower it). The bound for j is the
-    smaller of the two cases; the result is the largest over j (at most PAIRING_TERMS of them)."""
-    ranked = np.sort(np.asarray(values, dtype=float))[::-1]
-    num_terms = min(num_bins, len(ranked) - num_bins, PAIRING_TERMS)
-    if num_terms < 1:
-        return float(ranked[0]) if len(ranked) else 0.0
-    j = np.arange(1, num_terms + 1)[:, None]
-    t = np.arange(num_terms)[None, :]
-    pair_sums = ranked[np.minimum(num_bins - j + t, len(ranked) - 1)] + ranked[np.maximum(num_bins + j - 1 - t, 0)]
-    folded = np.where(t < j, pair_sums, -np.inf).max(axis=1)
-    m = num_bins + j[:, 0]
-    padded = np.concatenate([[0.0, 0.0], ranked])
-    three = padded[m + 1] + padded[m] + padded[m - 1]  # ranked[m-1] + ranked[m-2] + ranked[m-3]
-    return float(max(ranked[0], np.minimum(folded, three).max()))
-
-
-def split_bound(values: np.ndarray, num_bins: int) -> float:
-    """The larger of `partition_bound` and `pairing_bound` (both valid lower bounds)."""
-    return max(partition_bound(values, num_bins), pairing_bound(values, num_bins))
-
-
-def attention_cost_infeasible(cost: np.ndarray, attention: np.ndarray, num_bins: int, attention_cap: float,
-                              cost_cap: float) -> bool:
-    """True when no split of the items over `num_bins` bins keeps every bin's attention ≤
-    `attention_cap` and cost ≤ `cost_cap` at once (absolute bin sums; a certificate: False says
-    nothing). Each bound alone may be reachable; together they are not where the long items leave
-    too little attention room for the cost their bins must still take. For the m largest items by
-    attention (every m), a bin holds at most q of them (q + 1 of the smallest exceed the cap), so
-    at least t = m − (q − 1)·bins bins hold exactly q. Those t bins carry at least the t·q smallest
-    of the m in attention and at most the t·q largest costs, and — the other bins holding ≤
-    cost_cap each — still need cost ≥ Σ cost − (bins − t)·cost_cap − that from the other n − m
-    items, within attention room t·cap − that. The least attention buying that cost (fractional,
-    lowest attention per cost first, over all items: a valid relaxation) above the room, or the
-    other items' total cost below the need, proves it impossible. O(n log n)."""
-    by_attention = np.argsort(-np.asarray(attention, dtype=float), kind="stable")
-    attention = np.asarray(attention, dtype=float)[by_attention]
-    cost = np.asarray(cost, dtype=float)[by_attention]
-    n = len(attention)
-    if n == 0:
-        return False
-    if attention[0] > attention_cap or cost.max() > cost_cap:
-        return True
-    prefix_a, prefix_c = (np.concatenate([[0.0], np.cumsum(row)]) for row in (attention, cost))
-    m = np.arange(1, n)
-    # q(m): the most of the m largest a bin can hold (sum of the q smallest of them ≤ cap); binary search.
-    low, high = np.ones(len(m), dtype=np.int64), m.copy()
-    while (low < high).any():
-        mid = (low + high + 1) // 2
-        fits = prefix_a[m] - prefix_a[m - mid] <= attention_cap
-        low, high = np.where(fits, mid, low), np.where(fits, high, mid - 1)
-    q = low
-    full = m - (q - 1) * num_bins  # bins that must hold exactly q of the m largest
-    if (full > num_bins).any():
-        return True  # the m largest do not fit at q per bin
-    t, m, q = full[full >= 1], m[full >= 1], q[full >= 1]
-    held = t * q
-    room = t * attention_cap - (prefix_a[m] - prefix_a[m - held])
-    most_cost = np.concatenate([[0.0], np.cumsum(np.sort(cost)[::-1])])  # the held largest costs, any items
-    need = prefix_c[n] - (num_bins - t) * cost_cap - most_cost[held]
-    if (need > prefix_c[n] - prefix_c[m] + 1e-9 * prefix_c[n]).any():
-        return True  # the other items do not carry the cost those bins need
-    ratio_order = np.argsort(attention / np.maximum(cost, 1e-300), kind="stable")
-    cheap_c = np.concatenate([[0.0], np.cumsum(cost[ratio_order])])
-    cheap_a = np.concatenate([[0.0], np.cumsum(attention[ratio_order])])
-    k = np.clip(np.searchsorted(cheap_c, need), 1, n)
-    item = ratio_order[k - 1]
-    least = cheap_a[k - 1] + np.maximum(need - cheap_c[k - 1], 0.0) * attention[item] / np.maximum(cost[item], 1e-300)
-    least = np.where(need > 0, least, 0.0)
-    return bool((least > room + 1e-9 * prefix_a[n]).any())
-
-
 def _ratio(loads: np.ndarray) -> float:
     mean = float(loads.mean())
     return float(loads.max()) / mean if mean > 0 else 1.0
@@ -231,8 +157,8 @@ def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
     num_blocks = world_size // p_eff
     mean_attention = float(attention.sum()) / world_size
     attention_floor = max(mean_attention, float(attention.max()) / p_eff,
-                          split_bound(attention, num_blocks) / p_eff)
-    cost_floor = max(lower_bound, split_bound(cost, num_blocks) / p_eff)
+                          partition_bound(attention, num_blocks) / p_eff)
+    cost_floor = max(lower_bound, partition_bound(cost, num_blocks) / p_eff)
     factor = {int(d): kv_traffic_factor(num_heads, num_kv_heads, int(d)) for d in np.unique(degrees)}
     volume = float((tokens * (degrees - 1) / degrees * np.array([factor[d] for d in degrees.tolist()])).sum())
     fixed = float(tokens.sum()) * (p_eff - 1) / p_eff * kv_traffic_factor(num_heads, num_kv_heads, p_eff)
@@ -248,6 +174,15 @@ def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
         efficiency_bound=lower_bound / cost_floor,
         rank_cost=rank_cost.tolist(), rank_attention=rank_attention.tolist(), rank_tokens=rank_tokens.tolist(),
     )
+
+
+def with_step_time(metrics: PlanMetrics, plan: Plan, workload, cost, overlap: bool = True) -> PlanMetrics:
+    """`metrics` with the modelled step time of `plan` filled in when `cost` has a step model."""
+    if cost.step is None:
+        return metrics
+    tokens = {s.id: s.tokens for s in workload.sequences}
+    step = plan_step_time(plan, tokens, cost.step, cost.num_heads, cost.num_kv_heads, cost.shapes.head_dim, overlap)
+    return replace(metrics, **step.summary())
 
 
 def plan_metrics(plan: Plan, tokens_by_id: Mapping[str, int], c: float, num_heads: int | None = None,

@@ -7,48 +7,40 @@ Public API (stable; the executor calls it once per step and SP domain):
     result.workload    # the workload actually planned (after oversize drop/truncate)
     result.dropped / result.truncated / result.metrics
 
-Algorithm (docs/ARCHITECTURE.md "Planner" has the argument; p = the largest allowed degree):
+Objective: the busiest rank's modelled time. With a calibration that has the step-time fits
+(planning/step_time.py) that is seconds — attention a·L² + b·L on the rank's query heads, linear
+s·L ÷ d, and per sharded sequence its pack's attention floor and the all-to-all not hidden by
+overlap; attention balance is then only reported. Without one it is the FLOP formula L² + c·L
+(head-aware too), with attention balance as a secondary room.
+
+Algorithm (p = the largest allowed degree):
 1. Every sequence of degree ≤ p lies in one aligned p-block, so a plan is first a partition of the
-   sequences over the W/p p-blocks. `partition_blocks` (placement.py): LPT on cost (exactly fixed
-   SP at p's) and a 2-D LPT (attention-heavy sequences by max(cost, attention)), each refined by
-   moves/swaps on cost, then on attention under a cost ceiling; least attention among those within
-   `balance_tolerance / 2` of the best busiest-block cost; if its attention is above the goal,
-   2-for-1 exchanges between blocks lower it without raising the busiest block's cost.
-   *Attention repair* (attention_repair.py), only where a block's attention is still above
-   `attention_target` ÷ (1 + balance_tolerance) × its mean and the attention partition bound is
-   below that: one-for-many exchanges (a long item for a block's shortest items) with block cost
-   allowed up to (1 + `attention_repair_slack`) × the busiest block's, raised in stages. Where a
-   block is still above that goal, the *attention-first search* (attention_search.py: LPT on
-   attention for the long sequences, short ones filling the attention-tight blocks, then a
-   penalty descent by moves/swaps; bounded by counted work, any step size) replaces the partition
-   if it meets the goal with every block's cost ≤ max(busiest block before,
-   `attention_search_cost_cap` × mean block), caps tried in stages — unless
-   `metrics.attention_cost_infeasible` proves that no partition meets both.
-2. Per-rank rooms: cost `(1 + balance_tolerance) ×` busiest block ÷ p (what fixed SP at p reaches
-   on this partition), attention `max((1 + balance_tolerance) × busiest block ÷ p,
-   attention_goal × mean)`, tokens `max_tokens_per_rank`.
-3. Each p-block is split by recursive halving (`split_block`): the k largest shardable sequences
-   stay at the block's degree, the rest go to the two halves (greedy + move/swap repair) so both fit
-   the rooms left; smallest such k; recurse. Degrees are thus chosen by the layout: a sequence is
-   sharded only as far as balance or the token cap needs. Sequences under `min_shard_tokens` stay
-   whole where they carry ≥ `short_share` of a block's cost and that costs ≤ `short_tolerance`.
+   sequences over the W/p p-blocks (`partition_blocks`, placement.py), balanced on what a block's
+   busiest rank does at fixed SP under the executor's head split: LPT on cost and, formula only, a
+   2-D LPT, refined by moves/swaps on cost, then on attention under a cost ceiling, then 2-for-1
+   exchanges lowering attention without raising the busiest block's cost.
+2. Per-rank rooms, tightest first: cost `(1 + balance_tolerance) ×` busiest block ÷ p, then what
+   fixed SP at p reaches on this partition under the true head split (with overheads); attention
+   `max((1 + balance_tolerance) × busiest block ÷ p, attention_goal × mean)` (formula only);
+   tokens `max_tokens_per_rank`.
+3. Each p-block is split by recursive halving under per-rank rooms (`split_block`, split.py): the
+   k largest shardable sequences stay at the block's degree, the rest go to the two halves so both
+   fit the rooms left; smallest such k; recurse. Ranks holding fewer heads of the block's sharded
+   sequences get more room. Sequences under `min_shard_tokens` stay whole where they carry ≥
+   `short_share` of a block's cost and that costs ≤ `short_tolerance`. The room giving the least
+   busiest rank is kept, and fixed SP at p on the same partition is the fallback.
 4. Pack sequences sharing a group (packing.py); number packs in HSF order (schedule.py).
-Guarantee (no token cap, no short sequences kept whole): busiest rank ≤ (1 + tolerance)² × fixed
-SP at p's, so efficiency ≥ fixed SP's − 2·tolerance; attention balance ≤ max(fixed SP's ×
-(1 + tolerance), attention_goal) unless the 2-D start wins on cost; all-to-all ≤ fixed SP's.
-Where the attention repair runs, the busiest rank may rise by up to a further factor
-(1 + attention_repair_slack) (efficiency ≥ fixed SP's ÷ (1 + slack) − 2·tolerance), and where
-it reaches its block goal the split's attention room, (1 + tolerance) × busiest block ÷ p, keeps
-attention balance ≤ attention_target (a soft room: exceeded only where pinned short sequences
-leave no choice). Where the attention-first search's partition is taken, the busiest rank is
-≤ (1 + tolerance)² × max(busiest block before, attention_search_cost_cap × mean block) ÷ p
-(cost balance ≤ ~1.03 where the schema's lower bound is the mean; efficiency ≥ 1/1.03 − 2·tol).
+Guarantee (no token cap, no short sequences kept whole): the busiest rank's modelled time is at
+most (1 + balance_tolerance) × that of fixed SP at p on the planner's partition; all-to-all volume
+≤ fixed SP's at p. The attention repair and attention-first search of earlier versions are gone:
+on 45 generated cells they never lowered the busiest rank (they traded up to 0.4 % of it for
+attention balance), so under this objective they did not pay.
 
 Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the group. "uneven"
 (default) allows every power-of-two degree ≤ min(p_max, num_heads) (every rank needs a query head;
 the plan's `degree_cap` says which limit bound); when d does not divide num_heads the executor
-uses an uneven-heads all-to-all (some ranks get one more head: planning/heads.py). "divisible" only allows degrees that
-divide num_heads (Qwen2.5-VL-7B: 28 heads → at most 4). KV heads fewer than d are replicated so each
+uses an uneven-heads all-to-all (some ranks get one more head: planning/heads.py). "divisible"
+only allows degrees that divide num_heads (Qwen2.5-VL-7B: 28 heads → at most 4). KV heads fewer than d are replicated so each
 rank holds the KV heads its query heads use; KV heads more than d are scattered like query heads.
 """
 
@@ -59,15 +51,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.baselines import lpt_groups
 from flexrl_ds.planning.cost_model import CostModel
 from flexrl_ds.planning.heads import heads_per_rank, max_degree_for_heads
-from flexrl_ds.planning.attention_repair import repair_attention
-from flexrl_ds.planning.attention_search import search_partition
-from flexrl_ds.planning.metrics import (PlanMetrics, attention_cost_infeasible, compute_metrics, head_shares,
-                                        partition_bound)
+from flexrl_ds.planning.metrics import PlanMetrics, compute_metrics, head_shares, with_step_time
 from flexrl_ds.planning.packing import PackingLimits, pack_group, packing_limits
 from flexrl_ds.planning.placement import partition_blocks
 from flexrl_ds.planning.split import CapacityError, Items, rank_costs, split_block
+from flexrl_ds.planning.step_time import plan_step_time, sequence_terms, sharding_overhead
 from flexrl_ds.planning.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
 from flexrl_ds.planning.schedule import hsf_key, hsf_rank_order
 
@@ -96,34 +87,6 @@ class PlannerOptions:
     sequence shardable. Elsewhere every sequence may be sharded (efficiency first)."""
     refine_steps: int = 48
     """Upper bound on move/swap steps of each block-partition refinement."""
-    attention_target: float = 1.05
-    """Attention balance the repair phase aims for: where the block partition leaves a p-block's
-    attention above this ÷ (1 + balance_tolerance) (the split's margin) × the mean block and the
-    attention partition bound is below that, one-for-many exchanges lower it
-    (attention_repair.py). float("inf") turns the repair off."""
-    attention_repair_slack: float = 0.01
-    """The repair may raise a p-block's cost up to (1 + this) × the busiest block's cost (in
-    stages: a quarter, half, all of it, only as far as attention needs)."""
-    attention_repair_steps: int = 96
-    """Upper bound on the repair's exchanges (a round, one vectorised search of ~1–3 ms on the
-    2-core box, makes up to one per p-block)."""
-    attention_search_cost_cap: float = 1.03
-    """Where the repair still leaves a block above its attention goal, an attention-first search
-    (bounded by attention_search.WORK_BUDGET counted candidates) may raise the busiest p-block's
-    cost up to this × the mean block cost (never lowering the cap below the busiest block's cost
-    before the search); 0 turns the search off."""
-
-    def __post_init__(self) -> None:
-        if not self.attention_target > 0:
-            raise ValueError(f"attention_target must be positive, got {self.attention_target!r}")
-        if not 0 <= self.attention_repair_slack < float("inf"):
-            raise ValueError(f"attention_repair_slack must be ≥ 0 and finite, got {self.attention_repair_slack!r}")
-        steps = self.attention_repair_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"attention_repair_steps must be a non-negative integer, got {steps!r}")
-        if not 0 <= self.attention_search_cost_cap < float("inf"):
-            raise ValueError(
-                f"attention_search_cost_cap must be ≥ 0 and finite, got {self.attention_search_cost_cap!r}")
 
 
 @dataclass(frozen=True)
@@ -199,25 +162,47 @@ def apply_oversize(workload: Workload, sp: SPConfig, max_degree: int
     return Workload(tuple(kept)), tuple(dropped), truncated
 
 
+def objective_terms(tokens: np.ndarray, cost: CostModel, allowed: tuple[int, ...], overlap: bool):
+    """(values (3, n), overheads per degree, attention room on?) of the planner's objective, in
+    units of L². Formula: cost L² + c·L, attention L², no overheads. Calibrated (planning/
+    step_time.py): attention L² + (b/a)·L, cost that + (s/a)·L, and per degree ≥ 2 the per-rank
+    floor + exposed all-to-all a sharded sequence pays ÷ (a · layers): the busiest rank's cost is
+    then its modelled seconds, and attention balance is only reported."""
+    step = cost.step
+    if step is None:
+        return np.stack([tokens * tokens + cost.c * tokens, tokens * tokens, tokens]), {}, True
+    unit = step.attention_fit[0] * step.num_layers
+    attention, linear = sequence_terms(tokens, step)
+    values = np.stack([(attention + linear) / unit, attention / unit, tokens])
+    overheads = {d: sharding_overhead(tokens, d, step, cost.num_heads, cost.num_kv_heads, cost.shapes.head_dim,
+                                      overlap) / unit for d in allowed if d > 1}
+    return values, overheads, False
+
+
 def nested_layout(tokens: np.ndarray, c: float, allowed: tuple[int, ...], world_size: int, token_cap: float,
-                  options: PlannerOptions, heads: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  options: PlannerOptions, heads: tuple[int, int] | None = None,
+                  terms=None) -> tuple[np.ndarray, np.ndarray]:
     """(degree, first rank) of every sequence: p-block partition, then recursive halving under
     per-rank rooms (placement.py, split.py; module docstring). `heads` (query, KV): each rank is
-    costed by the query heads it holds (planning/heads.py); None: an even split."""
+    costed by the query heads it holds (planning/heads.py); None: an even split. `terms`:
+    `objective_terms` (None: the formula with this `c`)."""
     block_size = allowed[-1]
     assert allowed == tuple(1 << k for k in range(len(allowed))), allowed  # a prefix of powers of two
     num_blocks = world_size // block_size
-    values = np.stack([tokens * tokens + c * tokens, tokens * tokens, tokens])
+    if terms is None:
+        terms = (np.stack([tokens * tokens + c * tokens, tokens * tokens, tokens]), {}, True)
+    values, overheads, attention_room = terms
+    if not attention_room:
+        options = replace(options, attention_goal=float("inf"))
     shares = {d: head_shares(*(heads or (None, None)), d) for d in allowed}
     items = Items(values, tokens < options.min_shard_tokens, np.ones(len(tokens), dtype=np.int64),
-                  np.zeros(len(tokens), dtype=np.int64), shares=shares)
+                  np.zeros(len(tokens), dtype=np.int64), shares=shares, overhead=overheads)
     # Blocks are balanced on what a block's busiest rank does at fixed SP under the true head split
     # (attention × p × the largest head share at p: 8/7 for 28 heads at p = 8), not on L² + c·L.
     weight = block_size * items.busiest_share(block_size)
     fixed_values = np.stack([values[0] + (weight - 1) * values[1], values[1], values[2]])
     blocks = partition_blocks(replace(items, values=fixed_values), num_blocks, block_size, token_cap,
                               options.refine_steps, options.balance_tolerance / 2, options.attention_goal)
-    _repair_blocks(values, blocks, num_blocks, block_size * token_cap, options)
     order = np.argsort(-values[0], kind="stable")
     by_block = order[np.argsort(blocks[order], kind="stable")]
     bounds = np.searchsorted(blocks[by_block], np.arange(num_blocks + 1))
@@ -258,29 +243,6 @@ def _rooms(items: Items, blocks: np.ndarray, num_blocks: int, block_size: int, w
               max(float(sums[1].max()) / block_size * tolerance, goal), token_cap),
              (float(fixed.max()) * tolerance, max(float(sums[1].max()) * share * tolerance, goal), token_cap)]
     return rooms if rooms[1][0] > rooms[0][0] * (1 + 1e-9) else rooms[:1]
-
-
-def _repair_blocks(values: np.ndarray, blocks: np.ndarray, num_blocks: int, token_room: float,
-                   options: PlannerOptions) -> None:
-    """Attention repair of the block partition (attention_repair.py), only where the busiest
-    block's attention is above the target and the partition bound is below it."""
-    goal = options.attention_target / (1 + options.balance_tolerance) * float(values[1].sum()) / num_blocks
-    if num_blocks < 2 or np.bincount(blocks, weights=values[1], minlength=num_blocks).max() <= goal:
-        return
-    if partition_bound(values[1], num_blocks) >= goal:
-        return
-    cost_start = float(np.bincount(blocks, weights=values[0], minlength=num_blocks).max())
-    repair_attention(values, blocks, num_blocks, token_room, options.attention_repair_slack, goal,
-                     options.attention_repair_steps)
-    if options.attention_search_cost_cap <= 0 or \
-            np.bincount(blocks, weights=values[1], minlength=num_blocks).max() <= goal:
-        return
-    cost_cap = max(cost_start, options.attention_search_cost_cap * float(values[0].sum()) / num_blocks)
-    if attention_cost_infeasible(values[0], values[1], num_blocks, goal, cost_cap):
-        return  # no partition meets both caps: the search could only spend its budget
-    found = search_partition(values, num_blocks, token_room, goal, cost_start, cost_cap)
-    if found is not None:
-        blocks[:] = found
 
 
 def _split_p_block(items: Items, members: list[int], first: int, block_size: int,
@@ -325,23 +287,55 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
             f"{world_size} ranks × the cap")
     try:
         degrees, starts = nested_layout(tokens, cost.c, allowed, world_size, token_cap, options,
-                                        (cost.num_heads, cost.num_kv_heads))
+                                        (cost.num_heads, cost.num_kv_heads),
+                                        objective_terms(tokens, cost, allowed, sp.overlap))
     except CapacityError as error:
         seq = planned.sequences[error.args[0]]
         raise ValueError(
             f"sequence {seq.id!r}: no group of ranks has room for its {seq.tokens} tokens under "
             f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
+    if cost.step is not None:
+        degrees, starts = _least_modelled_time(planned, tokens, degrees, starts, world_size, sp, cost, limits,
+                                               allowed, token_cap)
     plan = build_plan(planned.sequences, degrees, starts, world_size, sp.p_max, limits,
                       (cost.num_heads, cost.num_kv_heads))
     metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=allowed[-1],
                               c=cost.c, num_packs=len(plan.packs), num_heads=cost.num_heads,
                               num_kv_heads=cost.num_kv_heads)
-    extra = {"metrics": metrics.summary(), "cost_model": {"name": cost.name, "c": cost.c},
+    metrics = with_step_time(metrics, plan, planned, cost, sp.overlap)
+    extra = {"metrics": metrics.summary(), "cost_model": {
+                 "name": cost.name, "c": cost.c, "num_heads": cost.num_heads, "num_kv_heads": cost.num_kv_heads,
+                 "calibration": cost.calibration.source if cost.calibration is not None else None},
              "degree_cap": degree_cap(world_size, sp, cost, allowed),
              "h_pack": limits.h_pack, "H_pack": limits.H_pack, "head_rule": options.head_rule,
              "dropped": list(dropped), "truncated": {k: v[1] for k, v in truncated.items()}}
     plan = replace(plan, extra=extra)
     return PlanResult(plan, planned, metrics, dropped, truncated, limits)
+
+
+def _least_modelled_time(planned: Workload, tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
+                         world_size: int, sp: SPConfig, cost: CostModel, limits: PackingLimits,
+                         allowed: tuple[int, ...], token_cap: float) -> tuple[np.ndarray, np.ndarray]:
+    """The layout with the least modelled step time (packed, in HSF order: planning/step_time.py)
+    among the nested layout and fixed SP at every allowed degree (LPT over its groups on the
+    calibrated cost) that fits the token cap: the layout's per-sequence overheads are a proxy
+    (packing merges short sequences' floors), so the exact model has the last word."""
+    by_id = {s.id: s.tokens for s in planned.sequences}
+    heads = (cost.num_heads, cost.num_kv_heads)
+    weight = objective_terms(tokens, cost, allowed, sp.overlap)[0][0]
+    candidates = [(degrees, starts)]
+    for degree in allowed:
+        groups = lpt_groups(weight, world_size // degree)
+        held = np.bincount(groups, weights=tokens, minlength=world_size // degree) / degree
+        if held.max() <= token_cap:
+            candidates.append((np.full(len(tokens), degree, dtype=np.int64), groups * degree))
+    best = None
+    for layout in candidates:
+        plan = build_plan(planned.sequences, *layout, world_size, sp.p_max, limits, heads)
+        seconds = plan_step_time(plan, by_id, cost.step, *heads, cost.shapes.head_dim, sp.overlap).step_s
+        if best is None or seconds < best[0] * (1 - 1e-9):
+            best = (seconds, layout)
+    return best[1]
 
 
 def build_plan(sequences: tuple[SequenceSpec, ...], degrees: np.ndarray, starts: np.ndarray,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from flexrl_ds.bench.workloads import make_workload
@@ -55,11 +57,12 @@ def test_image_heavy_256_on_128_ranks_seed_1():
     balance unchanged in kind (every block's cost at or under the busiest block's). Its 8 blocks
     holding a 38k- and a 30k-token video carry ≥ 1.02 × mean attention from those two alone and
     must fill the rest of their cost with short sequences, so at a cost tolerance of 0.1 % about
-    1.047 is the fractional optimum (the repair, test_planner_attention_repair.py, gets ≤ 1.05)."""
+    1.047 is the fractional optimum. Measured with 32 query heads (8 per rank at degree 8, the
+    even split this claim is about); with 28 heads the head split's 8/7 dominates attention."""
     workload = make_workload("image-heavy", 256, seed=1)
-    options = PlannerOptions(attention_target=float("inf"))
-    metrics = plan_step(workload, 128, COST, SPConfig(p_max=8), options).metrics
-    sp8 = fixed_sp(workload, 128, COST, 8, 8).metrics
+    even = replace(COST, shapes=replace(COST.shapes, num_heads=32, num_kv_heads=8))  # same c
+    metrics = plan_step(workload, 128, even, SPConfig(p_max=8)).metrics
+    sp8 = fixed_sp(workload, 128, even, 8, 8).metrics
     assert metrics.efficiency >= max(0.97, sp8.efficiency - 2 * PlannerOptions().balance_tolerance)
     assert metrics.cost_balance <= 1.03
     assert metrics.attention_balance <= 1.065

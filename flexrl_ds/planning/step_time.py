@@ -1,0 +1,161 @@
+"""Calibrated step-time model of a FlexUlysses step: what the planner minimises. Pure (numpy only).
+
+One decoder layer, forward + backward, measured on the real hardware (`flexrl bench sp --calibrate`):
+
+- attention of one pack (one varlen call) holding `h` of the model's `H` query heads:
+  `(h/H)·(a·Σ L² + b·Σ L) + c` seconds — `c` is a per-pack floor (kernel launches, the small-pack
+  regime where a Ulysses SP=2 layer on 512–1K tokens runs at 0.47× one GPU);
+- linear layers (projections + MLP) on the rank's `T` local tokens, all packs in one forward:
+  `s·T + c_linear`;
+- one pack's all-to-alls on `d` ranks: forward q/k/v (merged) and output, backward the same, so 4
+  collectives of `latency(d)` plus `bytes/bandwidth(d)`, where a rank sends `(d−1)/d` of its
+  `T/d` tokens' `(2·H + 2·KV_held)·head_dim` elements (KV_held: KV heads summed over the group,
+  replicated ones counted; planning/heads.py), ×2 for the backward. Inside a node the link is the
+  measured (or assumed) NVLink figure for the group size; a group spanning nodes sends
+  `(d−g)/(d−1)` of it over the network (g GPUs per node), in parallel with the rest over NVLink.
+
+All per-layer times × `num_layers`. With overlap, a pack's all-to-all runs under the previous
+pack's attention on the same rank (the executor issues pack j+1's exchange before pack j's
+attention), so only `max(0, comm_j − attention_{j−1})` is exposed. A rank's time is linear +
+attention + exposed all-to-all; the step's is the busiest rank's, and the others wait (idle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from flexrl_ds.planning.heads import heads_per_rank, kv_heads_held
+
+
+@dataclass(frozen=True)
+class Link:
+    """Latency and bandwidth of one all-to-all (bytes leaving each rank per second)."""
+
+    latency_s: float
+    """Seconds of a tiny all-to-all."""
+    bytes_per_s: float
+    """Bytes leaving each rank per second for a large one."""
+    measured: bool = True
+    """False where the figure is assumed, not measured."""
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Calibrated per-layer times (see the module docstring)."""
+
+    attention_fit: tuple[float, float, float]
+    """(a, b, c): one layer's attention of a pack with all heads, fwd+bwd: a·ΣL² + b·ΣL + c seconds."""
+    linear_fit: tuple[float, float]
+    """(s, c_linear): one layer's linear work on T local tokens, fwd+bwd: s·T + c_linear seconds."""
+    num_layers: int
+    """Decoder layers the per-layer times are multiplied by."""
+    links: dict[int, Link] = field(default_factory=dict)
+    """Group size (inside one node) -> all-to-all link; sizes not listed use the nearest smaller one."""
+    gpus_per_node: int = 8
+    """GPUs sharing NVLink; larger groups cross the network."""
+    network: Link | None = None
+    """Per-GPU network link across nodes (None: groups never span nodes)."""
+    bytes_per_element: int = 2
+    """Bytes of one activation element (bf16: 2)."""
+
+    def link(self, degree: int) -> Link:
+        inside = min(degree, self.gpus_per_node)
+        known = sorted(d for d in self.links if d <= inside) or sorted(self.links)
+        if not known:
+            return Link(0.0, float("inf"), measured=False)
+        exact = self.links[known[-1]]
+        return exact if known[-1] == inside else Link(exact.latency_s, exact.bytes_per_s, measured=False)
+
+    def attention_s(self, sum_l2, sum_l, share, packs=1):
+        """Seconds of attention (all layers) for packs holding Σ L², Σ L at a head share."""
+        a, b, c = self.attention_fit
+        return self.num_layers * (share * (a * sum_l2 + b * sum_l) + c * packs)
+
+    def linear_s(self, tokens):
+        """Seconds of the linear layers (all layers) on a rank holding `tokens` local tokens."""
+        s, c = self.linear_fit
+        return self.num_layers * (s * tokens + c)
+
+    def all_to_all_s(self, pack_tokens, degree: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        """Seconds (all layers, fwd+bwd) of one pack's all-to-alls on one rank of its group."""
+        if degree <= 1:
+            return 0.0 * np.asarray(pack_tokens, dtype=float)
+        heads = 2 * num_heads + 2 * kv_heads_held(num_heads, num_kv_heads, degree)
+        sent = 2 * np.asarray(pack_tokens, dtype=float) / degree * (degree - 1) / degree
+        sent = sent * heads * head_dim * self.bytes_per_element
+        local = self.link(degree)
+        if degree <= self.gpus_per_node or self.network is None:
+            return self.num_layers * (4 * local.latency_s + sent / local.bytes_per_s)
+        remote = (degree - self.gpus_per_node) / (degree - 1)
+        seconds = np.maximum(sent * (1 - remote) / local.bytes_per_s, sent * remote / self.network.bytes_per_s)
+        return self.num_layers * (4 * max(local.latency_s, self.network.latency_s) + seconds)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Modelled time of one step of a plan (seconds)."""
+
+    step_s: float
+    """The busiest rank's time: everyone waits for it."""
+    compute_s: float
+    """Linear + attention of the busiest rank."""
+    exposed_all_to_all_s: float
+    """All-to-all of the busiest rank not hidden under attention."""
+    idle_s: float
+    """Mean over ranks of the time spent waiting for the busiest rank."""
+    rank_s: list[float] = field(default_factory=list, repr=False)
+    """Per-rank time."""
+
+    def summary(self) -> dict[str, float]:
+        return {"step_time_s": self.step_s, "compute_s": self.compute_s,
+                "exposed_all_to_all_s": self.exposed_all_to_all_s, "idle_s": self.idle_s}
+
+
+def plan_step_time(plan, tokens_by_id: Mapping[str, int], model: StepTimeModel, num_heads: int,
+                   num_kv_heads: int, head_dim: int, overlap: bool = True) -> StepTime:
+    """Modelled step time of `plan` (its packs in each rank's `rank_order`, module docstring)."""
+    packs = plan.pack_by_id()
+    compute, exposed = np.zeros(plan.world_size), np.zeros(plan.world_size)
+    shares = {}
+    for rank in range(plan.world_size):
+        held, previous = 0.0, 0.0
+        for pack_id in plan.rank_order.get(rank, ()):
+            pack = packs[pack_id]
+            lengths = np.array([tokens_by_id[s] for s in pack.sequences], dtype=float)
+            if pack.degree not in shares:
+                shares[pack.degree] = np.asarray(heads_per_rank(num_heads, num_kv_heads, pack.degree)) / num_heads
+            share = float(shares[pack.degree][pack.ranks.index(rank)])
+            attention = model.attention_s(float((lengths ** 2).sum()), float(lengths.sum()), share)
+            comm = float(model.all_to_all_s(lengths.sum(), pack.degree, num_heads, num_kv_heads, head_dim))
+            exposed[rank] += max(0.0, comm - previous) if overlap else comm
+            compute[rank] += attention
+            held += float(lengths.sum()) / pack.degree
+            previous = attention
+        compute[rank] += model.linear_s(held) if held else 0.0
+    total = compute + exposed
+    busiest = int(np.argmax(total))
+    return StepTime(float(total[busiest]), float(compute[busiest]), float(exposed[busiest]),
+                    float((total[busiest] - total).mean()), total.tolist())
+
+
+def sequence_terms(tokens: np.ndarray, model: StepTimeModel) -> tuple[np.ndarray, np.ndarray]:
+    """(attention, linear) seconds of each whole sequence on one rank with all heads, no floors."""
+    a, b, _ = model.attention_fit
+    s, _ = model.linear_fit
+    return model.num_layers * (a * tokens * tokens + b * tokens), model.num_layers * s * tokens
+
+
+def sharding_overhead(tokens: np.ndarray, degree: int, model: StepTimeModel, num_heads: int,
+                      num_kv_heads: int, head_dim: int, overlap: bool) -> np.ndarray:
+    """Per-rank seconds a sequence pays at `degree` ≥ 2 beyond its share of the work: its own pack's
+    attention floor and its all-to-all (with overlap, the part longer than its own attention on
+    the busiest rank: the planner's proxy for 'hidden under the neighbouring pack')."""
+    comm = model.all_to_all_s(tokens, degree, num_heads, num_kv_heads, head_dim)
+    if overlap:
+        share = max(heads_per_rank(num_heads, num_kv_heads, degree)) / num_heads
+        attention, _ = sequence_terms(tokens, model)
+        comm = np.maximum(0.0, comm - attention * share)
+    return comm + model.num_layers * model.attention_fit[2]
