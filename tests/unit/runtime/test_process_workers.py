@@ -1,0 +1,65 @@
+"""`ProcessWorkerGroup` (runtime/process_workers.py): the worker-group interface on local processes,
+and failures that name the rank instead of hanging."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flexrl_ds.runtime.process_workers import ProcessWorkerGroup
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class EchoWorker:
+    def __init__(self, place, offset: int = 0, fail_on_rank: int | None = None):
+        if place.rank == fail_on_rank:
+            raise ValueError(f"rank {place.rank} refuses to start")
+        self.place, self.offset = place, offset
+
+    def where(self, extra: int = 0):
+        return self.place.rank, self.place.world_size, self.place.master_port, self.offset + extra
+
+    def add(self, value: int) -> int:
+        return self.place.rank + value
+
+    def fail_on(self, rank: int) -> int:
+        if self.place.rank == rank:
+            raise RuntimeError("boom")
+        return self.place.rank
+
+    def exit_on(self, rank: int) -> int:
+        if self.place.rank == rank:
+            os._exit(3)
+        return self.place.rank
+
+
+def test_run_and_run_each_return_results_in_rank_order():
+    with ProcessWorkerGroup(EchoWorker, 3, {"offset": 10}, name="echo", timeout_s=60) as group:
+        places = group.run("where", extra=1)
+        assert [p[:2] for p in places] == [(0, 3), (1, 3), (2, 3)]
+        assert len({p[2] for p in places}) == 1 and {p[3] for p in places} == {11}  # one rendezvous
+        assert group.run_each("add", [(100,), (200,), (300,)]) == [100, 201, 302]
+
+
+def test_a_failing_rank_is_named_and_stops_the_group():
+    with ProcessWorkerGroup(EchoWorker, 2, name="echo", timeout_s=60) as group:
+        with pytest.raises(RuntimeError, match=r"echo.fail_on failed on rank 1 \(fail_on\):(.|\n)*boom"):
+            group.run("fail_on", 1)
+        with pytest.raises(RuntimeError, match="stopped"):
+            group.run("add", 1)
+
+
+def test_constructor_failure_and_dead_process_are_named():
+    with ProcessWorkerGroup(EchoWorker, 2, {"fail_on_rank": 0}, name="echo", timeout_s=60) as group:
+        with pytest.raises(RuntimeError, match=r"rank 0 \(building its worker\)(.|\n)*refuses to start"):
+            group.run("add", 1)
+    with ProcessWorkerGroup(EchoWorker, 2, name="echo", timeout_s=60) as group:
+        with pytest.raises(RuntimeError, match="rank 1: its process exited with code 3"):
+            group.run("exit_on", 1)
+
+
+def test_at_least_one_rank():
+    with pytest.raises(ValueError, match="at least one rank"):
+        ProcessWorkerGroup(EchoWorker, 0)
