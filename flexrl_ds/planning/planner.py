@@ -348,10 +348,11 @@ def build_plan(sequences: tuple[SequenceSpec, ...], degrees: np.ndarray, starts:
     tokens = [s.tokens for s in sequences]
     ids = [s.id for s in sequences]
     packs: list[Pack] = []
+    heads_of: dict[int, tuple[int, ...]] = {}
     for (degree, start), members in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
         ranks = tuple(range(start, start + degree))
         for pack_members in pack_group(members, tokens, limits):
-            held = heads_per_rank(*heads, degree) if heads else ()
+            held = heads_of.setdefault(degree, heads_per_rank(*heads, degree) if heads else ())
             packs.append(Pack(len(packs), degree, ranks, tuple([ids[i] for i in pack_members]), held))
     assert [p.id for p in sorted(packs, key=hsf_key)] == list(range(len(packs)))
     return Plan(world_size=world_size, p_max=p_max, packs=tuple(packs),

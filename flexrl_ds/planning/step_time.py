@@ -116,25 +116,33 @@ class StepTime:
 
 def plan_step_time(plan, tokens_by_id: Mapping[str, int], model: StepTimeModel, num_heads: int,
                    num_kv_heads: int, head_dim: int, overlap: bool = True) -> StepTime:
-    """Modelled step time of `plan` (its packs in each rank's `rank_order`, module docstring)."""
-    packs = plan.pack_by_id()
-    compute, exposed = np.zeros(plan.world_size), np.zeros(plan.world_size)
-    shares = {}
-    for rank in range(plan.world_size):
-        held, previous = 0.0, 0.0
-        for pack_id in plan.rank_order.get(rank, ()):
-            pack = packs[pack_id]
-            lengths = np.array([tokens_by_id[s] for s in pack.sequences], dtype=float)
-            if pack.degree not in shares:
-                shares[pack.degree] = np.asarray(heads_per_rank(num_heads, num_kv_heads, pack.degree)) / num_heads
-            share = float(shares[pack.degree][pack.ranks.index(rank)])
-            attention = model.attention_s(float((lengths ** 2).sum()), float(lengths.sum()), share)
-            comm = float(model.all_to_all_s(lengths.sum(), pack.degree, num_heads, num_kv_heads, head_dim))
-            exposed[rank] += max(0.0, comm - previous) if overlap else comm
-            compute[rank] += attention
-            held += float(lengths.sum()) / pack.degree
-            previous = attention
-        compute[rank] += model.linear_s(held) if held else 0.0
+    """Modelled step time of `plan` (its packs in each rank's `rank_order`, module docstring);
+    vectorised over (rank, pack) entries in execution order."""
+    index = {pack.id: k for k, pack in enumerate(plan.packs)}
+    lengths = [[tokens_by_id[s] for s in pack.sequences] for pack in plan.packs]
+    sum_l = np.array([sum(row) for row in lengths], dtype=float)
+    sum_l2 = np.array([sum(n * n for n in row) for row in lengths], dtype=float)
+    degree = np.array([pack.degree for pack in plan.packs], dtype=np.int64)
+    first = np.array([pack.ranks[0] for pack in plan.packs], dtype=np.int64)
+    comm = np.zeros(len(plan.packs))
+    for d in np.unique(degree).tolist():
+        on = degree == d
+        comm[on] = model.all_to_all_s(sum_l[on], int(d), num_heads, num_kv_heads, head_dim)
+    ranks = np.array([r for r in range(plan.world_size) for _ in plan.rank_order.get(r, ())], dtype=np.int64)
+    entry = np.array([index[i] for r in range(plan.world_size) for i in plan.rank_order.get(r, ())], dtype=np.int64)
+    share = np.zeros(len(entry))
+    for d in np.unique(degree).tolist():
+        on = degree[entry] == d
+        table = np.asarray(heads_per_rank(num_heads, num_kv_heads, int(d)), dtype=float) / num_heads
+        share[on] = table[ranks[on] - first[entry[on]]]
+    attention = model.attention_s(sum_l2[entry], sum_l[entry], share)
+    previous = np.concatenate([[0.0], attention[:-1]])
+    previous[np.concatenate([[True], ranks[1:] != ranks[:-1]])] = 0.0  # a rank's first pack hides nothing
+    exposed_entry = np.maximum(0.0, comm[entry] - previous) if overlap else comm[entry]
+    held = np.bincount(ranks, weights=sum_l[entry] / degree[entry], minlength=plan.world_size)
+    compute = np.bincount(ranks, weights=attention, minlength=plan.world_size)
+    compute += np.where(held > 0, model.linear_s(held), 0.0)
+    exposed = np.bincount(ranks, weights=exposed_entry, minlength=plan.world_size)
     total = compute + exposed
     busiest = int(np.argmax(total))
     return StepTime(float(total[busiest]), float(compute[busiest]), float(exposed[busiest]),
