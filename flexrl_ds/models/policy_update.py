@@ -132,11 +132,12 @@ def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.
     return loss * dp_world_size + outputs.zero, summed
 
 
-def reduce_stats(stats: RankStats, group=None) -> dict[str, float]:
+def reduce_stats(stats: RankStats, group=None, device=None) -> dict[str, float]:
     """The step's metrics from every rank's `RankStats` (collective over `group`): loss, pg_loss, kl,
-    entropy, clip_frac, approx_kl, num_tokens."""
+    entropy, clip_frac, approx_kl, num_tokens. `device`: where the collective runs (the rank's device:
+    NCCL reduces device tensors only)."""
     names = [f.name for f in fields(RankStats)]
-    values = torch.tensor([getattr(stats, name) for name in names], dtype=torch.float64)
+    values = torch.tensor([getattr(stats, name) for name in names], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(values, group=group)
     total = dict(zip(names, values.tolist()))

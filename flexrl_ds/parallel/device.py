@@ -99,6 +99,12 @@ def max_memory_allocated(info: DeviceInfo) -> int:
     return torch.cuda.max_memory_allocated() if info.is_gpu else 0
 
 
+def reset_peak_memory(info: DeviceInfo) -> None:
+    """Start a new peak for `max_memory_allocated` (no-op on CPU)."""
+    if info.is_gpu:
+        torch.cuda.reset_peak_memory_stats()
+
+
 def use_full_precision_kernels() -> None:
     """Disable TF32 in GPU matmuls and convolutions (cuDNN defaults to TF32 convolutions, e.g. the
     vision patch embedding), so fp32/fp64 runs are comparable with CPU references. No-op on CPU."""

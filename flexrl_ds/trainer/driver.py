@@ -156,7 +156,8 @@ class GRPOTrainer:
         ref = {}
         if self.o.rl.init_kl_coef > 0:
             ref = assemble(encoded, self.policy.run("logprobs", dataclasses.replace(job, model="reference")))
-        return {"old": old, "ref": ref, "plan": result}
+        peak = max(self.policy.run("peak_memory_gb"))
+        return {"old": old, "ref": ref, "plan": result, "peak_memory_gb": peak}
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         batches = split_mini_batches(samples.prompts, samples.names, self.o.rl.mini_batches_per_step)
@@ -197,6 +198,8 @@ class GRPOTrainer:
             "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
             "attention_balance": float(inference["plan"].metrics.attention_balance),
             "rollout_logprob_diff": _logprob_diff(samples, inference["old"]),
+            "peak_memory_gb": {"inference": inference["peak_memory_gb"],
+                               "update": max(b.get("peak_memory_gb", 0.0) for b in update)},
             "degrees": {str(k): v for k, v in sorted(inference["plan"].metrics.degree_histogram.items())},
         }
 

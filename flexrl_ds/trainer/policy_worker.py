@@ -109,7 +109,7 @@ class PolicyWorker:
         self.place, self.setup, self.rank = place, setup, place.rank
         os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world_size), LOCAL_RANK=str(place.local_rank),
                           MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port))
-        info = device_mod.detect()
+        info = self.device_info = device_mod.detect()
         self.device = device_mod.set_local_device(info, place.local_rank)
         if not dist.is_initialized():
             dist.init_process_group(backend=info.backend, rank=place.rank, world_size=place.world_size,
@@ -174,6 +174,7 @@ class PolicyWorker:
     def logprobs(self, job: PassJob) -> dict[str, list]:
         """This rank's pieces of next-token log-probs (no grad) of the policy or the reference."""
         engine = self.reference if job.model == "reference" else self.policy
+        device_mod.reset_peak_memory(self.device_info)
         batch = self._batch(job)
         with torch.no_grad():
             logprobs = engine(batch).logprobs
@@ -186,16 +187,22 @@ class PolicyWorker:
         """One mini-batch update (models/policy_update.train_step); the mini-batch's statistics
         (all-reduced: the same on every rank) and the global grad norm."""
         started = time.perf_counter()
+        device_mod.reset_peak_memory(self.device_info)
         batch = self._batch(job)
         old = policy_update.local_response_values(batch, job.old_logprobs)
         ref = policy_update.local_response_values(batch, job.ref_logprobs) if job.ref_logprobs else None
         advantages = policy_update.local_response_values(batch, job.advantages)
         result = policy_update.train_step(self.policy, batch, old, ref, advantages, self.setup.rl,
                                           policy_update.denominators(batch.response_tokens))
-        stats = policy_update.reduce_stats(result.stats)
+        stats = policy_update.reduce_stats(result.stats, device=self.device)
         stats["grad_norm"] = result.grad_norm
         stats["update_s"] = time.perf_counter() - started
+        stats["peak_memory_gb"] = device_mod.max_memory_allocated(self.device_info) / 2**30
         return stats
+
+    def peak_memory_gb(self) -> float:
+        """Peak device memory since the last reset (GiB; 0 on CPU)."""
+        return device_mod.max_memory_allocated(self.device_info) / 2**30
 
     # ---- weights ------------------------------------------------------------------------------
     def sync_rollout(self, bucket_bytes: int) -> dict[str, float]:
