@@ -29,7 +29,7 @@ step "1/3 A tiny random Qwen2.5-VL and a video-heavy keyword dataset with real m
 [ -f "$out/data/train.jsonl" ] || $flexrl make-dataset --mix video-heavy --num 12 --scale medium --seed 0 \
   --task keyword --out "$out/data"
 
-step "2/3 GRPO: 30 steps on 4 ZeRO-3 ranks (FlexUlysses), rollouts, rewards, checkpoints"
+step "2/3 GRPO: 40 steps on 4 ZeRO-3 ranks (FlexUlysses), rollouts, rewards, checkpoints"
 $flexrl train --config ds_configs/grpo_tiny_cpu.json --model "$out/tiny-vl" --data "$out/data/train.jsonl" \
   --out "$out/run"
 

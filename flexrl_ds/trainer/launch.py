@@ -23,6 +23,7 @@ import torch.distributed as dist
 import transformers
 
 from flexrl_ds.media.records import read_dataset
+from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.models.processing import SampleEncoder
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
@@ -92,7 +93,10 @@ def train_options(prepared: Prepared, start_step: int, raw_config: dict) -> Trai
     run, trainer = prepared.run, prepared.run.flexrl.trainer
     eos = prepared.encoder.tokenizer.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    cost = load_cost_model(run.flexrl.sp.cost_model or prepared.args.model_dir, run.flexrl.sp.calibration)
+    # On a GPU the shipped calibration matching it (flexrl.sp.calibration "auto") gives the planner
+    # its step-time model; elsewhere the FLOP formula.
+    cost = load_cost_model(run.flexrl.sp.cost_model or prepared.args.model_dir, run.flexrl.sp.calibration,
+                           device_name=device_mod.accelerator_name())
     return TrainOptions(
         out_dir=Path(prepared.args.out_dir), max_steps=prepared.max_steps, start_step=start_step, seed=trainer.seed,
         save_every=trainer.save_every, save_rollouts=trainer.save_rollouts,
