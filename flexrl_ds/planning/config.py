@@ -27,11 +27,11 @@ class SPConfig:
     (ds_configs/calibration/) matching the accelerator and model, if any (callers pass the device
     name to `load_cost_model`); None or "none": formula defaults."""
     domain_size: int | None = None
-    """Ranks of one sequence-parallel domain; None: the whole world. Must divide the world size."""
+    """Ranks of one sequence-parallel domain; None: the whole world. `flexrl train` runs one domain
+    (all policy ranks) and rejects any other value."""
     overlap: bool = True
-    """Overlap pack j+1's all-to-all with pack j's attention."""
-    balance_vision: bool = True
-    """Spread images/frames over the SP domain's ranks by patch count."""
+    """Overlap pack j+1's all-to-all with pack j's attention (the executor's attention, and the
+    planner's step-time model)."""
     oversize: str = "error"
     """What to do with a sequence that cannot fit at p_max under the token cap: error|drop|truncate."""
 

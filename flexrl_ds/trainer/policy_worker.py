@@ -20,7 +20,6 @@ Each rank pulls its own pixels: exactly the vision units the step's vision balan
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import random
@@ -41,8 +40,9 @@ from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 from flexrl_ds.parallel.launch import ensure_deepspeed_comm
 from flexrl_ds.planning.plan import parse_plan
-from flexrl_ds.runtime.rank_pixels import FetchedRows, unit_requests
+from flexrl_ds.runtime.rank_pixels import fetched_items, unit_requests
 from flexrl_ds.runtime.worker_group import WorkerPlace
+from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.rollout_host import RolloutHost
 
 
@@ -62,6 +62,8 @@ class PolicySetup:
     """The run's `PixelSource`."""
     dtype: str = "float32"
     """Model dtype (bfloat16 when the DeepSpeed config enables bf16)."""
+    overlap: bool = True
+    """`flexrl.sp.overlap`: prefetch pack j+1's all-to-all during pack j's attention."""
     timeout_s: float = 900.0
     """Process-group collective timeout."""
     seed: int = 0
@@ -131,7 +133,8 @@ class PolicyWorker:
         self.hf_config = model.config
         if self.device is not None:
             model = model.to(self.device)
-        return zero3.build_engine(model, self.setup.ds_config, vision_group=None, train=train)
+        return zero3.build_engine(model, self.setup.ds_config, attention=FlexUlyssesAttention(overlap=self.setup.overlap),
+                                  vision_group=None, train=train)
 
     # ---- passes -------------------------------------------------------------------------------
     def _batch(self, job: PassJob):
@@ -156,20 +159,7 @@ class PolicyWorker:
         if fetched.withdrawn:
             raise ValueError(f"step {job.step}: media of prompt(s) {sorted(map(str, fetched.withdrawn))} failed to "
                              f"decode after the step was planned: {fetched.withdrawn_reasons()}")
-        prompt_samples: dict[PromptKey, list[str]] = {}
-        for name, key in job.prompt_keys.items():
-            if name in job.samples:
-                prompt_samples.setdefault(key, []).append(name)
-        runs: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}
-        for request, tensors in zip(requests, fetched.tensors):
-            for name in prompt_samples.get(request.prompt, ()):
-                runs.setdefault((name, request.item_index), []).append(
-                    (request.t_start, tensors["pixel_values"].float()))
-        items = {name: list(sample.items) for name, sample in job.samples.items()}
-        for (name, index), item_runs in runs.items():
-            item = items[name][index]
-            items[name][index] = dataclasses.replace(item, pixel_values=FetchedRows(item.grid_thw, item_runs))
-        return items
+        return fetched_items(job.samples, job.prompt_keys, requests, fetched.tensors)
 
     def logprobs(self, job: PassJob) -> dict[str, list]:
         """This rank's pieces of next-token log-probs (no grad) of the policy or the reference."""

@@ -37,6 +37,9 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
     if sp.p_max > num_ranks:
         raise ValueError(f"flexrl.sp.p_max {sp.p_max} exceeds the SP domain: flexrl.trainer.num_policy_ranks = "
                          f"{num_ranks} ranks")
+    if sp.domain_size is not None and sp.domain_size != num_ranks:
+        raise ValueError(f"flexrl.sp.domain_size {sp.domain_size}: flexrl train runs one SP domain of all "
+                         f"{num_ranks} policy ranks; leave it out (several domains are not supported yet)")
     if loader.global_batch % rl.mini_batches_per_step:
         raise ValueError(f"flexrl.rl.mini_batches_per_step {rl.mini_batches_per_step} does not divide "
                          f"flexrl.data.loader.global_batch {loader.global_batch} (mini-batches hold whole prompt groups)")

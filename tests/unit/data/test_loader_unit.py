@@ -11,7 +11,7 @@ import torch
 from flexrl_ds.loader.actors import DecodeFailure, SliceMaker, item_layouts
 from flexrl_ds.loader.central_loader import CentralLoader
 from flexrl_ds.loader.config import LoaderConfig, PoolConfig
-from flexrl_ds.loader.materializer import Materializer, PromptSource, SliceRequest, WorkerAssignment
+from flexrl_ds.loader.materializer import Materializer, SliceRequest
 from flexrl_ds.loader.metastore import PromptKey, make_layout
 from flexrl_ds.loader.proxy_loader import ProxyLoader, requests_for_samples
 from flexrl_ds.media.bad_records import EpochOrder

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flexrl_ds.planning.config import SPConfig
-from flexrl_ds.planning.cost_model import LayerShapes, load_cost_model
+from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.heads import head_partition
 from flexrl_ds.planning.plan import SequenceSpec, Workload
 from flexrl_ds.planning.planner import PlannerOptions, plan_step
