@@ -9,7 +9,7 @@
 #           learn on a CPU in minutes, nothing more;
 #   run:    flexrl train with ds_configs/grpo_tiny_cpu.json: 4 DeepSpeed ZeRO-3 policy ranks (gloo)
 #           with FlexUlysses degrees 1-4, a reference model, HF-generate rollouts colocated in the
-#           ranks, ShadowLoader preprocessing actors on a local Ray; 40 GRPO steps, a checkpoint and
+#           ranks, ShadowLoader preprocessing actors on a local Ray; 50 GRPO steps, a checkpoint and
 #           an HF export every 10.
 # Outputs: runs/demo/ (metrics.jsonl, metrics.png, tensorboard/, rollouts/, plans/, checkpoints/, hf/).
 set -euo pipefail
@@ -29,7 +29,7 @@ step "1/3 A tiny random Qwen2.5-VL and a video-heavy keyword dataset with real m
 [ -f "$out/data/train.jsonl" ] || $flexrl make-dataset --mix video-heavy --num 12 --scale medium --seed 0 \
   --task keyword --out "$out/data"
 
-step "2/3 GRPO: 40 steps on 4 ZeRO-3 ranks (FlexUlysses), rollouts, rewards, checkpoints"
+step "2/3 GRPO: 50 steps on 4 ZeRO-3 ranks (FlexUlysses), rollouts, rewards, checkpoints"
 $flexrl train --config ds_configs/grpo_tiny_cpu.json --model "$out/tiny-vl" --data "$out/data/train.jsonl" \
   --out "$out/run"
 
@@ -44,4 +44,4 @@ print(f"reward: first 5 steps {mean(first):.3f}, last 5 steps {mean(last):.3f} "
 degrees = sorted({int(d) for r in rows for d in r["degrees"]})
 print(f"FlexUlysses degrees used: {degrees}; mean attention balance {sum(r['attention_balance'] for r in rows) / len(rows):.3f}")
 PY
-echo; echo "demo finished: outputs in $out/run/ (HF export: $out/run/hf/step_39)"
+echo; echo "demo finished: outputs in $out/run/ (HF export: $out/run/hf/step_49)"

@@ -17,10 +17,19 @@ started=0
 if [ -z "${RAY_ADDRESS:-}" ]; then
   port=${FLEXRL_RAY_DASHBOARD_PORT:-8265}
   echo "[train_ray_job] no RAY_ADDRESS: starting a local Ray head on 127.0.0.1 (job server :$port)"
+  # A head of our own in its own temp dir: stopping it must not stop other Ray clusters on this
+  # machine (`ray stop` would stop every one), so its processes are found by that dir.
+  ray_dir=$(mktemp -d /tmp/rayfx.XXXXXX)
   "$ray_bin" start --head --port 0 --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 --dashboard-port "$port" \
-    --num-cpus "${FLEXRL_RAY_CPUS:-8}" --disable-usage-stats >/dev/null
+    --num-cpus "${FLEXRL_RAY_CPUS:-8}" --temp-dir "$ray_dir" --disable-usage-stats >/dev/null
   started=1
-  trap '"$ray_bin" stop --force >/dev/null 2>&1 || true' EXIT
+  stop_head() {
+    pkill -TERM -f -- "$ray_dir" 2>/dev/null || true
+    sleep 2
+    pkill -KILL -f -- "$ray_dir" 2>/dev/null || true
+    rm -rf "$ray_dir"
+  }
+  trap stop_head EXIT
   export RAY_ADDRESS=http://127.0.0.1:$port
 fi
 job=flexrl-train-$(date +%Y%m%d-%H%M%S)-$$

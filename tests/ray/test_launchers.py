@@ -1,7 +1,9 @@
 """Both launchers run the tiny config end to end: `ray job submit` (scripts/train_ray_job.sh, local
 head on 127.0.0.1) and `deepspeed --hostfile` (scripts/train_deepspeed.sh, SPMD, rank 0 drives).
-The two runs share the model, data, seed and config, so they must also agree on what they trained:
-the same sampled responses and rewards (the same trainer underneath)."""
+The Ray job runs its rollout engine as a separate Ray actor (`colocate: false`, weights synced
+through the object store), the SPMD run inside the ranks. They share the model, data and seed, so
+step 0 must sample the same responses; after the Ray job's first sync its engine must generate
+with the updated weights (`rollout_logprob_diff` ~ fp32 noise at step 1)."""
 
 from __future__ import annotations
 
@@ -29,30 +31,42 @@ def assets(tmp_path_factory):
     return root
 
 
-def launch(script: str, assets: Path, out: Path, *first: str) -> subprocess.CompletedProcess:
+def config_file(path: Path, **trainer) -> Path:
+    config = json.loads((ROOT / "ds_configs" / "grpo_tiny_cpu.json").read_text())
+    config["flexrl"]["trainer"].update(trainer)
+    path.write_text(json.dumps(config))
+    return path
+
+
+def launch(script: str, assets: Path, out: Path, *first: str, config: Path | None = None,
+           steps: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
            "FLEXRL_RAY_DASHBOARD_PORT": "8297", "MASTER_PORT": "29533"}
     env.pop("RAY_ADDRESS", None)
-    command = ["bash", str(ROOT / "scripts" / script), *first, str(ROOT / "ds_configs" / "grpo_tiny_cpu.json"),
+    config = config or ROOT / "ds_configs" / "grpo_tiny_cpu.json"
+    command = ["bash", str(ROOT / "scripts" / script), *first, str(config),
                "--model", str(assets / "model"), "--data", str(assets / "data" / "train.jsonl"),
-               "--out", str(out), "--max-steps", "1"]
+               "--out", str(out), "--max-steps", str(steps)]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-def check_run(result: subprocess.CompletedProcess, out: Path) -> list[dict]:
+def check_run(result: subprocess.CompletedProcess, out: Path, steps: int = 1) -> tuple[list[dict], list[dict]]:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "step 1/1" in result.stdout + result.stderr
+    assert f"step {steps}/{steps}" in result.stdout + result.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [0]
-    assert (out / "checkpoints" / "step_0" / "trainer_state.json").exists()
-    assert (out / "hf" / "step_0" / "config.json").exists()
-    return [json.loads(line) for line in (out / "rollouts" / "step_0.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(steps))
+    assert (out / "checkpoints" / f"step_{steps - 1}" / "trainer_state.json").exists()
+    assert (out / "hf" / f"step_{steps - 1}" / "config.json").exists()
+    return rows, [json.loads(line) for line in (out / "rollouts" / "step_0.jsonl").read_text().splitlines()]
 
 
 def test_both_launchers_train_the_same_step(assets, tmp_path):
-    ray_job = check_run(launch("train_ray_job.sh", assets, tmp_path / "ray_job"), tmp_path / "ray_job")
-    spmd = check_run(launch("train_deepspeed.sh", assets, tmp_path / "spmd", str(assets / "hostfile")),
-                     tmp_path / "spmd")
+    separate = config_file(tmp_path / "separate.json", colocate=False)
+    rows, ray_job = check_run(launch("train_ray_job.sh", assets, tmp_path / "ray_job", config=separate, steps=2),
+                              tmp_path / "ray_job", steps=2)
+    assert rows[1]["rollout_logprob_diff"] < 1e-4, rows[1]["rollout_logprob_diff"]
+    _, spmd = check_run(launch("train_deepspeed.sh", assets, tmp_path / "spmd", str(assets / "hostfile")),
+                        tmp_path / "spmd")
     assert [s["sample"] for s in ray_job] == [s["sample"] for s in spmd]
     assert [s["response_ids"] for s in ray_job] == [s["response_ids"] for s in spmd]
     assert [s["reward"] for s in ray_job] == pytest.approx([s["reward"] for s in spmd])
