@@ -18,6 +18,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
+from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.plan import SequenceSpec, Workload, load_workload
+
+# `flexrl --help` imports this module (cli/sp_exec.py): imports that pull torch or numpy stay
+# inside the functions that need them.
+
 SHAPES = {
     # hidden, heads, kv heads, head_dim, MLP
     "7b": (3584, 28, 4, 128, 18944),
@@ -89,8 +96,6 @@ class SystemResult:
 def skewed_lengths(config: SPBenchConfig) -> dict[str, int]:
     """The batch: `long_tokens` videos + `num_short` images with seeded lengths."""
     if config.workload:
-        from flexrl_ds.planning.plan import load_workload
-
         return {s.id: s.tokens for s in load_workload(config.workload).sequences}
     import random
 
@@ -103,12 +108,10 @@ def skewed_lengths(config: SPBenchConfig) -> dict[str, int]:
 
 def make_plans(lengths: dict[str, int], world_size: int, config: SPBenchConfig) -> dict[str, Any]:
     """system name -> (plan, lengths incl. padding). Pure: every rank computes the same plans."""
-    from flexrl_ds.planning.config import SPConfig
-    from flexrl_ds.planning.baselines import lpt_bucketing
-    from flexrl_ds.planning.cost_model import load_cost_model
-    from flexrl_ds.sp.fixed_sp import fixed_sp_plan
-    from flexrl_ds.planning.plan import SequenceSpec, Workload
-    from flexrl_ds.planning.planner import plan_step
+    from flexrl_ds.planning.baselines import lpt_bucketing  # numpy
+    from flexrl_ds.planning.cost_model import load_cost_model  # numpy
+    from flexrl_ds.planning.planner import plan_step  # numpy
+    from flexrl_ds.sp.fixed_sp import fixed_sp_plan  # torch
 
     cost = load_cost_model("qwen2.5-vl-7b")
     workload = Workload(tuple(SequenceSpec(id=s, tokens=n) for s, n in lengths.items()))
@@ -169,7 +172,7 @@ def _time_system(name, plan, lengths, tree, layer, config, ctx) -> SystemResult:
     import torch
     import torch.distributed as dist
 
-    from flexrl_ds.parallel import device as device_mod
+    from flexrl_ds.parallel import device as device_mod  # torch, as are the sp modules
     from flexrl_ds.sp.attention import FlexUlyssesAttention
     from flexrl_ds.sp.fixed_sp import FixedUlyssesAttention
     from flexrl_ds.sp.layout import build_rank_layout
@@ -217,8 +220,7 @@ def run_rank(config: SPBenchConfig) -> dict[str, Any] | None:
     """Body of one benchmark rank (torchrun-style env); returns the record on rank 0."""
     import torch.distributed as dist
 
-    from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
-    from flexrl_ds.parallel.launch import init_distributed
+    from flexrl_ds.parallel.launch import init_distributed  # torch
 
     ctx = init_distributed()
     world = ctx.launch.world_size
@@ -227,7 +229,7 @@ def run_rank(config: SPBenchConfig) -> dict[str, Any] | None:
     layer = DecoderLayer(config.shape, config.layer == "decoder" or config.calibrate, ctx.device,
                          _dtype(config.dtype), config.seed)
     if config.calibrate:
-        from flexrl_ds.bench.sp_calibrate import calibrate_rank
+        from flexrl_ds.bench.sp_calibrate import calibrate_rank  # torch
 
         record = calibrate_rank(config, tree, layer, ctx)
         dist.barrier()

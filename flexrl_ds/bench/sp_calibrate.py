@@ -21,6 +21,9 @@ import json
 import time
 from typing import Any, Callable, Sequence
 
+from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.sp.local_attention import CausalVarlenAttention
+
 LAYERS = {"7b": 28}
 """Decoder layers the per-layer numbers are scaled to (Qwen2.5-VL-7B's LLM); other shapes: 1."""
 ATTENTION_LENGTHS = (2048, 4096, 8192, 16384)
@@ -29,8 +32,6 @@ LINEAR_LENGTHS = (2048, 4096, 8192, 16384)
 
 def _timed(fn: Callable[[], None], ctx, repeats: int = 3) -> float:
     """Median seconds of `fn` after one warm-up (device synchronised around each call)."""
-    from flexrl_ds.parallel import device as device_mod
-
     fn()
     times = []
     for _ in range(repeats):
@@ -64,8 +65,6 @@ def _fit(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
 
 def measure_attention(layer, ctx, dtype, lengths: Sequence[int]) -> dict[str, Any]:
     import torch
-
-    from flexrl_ds.sp.local_attention import CausalVarlenAttention
 
     local = CausalVarlenAttention()
     points = []
@@ -141,13 +140,11 @@ def calibrate_rank(config, tree, layer, ctx) -> dict[str, Any]:
     linear = measure_linear(layer, ctx, dtype, [n for n in LINEAR_LENGTHS if n <= max(lengths)] or lengths)
     all_to_all = measure_all_to_all(tree, ctx, dtype)
     bytes_per_token = layer.heads * layer.head_dim * torch_element_size(dtype)
-    from flexrl_ds.parallel.device import accelerator_name
-
     return {
         "attention_fit_s": {"a": attention["a"], "b": attention["b"], "c": attention["c"]},
         "linear_fit_s": {"s": linear["s"], "c": linear["c"]},
         "num_layers": num_layers,
-        "device_name": accelerator_name(),
+        "device_name": device_mod.accelerator_name(),
         "bytes_per_element": torch_element_size(dtype),
         "attention_s_per_token2": attention["a"] * num_layers,
         "linear_s_per_token": linear["s"] * num_layers,

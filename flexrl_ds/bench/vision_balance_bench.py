@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flexrl_ds.bench.workloads import make_step
 from flexrl_ds.models.vision_balance import assign_units
+from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.cost_model import load_cost_model
+from flexrl_ds.planning.planner import plan_step
 
 POLICIES = ("sequence-owner", "pack-group", "domain")
 
@@ -73,11 +77,6 @@ def compare(plan, workload) -> list[VisionBalanceRow]:
 def run(mix: str, num_prompts: int, n_samples: int, world_size: int, p_max: int, seed: int,
         plot: str | None = None) -> list[VisionBalanceRow]:
     """Generate a step, plan it, compare the policies; optional bar plot of patches per rank."""
-    from flexrl_ds.bench.workloads import make_step
-    from flexrl_ds.planning.config import SPConfig
-    from flexrl_ds.planning.cost_model import load_cost_model
-    from flexrl_ds.planning.planner import plan_step
-
     workload = make_step(mix, num_prompts, n_samples, seed)
     plan = plan_step(workload, world_size, load_cost_model("qwen2.5-vl-7b"), SPConfig(p_max=p_max)).plan
     rows = compare(plan, workload)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flexrl_ds.sp.local_attention import sdpa_causal_varlen
+
 ATTENTION_NAME = "flexrl_ulysses"
 STEP_KWARG = "flexrl_step"
 """Name of the forward keyword that carries the step's `FlexStep`."""
@@ -52,8 +54,6 @@ def flex_ulysses_attention(module, query, key, value, attention_mask, scaling=No
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     if step.idle:
-        from flexrl_ds.sp.local_attention import sdpa_causal_varlen
-
         out = sdpa_causal_varlen(q, k, v, [0, q.shape[0]], q.shape[0], scaling)
         if step.layout.packs:  # packs whose other ranks hold tokens: join their exchanges with none
             out = out + step.attention(q[:0], k[:0], v[:0], step.layout, scaling).sum() * 0.0

@@ -18,6 +18,12 @@ from pathlib import Path
 
 import torch
 
+from flexrl_ds.media.config import MediaConfig
+from flexrl_ds.media.preprocess import SamplePreprocessor
+from flexrl_ds.media.processor_files import has_processor_files, processor_settings
+from flexrl_ds.media.records import read_dataset
+from flexrl_ds.media.types import BadMediaError, BadRecord
+
 MARKER = re.compile(r"<(image|video)>")
 IMAGE, VIDEO = "image", "video"
 TOKEN_TYPE = {IMAGE: 1, VIDEO: 2}
@@ -77,8 +83,6 @@ class SampleEncoder:
     def __init__(self, model_dir: str | Path):
         import transformers
 
-        from flexrl_ds.media.processor_files import has_processor_files, processor_settings
-
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         self.has_vision = has_processor_files(model_dir)
         self.merge_size = int(processor_settings(model_dir)["merge_size"]) if self.has_vision else 2
@@ -126,11 +130,6 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
     Records need the text to score under `response_key` ("response", "answer", or any other field). Media go through the ShadowLoader's
     `SamplePreprocessor` with the geometry of the model's saved processor.
     """
-    from flexrl_ds.media.config import MediaConfig
-    from flexrl_ds.media.preprocess import SamplePreprocessor
-    from flexrl_ds.media.records import read_dataset
-    from flexrl_ds.media.types import BadMediaError, BadRecord
-
     encoder = SampleEncoder(model_dir)
     preprocessor = SamplePreprocessor(MediaConfig().with_processor_dir(model_dir)) if encoder.has_vision else None
     samples: dict[str, EncodedSample] = {}

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flexrl_ds.planning.plan import Pack, Plan, validate_plan
+
 _WORDS = ("the answer is angle circle two red ball boy because first then find line point area "
           "three seven so we have value option B C yes no").split()
 
@@ -70,8 +72,6 @@ def write_video(path: str | Path, num_frames: int, height: int, width: int, fps:
 
 def random_plan_for(lengths: dict[str, int], world_size: int, p_max: int, seed: int):
     """A valid plan over `lengths` mixing degrees 1..p_max; the first sequence spans all p_max ranks."""
-    from flexrl_ds.planning.plan import Pack, Plan, validate_plan
-
     rng = random.Random(seed)
     degrees = [d for d in (1, 2, 4, 8, 16) if d <= p_max]
     blocks: dict[tuple[int, int], list[str]] = {}

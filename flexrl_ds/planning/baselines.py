@@ -70,7 +70,7 @@ def karmarkar_karp(weights: list[float], num_parts: int, equal_size: bool) -> li
 
 def _result(name: str, workload: Workload, degrees: np.ndarray, starts: np.ndarray, world_size: int,
             p_max: int, cost: CostModel, limits: PackingLimits) -> MethodResult:
-    from flexrl_ds.planning.planner import build_plan  # planner imports nothing from here
+    from flexrl_ds.planning.planner import build_plan  # import cycle: planner imports lpt_groups from here
 
     heads = (cost.num_heads, cost.num_kv_heads)
     plan = build_plan(workload.sequences, degrees, starts, world_size, max(p_max, int(degrees.max())), limits,

@@ -24,6 +24,7 @@ import transformers
 from flexrl_ds.models.flex_model import reference_inputs
 from flexrl_ds.models.loading import load_model
 from flexrl_ds.models.processing import EncodedSample, VisionItem
+from flexrl_ds.parallel.device import detect
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
 from flexrl_ds.rollout.sampling import SeededSampler
 
@@ -41,8 +42,6 @@ class HFRolloutEngine:
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir: {model_dir} is not a model directory (no config.json)")
         if device is None:
-            from flexrl_ds.parallel.device import detect
-
             device = detect().device(0)
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences

@@ -34,6 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.plan import SequenceSpec, Workload, load_plan, validate_plan
+from flexrl_ds.runtime.process_workers import ProcessWorkerGroup
+from flexrl_ds.runtime.worker_group import RayWorkerGroup
+
+# `flexrl --help` imports this module (cli/models.py): imports that pull torch, numpy or Ray stay
+# inside the functions that need them.
+
 DTYPES = ("float32", "bfloat16", "float64")
 LOADERS = ("auto", "shadow", "local")
 
@@ -100,17 +108,15 @@ class LogprobsConfig:
 
 def encode_dataset(model_dir: str, data_path: str, response_key: str = "response") -> dict[str, Any]:
     """EncodedSample per usable record id, in file order (bad records reported and skipped)."""
-    from flexrl_ds.models.processing import encode_records
+    from flexrl_ds.models.processing import encode_records  # torch
 
     return encode_records(model_dir, data_path, response_key=response_key)
 
 
 def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_max: int):
     """The FlexUlysses planner's plan for these sequences over `num_procs` ranks."""
-    from flexrl_ds.planning.config import SPConfig
-    from flexrl_ds.planning.cost_model import load_cost_model
-    from flexrl_ds.planning.plan import SequenceSpec, Workload
-    from flexrl_ds.planning.planner import plan_step
+    from flexrl_ds.planning.cost_model import load_cost_model  # numpy
+    from flexrl_ds.planning.planner import plan_step  # numpy
 
     sequences = tuple(
         SequenceSpec(id=seq_id, tokens=s.length, vision_tokens=sum(i.num_tokens() for i in s.items),
@@ -123,8 +129,6 @@ def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_
 
 def load_given_plan(path: str, samples: dict[str, Any], num_procs: int):
     """A plan file checked against the records and the number of processes."""
-    from flexrl_ds.planning.plan import load_plan, validate_plan
-
     plan = load_plan(path)
     if plan.world_size != num_procs:
         raise ValueError(f"--plan {path}: plan is for world_size {plan.world_size}, but --nproc is {num_procs}")
@@ -162,8 +166,7 @@ def run_logprobs(config: LogprobsConfig) -> LogprobsReport:
 def _run_local(config: LogprobsConfig):
     """This process decodes every record; the ranks (started first, loading the model meanwhile)
     receive every sample, pixels included."""
-    from flexrl_ds.runtime.process_workers import ProcessWorkerGroup
-    from flexrl_ds.tools.logprob_worker import PRELOAD, LogprobWorker, RankSetup
+    from flexrl_ds.tools.logprob_worker import PRELOAD, LogprobWorker, RankSetup  # torch
 
     if config.num_procs == 1:
         samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
@@ -187,9 +190,9 @@ def _run_shadow(config: LogprobsConfig):
     (process group, model) while the actors probe and decode."""
     import ray
 
-    from flexrl_ds.runtime.data_controller import DataController
-    from flexrl_ds.runtime.ray_session import connect_ray, num_alive_nodes
-    from flexrl_ds.tools import shadow_step
+    from flexrl_ds.runtime.data_controller import DataController  # Ray, torch
+    from flexrl_ds.runtime.ray_session import connect_ray, num_alive_nodes  # Ray
+    from flexrl_ds.tools import shadow_step  # torch
 
     settings = shadow_step.ShadowSettings(num_actors_per_node=config.num_actors,
                                           num_cpus_per_actor=config.cpus_per_actor, timeout_s=config.timeout_s)
@@ -225,7 +228,7 @@ def _start_ranks_while_loading(config: LogprobsConfig, controller, encoder, stac
     group is shut down when `stack` closes (also if loading fails)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flexrl_ds.tools import shadow_step
+    from flexrl_ds.tools import shadow_step  # torch
 
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-ranks")
     starting = executor.submit(_rank_group, config)
@@ -249,8 +252,7 @@ def _rank_group(config: LogprobsConfig):
 
     import ray
 
-    from flexrl_ds.runtime.worker_group import RayWorkerGroup
-    from flexrl_ds.tools.logprob_worker import LogprobWorker, RankSetup
+    from flexrl_ds.tools.logprob_worker import LogprobWorker, RankSetup  # torch
 
     use_gpus = (os.environ.get("FLEXRL_FORCE_CPU", "0") != "1"
                 and ray.cluster_resources().get("GPU", 0) >= config.num_procs)
@@ -311,7 +313,7 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], ranks,
     """Plan the step, run it on `ranks` (a started worker group of `LogprobWorker`s; None: here,
     for local --nproc 1), assemble the log-probs. `pixels`: the job's `pixels`, `step` and
     `prompt_keys` (shadow: the ranks pull their units)."""
-    from flexrl_ds.tools import logprob_worker
+    from flexrl_ds.tools import logprob_worker  # torch
 
     if config.plan_in:
         plan = load_given_plan(config.plan_in, samples, config.num_procs)

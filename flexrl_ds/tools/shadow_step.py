@@ -24,9 +24,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.loader.config import DataConfig
 from flexrl_ds.loader.metastore import PromptKey
+from flexrl_ds.media.processor_files import has_processor_files
+from flexrl_ds.media.records import read_dataset
 from flexrl_ds.media.types import BadRecord
+from flexrl_ds.models.processing import SampleEncoder, VisionItem, _field
 
 
 @dataclass
@@ -70,8 +74,6 @@ def tool_data_config(data_config: DataConfig, settings: ShadowSettings, num_reco
 
 def scorable(records: list[Any], response_key: str, has_vision: bool) -> list[Any]:
     """Records with something to score (others become `BadRecord`s at stage read, as in the local path)."""
-    from flexrl_ds.models.processing import _field
-
     out = []
     for record in records:
         if not isinstance(record, BadRecord):
@@ -85,8 +87,6 @@ def scorable(records: list[Any], response_key: str, has_vision: bool) -> list[An
 
 def placeholder_items(meta: Any) -> list[Any]:
     """VisionItems of a probed sample with shape-only placeholders instead of pixel rows."""
-    from flexrl_ds.models.processing import VisionItem
-
     return [VisionItem(item.kind, meta.item_placeholder(index), tuple(item.grid_thw), item.second_per_grid_t or 1.0)
             for index, item in enumerate(meta.items)]
 
@@ -107,8 +107,6 @@ class ShadowStep:
 
 def load_step(controller: Any, encoder: Any, response_key: str, data_path: str) -> ShadowStep:
     """The controller's next step (probed and decoded on the actors), tokenized here."""
-    from flexrl_ds.models.processing import _field
-
     step = controller.next_step()
     bad_records = list(step.report.get("bad_records", []))
     for bad in bad_records:
@@ -129,14 +127,8 @@ def shadow_inputs(model_dir: str, data_path: str, response_key: str, settings: S
     """(the tool's `flexrl.data`, the model's `SampleEncoder`, the records to score). `run_config`:
     the DeepSpeed JSON whose `flexrl.data` configures the loader (None: defaults); the vision
     geometry always comes from the model's saved processor, as in `--loader local`."""
-    from flexrl_ds.media.processor_files import has_processor_files
-    from flexrl_ds.media.records import read_dataset
-    from flexrl_ds.models.processing import SampleEncoder
-
     data_config = DataConfig()
     if run_config:
-        from flexrl_ds.config.flexrl_config import load_run_config
-
         data_config = load_run_config(run_config).flexrl.data
     if has_processor_files(model_dir):
         data_config = data_config.with_processor_dir(model_dir)
