@@ -25,6 +25,7 @@ starts its ranks, so pixels never enter this process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import pickle
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.plan import SequenceSpec, Workload, load_plan, validate_plan
 from flexrl_ds.runtime.process_workers import ProcessWorkerGroup
@@ -113,8 +115,18 @@ def encode_dataset(model_dir: str, data_path: str, response_key: str = "response
     return encode_records(model_dir, data_path, response_key=response_key)
 
 
-def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_max: int):
-    """The FlexUlysses planner's plan for these sequences over `num_procs` ranks."""
+def sp_settings(run_config: str | None, p_max: int) -> SPConfig:
+    """`flexrl.sp` of `--config` (token cap, packing, cost model, calibration, oversize; defaults
+    without one), with `--p-max` / `--nproc` deciding the largest degree."""
+    if run_config is None:
+        return SPConfig(p_max=p_max)
+    return dataclasses.replace(load_run_config(run_config).flexrl.sp, p_max=p_max)
+
+
+def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_max: int,
+                     sp: SPConfig | None = None):
+    """The FlexUlysses planner's plan for these sequences over `num_procs` ranks (`sp`: the run
+    config's `flexrl.sp`; None: defaults with `p_max`)."""
     from flexrl_ds.planning.cost_model import load_cost_model  # numpy
     from flexrl_ds.planning.planner import plan_step  # numpy
 
@@ -123,8 +135,12 @@ def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_
                      images=sum(1 for i in s.items if i.kind == "image"),
                      frames=sum(i.grid_thw[0] * 2 for i in s.items if i.kind == "video"))
         for seq_id, s in samples.items())
-    cost = load_cost_model(str(Path(model_dir) / "config.json"))
-    return plan_step(Workload(sequences), num_procs, cost, SPConfig(p_max=p_max)).plan
+    from flexrl_ds.parallel import device as device_mod  # torch
+
+    sp = sp or SPConfig(p_max=p_max)
+    cost = load_cost_model(sp.cost_model or str(Path(model_dir) / "config.json"), sp.calibration,
+                           device_name=device_mod.accelerator_name())
+    return plan_step(Workload(sequences), num_procs, cost, sp).plan
 
 
 def load_given_plan(path: str, samples: dict[str, Any], num_procs: int):
@@ -318,7 +334,8 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], ranks,
     if config.plan_in:
         plan = load_given_plan(config.plan_in, samples, config.num_procs)
     else:
-        plan = plan_for_samples(config.model_dir, samples, config.num_procs, config.resolved_p_max)
+        plan = plan_for_samples(config.model_dir, samples, config.num_procs, config.resolved_p_max,
+                                sp_settings(config.run_config, config.resolved_p_max))
     if config.plan_out:
         plan.save(config.plan_out)
     print(f"planned {len(samples)} sequences ({sum(s.length for s in samples.values())} tokens) on "
