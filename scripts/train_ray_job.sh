@@ -13,23 +13,28 @@ config=$1; shift
 python=${PYTHON:-$root/.venv/bin/python}
 ray_bin=${RAY_BIN:-$(dirname "$python")/ray}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-started=0
 if [ -z "${RAY_ADDRESS:-}" ]; then
   port=${FLEXRL_RAY_DASHBOARD_PORT:-8265}
   echo "[train_ray_job] no RAY_ADDRESS: starting a local Ray head on 127.0.0.1 (job server :$port)"
-  # A head of our own in its own temp dir: stopping it must not stop other Ray clusters on this
-  # machine (`ray stop` would stop every one), so its processes are found by that dir.
+  # A head of our own, held by `ray start --block` in the background: stopping that process stops
+  # exactly this head (`ray stop` would stop every Ray cluster on the machine).
   ray_dir=$(mktemp -d /tmp/rayfx.XXXXXX)
-  "$ray_bin" start --head --port 0 --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 --dashboard-port "$port" \
-    --num-cpus "${FLEXRL_RAY_CPUS:-8}" --temp-dir "$ray_dir" --disable-usage-stats >/dev/null
-  started=1
+  gcs_port=$("$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  "$ray_bin" start --head --port "$gcs_port" --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 \
+    --dashboard-port "$port" --num-cpus "${FLEXRL_RAY_CPUS:-8}" --temp-dir "$ray_dir" --disable-usage-stats \
+    --block >"$ray_dir/head.log" 2>&1 &
+  head_pid=$!
   stop_head() {
-    pkill -TERM -f -- "$ray_dir" 2>/dev/null || true
-    sleep 2
-    pkill -KILL -f -- "$ray_dir" 2>/dev/null || true
+    kill -TERM "$head_pid" 2>/dev/null || true
+    wait "$head_pid" 2>/dev/null || true
     rm -rf "$ray_dir"
   }
   trap stop_head EXIT
+  for _ in $(seq 1 120); do
+    "$ray_bin" job list --address "http://127.0.0.1:$port" >/dev/null 2>&1 && break
+    kill -0 "$head_pid" 2>/dev/null || { cat "$ray_dir/head.log" >&2; echo "$0: the Ray head did not start" >&2; exit 1; }
+    sleep 1
+  done
   export RAY_ADDRESS=http://127.0.0.1:$port
 fi
 job=flexrl-train-$(date +%Y%m%d-%H%M%S)-$$
@@ -51,6 +56,7 @@ for attempt in $(seq 1 30); do
   sleep 2
 done
 "$ray_bin" job logs --address "$RAY_ADDRESS" --follow "$job" || true
-status=$("$ray_bin" job status --address "$RAY_ADDRESS" "$job" 2>&1 | grep -oE "SUCCEEDED|FAILED|STOPPED|RUNNING|PENDING" | tail -1)
+status=$("$ray_bin" job status --address "$RAY_ADDRESS" "$job" 2>&1 \
+  | grep -oiE "succeeded|failed|stopped|running|pending" | tail -1 | tr '[:lower:]' '[:upper:]')
 echo "[train_ray_job] job $job: ${status:-unknown}"
 [ "$status" = SUCCEEDED ]
