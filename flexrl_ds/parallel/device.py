@@ -99,6 +99,12 @@ def max_memory_allocated(info: DeviceInfo) -> int:
     return torch.cuda.max_memory_allocated() if info.is_gpu else 0
 
 
+def release_cached_memory(info: DeviceInfo) -> None:
+    """Return the allocator's cached blocks to the device (after moving a model off it); no-op on CPU."""
+    if info.is_gpu:
+        torch.cuda.empty_cache()
+
+
 def reset_peak_memory(info: DeviceInfo) -> None:
     """Start a new peak for `max_memory_allocated` (no-op on CPU)."""
     if info.is_gpu:

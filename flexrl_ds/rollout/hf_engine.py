@@ -24,6 +24,7 @@ import transformers
 from flexrl_ds.models.flex_model import reference_inputs
 from flexrl_ds.models.loading import load_model
 from flexrl_ds.models.processing import EncodedSample, VisionItem
+from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.device import detect
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
 from flexrl_ds.rollout.sampling import SeededSampler
@@ -141,10 +142,16 @@ class HFRolloutEngine:
                 parameter.copy_(tensor.to(device=parameter.device, dtype=parameter.dtype))
 
     def sleep(self) -> None:
-        """Nothing to free: the hf engine keeps its weights (no separate KV cache between calls)."""
+        """Free the accelerator for training: the weights move to host memory (on a CPU there is
+        nothing to free). `load_weights` works while asleep; `generate` needs `wake` first."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            device_mod.release_cached_memory(detect())
 
     def wake(self) -> None:
-        """Nothing to restore (see sleep)."""
+        """Bring the weights back to the engine's device."""
+        if self.device.type != "cpu":
+            self.model.to(self.device)
 
 
 def group_requests(requests: Sequence[RolloutRequest], max_batch_sequences: int) -> list[list[int]]:

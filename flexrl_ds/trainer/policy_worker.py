@@ -127,6 +127,7 @@ class PolicyWorker:
         if setup.rollout_backend is not None:
             self.rollout = RolloutHost(setup.rollout_backend, setup.model_dir, setup.pixels, setup.dtype,
                                        self.device, setup.max_batch_sequences)
+            self.rollout.sleep()  # asleep while the policy trains (frees an accelerator; no-op on CPU)
 
     def _engine(self, train: bool):
         model = load_model(self.setup.model_dir, self.setup.dtype)
@@ -217,7 +218,27 @@ class PolicyWorker:
     def generate(self, step: int, jobs: list, params: Any):
         """Colocated rollout of this rank's share of the step's prompts."""
         assert self.rollout is not None, "generate on a policy rank without a colocated engine"
-        return self.rollout.generate(step, jobs, params)
+        offload = self.device_info.is_gpu and self._offload_states()
+        self.rollout.wake()
+        try:
+            return self.rollout.generate(step, jobs, params)
+        finally:
+            self.rollout.sleep()
+            if offload:
+                self.policy.reload_states()
+
+    def _offload_states(self) -> bool:
+        """Move the policy's ZeRO-3 states to host memory while the engine generates. DeepSpeed 0.19
+        offloads only with its FusedAdam (not `torch_adam`): otherwise say so once and keep them."""
+        if getattr(self, "_offload_unsupported", False):
+            return False
+        try:
+            self.policy.offload_states()
+            return True
+        except (AssertionError, NotImplementedError) as error:
+            self._offload_unsupported = True
+            print(f"rank {self.rank}: ZeRO-3 states stay on the device during rollout ({error})", flush=True)
+            return False
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> bool:
