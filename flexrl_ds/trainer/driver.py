@@ -98,7 +98,7 @@ class GRPOTrainer:
         metrics = self._metrics(step, samples, reward_info, inference, update, times)
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
-            self._save_rollouts(step, samples)
+            self._save_rollouts(step, samples, reward_info["texts"])
         return metrics
 
     @staticmethod
@@ -203,14 +203,13 @@ class GRPOTrainer:
             "degrees": {str(k): v for k, v in sorted(inference["plan"].metrics.degree_histogram.items())},
         }
 
-    def _save_rollouts(self, step: int, samples: StepSamples) -> None:
+    def _save_rollouts(self, step: int, samples: StepSamples, texts: dict[str, str]) -> None:
         path = self.paths.rollouts(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         prompts = samples.prompt_of()
-        texts = self.encoder.tokenizer.batch_decode([samples.response_ids[n] for n in samples.names],
-                                                    skip_special_tokens=True)
         with path.open("w") as handle:
-            for name, text in zip(samples.names, texts):
+            for name in samples.names:
+                text = texts[name]
                 handle.write(json.dumps({
                     "sample": name, "id": prompts[name].record.id, "k": parse_sample_name(name).sample_index,
                     "prompt_ids": prompts[name].prompt_ids, "response_ids": samples.response_ids[name],

@@ -70,7 +70,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     """Validate the config, the model, the reward and the dataset (no Ray, no workers yet)."""
     trainer = run.flexrl.trainer
     num_ranks = num_ranks or trainer.num_policy_ranks
-    check_run(run, args.model_dir, num_ranks, config_dir=str(Path(args.config_path).resolve().parent))
+    check_run(run, args.model_dir, num_ranks)
     data_config = run.flexrl.data.with_processor_dir(args.model_dir)
     records = usable_records(read_dataset(args.data_path, data_config.media_root), args.data_path)
     encoder = SampleEncoder(args.model_dir)

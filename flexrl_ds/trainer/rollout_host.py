@@ -18,6 +18,7 @@ from flexrl_ds.loader.materializer import SliceRequest
 from flexrl_ds.loader.metastore import PromptKey
 from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams, engine_class
+from flexrl_ds.runtime.data_controller import prompt_name
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,12 @@ class RolloutHost:
         pixels: dict[tuple[PromptKey, int], Any] = {}
         withdrawn: dict[str, str] = {}
         if fetched is not None:
-            withdrawn = {f"s{key.step}p{key.slot}": bad.reason for key, bad in fetched.withdrawn.items()}
+            withdrawn = {prompt_name(key): bad.reason for key, bad in fetched.withdrawn.items()}
             for request, tensors in fetched.delivered():
                 pixels[(request.prompt, request.item_index)] = tensors["pixel_values"].float()
         rollout_requests = []
         for job in jobs:
-            if f"s{job.key.step}p{job.key.slot}" in withdrawn:
+            if prompt_name(job.key) in withdrawn:
                 continue
             items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt)
                      for index, (kind, grid, spgt) in enumerate(job.items)]

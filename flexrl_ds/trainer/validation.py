@@ -1,10 +1,11 @@
 """Checks a training run's inputs before any worker starts; each failure names its cause.
 
-`check_run(run, model_dir, num_ranks, config_dir)` raises ValueError for: a missing model directory,
-an inconsistent config (batch not divisible over the ranks, p_max over the SP domain, mini-batches
-that do not divide the prompts, a GRPO estimator that needs n >= 2 with n = 1, a DeepSpeed setting
-the trainer owns), an unknown reward or a missing reward file / function, and a vllm backend on a
-machine without GPUs. The dataset is checked where it is read (`data_controller.usable_records`).
+`check_run(run, model_dir, num_ranks)` raises ValueError for: a missing model directory, an
+inconsistent config (batch not divisible over the ranks, p_max over the SP domain, mini-batches that
+do not divide the prompts, a GRPO estimator that needs n >= 2 with n = 1, a DeepSpeed setting the
+trainer owns) and a vllm backend on a machine without GPUs. `launch.prepare` then loads the reward
+(an unknown name, a missing file or function fails there) and reads the dataset
+(`data_controller.usable_records`), still before any worker starts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 
 from flexrl_ds.models.zero3 import check_ds_config
 from flexrl_ds.parallel import device as device_mod
-from flexrl_ds.rl.reward_fn import check_reward_spec
 
 
 def check_model_dir(model_dir: str) -> None:
@@ -48,12 +48,11 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
                          f"flexrl.data.loader.num_samples_per_prompt >= 2, got {loader.num_samples_per_prompt}")
 
 
-def check_run(run: Any, model_dir: str, num_ranks: int, config_dir: str | None = None) -> None:
+def check_run(run: Any, model_dir: str, num_ranks: int) -> None:
     """Everything that can be checked on the driver before workers start."""
     check_model_dir(model_dir)
     check_batch(run.flexrl, num_ranks)
     check_ds_config(run.deepspeed, num_ranks, train=True)
-    check_reward_spec(run.flexrl.rl.reward_fn, base_dir=config_dir)
     if run.flexrl.rollout.backend == "vllm" and not device_mod.detect().is_gpu:
         raise ValueError("flexrl.rollout.backend 'vllm' needs GPUs; this machine has none (use 'hf')")
 
