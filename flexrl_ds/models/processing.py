@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from flexrl_ds.planning.plan import SequenceSpec
+
 from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.preprocess import SamplePreprocessor
 from flexrl_ds.media.processor_files import has_processor_files, processor_settings
@@ -75,6 +77,13 @@ class EncodedSample:
 
     def of_kind(self, kind: str) -> list[VisionItem]:
         return [item for item in self.items if item.kind == kind]
+
+    def sequence_spec(self, seq_id: str | None = None) -> SequenceSpec:
+        """What the planner sees of this sample: its length, vision tokens, images and frames."""
+        return SequenceSpec(id=seq_id or self.id, tokens=self.length,
+                            vision_tokens=sum(item.num_tokens() for item in self.items),
+                            images=len(self.of_kind(IMAGE)),
+                            frames=sum(item.grid_thw[0] * 2 for item in self.of_kind(VIDEO)))
 
 
 class SampleEncoder:

@@ -37,7 +37,7 @@ from typing import Any
 
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.planning.config import SPConfig
-from flexrl_ds.planning.plan import SequenceSpec, Workload, load_plan, validate_plan
+from flexrl_ds.planning.plan import Workload, load_plan, validate_plan
 from flexrl_ds.runtime.process_workers import ProcessWorkerGroup
 from flexrl_ds.runtime.worker_group import RayWorkerGroup
 
@@ -130,11 +130,7 @@ def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_
     from flexrl_ds.planning.cost_model import load_cost_model  # numpy
     from flexrl_ds.planning.planner import plan_step  # numpy
 
-    sequences = tuple(
-        SequenceSpec(id=seq_id, tokens=s.length, vision_tokens=sum(i.num_tokens() for i in s.items),
-                     images=sum(1 for i in s.items if i.kind == "image"),
-                     frames=sum(i.grid_thw[0] * 2 for i in s.items if i.kind == "video"))
-        for seq_id, s in samples.items())
+    sequences = tuple(sample.sequence_spec(seq_id) for seq_id, sample in samples.items())
     from flexrl_ds.parallel import device as device_mod  # torch
 
     sp = sp or SPConfig(p_max=p_max)

@@ -1,22 +1,19 @@
 """Where a run keeps its state: checkpoints/step_N (DeepSpeed + trainer state), hf/step_N exports.
 
 `checkpoints/step_N/` holds the policy's DeepSpeed checkpoint (tag "policy", written by every rank)
-and `trainer_state.json`: the step it ends, the loader position (steps drawn), the driver's RNG
-states and the run config it was written with. `latest_checkpoint(out)` finds the newest complete one
+(with rank 0's torch / numpy / Python RNG states in its client state) and `trainer_state.json`: the
+step it ends, the loader position (steps drawn) and the run config it was written with. The driver
+draws no random numbers: every sampling seed derives from (seed, step, slot, k). `latest_checkpoint(out)` finds the newest complete one
 (a checkpoint is complete once its trainer_state.json exists: it is written last).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-import torch
 
 STATE_FILE = "trainer_state.json"
 
@@ -43,10 +40,7 @@ class RunPaths:
 
 
 def write_trainer_state(directory: Path, step: int, loader_steps: int, run_config: dict[str, Any]) -> None:
-    state = {"step": step, "loader_steps": loader_steps,
-             "rng": {"python": repr(random.getstate()), "numpy_seed_state": int(np.random.get_state()[1][0]),
-                     "torch_initial_seed": int(torch.initial_seed())},
-             "run_config": run_config}
+    state = {"step": step, "loader_steps": loader_steps, "run_config": run_config}
     (directory / STATE_FILE).write_text(json.dumps(state, indent=1))
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from flexrl_ds.planning.plan import SequenceSpec, Workload
+from flexrl_ds.planning.plan import Workload
 from flexrl_ds.planning.planner import plan_step
 from flexrl_ds.rl.advantages import group_advantages
 from flexrl_ds.rl.reward_fn import score_batch
@@ -141,11 +141,7 @@ class GRPOTrainer:
 
     def _plan(self, samples: StepSamples, names: list[str]):
         encoded = samples.encoded(names)
-        sequences = tuple(
-            SequenceSpec(id=name, tokens=s.length, vision_tokens=sum(i.num_tokens() for i in s.items),
-                         images=sum(1 for i in s.items if i.kind == "image"),
-                         frames=sum(i.grid_thw[0] * 2 for i in s.items if i.kind == "video"))
-            for name, s in encoded.items())
+        sequences = tuple(sample.sequence_spec(name) for name, sample in encoded.items())
         return plan_step(Workload(sequences), self.o.num_ranks, self.o.cost, self.o.sp), encoded
 
     def _inference(self, step: int, samples: StepSamples) -> dict[str, Any]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from types import SimpleNamespace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+import torch
 
+from flexrl_ds.models.processing import EncodedSample
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.heads import head_partition
@@ -61,7 +62,8 @@ def test_logprobs_plans_a_tiny_10_head_model_on_32_processes(tmp_path):
     config = {"hidden_size": 80, "intermediate_size": 160, "num_attention_heads": 10, "num_key_value_heads": 2,
               "num_hidden_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    samples = {f"r{i}": SimpleNamespace(length=n, items=[]) for i, n in enumerate([9000, 300, 200, 150])}
+    samples = {f"r{i}": EncodedSample(f"r{i}", torch.zeros(n, dtype=torch.long), 1)
+               for i, n in enumerate([9000, 300, 200, 150])}
     plan = plan_for_samples(str(tmp_path), samples, num_procs=32, p_max=32)  # --nproc 32: p_max = 32
     assert max(p.degree for p in plan.packs) <= 8
     lengths = {k: s.length for k, s in samples.items()}
