@@ -22,7 +22,9 @@ import numpy as np
 from flexrl_ds.planning.cost_model import CostModel
 from flexrl_ds.planning.metrics import PlanMetrics, compute_metrics, with_step_time
 from flexrl_ds.planning.packing import PackingLimits, packing_limits
+from flexrl_ds.planning.placement import lpt_groups  # noqa: F401  (re-exported: callers import it from here)
 from flexrl_ds.planning.plan import Plan, Workload
+from flexrl_ds.planning.planner import build_plan
 
 VERL_LINEAR_COEFF = 24576
 """veRL's workload estimate per sequence is VERL_LINEAR_COEFF·L + L²."""
@@ -70,8 +72,6 @@ def karmarkar_karp(weights: list[float], num_parts: int, equal_size: bool) -> li
 
 def _result(name: str, workload: Workload, degrees: np.ndarray, starts: np.ndarray, world_size: int,
             p_max: int, cost: CostModel, limits: PackingLimits) -> MethodResult:
-    from flexrl_ds.planning.planner import build_plan  # import cycle: planner imports lpt_groups from here
-
     heads = (cost.num_heads, cost.num_kv_heads)
     plan = build_plan(workload.sequences, degrees, starts, world_size, max(p_max, int(degrees.max())), limits,
                       heads if int(degrees.max()) <= cost.num_heads else None)
@@ -100,17 +100,6 @@ def verl_bucketing(workload: Workload, world_size: int, cost: CostModel, p_max: 
                 starts[i] = rank
     return _result("bucketing (veRL)", workload, np.ones(len(tokens), dtype=np.int64), starts, world_size,
                    p_max, cost, limits or packing_limits(None, None))
-
-
-def lpt_groups(costs: np.ndarray, num_groups: int) -> np.ndarray:
-    """Group of each item: longest-processing-time first onto the least-loaded group."""
-    heap = [(0.0, g) for g in range(num_groups)]
-    group = np.zeros(len(costs), dtype=np.int64)
-    for i in np.argsort(-costs, kind="stable").tolist():
-        load, g = heapq.heappop(heap)
-        group[i] = g
-        heapq.heappush(heap, (load + float(costs[i]), g))
-    return group
 
 
 def lpt_bucketing(workload: Workload, world_size: int, cost: CostModel, p_max: int,

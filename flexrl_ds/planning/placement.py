@@ -44,6 +44,17 @@ PAIR_TAKERS = 8
 """... and this many of every other block (all their pairs are tried: keeps a step small)."""
 
 
+def lpt_groups(costs: np.ndarray, num_groups: int) -> np.ndarray:
+    """Group of each item: longest-processing-time first onto the least-loaded group."""
+    heap = [(0.0, g) for g in range(num_groups)]
+    group = np.zeros(len(costs), dtype=np.int64)
+    for i in np.argsort(-costs, kind="stable").tolist():
+        load, g = heapq.heappop(heap)
+        group[i] = g
+        heapq.heappush(heap, (load + float(costs[i]), g))
+    return group
+
+
 def partition_blocks(items: Items, num_blocks: int, block_size: int, token_cap: float, steps: int,
                      cost_slack: float, attention_goal: float) -> np.ndarray:
     """Block index of every sequence (module doc). Two starts — LPT on cost (as fixed SP) and a

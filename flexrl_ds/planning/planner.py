@@ -51,12 +51,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from flexrl_ds.planning.config import SPConfig
-from flexrl_ds.planning.baselines import lpt_groups
 from flexrl_ds.planning.cost_model import CostModel
 from flexrl_ds.planning.heads import heads_per_rank, max_degree_for_heads
 from flexrl_ds.planning.metrics import PlanMetrics, compute_metrics, head_shares, with_step_time
 from flexrl_ds.planning.packing import PackingLimits, pack_group, packing_limits
-from flexrl_ds.planning.placement import partition_blocks
+from flexrl_ds.planning.placement import lpt_groups, partition_blocks
 from flexrl_ds.planning.split import CapacityError, Items, rank_costs, split_block
 from flexrl_ds.planning.step_time import plan_step_time, sequence_terms, sharding_overhead
 from flexrl_ds.planning.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
