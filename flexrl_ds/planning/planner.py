@@ -57,7 +57,7 @@ from flexrl_ds.planning.metrics import PlanMetrics, compute_metrics, head_shares
 from flexrl_ds.planning.packing import PackingLimits, pack_group, packing_limits
 from flexrl_ds.planning.placement import lpt_groups, partition_blocks
 from flexrl_ds.planning.split import CapacityError, Items, rank_costs, split_block
-from flexrl_ds.planning.step_time import plan_step_time, sequence_terms, sharding_overhead
+from flexrl_ds.planning.step_time import hsf_packs_step_time, sequence_terms, sharding_overhead
 from flexrl_ds.planning.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
 from flexrl_ds.planning.schedule import hsf_key, hsf_rank_order
 
@@ -318,41 +318,98 @@ def _least_modelled_time(planned: Workload, tokens: np.ndarray, degrees: np.ndar
     """The layout with the least modelled step time (packed, in HSF order: planning/step_time.py)
     among the nested layout and fixed SP at every allowed degree (LPT over its groups on the
     calibrated cost) that fits the token cap: the layout's per-sequence overheads are a proxy
-    (packing merges short sequences' floors), so the exact model has the last word."""
-    by_id = {s.id: s.tokens for s in planned.sequences}
-    heads = (cost.num_heads, cost.num_kv_heads)
+    (packing merges short sequences' floors), so the exact model has the last word. Each
+    candidate is scored on its packs as arrays (`layout_step_time`), without building a Plan."""
+    lengths = [s.tokens for s in planned.sequences]
+    best = (layout_step_time(lengths, degrees, starts, world_size, limits, cost, sp.overlap).step_s,
+            (degrees, starts))
     weight = objective_terms(tokens, cost, allowed, sp.overlap)[0][0]
-    candidates = [(degrees, starts)]
     for degree in allowed:
+        # Skipping a candidate whose lower bound cannot beat the best keeps the choice exact.
+        if fixed_sp_time_floor(tokens, degree, world_size, cost, limits) * (1 - 1e-12) >= best[0] * (1 - 1e-9):
+            continue
         groups = lpt_groups(weight, world_size // degree)
         held = np.bincount(groups, weights=tokens, minlength=world_size // degree) / degree
-        if held.max() <= token_cap:
-            candidates.append((np.full(len(tokens), degree, dtype=np.int64), groups * degree))
-    best = None
-    for layout in candidates:
-        plan = build_plan(planned.sequences, *layout, world_size, sp.p_max, limits, heads)
-        seconds = plan_step_time(plan, by_id, cost.step, *heads, cost.shapes.head_dim, sp.overlap).step_s
-        if best is None or seconds < best[0] * (1 - 1e-9):
+        if held.max() > token_cap:
+            continue
+        if fixed_sp_time_floor(tokens, degree, world_size, cost, limits, groups) * (1 - 1e-12) >= best[0] * (1 - 1e-9):
+            continue
+        layout = (np.full(len(tokens), degree, dtype=np.int64), groups * degree)
+        seconds = layout_step_time(lengths, *layout, world_size, limits, cost, sp.overlap).step_s
+        if seconds < best[0] * (1 - 1e-9):
             best = (seconds, layout)
     return best[1]
+
+
+def fixed_sp_time_floor(tokens: np.ndarray, degree: int, world_size: int, cost: CostModel,
+                        limits: PackingLimits, groups: np.ndarray | None = None) -> float:
+    """A lower bound on the modelled step time of fixed SP at `degree` (sequence i on group
+    `groups[i]`; None: any grouping). The busiest rank does at least what a group's most-loaded
+    rank (largest head share) computes — attention × that share, linear ÷ d, one floor per pack,
+    where a group has at least one pack per long sequence and ⌈short tokens ÷ H_pack⌉ of short
+    ones — for the busiest group, or over any grouping the mean over groups (packs summed: at
+    least ⌈all short tokens ÷ H_pack⌉). Exposed all-to-all and c_linear (≥ 0) are left out."""
+    (a, b, c), (s, _) = cost.step.attention_fit, cost.step.linear_fit
+    share = max(heads_per_rank(cost.num_heads, cost.num_kv_heads, degree)) / cost.num_heads
+    long = tokens >= limits.h_pack
+    attention = a * tokens * tokens + b * tokens
+    num_groups = world_size // degree
+    if groups is None:
+        packs = int(long.sum()) + int(np.ceil(float(tokens[~long].sum()) / limits.H_pack))
+        return cost.step.num_layers * (share * float(attention.sum()) / num_groups + c * packs / num_groups
+                                       + s * float(tokens.sum()) / world_size)
+    sums = [np.bincount(groups, weights=w, minlength=num_groups) for w in (attention, tokens, long * 1.0,
+                                                                            np.where(long, 0.0, tokens))]
+    work = share * sums[0] + s * sums[1] / degree + c * (sums[2] + np.ceil(sums[3] / limits.H_pack))
+    return cost.step.num_layers * float(work.max())
+
+
+def layout_step_time(tokens: list[int], degrees: np.ndarray, starts: np.ndarray, world_size: int,
+                     limits: PackingLimits, cost: CostModel, overlap: bool = True):
+    """`plan_step_time(build_plan(...))` of a layout (same packs, same HSF order, same figures:
+    token sums are integers, exact in float64) from the packs' token sums alone."""
+    members, pack_of, degree, first = [], [], [], []
+    for group_degree, start, pack_members in packed_groups(degrees, starts, tokens, limits):
+        pack_of += [len(degree)] * len(pack_members)
+        members += pack_members
+        degree.append(group_degree)
+        first.append(start)
+    lengths = np.asarray(tokens, dtype=float)[members]
+    sum_l = np.bincount(pack_of, weights=lengths, minlength=len(degree))
+    sum_l2 = np.bincount(pack_of, weights=lengths * lengths, minlength=len(degree))
+    packs = (sum_l, sum_l2, np.array(degree, dtype=np.int64), np.array(first, dtype=np.int64))
+    return hsf_packs_step_time(packs, world_size, cost.step, cost.num_heads, cost.num_kv_heads,
+                               cost.shapes.head_dim, overlap)
+
+
+def packed_groups(degrees: np.ndarray, starts: np.ndarray, tokens: list[int], limits: PackingLimits):
+    """(degree, first rank, sequence indices) of every pack in HSF order: groups widest first, then
+    by first rank, members in index order; inside a group the packs of `pack_group` in its order."""
+    degrees, starts = np.asarray(degrees, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+    order = np.lexsort((starts, -degrees))  # stable: equal keys keep index order
+    if not len(order):
+        return
+    new = np.flatnonzero((np.diff(degrees[order]) != 0) | (np.diff(starts[order]) != 0)) + 1
+    bounds = [0, *new.tolist(), len(order)]
+    order_list, first_of = order.tolist(), order[bounds[:-1]]
+    for lo, hi, degree, start in zip(bounds, bounds[1:], degrees[first_of].tolist(), starts[first_of].tolist()):
+        for pack_members in pack_group(order_list[lo:hi], tokens, limits):
+            yield degree, start, pack_members
 
 
 def build_plan(sequences: tuple[SequenceSpec, ...], degrees: np.ndarray, starts: np.ndarray,
                world_size: int, p_max: int, limits: PackingLimits, heads: tuple[int, int] | None = None) -> Plan:
     """Group sequences by block, pack them, number packs in HSF order, derive rank_order; with
     `heads` (query, KV) every pack records the query heads each of its ranks holds."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for index, (degree, start) in enumerate(zip(degrees.tolist(), starts.tolist())):
-        groups.setdefault((degree, start), []).append(index)
     tokens = [s.tokens for s in sequences]
     ids = [s.id for s in sequences]
     packs: list[Pack] = []
     heads_of: dict[int, tuple[int, ...]] = {}
-    for (degree, start), members in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
-        ranks = tuple(range(start, start + degree))
-        for pack_members in pack_group(members, tokens, limits):
-            held = heads_of.setdefault(degree, heads_per_rank(*heads, degree) if heads else ())
-            packs.append(Pack(len(packs), degree, ranks, tuple([ids[i] for i in pack_members]), held))
+    for degree, start, pack_members in packed_groups(degrees, starts, tokens, limits):
+        if degree not in heads_of:
+            heads_of[degree] = heads_per_rank(*heads, degree) if heads else ()
+        packs.append(Pack(len(packs), degree, tuple(range(start, start + degree)),
+                          tuple([ids[i] for i in pack_members]), heads_of[degree]))
     assert [p.id for p in sorted(packs, key=hsf_key)] == list(range(len(packs)))
     return Plan(world_size=world_size, p_max=p_max, packs=tuple(packs),
                 rank_order=hsf_rank_order(packs, world_size))

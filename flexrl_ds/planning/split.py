@@ -179,7 +179,12 @@ def _bisect(items: Items, rest: list[int], left_room, right_room):
     lc = la = lt = rc = ra = rt = 0.0
     for i in rest:
         c, a, t = cost[i], attention[i], tokens[i]
-        if max((lc + c) * lsc, (la + a) * lsa, (lt + t) * lst) <= max((rc + c) * rsc, (ra + a) * rsa, (rt + t) * rst):
+        # max(left's three normalised loads) <= max(right's), written out (the hot loop of planning)
+        to_left, to_right = (lc + c) * lsc, (rc + c) * rsc
+        x, y = (la + a) * lsa, (ra + a) * rsa
+        to_left, to_right = (x if x > to_left else to_left), (y if y > to_right else to_right)
+        x, y = (lt + t) * lst, (rt + t) * rst
+        if (x if x > to_left else to_left) <= (y if y > to_right else to_right):
             left.append(i)
             lc, la, lt = lc + c, la + a, lt + t
         else:

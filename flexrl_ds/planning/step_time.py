@@ -124,12 +124,36 @@ def plan_step_time(plan, tokens_by_id: Mapping[str, int], model: StepTimeModel, 
     sum_l2 = np.array([sum(n * n for n in row) for row in lengths], dtype=float)
     degree = np.array([pack.degree for pack in plan.packs], dtype=np.int64)
     first = np.array([pack.ranks[0] for pack in plan.packs], dtype=np.int64)
-    comm = np.zeros(len(plan.packs))
+    ranks = np.array([r for r in range(plan.world_size) for _ in plan.rank_order.get(r, ())], dtype=np.int64)
+    entry = np.array([index[i] for r in range(plan.world_size) for i in plan.rank_order.get(r, ())], dtype=np.int64)
+    return _entries_step_time((sum_l, sum_l2, degree, first), ranks, entry, plan.world_size, model,
+                              (num_heads, num_kv_heads, head_dim), overlap)
+
+
+def hsf_packs_step_time(packs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], world_size: int,
+                        model: StepTimeModel, num_heads: int, num_kv_heads: int, head_dim: int,
+                        overlap: bool = True) -> StepTime:
+    """`plan_step_time` of packs given as arrays (Σ L, Σ L², degree, first rank), listed in the
+    global HSF order that every rank's `rank_order` restricts (planning/schedule.py): the same
+    entries in the same order, so the same figures bit for bit, without building a Plan."""
+    sum_l, sum_l2, degree, first = packs
+    entry = np.repeat(np.arange(len(degree), dtype=np.int64), degree)
+    offsets = np.arange(len(entry), dtype=np.int64) - np.repeat(np.cumsum(degree) - degree, degree)
+    ranks = first[entry] + offsets
+    order = np.argsort(ranks, kind="stable")  # within a rank, packs stay in HSF order
+    return _entries_step_time(packs, ranks[order], entry[order], world_size, model,
+                              (num_heads, num_kv_heads, head_dim), overlap)
+
+
+def _entries_step_time(packs, ranks: np.ndarray, entry: np.ndarray, world_size: int, model: StepTimeModel,
+                       heads: tuple[int, int, int], overlap: bool) -> StepTime:
+    """Step time from per-pack arrays and the (rank, pack) entries sorted by rank, then execution order."""
+    sum_l, sum_l2, degree, first = packs
+    num_heads, num_kv_heads, head_dim = heads
+    comm = np.zeros(len(degree))
     for d in np.unique(degree).tolist():
         on = degree == d
         comm[on] = model.all_to_all_s(sum_l[on], int(d), num_heads, num_kv_heads, head_dim)
-    ranks = np.array([r for r in range(plan.world_size) for _ in plan.rank_order.get(r, ())], dtype=np.int64)
-    entry = np.array([index[i] for r in range(plan.world_size) for i in plan.rank_order.get(r, ())], dtype=np.int64)
     share = np.zeros(len(entry))
     for d in np.unique(degree).tolist():
         on = degree[entry] == d
@@ -139,10 +163,10 @@ def plan_step_time(plan, tokens_by_id: Mapping[str, int], model: StepTimeModel, 
     previous = np.concatenate([[0.0], attention[:-1]])
     previous[np.concatenate([[True], ranks[1:] != ranks[:-1]])] = 0.0  # a rank's first pack hides nothing
     exposed_entry = np.maximum(0.0, comm[entry] - previous) if overlap else comm[entry]
-    held = np.bincount(ranks, weights=sum_l[entry] / degree[entry], minlength=plan.world_size)
-    compute = np.bincount(ranks, weights=attention, minlength=plan.world_size)
+    held = np.bincount(ranks, weights=sum_l[entry] / degree[entry], minlength=world_size)
+    compute = np.bincount(ranks, weights=attention, minlength=world_size)
     compute += np.where(held > 0, model.linear_s(held), 0.0)
-    exposed = np.bincount(ranks, weights=exposed_entry, minlength=plan.world_size)
+    exposed = np.bincount(ranks, weights=exposed_entry, minlength=world_size)
     total = compute + exposed
     busiest = int(np.argmax(total))
     return StepTime(float(total[busiest]), float(compute[busiest]), float(exposed[busiest]),
