@@ -197,7 +197,8 @@ class FlexUlyssesLM(torch.nn.Module):
 
     def __init__(self, hf_model, attention=None, vision_group=None, logits_chunk: int = 4096, zero_group=None):
         """attention: a FlexUlyssesAttention (default one with overlap). vision_group: the SP domain's
-        process group for the vision embedding exchange (None: the default group). logits_chunk:
+        process group for the vision embedding exchange (`GroupTree.domain_group`; None: the default
+        group, which only fits a job of one domain: a mismatch raises at the exchange). logits_chunk:
         tokens per lm_head chunk (bounds the (tokens, vocab) logits memory, with and without grad).
         zero_group: the group over which lm_head's weight is partitioned (ZeRO-3; set by
         `zero3.build_engine`): every rank of it runs the same number of chunks. None: no such sync."""

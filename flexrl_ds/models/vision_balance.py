@@ -182,16 +182,17 @@ def unit_pixels(unit: VisionUnit, item) -> torch.Tensor:
     return item.pixel_values[unit.t_index * rows:(unit.t_index + 1) * rows]
 
 
-def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], group=None,
+def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], group,
                      merge_size: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode this rank's units and exchange merged rows; returns (received rows, zero term).
 
+    group: the SP domain's process group (`GroupTree.domain_group`), whose ranks in group order are
+    the domain-local ranks the route's split lists index; None means the default (world) group and
+    is accepted only when the domain is the whole world (checked: `exchange_group_size`).
     received rows: (sum(recv_splits), hidden) in `route.recv_local_index` order. zero term: a scalar
     that is 0 but depends on the vision tower's output (add it to the loss so that a rank without
     units still gives the tower's parameters a gradient, as ZeRO-3 needs).
     """
-    import torch.distributed as dist
-
     param = next(visual.parameters())
     if route.my_units:
         pixels = torch.cat([unit_pixels(u, items[u.seq_id][u.item_index]) for u in route.my_units])
@@ -204,11 +205,26 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
     merged = visual(pixels.to(device=param.device, dtype=param.dtype), grid_thw=grids.to(param.device)).pooler_output
     zero_term = merged.sum() * 0.0
     send = merged.index_select(0, route.send_index.to(merged.device)) if route.my_units else merged[:0]
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if world == 1:
+    if exchange_group_size(route, group) == 1:
         return send, zero_term
     recv = _RowExchange.apply(send, group, route.send_splits, route.recv_splits)
     return recv, zero_term
+
+
+def exchange_group_size(route: VisionRoute, group) -> int:
+    """Ranks of the embedding exchange: the route's domain size, after checking that `group` has it
+    (a world group under a route of one domain of several would mismatch the split lists)."""
+    import torch.distributed as dist
+
+    num_ranks = len(route.send_splits)
+    if num_ranks == 1:
+        return 1
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size != num_ranks:
+        raise ValueError(f"vision exchange: the route spans an SP domain of {num_ranks} ranks but its process "
+                         f"group has {size}: pass the domain's group (GroupTree.domain_group)"
+                         + (", not the default world group" if group is None else ""))
+    return num_ranks
 
 
 class _RowExchange(torch.autograd.Function):

@@ -6,6 +6,11 @@ nested, which is what makes the Highest-Sharding-First order deadlock free. torc
 every subgroup created once, by every rank of the world, in the same order; `GroupTree.create` does
 exactly that at start-up and then answers `group_for(degree, first_rank)` without collectives.
 
+Besides the blocks, every domain gets one domain-wide group, `GroupTree.domain_group`: the group of
+the exchanges that span the whole domain whatever the plan's degrees (the vision embedding
+all-to-all, models/vision_balance.py). It is the degree-`domain_size` block when p_max reaches the
+domain size, else a group of its own, created after all blocks (`SPTopology.domain_groups_to_create`).
+
 `SPTopology` is the pure half: sizes and rank arithmetic, validated without a process group (in the
 spirit of torchtitan's ParallelDims), so bad configurations fail before any group is created.
 """
@@ -71,6 +76,19 @@ class SPTopology:
                     out.append((domain, degree, tuple(range(base + first, base + first + degree))))
         return out
 
+    def domain_ranks(self, domain: int) -> tuple[int, ...]:
+        """Global ranks of SP domain `domain`."""
+        if not 0 <= domain < self.num_domains:
+            raise ValueError(f"SP topology: domain {domain} outside {self.num_domains} domains")
+        return tuple(range(domain * self.domain_size, (domain + 1) * self.domain_size))
+
+    def domain_groups_to_create(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(domain, global ranks) of the domain-wide groups that no block provides (p_max < domain_size,
+        or a domain of one rank), in creation order; created after every block."""
+        if self.p_max == self.domain_size and self.domain_size > 1:
+            return []
+        return [(domain, self.domain_ranks(domain)) for domain in range(self.num_domains)]
+
     def _check_rank(self, global_rank: int) -> None:
         if not 0 <= global_rank < self.world_size:
             raise ValueError(f"SP topology: rank {global_rank} outside world_size {self.world_size}")
@@ -90,6 +108,10 @@ class GroupTree:
     """This process's global rank."""
     groups: dict[tuple[int, int], Any] = field(default_factory=dict)
     """(degree, first domain-local rank) -> ProcessGroup, for the blocks of this rank's domain."""
+    domain_group: Any = None
+    """The ProcessGroup of this rank's whole SP domain (set by `create`; a block's group when p_max
+    equals domain_size). What the vision exchange runs on: never the world group when there are
+    several domains."""
 
     @property
     def domain(self) -> int:
@@ -120,6 +142,11 @@ class GroupTree:
             group = dist.new_group(list(ranks), backend=backend)
             if domain == my_domain:
                 tree.groups[(degree, ranks[0] - domain * topology.domain_size)] = group
+        tree.domain_group = tree.groups.get((topology.domain_size, 0))
+        for domain, ranks in topology.domain_groups_to_create():
+            group = dist.new_group(list(ranks), backend=backend)
+            if domain == my_domain:
+                tree.domain_group = group
         return tree
 
     def has_group(self, degree: int, first_rank: int) -> bool:

@@ -135,18 +135,18 @@ class PolicyWorker:
         if self.device is not None:
             model = model.to(self.device)
         return zero3.build_engine(model, self.setup.ds_config, attention=FlexUlyssesAttention(overlap=self.setup.overlap),
-                                  vision_group=None, train=train)
+                                  vision_group=self.tree.domain_group, train=train)
 
     # ---- passes -------------------------------------------------------------------------------
     def _batch(self, job: PassJob):
         """This rank's StepBatch for the job, with its vision units' pixels pulled."""
         plan = parse_plan(job.plan_json)
-        placement = place_rank(self.hf_config, plan, job.samples, self.rank, self.tree)
+        placement = place_rank(self.hf_config, plan, job.samples, self.tree.local_rank, self.tree)
         fetch = None
         if placement.units:
             requests = unit_requests(placement.units, job.prompt_keys)
             fetch = (self.setup.pixels.start(job.step, requests), requests)
-        batch = build_step_batch(self.policy.module.hf_model, plan, job.samples, self.rank, self.tree,
+        batch = build_step_batch(self.policy.module.hf_model, plan, job.samples, self.tree.local_rank, self.tree,
                                  placement=placement)
         if fetch is not None:
             batch.items = self._fetched_items(job, *fetch)

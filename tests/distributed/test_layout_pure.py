@@ -29,6 +29,25 @@ def test_topology_blocks_are_aligned_and_nested():
     assert topology.domain_of(9) == 1 and topology.local_rank(9) == 1
 
 
+@pytest.mark.parametrize("world,domain,p_max,extra", [
+    (8, 4, 4, []),                                            # the degree-4 blocks span each domain
+    (8, 4, 2, [(0, (0, 1, 2, 3)), (1, (4, 5, 6, 7))]),        # no block spans a domain: one group each
+    (8, 4, 1, [(0, (0, 1, 2, 3)), (1, (4, 5, 6, 7))]),
+    (4, 1, 1, [(0, (0,)), (1, (1,)), (2, (2,)), (3, (3,))]),  # domains of one rank
+    (8, 8, 4, [(0, tuple(range(8)))]),
+])
+def test_every_domain_gets_a_domain_wide_group(world, domain, p_max, extra):
+    topology = SPTopology(world_size=world, domain_size=domain, p_max=p_max)
+    assert topology.domain_groups_to_create() == extra
+    spanning = {ranks for _, degree, ranks in topology.blocks() if degree == domain}
+    for d in range(topology.num_domains):
+        ranks = topology.domain_ranks(d)
+        assert ranks == tuple(r for r in range(world) if topology.domain_of(r) == d)
+        assert (ranks in spanning) != ((d, ranks) in extra)  # exactly one source of the domain group
+    with pytest.raises(ValueError, match="outside"):
+        topology.domain_ranks(topology.num_domains)
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(world_size=8, domain_size=3, p_max=1), "does not divide"),
     (dict(world_size=8, domain_size=8, p_max=6), "power of two"),

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from flexrl_ds.models.flex_model import reference_inputs, vision_route
 from flexrl_ds.models.sample_data import random_plan_for
 from flexrl_ds.sp.layout import build_rank_layout
-from flexrl_ds.models.vision_balance import assign_units, unit_pixels
+from flexrl_ds.models.vision_balance import VisionRoute, assign_units, exchange_group_size, unit_pixels
 
 
 @given(st.lists(st.integers(1, 500), min_size=0, max_size=40), st.sampled_from([1, 2, 4, 8]))
@@ -76,6 +76,19 @@ def test_shared_media_is_encoded_once_and_reaches_every_sample(vl_samples):
     routes = _emulate_and_check(model, shared, seed=2)
     total = sum(i.num_patches for s in samples.values() for i in s.items)
     assert sum(routes[0].patches_per_rank) == total  # not 2x: each shared item once
+
+
+def test_exchange_refuses_a_group_of_another_size_than_the_routes_domain():
+    """A route over a 4-rank SP domain needs a 4-rank group; without one (here: no process group at
+    all, as the world group of a 2-domain job would also mismatch) it raises instead of exchanging."""
+    empty = torch.zeros(0, dtype=torch.long)
+
+    def route(num_ranks):
+        return VisionRoute((), empty, (0,) * num_ranks, (0,) * num_ranks, empty, (0,) * num_ranks)
+
+    assert exchange_group_size(route(1), None) == 1  # a domain of one rank exchanges nothing
+    with pytest.raises(ValueError, match="SP domain of 4 ranks but its process group has 1.*domain_group"):
+        exchange_group_size(route(4), None)
 
 
 def _emulate_and_check(model, samples, seed):
