@@ -5,8 +5,10 @@ process connected to one shared local Ray cluster, so that the controller's memo
 alone and from a clean start:
 - W workers (`BenchWorker`, one per rank of a `runtime/worker_group.RayWorkerGroup`) stand in for
   training ranks. Each holds a `Materializer`; a step is "wait for my data, then simulate
-  `compute_ms` of compute". The B*n samples of a step are dealt round-robin to the workers; a
-  worker requests every media item of the prompts it holds.
+  `compute_ms` of compute". The B*n samples of a step are dealt round-robin to the workers by
+  (slot, k) (`loader/destinations.RankDealing`); a worker requests every media item of the prompts
+  it holds. The dealing is fixed before decoding, so the shadow loader decodes each prompt near its
+  workers' node(s) (`routing.route_near`); bytes pulled across nodes are reported.
 - centralised: the controller probes and decodes every prompt itself (`CentralLoader`) right
   before the step, and ships the pixel tensors to the workers inside their assignments.
 - shadow: the controller probes metadata on K preprocessing actors and dispatches decode tasks
@@ -40,6 +42,7 @@ import psutil
 
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.loader.config import DataConfig, LoaderConfig, PoolConfig
+from flexrl_ds.loader.destinations import RankDealing
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, WorkerPlace
 
@@ -153,6 +156,8 @@ class RunResult:
     total_rss_peak_mb: float
     samples_per_s: float
     num_bad: int = 0
+    cross_node_bytes_per_step: float = 0.0
+    """Of `pixel_bytes_per_step`, bytes pulled from an actor on another node than the worker's."""
     num_withdrawn: int = 0
     """Prompts the workers got back withdrawn (decode failed after hand-out), summed over steps."""
     compose_ms: float = 0.0
@@ -252,7 +257,8 @@ class BenchWorker:
         out = self.materializer.get(step)
         data_ready_at = time.time()
         time.sleep(compute_ms / 1000.0)
-        return {"wait_s": out.wait_s, "bytes": out.bytes_fetched, "withdrawn": len(out.withdrawn),
+        return {"wait_s": out.wait_s, "bytes": out.bytes_fetched, "cross_bytes": out.bytes_cross_node,
+                "withdrawn": len(out.withdrawn),
                 "entered_at": entered_at, "data_ready_at": data_ready_at, "compute_end_at": time.time(),
                 **out.timing}
 
@@ -288,7 +294,7 @@ class _NoDataLoader:
 
 
 def _build_loader(mode: str, records: list, data_config: DataConfig, loader_config: LoaderConfig,
-                  pool_config: PoolConfig):
+                  pool_config: PoolConfig, dealing: Any = None):
     """(loader, preprocessing pool or None) of one run."""
     from flexrl_ds.loader.actors import PreprocessPool
     from flexrl_ds.loader.central_loader import CentralLoader
@@ -302,7 +308,7 @@ def _build_loader(mode: str, records: list, data_config: DataConfig, loader_conf
         return CentralLoader(records, make_preprocessor, loader_config, data_config.bad_record_policy), None
     pool = PreprocessPool(make_preprocessor, pool_config)
     pool.wait_ready()
-    return ProxyLoader(records, pool, loader_config, data_config.bad_record_policy), pool
+    return ProxyLoader(records, pool, loader_config, data_config.bad_record_policy, destinations=dealing), pool
 
 
 @dataclass
@@ -315,29 +321,31 @@ class _Measured:
     asked: list[tuple[int, float]] = field(default_factory=list)
     """(step asked for by `next_step`, wall-clock time asked), per measured step."""
     pixel_bytes: int = 0
+    cross_bytes: int = 0
     num_withdrawn: int = 0
     loader_s: float = 0.0
     """Controller time inside `next_step` over the measured steps."""
     elapsed_s: float = 0.0
 
 
-def _send(loader: Any, workers: Any, step: Any) -> None:
-    """Deal the step's samples round-robin to the workers and start their prefetch."""
+def _send(loader: Any, workers: Any, step: Any, dealing: Any) -> None:
+    """Deal the step's samples to the workers (`dealing.shares`) and start their prefetch."""
     from flexrl_ds.loader.proxy_loader import requests_for_samples
 
-    samples, num = step.sample_ids(), workers.num_ranks
-    workers.run_each_async("prefetch", [(loader.assignment(step, requests_for_samples(step, samples[index::num])),)
-                                        for index in range(num)])
+    shares = dealing.shares(step.sample_ids())
+    workers.run_each_async("prefetch", [(loader.assignment(step, requests_for_samples(step, share)),)
+                                        for share in shares])
 
 
-def _run_steps(label: str, config: LoaderBenchConfig, loader: Any, workers: Any, rss: _RssSampler) -> _Measured:
+def _run_steps(label: str, config: LoaderBenchConfig, loader: Any, workers: Any, rss: _RssSampler,
+               dealing: Any) -> _Measured:
     """The bench loop: warm-up then measured steps, each loading the next one (the steady state
     of a long run, the last step included), sampling RSS throughout."""
     import ray
 
     total, measured = config.warmup_steps + config.steps, _Measured()
     step = loader.next_step()
-    _send(loader, workers, step)
+    _send(loader, workers, step, dealing)
     with rss:
         for index in range(total):
             if index == config.warmup_steps:
@@ -345,12 +353,13 @@ def _run_steps(label: str, config: LoaderBenchConfig, loader: Any, workers: Any,
             begin, begin_at = time.perf_counter(), time.time()
             upcoming = loader.next_step()
             loaded_at = time.time()
-            _send(loader, workers, upcoming)
+            _send(loader, workers, upcoming, dealing)
             sent_at = time.time()
             outs = ray.get(workers.run_async("run_step", step.step, config.compute_ms))
             results_at = time.time()
             loader.release(step)
             measured.pixel_bytes += sum(out["bytes"] for out in outs)
+            measured.cross_bytes += sum(out["cross_bytes"] for out in outs)
             measured.num_withdrawn += sum(out["withdrawn"] for out in outs)
             wall = time.perf_counter() - begin
             if index >= config.warmup_steps:
@@ -378,7 +387,7 @@ def _run_result(mode: str, config: LoaderBenchConfig, loader_config: Any, num_ac
         # bytes: over all steps loaded (warm-up and the one extra included); the shadow loader's
         # count also holds one more look-ahead step's probe and dispatch, so it over-counts a little
         controller_bytes_per_step=loader.stats.bytes_through_controller / (total + 1),
-        pixel_bytes_per_step=measured.pixel_bytes / total,
+        pixel_bytes_per_step=measured.pixel_bytes / total, cross_node_bytes_per_step=measured.cross_bytes / total,
         controller_rss_start_mb=rss.start_rss / 2**20, controller_rss_peak_mb=rss.peak_self / 2**20,
         total_rss_peak_mb=rss.peak_total / 2**20,
         samples_per_s=loader_config.global_batch * loader_config.num_samples_per_prompt * config.steps
@@ -399,10 +408,11 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
     workers = RayWorkerGroup(BenchWorker, config.num_workers, {"bad_record_policy": data_config.bad_record_policy,
                                                                "timeout_s": pool_config.timeout_s},
                              num_cpus_per_rank=WORKER_CPUS, name="bench workers", timeout_s=pool_config.timeout_s)
-    loader, pool = _build_loader(mode, records, data_config, loader_config, pool_config)
+    dealing = RankDealing(tuple(workers.node_ids), loader_config.num_samples_per_prompt)
+    loader, pool = _build_loader(mode, records, data_config, loader_config, pool_config, dealing)
     rss.pids = workers.run("pid") + ([s["pid"] for s in pool.stats()] if pool else [])
     label = f"{mode} B={batch} K={num_actors}"
-    measured = _run_steps(label, config, loader, workers, rss)
+    measured = _run_steps(label, config, loader, workers, rss, dealing)
     if pool is not None:
         add_decode_timings(measured.phases, measured.asked, pool.decode_log())
     result = _run_result(mode, config, loader_config, num_actors, loader, measured, rss)

@@ -13,7 +13,7 @@ def format_table(results: list[RunResult]) -> str:
     worst-case ms the data was ready before the step needed it (negative: late)."""
     header = (f"{'mode':8} {'B':>4} {'K':>3} {'exposed ms/step':>16} {'worker wait ms':>15} {'ctrl loader ms':>15} "
               f"{'call ms':>8} {'return ms':>10} {'ready early ms':>15} "
-              f"{'ctrl MB/step':>13} {'pixel MB/step':>14} {'ctrl RSS peak MB':>17} {'total RSS MB':>13} {'samples/s':>10}")
+              f"{'ctrl MB/step':>13} {'pixel MB/step':>14} {'cross-node MB/step':>19} {'ctrl RSS peak MB':>17} {'total RSS MB':>13} {'samples/s':>10}")
     lines = [header]
     for r in results:
         phases = r.phases_ms
@@ -23,7 +23,8 @@ def format_table(results: list[RunResult]) -> str:
             f"{r.controller_loader_ms:>15.1f} {phases.get('call', float('nan')):>8.1f} "
             f"{phases.get('return', float('nan')):>10.1f} {'-' if margin is None else f'{margin:.0f}':>15} "
             f"{r.controller_bytes_per_step / 2**20:>13.4f} "
-            f"{r.pixel_bytes_per_step / 2**20:>14.1f} {r.controller_rss_peak_mb:>17.0f} {r.total_rss_peak_mb:>13.0f} "
+            f"{r.pixel_bytes_per_step / 2**20:>14.1f} {r.cross_node_bytes_per_step / 2**20:>19.1f} "
+            f"{r.controller_rss_peak_mb:>17.0f} {r.total_rss_peak_mb:>13.0f} "
             f"{r.samples_per_s:>10.2f}"
         )
     return "\n".join(lines)

@@ -11,9 +11,11 @@
   fine fails to decode (corrupt frame data, file gone): never an exception. Workers fetch the objects directly. The actor holds
   the refs (its cache) until the controller releases the step. Two concurrency groups keep
   metadata probes from queueing behind long video decodes.
-- `PreprocessPool` (controller side): creates K actors per node (fractional `num_cpus`), routes
-  each prompt to the least-loaded live actor (`routing.LoadTracker`), probes records in chunks
-  spread over the actors, and retries probes of an actor that died.
+- `PreprocessPool` (controller side): creates K actors per node (fractional `num_cpus`), pinned
+  to that node (`actor_nodes`: actor -> Ray node id), routes each prompt to the least-loaded live
+  actor, or near the prompt's consumers when told where they are (`routing.LoadTracker` /
+  `route_near`, `flexrl.data.pool.locality_slack`), probes records in chunks spread over the
+  actors, and retries probes of an actor that died.
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ class PreprocessActor:
             "name": self.name, "pid": os.getpid(), "rss": psutil.Process().memory_info().rss,
             "num_decoded": self.maker.num_decoded, "num_cached": len(self.cache),
             "cached_bytes": sum(self.cached_bytes.values()),
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
 
 
@@ -173,15 +176,18 @@ class PreprocessPool:
         """`config`: the run's `flexrl.data.pool` (None: its defaults)."""
         self.config = config or PoolConfig()
         self.actors: dict[str, Any] = {}
+        self.actor_nodes: dict[str, str] = {}
+        """Actor name -> Ray node id (hex) it is pinned to."""
         nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
         for node_rank, node_id in enumerate(nodes):
             for local in range(self.config.num_actors_per_node):
                 name = f"pre-{node_rank}-{local}"
+                self.actor_nodes[name] = node_id
                 self.actors[name] = PreprocessActor.options(
                     num_cpus=self.config.num_cpus_per_actor,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 ).remote(name, make_preprocessor, decode_delay_s)
-        self.tracker = LoadTracker(self.actors)
+        self.tracker = LoadTracker(self.actors, self.actor_nodes, self.config.locality_slack)
         self._pending: dict[Any, tuple[str, float]] = {}  # task ref -> (actor, cost)
         self._probe_turn = 0
 
@@ -189,10 +195,12 @@ class PreprocessPool:
     def alive(self) -> list[str]:
         return self.tracker.alive
 
-    def submit(self, key: PromptKey, meta: Any, layouts: Sequence[ItemLayout], cost: float) -> tuple[str, Any]:
-        """Start materialising `key` on the least-loaded live actor; returns (actor, task ref)."""
+    def submit(self, key: PromptKey, meta: Any, layouts: Sequence[ItemLayout], cost: float,
+               destinations: dict[str, float] | None = None) -> tuple[str, Any]:
+        """Start materialising `key` on the least-loaded live actor, or near `destinations` (node id
+        -> weight of the prompt's consumers there; `routing.route_near`); returns (actor, task ref)."""
         self._credit_finished()
-        name = self.tracker.assign(cost)
+        name = self.tracker.assign(cost, destinations)
         ref = self.actors[name].preprocess.remote(key, meta, tuple(layouts))
         self._pending[ref] = (name, cost)
         return name, ref

@@ -63,11 +63,18 @@ class PoolConfig:
     """Records per metadata-probe task."""
     timeout_s: float = 600.0
     """Longest wait for one probe or decode task before the step fails with a TimeoutError."""
+    locality_slack: float = 1.0
+    """Node-aware routing (`routing.route_near`): a prompt goes to an actor on a node that will
+    consume its pixels unless that actor's outstanding load exceeds the least-loaded actor's by
+    more than this many times the prompt's own predicted cost; then to the least-loaded actor.
+    0: locality only breaks ties; a large value: always decode where the pixels are used."""
 
     def __post_init__(self) -> None:
         for name in ("num_actors_per_node", "probe_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"flexrl.data.pool.{name}: must be at least 1, got {getattr(self, name)}")
+        if not self.locality_slack >= 0:
+            raise ValueError(f"flexrl.data.pool.locality_slack: must be >= 0, got {self.locality_slack}")
         for name in ("num_cpus_per_actor", "timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"flexrl.data.pool.{name}: must be positive, got {getattr(self, name)}")
@@ -81,4 +88,4 @@ class DataConfig(MediaConfig):
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     """Training loader: batch, GRPO group size, order, look-ahead, slice size."""
     pool: PoolConfig = field(default_factory=PoolConfig)
-    """Preprocessing actors: count per node, CPUs, probe chunking, timeout."""
+    """Preprocessing actors: count per node, CPUs, probe chunking, timeout, locality slack."""

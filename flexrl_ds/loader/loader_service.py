@@ -55,8 +55,9 @@ class LoaderService:
         self._steps[step.step] = step
         return step
 
-    def assignment(self, step: int, requests: Sequence[SliceRequest]) -> WorkerAssignment:
-        return self.loader.assignment(self._steps[step], requests)
+    def assignment(self, step: int, requests: Sequence[SliceRequest], consumer_node: str = "") -> WorkerAssignment:
+        """`consumer_node`: the asking worker's Ray node id (where later decodes are routed)."""
+        return self.loader.assignment(self._steps[step], requests, consumer_node)
 
     def repair(self, key: PromptKey, failed_generation: int) -> PromptSource:
         return self.loader.repair(key, failed_generation)

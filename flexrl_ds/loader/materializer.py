@@ -9,8 +9,11 @@ The controller hands each worker a `WorkerAssignment` per step: the placeholders
 only the chunks covering the requested groups straight from the owning actor's object store
 (numpy arrays: zero-copy, no unpickling under the GIL) and cut each request's rows exactly into a
 tensor of the worker's own (one copy, GIL released). `get(step)` waits for that step (the wait is
-the exposed data time) and hands the tensors out, with timings of the background work. If the owner died (the task or its objects are lost), the Materializer asks `repair` for a
-fresh source of that prompt — the controller re-routes it to a live actor — and retries.
+the exposed data time) and hands the tensors out, with timings of the background work. If the
+owner died (the task or its objects are lost), the Materializer asks `repair` for a fresh source
+of that prompt — the controller re-routes it to a live actor — and retries. Bytes pulled from an
+actor on another node than this worker's (`PromptSource.owner_node` vs the fetcher's `node_id`)
+are counted apart: `MaterializedStep.bytes_cross_node`, the pixels that crossed the network.
 
 Withdrawn prompts. If the re-decode of a prompt fails after the step was handed out, the loader
 *withdraws* it (`bad_records.py`: the step's shapes are planned, nothing can take its slot). `get`
@@ -76,6 +79,8 @@ class PromptSource:
     """Reference to `{SliceKey: ObjectRef}` (ShadowLoader path)."""
     inline: dict[SliceKey, dict] | None = None
     """The slices themselves (centralised path: shipped through the controller)."""
+    owner_node: str = ""
+    """Ray node id of the actor that owns the slices ("" unknown, or inline)."""
 
 
 @dataclass
@@ -105,6 +110,9 @@ class MaterializedStep:
     """Pixel bytes this worker pulled (or received inline) for the step."""
     num_repairs: int
     """Prompts re-fetched after their owner died."""
+    bytes_cross_node: int = 0
+    """Of `bytes_fetched`, those pulled from an actor on another node than this worker's (both
+    nodes known); the rest came from this node's object store (or inline)."""
     timing: dict[str, float] = field(default_factory=dict)
     """Where the step's data time went (see `Materializer.get`): `prefetched_at` / `ready_at`
     (wall-clock `time.time()` when `prefetch` was called / the last prompt was cut); summed over
@@ -138,6 +146,8 @@ class RayFetcher:
         self._ray = ray
         self.timeout_s = timeout_s
         self.lost_errors = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        """This process's Ray node id ("" outside Ray)."""
 
     def get(self, refs: Sequence[Any]) -> list[Any]:
         return self._ray.get(list(refs), timeout=self.timeout_s)
@@ -186,6 +196,8 @@ class _PromptResult:
     num_bytes: int
     seconds: dict[str, float]
     ready_at: float
+    cross_node: bool = False
+    """The slices came from an actor on another node."""
     withdrawn: Any = None
     """The prompt's `BadRecord` when its decode failed after hand-out (then `cut` is empty)."""
 
@@ -257,7 +269,8 @@ class Materializer:
             **{name: sum(d.seconds[name] for d in done.values()) for name in ("task_wait_s", "pull_s", "cut_s")},
         }
         num_bytes = sum(d.num_bytes for d in done.values())
-        return MaterializedStep(step, tensors, wait_s, num_bytes, len(pending.repairs), timing,
+        cross_bytes = sum(d.num_bytes for d in done.values() if d.cross_node)
+        return MaterializedStep(step, tensors, wait_s, num_bytes, len(pending.repairs), cross_bytes, timing,
                                 requests=tuple(requests), withdrawn=withdrawn)
 
     def _materialize_prompt(self, source: PromptSource, requests: list[SliceRequest],
@@ -276,7 +289,9 @@ class Materializer:
         cut = {request: cut_request(source.layouts[request.item_index], request, slices) for request in requests}
         seconds["cut_s"] = time.perf_counter() - fetched
         num_bytes = sum(value["pixel_values"].nbytes for value in slices.values())
-        return _PromptResult(cut, num_bytes, seconds, time.time())
+        here = getattr(self.fetcher, "node_id", "")
+        cross_node = bool(here and source.owner_node and source.owner_node != here)
+        return _PromptResult(cut, num_bytes, seconds, time.time(), cross_node)
 
     def _fetch_prompt(self, source: PromptSource, requests: list[SliceRequest], repairs: list[int],
                       seconds: dict[str, float]):

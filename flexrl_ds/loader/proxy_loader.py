@@ -9,8 +9,12 @@ decoding sits on the training loop. Before returning step k, `next_step` waits f
 decode tasks (dispatched one call earlier, so normally finished) and applies the bad-record policy
 to records that probed fine but failed to decode: the step handed out is final.
 
-`assignment(step, requests)` builds what one worker needs (`materializer.WorkerAssignment`):
-references only. `repair(prompt, generation)` re-routes the prompts of a dead actor to live ones
+`assignment(step, requests, consumer_node)` builds what one worker needs
+(`materializer.WorkerAssignment`): references only, each prompt's source naming its owner's node
+(the Materializer counts the bytes it pulls across nodes). Decode tasks go to actors near where
+the pixels will be used (`routing.route_near`; what is knowable at dispatch time is discussed
+there): `destinations(key)` when the caller knows its dealing rule, else the nodes that have
+asked for pixels so far (`consumer_node` of each `assignment`), weighted by the rows they asked for. `repair(prompt, generation)` re-routes the prompts of a dead actor to live ones
 (idempotent: concurrent repairs of one failure re-route once) and is what Materializers call; in a
 multi-process job workers reach it through `loader_service.LoaderService` / `RemoteRepair`.
 
@@ -41,7 +45,7 @@ import pickle
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,6 +171,12 @@ def requests_for_samples(step: LoaderStep, samples: Sequence[SampleId]) -> list[
     return [SliceRequest(key, index) for key in prompts for index in range(len(metas[key].items))]
 
 
+def request_rows(layout: Any, request: SliceRequest) -> int:
+    """Pixel rows (patches) `request` names in an item of `layout`."""
+    stop = layout.grid_thw[0] if request.t_stop is None else request.t_stop
+    return (stop - request.t_start) * layout.rows_per_group
+
+
 class StepSource:
     """Step composition shared by ProxyLoader and the centralised baseline: the order and the
     bad-record policy (`bad_records.BadRecordPolicy`), with the probe injected."""
@@ -226,10 +236,17 @@ class StepSource:
 class ProxyLoader:
     """ShadowLoader's controller side: metadata, routing and references only."""
 
-    def __init__(self, records: Sequence[Any], pool: Any, config: LoaderConfig, bad_record_policy: str = "skip"):
+    def __init__(self, records: Sequence[Any], pool: Any, config: LoaderConfig, bad_record_policy: str = "skip",
+                 destinations: Callable[[PromptKey], Mapping[str, float]] | None = None):
         """`pool`: a `PreprocessPool` (or a stand-in with its methods); `config`: the run's
-        `flexrl.data.loader`; `bad_record_policy`: its `flexrl.data.bad_record_policy`."""
-        self.pool, self.config = pool, config
+        `flexrl.data.loader`; `bad_record_policy`: its `flexrl.data.bad_record_policy`;
+        `destinations`: prompt -> {Ray node id: weight of its consumers there}, for a caller that
+        knows at dispatch time where each prompt's pixels will be used (None: the nodes that asked
+        for pixels so far, see the module docstring)."""
+        self.pool, self.config, self.destinations = pool, config, destinations
+        self.consumer_rows: dict[str, float] = {}
+        """Ray node id -> pixel rows its consumers asked for so far (`assignment`'s `consumer_node`)."""
+        self._actor_nodes: Mapping[str, str] = getattr(pool, "actor_nodes", {})
         self.source = StepSource(records, config, self._probe, bad_record_policy)
         self.store = MetaStore(config.num_samples_per_prompt)
         self._upcoming: deque[Future] = deque()  # composed (or composing) steps, in order
@@ -329,19 +346,29 @@ class ProxyLoader:
 
     def _route(self, key: PromptKey, meta: Any) -> None:
         entry = self.store.entry(key)
-        owner, ref = self.pool.submit(key, meta, entry.layouts, entry.cost)
+        where = dict(self.destinations(key)) if self.destinations is not None else dict(self.consumer_rows)
+        if where:
+            owner, ref = self.pool.submit(key, meta, entry.layouts, entry.cost, destinations=where)
+        else:
+            owner, ref = self.pool.submit(key, meta, entry.layouts, entry.cost)
         self.stats.bytes_through_controller += payload_bytes((key, meta, entry.layouts, ref))
         self.store.route(key, owner, ref)
         self._metas[key] = meta
 
     def _source(self, key: PromptKey) -> PromptSource:
         entry = self.store.entry(key)
-        return PromptSource(key, entry.layouts, entry.generation, task_ref=entry.task_ref)
+        return PromptSource(key, entry.layouts, entry.generation, task_ref=entry.task_ref,
+                            owner_node=self._actor_nodes.get(entry.owner, ""))
 
-    def assignment(self, step: LoaderStep, requests: Sequence[SliceRequest]) -> WorkerAssignment:
-        """A worker's share of `step`: its requests plus a reference per prompt (no pixels)."""
+    def assignment(self, step: LoaderStep, requests: Sequence[SliceRequest], consumer_node: str = "") -> WorkerAssignment:
+        """A worker's share of `step`: its requests plus a reference per prompt (no pixels).
+        `consumer_node`: the worker's Ray node id (learned as a destination of later decodes)."""
         with self._lock:
             sources = {request.prompt: self._source(request.prompt) for request in requests}
+            if consumer_node:
+                rows = sum(request_rows(sources[request.prompt].layouts[request.item_index], request)
+                           for request in requests)
+                self.consumer_rows[consumer_node] = self.consumer_rows.get(consumer_node, 0.0) + rows
         assignment = WorkerAssignment(step.step, tuple(requests), sources)
         self.stats.bytes_through_controller += payload_bytes(assignment)
         return assignment

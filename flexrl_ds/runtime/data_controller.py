@@ -7,7 +7,9 @@ actors inside one `LoaderService` Ray actor (loader/loader_service.py), so that
   bad-record report; the look-ahead steps decode meanwhile on the actors);
 - every consumer of pixels (a rollout engine, a policy rank) gets a `PixelSource`, a small
   picklable handle: `fetch(step, requests)` asks the service for references to exactly the slices
-  it names and pulls them from the owning actors' object stores; a slice whose actor died is
+  it names (giving its node, so that later decodes are routed to nodes where pixels are used:
+  loader/routing.py `route_near`) and pulls them from the owning actors' object stores, counting
+  the bytes that crossed nodes (`MaterializedStep.bytes_cross_node`); a slice whose actor died is
   repaired through the same service (`RemoteRepair`: re-routed once, or withdrawn by the
   bad-record policy), whichever process finds the failure;
 - a resumed run replays the loader's order up to its position (`skip_steps`: probes only, no
@@ -108,9 +110,9 @@ class PixelSource:
 
     def start(self, step: int, requests: Sequence[SliceRequest]) -> Materializer:
         """Begin pulling `requests` of `step` in the background; `.get(step)` on the result waits."""
-        service = self.service
-        assignment = ray.get(service.assignment.remote(step, list(requests)), timeout=self.timeout_s)
-        materializer = Materializer(RayFetcher(timeout_s=self.timeout_s),
+        service, fetcher = self.service, RayFetcher(timeout_s=self.timeout_s)
+        assignment = ray.get(service.assignment.remote(step, list(requests), fetcher.node_id), timeout=self.timeout_s)
+        materializer = Materializer(fetcher,
                                     repair=RemoteRepair(service, self.timeout_s),
                                     bad_record_policy=self.bad_record_policy)
         materializer.prefetch(assignment)

@@ -130,7 +130,8 @@ class RankPixels:
                             for record_id, reason in fetched.withdrawn_reasons().items())
                 + ". `flexrl logprobs` cannot drop a prompt from a step whose plan is fixed: "
                   "fix or remove the record and run again")
-        self.stats = {"pixel_bytes": float(fetched.bytes_fetched), "wait_s": fetched.wait_s,
+        self.stats = {"pixel_bytes": float(fetched.bytes_fetched), "cross_node_bytes": float(fetched.bytes_cross_node),
+                      "wait_s": fetched.wait_s,
                       "num_requests": float(len(self.requests)), "num_repairs": float(fetched.num_repairs)}
         return fetched_items(samples, self.prompt_keys, self.requests, fetched.tensors)
 

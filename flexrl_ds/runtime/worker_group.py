@@ -36,6 +36,8 @@ class WorkerPlace:
     """Rendezvous port."""
     local_rank: int = 0
     """Rank on this node (selects the GPU)."""
+    node_id: str = ""
+    """Ray node id (hex) the worker runs on ("" outside Ray): where its pixels should be decoded."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,6 +68,11 @@ class _Host:
     def rendezvous(self) -> tuple[str, int]:
         address = node_address()
         return address, free_port(address if address != "localhost" else "127.0.0.1")
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def start(self, place: WorkerPlace, factory: Callable[..., Any], kwargs: dict) -> bool:
         self.worker = factory(place, **kwargs)
@@ -98,8 +105,11 @@ class RayWorkerGroup:
                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, index)).remote()
             for index in range(num_ranks)]
         address, port = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout_s)
+        self.node_ids: list[str] = ray.get([actor.node_id.remote() for actor in self.actors], timeout=timeout_s)
+        """Ray node id of each rank, in rank order (where the group's consumers of pixels run)."""
         # Ray gives each actor its own GPU(s) (CUDA_VISIBLE_DEVICES): local device 0 in every actor.
-        places = [WorkerPlace(rank, num_ranks, address, port, local_rank=0) for rank in range(num_ranks)]
+        places = [WorkerPlace(rank, num_ranks, address, port, local_rank=0, node_id=node)
+                  for rank, node in enumerate(self.node_ids)]
         self._get([actor.start.remote(place, factory, kwargs or {}) for actor, place in zip(self.actors, places)],
                   "start")
 
