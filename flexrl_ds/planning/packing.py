@@ -51,8 +51,13 @@ def pack_group(seq_indices: Sequence[int], tokens: Sequence[int], limits: Packin
 
     Returned packs are ordered longest first (the order the group runs them in).
     """
-    long_packs = [[i] for i in seq_indices if tokens[i] >= limits.h_pack]
-    short = sorted((i for i in seq_indices if tokens[i] < limits.h_pack), key=lambda i: -tokens[i])
+    h_pack, size_of = limits.h_pack, tokens.__getitem__
+    long = [i for i in seq_indices if tokens[i] >= h_pack]
+    short = [i for i in seq_indices if tokens[i] < h_pack]
+    long.sort(key=size_of, reverse=True)  # stable: equal sizes keep their order, as key -size would
+    if not short:
+        return [[i] for i in long]
+    short.sort(key=size_of, reverse=True)
     bins: list[list[int]] = []
     room: list[int] = []
     for index in short:
@@ -65,5 +70,4 @@ def pack_group(seq_indices: Sequence[int], tokens: Sequence[int], limits: Packin
         else:
             bins.append([index])
             room.append(limits.H_pack - size)
-    long_packs.sort(key=lambda pack: -tokens[pack[0]])
-    return long_packs + bins
+    return [[i] for i in long] + bins

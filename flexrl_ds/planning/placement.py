@@ -45,14 +45,16 @@ PAIR_TAKERS = 8
 
 
 def lpt_groups(costs: np.ndarray, num_groups: int) -> np.ndarray:
-    """Group of each item: longest-processing-time first onto the least-loaded group."""
+    """Group of each item: longest-processing-time first onto the least-loaded group (ties: the
+    lower group; entries are distinct, so replacing the heap's top is popping then pushing)."""
     heap = [(0.0, g) for g in range(num_groups)]
-    group = np.zeros(len(costs), dtype=np.int64)
+    group = [0] * len(costs)
+    values = np.asarray(costs).tolist()
     for i in np.argsort(-costs, kind="stable").tolist():
-        load, g = heapq.heappop(heap)
+        load, g = heap[0]
         group[i] = g
-        heapq.heappush(heap, (load + float(costs[i]), g))
-    return group
+        heapq.heapreplace(heap, (load + values[i], g))
+    return np.array(group, dtype=np.int64)
 
 
 def partition_blocks(items: Items, num_blocks: int, block_size: int, token_cap: float, steps: int,

@@ -57,9 +57,9 @@ from flexrl_ds.planning.metrics import PlanMetrics, compute_metrics, head_shares
 from flexrl_ds.planning.packing import PackingLimits, pack_group, packing_limits
 from flexrl_ds.planning.placement import lpt_groups, partition_blocks
 from flexrl_ds.planning.split import CapacityError, Items, rank_costs, split_block
-from flexrl_ds.planning.step_time import hsf_packs_step_time, sequence_terms, sharding_overhead
+from flexrl_ds.planning.step_time import StepTime, hsf_packs_step_time, sequence_terms, sharding_overhead
 from flexrl_ds.planning.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
-from flexrl_ds.planning.schedule import hsf_key, hsf_rank_order
+from flexrl_ds.planning.schedule import hsf_key
 
 
 @dataclass(frozen=True)
@@ -284,24 +284,26 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
         raise ValueError(
             f"max_tokens_per_rank={sp.max_tokens_per_rank}: the step's {int(tokens.sum())} tokens exceed "
             f"{world_size} ranks × the cap")
+    terms = objective_terms(tokens, cost, allowed, sp.overlap)
     try:
         degrees, starts = nested_layout(tokens, cost.c, allowed, world_size, token_cap, options,
-                                        (cost.num_heads, cost.num_kv_heads),
-                                        objective_terms(tokens, cost, allowed, sp.overlap))
+                                        (cost.num_heads, cost.num_kv_heads), terms)
     except CapacityError as error:
         seq = planned.sequences[error.args[0]]
         raise ValueError(
             f"sequence {seq.id!r}: no group of ranks has room for its {seq.tokens} tokens under "
             f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
+    packed = step = None
     if cost.step is not None:
-        degrees, starts = _least_modelled_time(planned, tokens, degrees, starts, world_size, sp, cost, limits,
-                                               allowed, token_cap)
+        degrees, starts, packed, step = _least_modelled_time(planned, tokens, degrees, starts, world_size, sp, cost,
+                                                       limits, allowed, terms[0][0], token_cap)
     plan = build_plan(planned.sequences, degrees, starts, world_size, sp.p_max, limits,
-                      (cost.num_heads, cost.num_kv_heads))
+                      (cost.num_heads, cost.num_kv_heads), packed=packed)
     metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=allowed[-1],
                               c=cost.c, num_packs=len(plan.packs), num_heads=cost.num_heads,
                               num_kv_heads=cost.num_kv_heads)
-    metrics = with_step_time(metrics, plan, planned, cost, sp.overlap)
+    metrics = replace(metrics, **step.summary()) if step is not None else \
+        with_step_time(metrics, plan, planned, cost, sp.overlap)
     extra = {"metrics": metrics.summary(), "cost_model": {
                  "name": cost.name, "c": cost.c, "num_heads": cost.num_heads, "num_kv_heads": cost.num_kv_heads,
                  "calibration": cost.calibration.source if cost.calibration is not None else None},
@@ -314,16 +316,19 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
 
 def _least_modelled_time(planned: Workload, tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
                          world_size: int, sp: SPConfig, cost: CostModel, limits: PackingLimits,
-                         allowed: tuple[int, ...], token_cap: float) -> tuple[np.ndarray, np.ndarray]:
+                         allowed: tuple[int, ...], weight: np.ndarray, token_cap: float
+                         ) -> tuple[np.ndarray, np.ndarray, list, StepTime]:
     """The layout with the least modelled step time (packed, in HSF order: planning/step_time.py)
     among the nested layout and fixed SP at every allowed degree (LPT over its groups on the
     calibrated cost) that fits the token cap: the layout's per-sequence overheads are a proxy
     (packing merges short sequences' floors), so the exact model has the last word. Each
-    candidate is scored on its packs as arrays (`layout_step_time`), without building a Plan."""
+    candidate is scored on its packs as arrays (`layout_step_time`), without building a Plan.
+    `weight`: the calibrated cost of each sequence (LPT's weight). Returns (degrees, starts,
+    `packed_groups`, modelled step time) of the winner."""
     lengths = [s.tokens for s in planned.sequences]
-    best = (layout_step_time(lengths, degrees, starts, world_size, limits, cost, sp.overlap).step_s,
-            (degrees, starts))
-    weight = objective_terms(tokens, cost, allowed, sp.overlap)[0][0]
+    packed = list(packed_groups(degrees, starts, lengths, limits))
+    step = layout_step_time(lengths, degrees, starts, world_size, limits, cost, sp.overlap, packed)
+    best = (step.step_s, (degrees, starts, packed, step))
     for degree in allowed:
         # Skipping a candidate whose lower bound cannot beat the best keeps the choice exact.
         if fixed_sp_time_floor(tokens, degree, world_size, cost, limits) * (1 - 1e-12) >= best[0] * (1 - 1e-9):
@@ -335,9 +340,10 @@ def _least_modelled_time(planned: Workload, tokens: np.ndarray, degrees: np.ndar
         if fixed_sp_time_floor(tokens, degree, world_size, cost, limits, groups) * (1 - 1e-12) >= best[0] * (1 - 1e-9):
             continue
         layout = (np.full(len(tokens), degree, dtype=np.int64), groups * degree)
-        seconds = layout_step_time(lengths, *layout, world_size, limits, cost, sp.overlap).step_s
-        if seconds < best[0] * (1 - 1e-9):
-            best = (seconds, layout)
+        packed = list(packed_groups(*layout, lengths, limits))
+        step = layout_step_time(lengths, *layout, world_size, limits, cost, sp.overlap, packed)
+        if step.step_s < best[0] * (1 - 1e-9):
+            best = (step.step_s, (*layout, packed, step))
     return best[1]
 
 
@@ -365,11 +371,12 @@ def fixed_sp_time_floor(tokens: np.ndarray, degree: int, world_size: int, cost: 
 
 
 def layout_step_time(tokens: list[int], degrees: np.ndarray, starts: np.ndarray, world_size: int,
-                     limits: PackingLimits, cost: CostModel, overlap: bool = True):
+                     limits: PackingLimits, cost: CostModel, overlap: bool = True, packed: list | None = None):
     """`plan_step_time(build_plan(...))` of a layout (same packs, same HSF order, same figures:
-    token sums are integers, exact in float64) from the packs' token sums alone."""
+    token sums are integers, exact in float64) from the packs' token sums alone. `packed`: the
+    layout's `packed_groups`, if already computed."""
     members, pack_of, degree, first = [], [], [], []
-    for group_degree, start, pack_members in packed_groups(degrees, starts, tokens, limits):
+    for group_degree, start, pack_members in packed or packed_groups(degrees, starts, tokens, limits):
         pack_of += [len(degree)] * len(pack_members)
         members += pack_members
         degree.append(group_degree)
@@ -398,18 +405,24 @@ def packed_groups(degrees: np.ndarray, starts: np.ndarray, tokens: list[int], li
 
 
 def build_plan(sequences: tuple[SequenceSpec, ...], degrees: np.ndarray, starts: np.ndarray,
-               world_size: int, p_max: int, limits: PackingLimits, heads: tuple[int, int] | None = None) -> Plan:
+               world_size: int, p_max: int, limits: PackingLimits, heads: tuple[int, int] | None = None,
+               packed: list | None = None) -> Plan:
     """Group sequences by block, pack them, number packs in HSF order, derive rank_order; with
-    `heads` (query, KV) every pack records the query heads each of its ranks holds."""
+    `heads` (query, KV) every pack records the query heads each of its ranks holds. `packed`: the
+    layout's `packed_groups`, if already computed."""
     tokens = [s.tokens for s in sequences]
     ids = [s.id for s in sequences]
     packs: list[Pack] = []
     heads_of: dict[int, tuple[int, ...]] = {}
-    for degree, start, pack_members in packed_groups(degrees, starts, tokens, limits):
+    for degree, start, pack_members in packed or packed_groups(degrees, starts, tokens, limits):
         if degree not in heads_of:
             heads_of[degree] = heads_per_rank(*heads, degree) if heads else ()
         packs.append(Pack(len(packs), degree, tuple(range(start, start + degree)),
                           tuple([ids[i] for i in pack_members]), heads_of[degree]))
     assert [p.id for p in sorted(packs, key=hsf_key)] == list(range(len(packs)))
+    order: dict[int, list[int]] = {rank: [] for rank in range(world_size)}
+    for pack in packs:  # already in HSF order (asserted): each rank's restriction of it
+        for rank in pack.ranks:
+            order[rank].append(pack.id)
     return Plan(world_size=world_size, p_max=p_max, packs=tuple(packs),
-                rank_order=hsf_rank_order(packs, world_size))
+                rank_order={rank: tuple(ids) for rank, ids in order.items()})

@@ -210,9 +210,11 @@ def _bisect_snake(items: Items, rest: list[int], scale):
 
 
 def _excess(loads, scale) -> tuple[float, float, float]:
-    normalised = np.asarray(loads) * scale  # (2 halves, 3 dimensions) ÷ room
-    soft = float(normalised[:, :2].max()) - 1 - SLACK
-    hard = float(normalised[:, 2].max()) - 1 - SLACK if scale[:, 2].any() else -1.0
+    """(max excess, 0, token excess) of two halves' loads ÷ rooms (plain floats: 2 × 3 values)."""
+    (lc, la, lt), (rc, ra, rt) = (loads.tolist() if isinstance(loads, np.ndarray) else loads)
+    (sc, sa, st), (tc, ta, tt) = scale.tolist()
+    soft = max(lc * sc, la * sa, rc * tc, ra * ta) - 1 - SLACK
+    hard = max(lt * st, rt * tt) - 1 - SLACK if (st != 0 or tt != 0) else -1.0
     return max(soft, hard), 0.0, hard
 
 
