@@ -26,6 +26,9 @@ TABLE_METRICS = ("attention_balance", "attention_balance_bound", "cost_balance",
                  "efficiency_bound", "all_to_all_relative", "num_packs", "step_time_s", "compute_s",
                  "exposed_all_to_all_s", "idle_s", "plan_ms")
 """Columns of the table (PlanMetrics fields plus planning time)."""
+BREAKDOWN_METRICS = ("mean_compute_s", "mean_exposed_all_to_all_s")
+"""Also averaged per method: with idle_s they split the step time (projection tables and plot)."""
+COLLECTED = TABLE_METRICS[:-1] + BREAKDOWN_METRICS + ("plan_ms",)
 
 
 @dataclass
@@ -107,14 +110,14 @@ def simulate(mix: str, world_size: int, gbs: int, n_samples: int, seeds: int, co
         workload = make_step(mix, gbs, n_samples, seed)
         for result, seconds in run_methods(workload, world_size, cost, sp, options, extra_p_maxes):
             summary = result.metrics.summary()
-            row = [float(summary[k]) for k in TABLE_METRICS if k != "plan_ms"] + [seconds * 1000]
+            row = [float(summary[k]) for k in COLLECTED if k != "plan_ms"] + [seconds * 1000]
             samples.setdefault(result.name, []).append(row)
             if seed == 0:
                 sim.first_seed[result.name] = result
         if progress is not None:
             progress(seed + 1, seeds)
     for name, rows in samples.items():
-        sim.means[name] = dict(zip(TABLE_METRICS, np.mean(rows, axis=0).tolist()))
+        sim.means[name] = dict(zip(COLLECTED, np.mean(rows, axis=0).tolist()))
     return sim
 
 
@@ -173,6 +176,110 @@ def plot_loads(sim: SimulationResult, path: str) -> None:
         axes[-1][col].set_xlabel("rank")
     fig.suptitle(f"Per-rank load, {sim.mix}, {sim.world_size} ranks, {sim.gbs}×{sim.n_samples} sequences "
                  f"(seed 0)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@dataclass
+class Projection:
+    """`flexrl simulate --world-sizes`: one simulation per world size with the calibrated model."""
+
+    runs: list[SimulationResult]
+    """One per world size, ascending."""
+    links: list[str]
+    """The all-to-all figures used per group size, each marked measured or assumed."""
+    calibration: str
+    """Calibration file the model came from."""
+    weak_scaling: bool
+    """True: prompts per step grow with the world size (the same per-GPU load)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"projection": True, "calibration": self.calibration, "links": self.links,
+                "weak_scaling": self.weak_scaling, "runs": [run.to_json() for run in self.runs]}
+
+
+def project(mix: str, world_sizes: tuple[int, ...], gbs: int, n_samples: int, seeds: int, cost: CostModel,
+            sp: SPConfig, options: PlannerOptions | None = None, weak_scaling: bool = True,
+            extra_p_maxes=default_extra_p_maxes, progress=None) -> Projection:
+    """`simulate` at every world size: with `weak_scaling`, `gbs` prompts at the smallest world size
+    and proportionally more at larger ones; `extra_p_maxes(world_size, sp, cost)` gives each size's
+    extra FlexUlysses rows. Needs a calibration with the step-time fits (planning/step_time.py)."""
+    from flexrl_ds.planning.step_time import describe_links
+
+    if cost.step is None:
+        raise ValueError("a projection needs a calibration with step-time fits (--calibration FILE, or 'auto' "
+                         "with --device 'NVIDIA H200')")
+    sizes = sorted(set(world_sizes))
+    runs = []
+    for world_size in sizes:
+        if weak_scaling and gbs * world_size % sizes[0]:
+            raise ValueError(f"--gbs {gbs} x {world_size} / {sizes[0]} is not a whole number of prompts")
+        step_gbs = gbs * world_size // sizes[0] if weak_scaling else gbs
+        runs.append(simulate(mix, world_size, step_gbs, n_samples, seeds, cost, sp, options, None,
+                             extra_p_maxes(world_size, sp, cost)))
+        if progress is not None:
+            progress(world_size)
+    widest = max(max([min(sp.p_max, r.world_size), *extra_p_maxes(r.world_size, sp, cost)]) for r in runs)
+    return Projection(runs, describe_links(cost.step, widest), cost.calibration.source, weak_scaling)
+
+
+def _best_fixed(means: dict[str, dict[str, float]]) -> float:
+    fixed = [v["step_time_s"] for k, v in means.items() if k.startswith("SP=")]
+    return min(fixed) if fixed else float("nan")
+
+
+def format_projection(proj: Projection) -> str:
+    """The projected step time per world size and method, split into mean compute, exposed
+    all-to-all and idle (they sum to the step), labelled as a projection."""
+    first = proj.runs[0]
+    lines = [f"PROJECTION (modelled, not measured) from {proj.calibration}: {first.mix}, "
+             f"{first.n_samples} sample(s) per prompt, {'weak' if proj.weak_scaling else 'fixed-batch'} scaling, "
+             f"mean over {first.seeds} seed(s). All-to-all per group size:"]
+    lines += [f"  {line}" for line in proj.links]
+    names = ("GPUs", "seqs", "method", "step ms", "= compute", "+ a2a", "+ idle", "busiest a2a", "attn bal",
+             "a2a/SPcap", "vs best SP")
+    lines.append(f"{names[0]:>5}{names[1]:>6}  {names[2]:<19}" + "".join(f"{n:>12}" for n in names[3:]))
+    for run in proj.runs:
+        best = _best_fixed(run.means)
+        for method, v in run.means.items():
+            cells = [v["step_time_s"], v["mean_compute_s"], v["mean_exposed_all_to_all_s"], v["idle_s"],
+                     v["exposed_all_to_all_s"]]
+            lines.append(f"{run.world_size:>5}{run.gbs * run.n_samples:>6}  {method:<19}"
+                         + "".join(f"{x * 1000:>12.1f}" for x in cells)
+                         + f"{v['attention_balance']:>12.3f}{v['all_to_all_relative']:>12.3f}"
+                         + f"{v['step_time_s'] / best:>12.3f}")
+    lines.append("compute / a2a / idle: means over ranks (linear + attention, all-to-all not hidden by overlap, "
+                 "waiting for the busiest rank); they sum to the step. busiest a2a: the busiest rank's exposed "
+                 "all-to-all. vs best SP: step ÷ the best fixed-SP row at that size.")
+    return "\n".join(lines)
+
+
+def plot_projection(proj: Projection, path: str) -> None:
+    """Stacked bars per method: mean compute, exposed all-to-all and idle (ms) per GPU count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(m for run in proj.runs for m in run.means))
+    fig, axes = plt.subplots(1, len(methods), figsize=(2.3 * len(methods) + 1, 4.2), sharey=True, squeeze=False)
+    parts = (("mean_compute_s", "compute", "tab:blue"), ("mean_exposed_all_to_all_s", "exposed all-to-all",
+                                                           "tab:orange"), ("idle_s", "idle (waiting)", "tab:gray"))
+    for ax, method in zip(axes[0], methods):
+        x = np.arange(len(proj.runs))
+        bottom = np.zeros(len(proj.runs))
+        for key, label, color in parts:
+            values = np.array([run.means.get(method, {}).get(key, 0.0) * 1000 for run in proj.runs])
+            ax.bar(x, values, bottom=bottom, color=color, label=label, width=0.7)
+            bottom += values
+        ax.set_xticks(x, [str(run.world_size) for run in proj.runs], fontsize=8)
+        ax.set_title(method, fontsize=9)
+        ax.set_xlabel("GPUs", fontsize=8)
+    axes[0][0].set_ylabel("projected step time (ms)")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"PROJECTION (calibrated model, not measured): {proj.runs[0].mix}, "
+                 f"{'weak' if proj.weak_scaling else 'fixed-batch'} scaling", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

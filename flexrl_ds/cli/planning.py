@@ -28,11 +28,18 @@ def register(commands, bench) -> None:
 
     sim = commands.add_parser("simulate", help="FlexUlysses vs bucketing vs fixed SP on generated steps")
     sim.add_argument("--mix", required=True, help="image-heavy | video-heavy | only-video")
-    sim.add_argument("--world-size", type=int, required=True)
+    sim.add_argument("--world-size", type=int, help="ranks of the SP domain (or --world-sizes)")
+    sim.add_argument("--world-sizes", type=_int_list,
+                     help="PROJECTION sweep, e.g. 8,16,32,64,128: step time and its breakdown per method at each size "
+                          "(needs a calibration with step-time fits)")
+    sim.add_argument("--fixed-gbs", action="store_true",
+                     help="with --world-sizes: the same --gbs at every size (default: --gbs at the smallest size, "
+                          "scaled with the GPU count, i.e. the same load per GPU)")
     sim.add_argument("--gbs", type=int, required=True, help="prompts per step")
     sim.add_argument("--n-samples", type=int, default=8, help="samples per prompt")
     sim.add_argument("--seeds", type=int, default=3, help="steps (seeds 0..K-1) to average over")
-    sim.add_argument("--plot", help="write a PNG of per-rank loads per method (seed 0)")
+    sim.add_argument("--plot", help="write a PNG of per-rank loads per method (seed 0); with --world-sizes the "
+                     "projected step-time breakdown per method vs GPU count")
     sim.add_argument("--json", action="store_true", help="print results as JSON")
     sim.add_argument("--extra-p-max", default="auto",
                      help="extra FlexUlysses rows with these degree caps (comma list), 'auto' (the widest the "
@@ -78,6 +85,11 @@ def _add_sp_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--oversize", choices=("error", "drop", "truncate"), help="sequence too long at p_max")
     group.add_argument("--head-rule", choices=("uneven", "divisible"), default="uneven",
                        help="allow degrees not dividing the head count (uneven-heads all-to-all) or not")
+    links = parser.add_argument_group("all-to-all links (override the calibration's; overridden figures are assumed)")
+    links.add_argument("--gpus-per-node", type=int, help="GPUs sharing NVLink; larger groups cross the network")
+    links.add_argument("--nvlink-GBps", type=float, help="GB/s leaving each GPU inside a node (every group size)")
+    links.add_argument("--network-GBps", type=float, help="GB/s leaving each GPU across nodes (its NIC)")
+    links.add_argument("--network-latency-us", type=float, help="latency of an all-to-all across nodes, us")
 
 
 def _resolve(args):
@@ -105,7 +117,23 @@ def _resolve(args):
 
         device_name = accelerator_name()
     cost = load_cost_model(sp.cost_model or "qwen2.5-vl-7b", calibration, device_name=device_name)
-    return sp, cost, PlannerOptions(head_rule=args.head_rule)
+    return sp, _with_links(cost, args), PlannerOptions(head_rule=args.head_rule)
+
+
+def _with_links(cost, args):
+    """`cost` with the --gpus-per-node / --nvlink-GBps / --network-* overrides applied to its step model."""
+    from flexrl_ds.planning.step_time import LinkOverrides
+
+    giga = lambda value: None if value is None else value * 1e9  # noqa: E731
+    overrides = LinkOverrides(args.gpus_per_node, giga(args.nvlink_GBps), giga(args.network_GBps),
+                              None if args.network_latency_us is None else args.network_latency_us * 1e-6)
+    if overrides == LinkOverrides():
+        return cost
+    if cost.step is None:
+        raise ValueError("--gpus-per-node / --nvlink-GBps / --network-*: need a calibration with step-time fits "
+                         "(--calibration FILE, or 'auto' with --device)")
+    calibration = dataclasses.replace(cost.calibration, step=overrides.apply(cost.step))
+    return dataclasses.replace(cost, calibration=calibration)
 
 
 def _make_workload(args) -> int:
@@ -169,6 +197,10 @@ def _simulate(args) -> int:
     from flexrl_ds.bench.simulator import format_table, plot_loads, simulate
 
     sp, cost, options = _resolve(args)
+    if (args.world_size is None) == (args.world_sizes is None):
+        raise ValueError("give one of --world-size or --world-sizes")
+    if args.world_sizes is not None:
+        return _project(args, sp, cost, options)
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     extra = _extra_p_maxes(args.extra_p_max, args.world_size, sp, cost)
@@ -183,6 +215,29 @@ def _simulate(args) -> int:
         print(format_table(sim))
         if args.plot:
             print(f"wrote {args.plot}")
+    return 0
+
+
+def _project(args, sp, cost, options) -> int:
+    from flexrl_ds.bench.simulator import format_projection, plot_projection, project
+
+    def extra(world_size, sp, cost):
+        if args.extra_p_max in ("auto", "none"):
+            return _extra_p_maxes(args.extra_p_max, world_size, sp, cost)
+        caps = [c for c in args.extra_p_max.split(",") if c.strip().isdigit() and int(c) <= world_size]
+        return _extra_p_maxes(",".join(caps), world_size, sp, cost) if caps else ()
+
+    progress = None if args.json else (lambda size: print(f"  {size} GPUs done", file=sys.stderr))
+    proj = project(args.mix, args.world_sizes, args.gbs, args.n_samples, args.seeds, cost, sp, options,
+                   not args.fixed_gbs, extra, progress)
+    if args.plot:
+        plot_projection(proj, args.plot)
+    if args.json:
+        print(json.dumps(proj.to_json(), indent=1))
+        return 0
+    print(format_projection(proj))
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -66,6 +66,10 @@ class PlanMetrics:
     """All-to-all seconds of the busiest rank not hidden by overlap (0 without a calibration)."""
     idle_s: float = 0.0
     """Mean seconds a rank waits for the busiest one (0 without a calibration)."""
+    mean_compute_s: float = 0.0
+    """Mean over ranks of linear + attention seconds (+ mean exposed all-to-all + idle = step time)."""
+    mean_exposed_all_to_all_s: float = 0.0
+    """Mean over ranks of all-to-all seconds not hidden by overlap."""
     rank_cost: list[float] = field(default_factory=list, repr=False)
     """Per-rank cost (for plots)."""
     rank_attention: list[float] = field(default_factory=list, repr=False)

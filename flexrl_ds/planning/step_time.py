@@ -22,7 +22,7 @@ attention + exposed all-to-all; the step's is the busiest rank's, and the others
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 import numpy as np
@@ -95,6 +95,61 @@ class StepTimeModel:
 
 
 @dataclass(frozen=True)
+class LinkOverrides:
+    """Replacement all-to-all figures for a projection to another machine (`flexrl simulate`);
+    None keeps the calibration's. Replaced figures count as assumed."""
+
+    gpus_per_node: int | None = None
+    """GPUs sharing NVLink; aligned groups larger than this span nodes."""
+    nvlink_bytes_per_s: float | None = None
+    """Bytes per second leaving each GPU inside a node, for every group size."""
+    network_bytes_per_s: float | None = None
+    """Bytes per second leaving each GPU across nodes (its NIC)."""
+    network_latency_s: float | None = None
+    """Seconds of a tiny all-to-all across nodes."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "nvlink_bytes_per_s", "network_bytes_per_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}: must be positive, got {value}")
+        if self.network_latency_s is not None and self.network_latency_s < 0:
+            raise ValueError(f"network_latency_s: must be >= 0, got {self.network_latency_s}")
+
+    def apply(self, model: StepTimeModel) -> StepTimeModel:
+        links = model.links
+        if self.nvlink_bytes_per_s is not None:
+            links = {d: Link(link.latency_s, self.nvlink_bytes_per_s, measured=False) for d, link in links.items()}
+        network = model.network
+        if self.network_bytes_per_s is not None or self.network_latency_s is not None:
+            base = network or Link(0.0, float("inf"), measured=False)
+            network = Link(base.latency_s if self.network_latency_s is None else self.network_latency_s,
+                           base.bytes_per_s if self.network_bytes_per_s is None else self.network_bytes_per_s,
+                           measured=False)
+        gpus = model.gpus_per_node if self.gpus_per_node is None else self.gpus_per_node
+        return replace(model, links=links, network=network, gpus_per_node=gpus)
+
+
+def describe_links(model: StepTimeModel, max_degree: int) -> list[str]:
+    """One line per group size 2..max_degree: the all-to-all figures used, measured or assumed."""
+    lines = []
+    degree = 2
+    while degree <= max_degree:
+        local = model.link(degree)
+        inside = f"NVLink {local.latency_s * 1e6:.0f} us + {local.bytes_per_s / 1e9:.0f} GB/s " \
+                 f"({'measured' if local.measured else 'assumed'})"
+        if degree > model.gpus_per_node and model.network is not None:
+            net = model.network
+            remote = (degree - model.gpus_per_node) / (degree - 1)
+            inside += (f"; spans {degree // model.gpus_per_node} nodes: {remote:.0%} of the bytes over the network "
+                       f"{net.latency_s * 1e6:.0f} us + {net.bytes_per_s / 1e9:.0f} GB/s per GPU "
+                       f"({'measured' if net.measured else 'assumed'})")
+        lines.append(f"d={degree}: {inside}")
+        degree *= 2
+    return lines
+
+
+@dataclass(frozen=True)
 class StepTime:
     """Modelled time of one step of a plan (seconds)."""
 
@@ -108,10 +163,16 @@ class StepTime:
     """Mean over ranks of the time spent waiting for the busiest rank."""
     rank_s: list[float] = field(default_factory=list, repr=False)
     """Per-rank time."""
+    mean_compute_s: float = 0.0
+    """Mean over ranks of linear + attention: with `mean_exposed_all_to_all_s` and `idle_s` it
+    sums to `step_s` (where a rank's step goes, on average)."""
+    mean_exposed_all_to_all_s: float = 0.0
+    """Mean over ranks of the all-to-all not hidden under attention."""
 
     def summary(self) -> dict[str, float]:
         return {"step_time_s": self.step_s, "compute_s": self.compute_s,
-                "exposed_all_to_all_s": self.exposed_all_to_all_s, "idle_s": self.idle_s}
+                "exposed_all_to_all_s": self.exposed_all_to_all_s, "idle_s": self.idle_s,
+                "mean_compute_s": self.mean_compute_s, "mean_exposed_all_to_all_s": self.mean_exposed_all_to_all_s}
 
 
 def plan_step_time(plan, tokens_by_id: Mapping[str, int], model: StepTimeModel, num_heads: int,
@@ -170,7 +231,8 @@ def _entries_step_time(packs, ranks: np.ndarray, entry: np.ndarray, world_size: 
     total = compute + exposed
     busiest = int(np.argmax(total))
     return StepTime(float(total[busiest]), float(compute[busiest]), float(exposed[busiest]),
-                    float((total[busiest] - total).mean()), total.tolist())
+                    float((total[busiest] - total).mean()), total.tolist(), float(compute.mean()),
+                    float(exposed.mean()))
 
 
 def sequence_terms(tokens: np.ndarray, model: StepTimeModel) -> tuple[np.ndarray, np.ndarray]:
