@@ -9,7 +9,9 @@ never pixels: the rollout hosts and the policy ranks pull their own from the pre
 2. rollout: n samples per prompt, each seeded by (seed, step, slot, k) (trainer/samples.py);
 3. reward: the configured reward over the responses' text and their records (rl/reward_fn.py); a
    reward function that raises scores the affected samples 0, and the run reports them;
-4. plan: FlexUlysses over prompt + response lengths (planning/planner.py), with `flexrl.sp`;
+4. plan: FlexUlysses over prompt + response lengths (planning/planner.py), with `flexrl.sp`; with
+   several SP domains (`flexrl.sp.domain_size` < policy ranks) each pass's samples are split over
+   the domains (trainer/samples.split_domains) and every domain gets a plan of its own share;
 5. inference: reference and old-policy log-probs, no grad, on the planned layout;
 6. advantages (rl/advantages.py) and the update: `mini_batches_per_step` optimizer steps, each
    mini-batch planned on its own, loss normalised by the mini-batch's response tokens;
@@ -38,7 +40,8 @@ from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PassJob
 from flexrl_ds.trainer.rollout_host import PromptJob
-from flexrl_ds.trainer.samples import StepSamples, encode_prompts, parse_sample_name, sample_seed, split_mini_batches
+from flexrl_ds.trainer.samples import (StepSamples, encode_prompts, parse_sample_name, sample_seed, split_domains,
+                                       split_mini_batches)
 
 
 @dataclass
@@ -140,29 +143,38 @@ class GRPOTrainer:
                 "zero_variance_groups": float((grouped.amax(1) == grouped.amin(1)).double().mean())}
 
     def _plan(self, samples: StepSamples, names: list[str]):
+        """One `PlanResult` per SP domain (over its share of `names`), and every name's EncodedSample."""
         encoded = samples.encoded(names)
-        sequences = tuple(sample.sequence_spec(name) for name, sample in encoded.items())
-        return plan_step(Workload(sequences), self.o.num_ranks, self.o.cost, self.o.sp), encoded
+        domain_size = self.o.sp.domain_size or self.o.num_ranks
+        shares = split_domains(samples.prompts, names, self.o.num_ranks // domain_size,
+                               lambda n: self.o.cost.cost(encoded[n].length))
+        results = [plan_step(Workload(tuple(encoded[n].sequence_spec(n) for n in share)), domain_size,
+                             self.o.cost, self.o.sp) for share in shares]
+        return results, encoded
+
+    def _save_plans(self, results, step: int, suffix: str = "") -> None:
+        for domain, result in enumerate(results):
+            result.plan.save(self.paths.plan(step, suffix + (f"_d{domain}" if len(results) > 1 else "")))
 
     def _inference(self, step: int, samples: StepSamples) -> dict[str, Any]:
-        result, encoded = self._plan(samples, samples.names)
-        result.plan.save(self.paths.plan(step))
-        job = PassJob(step, result.plan.to_json(), encoded, samples.prompt_keys())
+        results, encoded = self._plan(samples, samples.names)
+        self._save_plans(results, step)
+        job = PassJob(step, [r.plan.to_json() for r in results], encoded, samples.prompt_keys())
         old = assemble(encoded, self.policy.run("logprobs", job))
         ref = {}
         if self.o.rl.init_kl_coef > 0:
             ref = assemble(encoded, self.policy.run("logprobs", dataclasses.replace(job, model="reference")))
         peak = max(self.policy.run("peak_memory_gb"))
-        return {"old": old, "ref": ref, "plan": result, "peak_memory_gb": peak}
+        return {"old": old, "ref": ref, "plans": results, "peak_memory_gb": peak}
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         batches = split_mini_batches(samples.prompts, samples.names, self.o.rl.mini_batches_per_step)
         per_batch = []
         for index, names in enumerate(batches):
-            result, encoded = self._plan(samples, names)
+            results, encoded = self._plan(samples, names)
             if len(batches) > 1:
-                result.plan.save(self.paths.plan(step, f"_mb{index}"))
-            job = PassJob(step, result.plan.to_json(), encoded, samples.prompt_keys(),
+                self._save_plans(results, step, f"_mb{index}")
+            job = PassJob(step, [r.plan.to_json() for r in results], encoded, samples.prompt_keys(),
                           old_logprobs={n: inference["old"][n] for n in names},
                           ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},
                           advantages={n: samples.advantages[n] for n in names})
@@ -192,11 +204,11 @@ class GRPOTrainer:
             "zero_variance_groups": reward_info["zero_variance_groups"],
             "num_reward_errors": reward_info["num_reward_errors"], "num_samples": len(names),
             "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
-            "attention_balance": float(inference["plan"].metrics.attention_balance),
+            "attention_balance": max(float(r.metrics.attention_balance) for r in inference["plans"]),
             "rollout_logprob_diff": _logprob_diff(samples, inference["old"]),
             "peak_memory_gb": {"inference": inference["peak_memory_gb"],
                                "update": max(b.get("peak_memory_gb", 0.0) for b in update)},
-            "degrees": {str(k): v for k, v in sorted(inference["plan"].metrics.degree_histogram.items())},
+            "degrees": _degrees(inference["plans"]),
         }
 
     def _save_rollouts(self, step: int, samples: StepSamples, texts: dict[str, str]) -> None:
@@ -219,6 +231,15 @@ class GRPOTrainer:
         self.policy.run("export_hf", str(self.paths.hf_export(step)))
         write_trainer_state(directory, step, step + 1, self.o.run_config)
         print(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}", flush=True)
+
+
+def _degrees(results) -> dict[str, int]:
+    """Sequences per degree over every SP domain's plan."""
+    total: dict[int, int] = {}
+    for result in results:
+        for degree, count in result.metrics.degree_histogram.items():
+            total[degree] = total.get(degree, 0) + count
+    return {str(k): v for k, v in sorted(total.items())}
 
 
 def _logprob_diff(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> float:

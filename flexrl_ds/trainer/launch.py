@@ -84,6 +84,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
 def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> PolicySetup:
     return PolicySetup(
         model_dir=model_dir, ds_config=run.deepspeed, p_max=run.flexrl.sp.p_max, overlap=run.flexrl.sp.overlap,
+        domain_size=run.flexrl.sp.domain_size,
         rl=run.flexrl.rl,
         pixels=pixels, dtype=model_dtype(run.deepspeed), timeout_s=run.flexrl.trainer.timeout_s,
         seed=run.flexrl.trainer.seed, rollout_backend=run.flexrl.rollout.backend if colocated else None,

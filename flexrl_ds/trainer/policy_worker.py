@@ -62,6 +62,8 @@ class PolicySetup:
     """The run's `PixelSource`."""
     dtype: str = "float32"
     """Model dtype (bfloat16 when the DeepSpeed config enables bf16)."""
+    domain_size: int | None = None
+    """Ranks of one SP domain (`flexrl.sp.domain_size`); None: all ranks form one domain."""
     overlap: bool = True
     """`flexrl.sp.overlap`: prefetch pack j+1's all-to-all during pack j's attention."""
     timeout_s: float = 900.0
@@ -80,10 +82,12 @@ class PassJob:
 
     step: int
     """Loader step (where the pixels live)."""
-    plan_json: dict
-    """The pass's plan (plan-schema.md)."""
+    plans_json: list[dict]
+    """The pass's plans (plan-schema.md), one per SP domain: domain d runs plans_json[d] over its
+    share of `samples` (the sequences of that plan)."""
     samples: dict[str, Any]
-    """EncodedSample per sample name; vision items hold placeholders."""
+    """EncodedSample per sample name, of EVERY domain (the loss denominators cover them all);
+    vision items hold placeholders."""
     prompt_keys: dict[str, PromptKey]
     """Sample name -> its prompt (pixel source)."""
     model: str = "policy"
@@ -119,7 +123,8 @@ class PolicyWorker:
                                     timeout=datetime.timedelta(seconds=setup.timeout_s))
         ensure_deepspeed_comm(info.backend)
         _seed_everything(setup.seed)
-        self.tree = GroupTree.create(SPTopology(place.world_size, place.world_size, setup.p_max), place.rank)
+        topology = SPTopology(place.world_size, setup.domain_size or place.world_size, setup.p_max)
+        self.tree = GroupTree.create(topology, place.rank)
         self.hf_config = None
         self.policy = self._engine(train=True)
         self.reference = self._engine(train=False) if setup.rl.init_kl_coef > 0 else None
@@ -140,13 +145,17 @@ class PolicyWorker:
     # ---- passes -------------------------------------------------------------------------------
     def _batch(self, job: PassJob):
         """This rank's StepBatch for the job, with its vision units' pixels pulled."""
-        plan = parse_plan(job.plan_json)
-        placement = place_rank(self.hf_config, plan, job.samples, self.tree.local_rank, self.tree)
+        if len(job.plans_json) != self.tree.topology.num_domains:
+            raise ValueError(f"pass of step {job.step}: {len(job.plans_json)} plans for "
+                             f"{self.tree.topology.num_domains} SP domains")
+        plan = parse_plan(job.plans_json[self.tree.domain])
+        samples = {s: job.samples[s] for pack in plan.packs for s in pack.sequences}
+        placement = place_rank(self.hf_config, plan, samples, self.tree.local_rank, self.tree)
         fetch = None
         if placement.units:
             requests = unit_requests(placement.units, job.prompt_keys)
             fetch = (self.setup.pixels.start(job.step, requests), requests)
-        batch = build_step_batch(self.policy.module.hf_model, plan, job.samples, self.tree.local_rank, self.tree,
+        batch = build_step_batch(self.policy.module.hf_model, plan, samples, self.tree.local_rank, self.tree,
                                  placement=placement)
         if fetch is not None:
             batch.items = self._fetched_items(job, *fetch)
@@ -183,8 +192,9 @@ class PolicyWorker:
         old = policy_update.local_response_values(batch, job.old_logprobs)
         ref = policy_update.local_response_values(batch, job.ref_logprobs) if job.ref_logprobs else None
         advantages = policy_update.local_response_values(batch, job.advantages)
+        everyone = {s: x.length - x.response_start for s, x in job.samples.items()}  # all domains' sequences
         result = policy_update.train_step(self.policy, batch, old, ref, advantages, self.setup.rl,
-                                          policy_update.denominators(batch.response_tokens))
+                                          policy_update.denominators(everyone))
         stats = policy_update.reduce_stats(result.stats, device=self.device)
         stats["grad_norm"] = result.grad_norm
         stats["update_s"] = time.perf_counter() - started

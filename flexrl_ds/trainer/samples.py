@@ -7,13 +7,15 @@
   index) only, so a resumed run, or another split over engines, draws the same responses.
 - `StepSamples`: the rollouts of a step: per sample its prompt, response ids, reward and advantage;
   `encoded()` gives the `EncodedSample`s (prompt + response) the planner and the ranks use.
+- `split_mini_batches` / `split_domains`: a step's samples over its optimizer steps, and a pass's
+  samples over the SP domains (data-parallel replicas; each domain gets its own plan).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -123,3 +125,28 @@ def split_mini_batches(prompts: Sequence[PromptInputs], names: Sequence[str], nu
         batches.append([name for group in groups[start:stop] for name in group])
         start = stop
     return batches
+
+
+def split_domains(prompts: Sequence[PromptInputs], names: Sequence[str], num_domains: int,
+                  weight: Callable[[str], float]) -> list[list[str]]:
+    """`names` over `num_domains` SP domains, each share planned on its own (data-parallel replicas).
+
+    Whole prompt groups (a prompt's media then stays in one domain and is encoded once) when there
+    are at least `num_domains` groups, else single samples; heaviest first onto the lightest domain
+    (ties: the lower domain), `weight(name)` being a sample's cost. Every domain gets at least one
+    sample; each share keeps the order of `names`.
+    """
+    present = set(names)
+    groups = [[n for n in prompt.sample_names if n in present] for prompt in prompts]
+    units = [group for group in groups if group]
+    if len(units) < num_domains:
+        units = [[name] for group in units for name in group]
+    if len(units) < num_domains:
+        raise ValueError(f"{len(units)} samples cannot fill {num_domains} SP domains (flexrl.sp.domain_size)")
+    loads, owner = [0.0] * num_domains, {}
+    costs = [sum(weight(n) for n in unit) for unit in units]
+    for index in sorted(range(len(units)), key=lambda i: (-costs[i], i)):
+        domain = min(range(num_domains), key=lambda d: (loads[d], d))
+        loads[domain] += costs[index]
+        owner.update((name, domain) for name in units[index])
+    return [[n for n in names if owner.get(n) == d] for d in range(num_domains)]

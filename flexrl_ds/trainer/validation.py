@@ -1,7 +1,8 @@
 """Checks a training run's inputs before any worker starts; each failure names its cause.
 
 `check_run(run, model_dir, num_ranks)` raises ValueError for: a missing model directory, an
-inconsistent config (batch not divisible over the ranks, p_max over the SP domain, mini-batches that
+inconsistent config (batch not divisible over the ranks, SP domains that do not divide the ranks,
+p_max over the SP domain, a mini-batch with fewer samples than domains, mini-batches that
 do not divide the prompts, a GRPO estimator that needs n >= 2 with n = 1, a DeepSpeed setting the
 trainer owns) and a vllm backend on a machine without GPUs. `launch.prepare` then loads the reward
 (an unknown name, a missing file or function fails there) and reads the dataset
@@ -34,18 +35,30 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
             f"flexrl.data.loader: global_batch {loader.global_batch} x num_samples_per_prompt "
             f"{loader.num_samples_per_prompt} = {samples} samples per step do not divide over "
             f"flexrl.trainer.num_policy_ranks = {num_ranks}")
-    if sp.p_max > num_ranks:
-        raise ValueError(f"flexrl.sp.p_max {sp.p_max} exceeds the SP domain: flexrl.trainer.num_policy_ranks = "
-                         f"{num_ranks} ranks")
-    if sp.domain_size is not None and sp.domain_size != num_ranks:
-        raise ValueError(f"flexrl.sp.domain_size {sp.domain_size}: flexrl train runs one SP domain of all "
-                         f"{num_ranks} policy ranks; leave it out (several domains are not supported yet)")
     if loader.global_batch % rl.mini_batches_per_step:
         raise ValueError(f"flexrl.rl.mini_batches_per_step {rl.mini_batches_per_step} does not divide "
                          f"flexrl.data.loader.global_batch {loader.global_batch} (mini-batches hold whole prompt groups)")
+    check_domains(flexrl, num_ranks)
     if rl.advantage_estimator in ("group_norm", "rloo") and loader.num_samples_per_prompt < 2:
         raise ValueError(f"flexrl.rl.advantage_estimator {rl.advantage_estimator!r} needs "
                          f"flexrl.data.loader.num_samples_per_prompt >= 2, got {loader.num_samples_per_prompt}")
+
+
+def check_domains(flexrl: Any, num_ranks: int) -> None:
+    """SP domains: `flexrl.sp.domain_size` (None: all ranks) divides the policy ranks, holds p_max,
+    and every mini-batch has a sample for each domain (each domain plans its own share)."""
+    loader, sp = flexrl.data.loader, flexrl.sp
+    domain = sp.domain_size or num_ranks
+    if num_ranks % domain:
+        raise ValueError(f"flexrl.sp.domain_size {domain} does not divide flexrl.trainer.num_policy_ranks = "
+                         f"{num_ranks}")
+    if sp.p_max > domain:
+        raise ValueError(f"flexrl.sp.p_max {sp.p_max} exceeds the SP domain of {domain} ranks "
+                         f"(flexrl.sp.domain_size, default flexrl.trainer.num_policy_ranks = {num_ranks})")
+    per_mini_batch = loader.global_batch // flexrl.rl.mini_batches_per_step * loader.num_samples_per_prompt
+    if per_mini_batch < num_ranks // domain:
+        raise ValueError(f"a mini-batch holds {per_mini_batch} samples, fewer than the {num_ranks // domain} SP "
+                         "domains (flexrl.sp.domain_size): raise global_batch or lower mini_batches_per_step")
 
 
 def check_run(run: Any, model_dir: str, num_ranks: int) -> None:

@@ -24,9 +24,10 @@ REQUIRED = ("step", "reward_mean", "reward_std", "loss", "pg_loss", "kl", "entro
 PHASES = ("data", "rollout", "reward", "inference", "update", "sync", "step")
 
 
-def tiny_config(path: Path, **trainer) -> Path:
+def tiny_config(path: Path, sp: dict | None = None, **trainer) -> Path:
     config = json.loads((ROOT / "ds_configs" / "grpo_tiny_cpu.json").read_text())
     config["flexrl"]["trainer"].update(trainer)
+    config["flexrl"]["sp"].update(sp or {})
     path.write_text(json.dumps(config))
     return path
 
@@ -42,10 +43,11 @@ def assets(tmp_path_factory):
     return root
 
 
-def run_train(assets: Path, out: Path, max_steps: int, resume: bool = False, **trainer) -> int:
+def run_train(assets: Path, out: Path, max_steps: int, resume: bool = False, sp: dict | None = None,
+              **trainer) -> int:
     from flexrl_ds.cli.main import main
 
-    config = tiny_config(out.parent / f"{out.name}.json", **trainer)
+    config = tiny_config(out.parent / f"{out.name}.json", sp, **trainer)
     argv = ["train", "--config", str(config), "--model", str(assets / "model"),
             "--data", str(assets / "data" / "train.jsonl"), "--out", str(out), "--max-steps", str(max_steps)]
     return main(argv + (["--resume"] if resume else []))
@@ -139,3 +141,21 @@ def test_resume_reproduces_the_next_step(run_a, assets):
     assert weights_a.keys() == weights_b.keys()
     for name in weights_a:
         torch.testing.assert_close(weights_b[name], weights_a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_two_sp_domains_give_the_first_step_of_one_domain(run_a, assets):
+    """flexrl.sp.domain_size 2 on 4 ranks: two data-parallel replicas, each with its own plan over
+    its share of the samples (ZeRO-3 over all 4 ranks). Step 0 samples the same responses as run A
+    (one domain of 4), so its loss and gradient norm must be A's."""
+    out = assets / "run_two_domains"
+    assert run_train(assets, out, 1, sp={"domain_size": 2, "p_max": 2}) == 0
+    plans = [json.loads((out / "plans" / f"step_0_d{d}.json").read_text()) for d in (0, 1)]
+    assert [p["world_size"] for p in plans] == [2, 2]
+    shares = [{s for pack in p["packs"] for s in pack["sequences"]} for p in plans]
+    names = [s["sample"] for s in rollouts(run_a, 0)]
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == set(names)
+    assert [s["response_ids"] for s in rollouts(out, 0)] == [s["response_ids"] for s in rollouts(run_a, 0)]
+    row, row_a = rows(out)[0], rows(run_a)[0]
+    for key in ("reward_mean", "loss", "pg_loss", "kl", "grad_norm", "response_length_mean", "num_samples"):
+        assert row[key] == pytest.approx(row_a[key], rel=1e-5, abs=1e-7), (key, row[key], row_a[key])
+    assert row["rollout_logprob_diff"] < 1e-4

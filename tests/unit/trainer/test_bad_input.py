@@ -70,6 +70,20 @@ def test_p_max_over_the_domain(raw_config, tmp_path, trainer_assets):
              "flexrl.sp.p_max", str(2 * ranks), "num_policy_ranks")
 
 
+def test_several_sp_domains_pass_and_bad_domain_sizes_are_refused(raw_config, tmp_path, trainer_assets):
+    ranks = raw_config["flexrl"]["trainer"]["num_policy_ranks"]
+    assert ranks % 2 == 0
+    sp = raw_config["flexrl"]["sp"]
+    sp["domain_size"], sp["p_max"] = ranks // 2, ranks // 2
+    _prepare(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"])  # two domains
+    sp["p_max"] = ranks
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             "flexrl.sp.p_max", str(ranks), f"SP domain of {ranks // 2} ranks", "flexrl.sp.domain_size")
+    sp["domain_size"], sp["p_max"] = 3, 1
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             "flexrl.sp.domain_size 3", str(ranks), "does not divide")
+
+
 def test_mini_batches_not_dividing_the_prompts(raw_config, tmp_path, trainer_assets):
     batch = raw_config["flexrl"]["data"]["loader"]["global_batch"]
     num = next(k for k in range(2, batch + 2) if batch % k)

@@ -10,7 +10,8 @@ import torch
 
 from flexrl_ds.loader.metastore import PromptKey, SampleId
 from flexrl_ds.runtime.data_controller import prompt_name, sample_name
-from flexrl_ds.trainer.samples import PromptInputs, StepSamples, parse_sample_name, sample_seed, split_mini_batches
+from flexrl_ds.trainer.samples import (PromptInputs, StepSamples, parse_sample_name, sample_seed, split_domains,
+                                      split_mini_batches)
 
 GRID = list(itertools.product((0, 7), (0, 1, 12), (0, 3, 10), (0, 1, 5)))  # (seed, step, slot, k)
 
@@ -103,3 +104,27 @@ def test_step_samples_encoded_is_prompt_then_response():
         assert sample.items is prompt.items
     subset = expected_names[::2]
     assert list(samples.encoded(subset)) == subset
+
+
+@pytest.mark.parametrize("num_prompts,n,num_domains", [(4, 4, 2), (3, 2, 2), (1, 4, 2), (2, 2, 4), (5, 1, 4)])
+def test_split_domains_covers_every_sample_once_and_fills_every_domain(num_prompts, n, num_domains):
+    prompts = _prompts(num_prompts, n)
+    names = [name for p in prompts for name in p.sample_names]
+    weight = {name: float(len(p.prompt_ids)) ** 2 for p in prompts for name in p.sample_names}
+    shares = split_domains(prompts, names, num_domains, weight.__getitem__)
+    assert len(shares) == num_domains and all(shares)
+    assert sorted(x for share in shares for x in share) == sorted(names)
+    for share in shares:  # the step's order inside each share
+        assert share == [x for x in names if x in set(share)]
+    if num_prompts >= num_domains:  # whole prompt groups: a prompt's media stays in one domain
+        for p in prompts:
+            assert sum(bool(set(p.sample_names) & set(share)) for share in shares) == 1
+    loads = [sum(weight[x] for x in share) for share in shares]
+    unit = max(weight.values()) * (n if num_prompts >= num_domains else 1)
+    assert max(loads) - min(loads) <= unit  # LPT: within one unit
+
+
+def test_split_domains_refuses_fewer_samples_than_domains():
+    prompts = _prompts(1, 2)
+    with pytest.raises(ValueError, match="2 samples cannot fill 4 SP domains"):
+        split_domains(prompts, prompts[0].sample_names, 4, lambda name: 1.0)
