@@ -21,7 +21,8 @@ COMMAND_MODULES = (
     "flexrl_ds.cli.models",  # make-tiny-model, logprobs
     "flexrl_ds.cli.data",  # make-dataset, inspect-data
     "flexrl_ds.cli.loader",  # bench loader
-    "flexrl_ds.cli.train",  # grpo
+    "flexrl_ds.cli.train",  # train
+    "flexrl_ds.cli.rollout",  # bench rollout
 )
 
 

@@ -95,6 +95,8 @@ class TinyModelConfig:
     """Vision tower width."""
     vision_depth: int = 2
     """Vision tower blocks (block 1 is full attention, block 0 windowed)."""
+    vision_num_heads: int = 2
+    """Vision attention heads (Qwen2.5-VL: 16, head_dim 80; vLLM's vision attention needs head_dim <= 256)."""
     min_pixels: int = 4 * 28 * 28
     """Image/video frame resize lower bound in pixels (Qwen2-VL smart_resize)."""
     max_pixels: int = 64 * 28 * 28
@@ -107,6 +109,8 @@ class TinyModelConfig:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        if self.vision_hidden_size % self.vision_num_heads:
+            raise ValueError("vision_hidden_size must be divisible by vision_num_heads")
         head_dim = self.hidden_size // self.num_attention_heads
         if head_dim % 4:
             raise ValueError(f"head_dim {head_dim} must be a multiple of 4 (mRoPE sections)")
@@ -181,19 +185,32 @@ def build_model(config: TinyModelConfig, tokenizer):
     import torch
     import transformers
 
-    vocab_size = (len(tokenizer) + 63) // 64 * 64
-    text = _text_kwargs(config, vocab_size, tokenizer)
+    model_config = build_model_config(config, tokenizer)
     torch.manual_seed(config.seed)
     if config.arch == "qwen2":
-        model_config = transformers.Qwen2Config(**text, rope_theta=10000.0)
         return transformers.Qwen2ForCausalLM(model_config)
+    return transformers.Qwen2_5_VLForConditionalGeneration(model_config)
+
+
+ARCH_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration"}
+"""The HF model class of each `--arch`."""
+
+
+def build_model_config(config: TinyModelConfig, tokenizer):
+    """The HF config of the model `build_model` makes (benchmarks build large shapes from it on a GPU)."""
+    import transformers
+
+    vocab_size = (len(tokenizer) + 63) // 64 * 64
+    text = _text_kwargs(config, vocab_size, tokenizer)
+    if config.arch == "qwen2":
+        return transformers.Qwen2Config(**text, rope_theta=10000.0)
     text_config = dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "mrope_section": config.mrope_section})
     vision_config = dict(
         depth=config.vision_depth,
         hidden_size=config.vision_hidden_size,
         intermediate_size=2 * config.vision_hidden_size,
-        num_heads=2,
+        num_heads=config.vision_num_heads,
         patch_size=14,
         temporal_patch_size=2,
         spatial_merge_size=2,
@@ -202,7 +219,7 @@ def build_model(config: TinyModelConfig, tokenizer):
         fullatt_block_indexes=[config.vision_depth - 1],
         tokens_per_second=2,
     )
-    model_config = transformers.Qwen2_5_VLConfig(
+    return transformers.Qwen2_5_VLConfig(
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=_token_id(tokenizer, "<|image_pad|>"),
@@ -211,7 +228,6 @@ def build_model(config: TinyModelConfig, tokenizer):
         vision_end_token_id=_token_id(tokenizer, "<|vision_end|>"),
         tie_word_embeddings=False,
     )
-    return transformers.Qwen2_5_VLForConditionalGeneration(model_config)
 
 
 def processor_configs(config: TinyModelConfig) -> dict[str, dict]:
@@ -233,13 +249,20 @@ def processor_configs(config: TinyModelConfig) -> dict[str, dict]:
     return {"preprocessor_config.json": image, "video_preprocessor_config.json": video}
 
 
-def make_tiny_model(config: TinyModelConfig) -> Path:
-    """Build and save the tiny model, tokenizer and processor files; returns the directory."""
+def make_tiny_model(config: TinyModelConfig, weights: bool = True) -> Path:
+    """Build and save the tiny model, tokenizer and processor files; returns the directory.
+
+    weights=False writes the config without weights (a large shape whose random weights a benchmark
+    makes on the GPU, or vLLM's load_format="dummy")."""
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(config)
-    model = build_model(config, tokenizer)
-    model.save_pretrained(out)
+    if weights:
+        build_model(config, tokenizer).save_pretrained(out)
+    else:
+        model_config = build_model_config(config, tokenizer)
+        model_config.architectures = [ARCH_CLASSES[config.arch]]  # a saved model records it; loaders read it
+        model_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if config.arch == "qwen2.5-vl":
         for name, content in processor_configs(config).items():

@@ -49,28 +49,32 @@ def hf_module(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Successive buckets of (HF name, full CPU tensor), each about `bucket_bytes` (collective).
+def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int,
+                        device: torch.device | str | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Successive buckets of (HF name, full tensor), each about `bucket_bytes` (collective).
 
-    `module`: the HF model, or an engine / FlexUlyssesLM around it (names never carry their prefix)."""
+    `module`: the HF model, or an engine / FlexUlyssesLM around it (names never carry their prefix).
+    `device`: where the copies live; None: host memory (to send elsewhere). A colocated engine on the
+    policy's GPU takes them on that GPU (no round trip through the host)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
     module = hf_module(module)
+    target = torch.device("cpu") if device is None else torch.device(device)
     bucket: list[tuple[str, torch.nn.Parameter]] = []
     size = 0
     for name, param in module.named_parameters():
         bucket.append((name, param))
         size += _param_bytes(param)
         if size >= bucket_bytes:
-            yield _gather(bucket)
+            yield _gather(bucket, target)
             bucket, size = [], 0
     if bucket:
-        yield _gather(bucket)
+        yield _gather(bucket, target)
 
 
-def _gather(bucket: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
+def _gather(bucket: list[tuple[str, torch.nn.Parameter]], device: torch.device) -> list[tuple[str, torch.Tensor]]:
     with _gathered([param for _, param in bucket]):
-        return [(name, param.detach().to("cpu", copy=True)) for name, param in bucket]
+        return [(name, param.detach().to(device, copy=True)) for name, param in bucket]
 
 
 def save_hf_export(module: torch.nn.Module, out_dir: str | Path, model_dir: str | Path, rank: int | None = None,

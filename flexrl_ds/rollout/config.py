@@ -2,12 +2,53 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 BACKEND_NAMES = ("hf", "vllm")
 """hf: batched HF `generate` with a KV cache (CPU, tests, fallback); vllm: vLLM engines (GPU).
 The names of `rollout.base.ROLLOUT_BACKENDS` (kept here so the config needs no engine imports)."""
+
+
+@dataclass
+class VLLMOptions:
+    """Settings of the vllm backend's engines (section `flexrl.rollout.vllm`; rollout/vllm_engine.py)."""
+
+    gpu_memory_utilization: float = 0.35
+    """Fraction of the GPU's memory an engine may take for weights and KV cache while awake; colocated
+    with the policy it must fit next to the ZeRO-3 states present when the engine starts."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans (tensor parallel inside the engine)."""
+    enforce_eager: bool = False
+    """Skip CUDA graph capture (faster start, slower decoding)."""
+    load_format: str = "auto"
+    """How the engine first loads the model directory: "auto" (its safetensors) or "dummy" (random
+    weights; the first weight sync brings the policy's)."""
+    max_model_len: int | None = None
+    """Longest prompt + response an engine serves; None: the model config's."""
+    sleep_level: int = 1
+    """While the policy trains: 1 offloads the engine's weights to host memory, 2 drops them (every
+    sync then rewrites all of them). Both drop the KV cache."""
+    max_images_per_prompt: int = 4
+    """Images one prompt may carry (vLLM sizes its encoder budget by it)."""
+    max_videos_per_prompt: int = 1
+    """Videos one prompt may carry."""
+    seeded: bool = True
+    """Seed every sample (its response then depends only on its seed, so a resumed run regenerates
+    it). vLLM 0.26 draws seeded samples one request at a time, which costs throughput; False samples
+    the batch from one stream (faster, not reproducible)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"flexrl.rollout.vllm.gpu_memory_utilization: must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"flexrl.rollout.vllm.sleep_level: 1 or 2, got {self.sleep_level}")
+        if self.load_format not in ("auto", "dummy", "safetensors"):
+            raise ValueError(f"flexrl.rollout.vllm.load_format: auto | dummy | safetensors, got {self.load_format!r}")
+        for name in ("tensor_parallel_size", "max_images_per_prompt", "max_videos_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"flexrl.rollout.vllm.{name}: must be at least 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -32,6 +73,8 @@ class RolloutConfig:
     """Ray CPUs reserved per engine (fractions allowed)."""
     num_gpus_per_engine: float = 0.0
     """Ray GPUs reserved per engine (0 on CPU machines; fractions allowed when colocated)."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """Engine settings of the vllm backend (ignored by hf)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
@@ -47,3 +90,7 @@ class RolloutConfig:
             raise ValueError(f"flexrl.rollout.top_k: must be >= 0 (0: off), got {self.top_k}")
         if self.num_cpus_per_engine <= 0 or self.num_gpus_per_engine < 0:
             raise ValueError("flexrl.rollout.num_cpus_per_engine must be > 0 and num_gpus_per_engine >= 0")
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword arguments the chosen backend's engine takes beyond the common ones."""
+        return asdict(self.vllm) if self.backend == "vllm" else {}

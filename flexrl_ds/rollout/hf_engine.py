@@ -34,8 +34,10 @@ class HFRolloutEngine:
     """A full copy of the policy as an HF model, sampling with `generate` (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
-                 max_batch_sequences: int = 64, pad_prompts: bool = True):
-        """pad_prompts: batch different prompts together, left-padded (else one call per prompt)."""
+                 max_batch_sequences: int = 64, pad_prompts: bool = True, model: torch.nn.Module | None = None):
+        """pad_prompts: batch different prompts together, left-padded (else one call per prompt);
+        model: an HF model already built from `model_dir`'s config (e.g. random weights made on the GPU
+        by a benchmark) instead of loading the directory's weights."""
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences: must be at least 1, got {max_batch_sequences}")
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -47,7 +49,7 @@ class HFRolloutEngine:
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
         self.pad_prompts = pad_prompts
-        self.model = load_model(str(model_dir), dtype).to(self.device)
+        self.model = (load_model(str(model_dir), dtype) if model is None else model).to(self.device)
         # A clean generation config: no sampling defaults or penalties carried over from the checkpoint.
         self.model.generation_config = transformers.GenerationConfig()
         text_config = self.model.config.get_text_config()

@@ -88,7 +88,8 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
         rl=run.flexrl.rl,
         pixels=pixels, dtype=model_dtype(run.deepspeed), timeout_s=run.flexrl.trainer.timeout_s,
         seed=run.flexrl.trainer.seed, rollout_backend=run.flexrl.rollout.backend if colocated else None,
-        max_batch_sequences=run.flexrl.rollout.max_batch_sequences)
+        max_batch_sequences=run.flexrl.rollout.max_batch_sequences,
+        rollout_options=run.flexrl.rollout.engine_options() if colocated else {})
 
 
 def train_options(prepared: Prepared, start_step: int, raw_config: dict) -> TrainOptions:
@@ -175,7 +176,7 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
             rollout = SeparateRollout(rollout_config.num_engines, rollout_config.backend, args.model_dir,
                                       controller.pixels, setup.dtype, rollout_config.num_cpus_per_engine,
                                       rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
-                                      trainer.timeout_s)
+                                      trainer.timeout_s, rollout_config.engine_options())
         return drive(prepared, controller, policy, rollout, raw_config)
     finally:
         for part in (rollout, policy, controller):

@@ -74,6 +74,8 @@ class PolicySetup:
     """Backend of a colocated rollout engine in this rank (None: the engines live elsewhere)."""
     max_batch_sequences: int = 64
     """Sequences per generate call of the colocated engine."""
+    rollout_options: dict = field(default_factory=dict)
+    """Backend-specific engine settings (`RolloutConfig.engine_options()`)."""
 
 
 @dataclass
@@ -131,7 +133,7 @@ class PolicyWorker:
         self.rollout = None
         if setup.rollout_backend is not None:
             self.rollout = RolloutHost(setup.rollout_backend, setup.model_dir, setup.pixels, setup.dtype,
-                                       self.device, setup.max_batch_sequences)
+                                       self.device, setup.max_batch_sequences, setup.rollout_options)
             self.rollout.sleep()  # asleep while the policy trains (frees an accelerator; no-op on CPU)
 
     def _engine(self, train: bool):
@@ -209,7 +211,7 @@ class PolicyWorker:
     def sync_rollout(self, bucket_bytes: int) -> dict[str, float]:
         """Colocated: every rank gathers the policy's weights in buckets into its own engine."""
         started, count = time.perf_counter(), 0
-        for bucket in model_weights.iter_weight_buckets(self.policy.module.hf_model, bucket_bytes):
+        for bucket in model_weights.iter_weight_buckets(self.policy.module.hf_model, bucket_bytes, self.device):
             if self.rollout is not None:
                 self.rollout.engine.load_weights(bucket)
             count += len(bucket)

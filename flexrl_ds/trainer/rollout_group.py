@@ -50,11 +50,12 @@ class SeparateRollout:
     """`num_engines` Ray actors hosting one engine each."""
 
     def __init__(self, num_engines: int, backend: str, model_dir: str, pixels: Any, dtype: str,
-                 num_cpus: float, num_gpus: float, max_batch_sequences: int, timeout_s: float):
+                 num_cpus: float, num_gpus: float, max_batch_sequences: int, timeout_s: float,
+                 engine_options: dict[str, Any] | None = None):
         actor = ray.remote(RolloutHost)
         self.timeout_s = timeout_s
         self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
-            backend, model_dir, pixels, dtype, None, max_batch_sequences) for _ in range(num_engines)]
+            backend, model_dir, pixels, dtype, None, max_batch_sequences, engine_options) for _ in range(num_engines)]
 
     def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> tuple[list, dict[str, str]]:
         shares = spread_jobs(jobs, len(self.hosts))

@@ -51,10 +51,10 @@ class RolloutHost:
     """One rollout engine and its pixel pulls."""
 
     def __init__(self, backend: str, model_dir: str, pixels: Any, dtype: str = "float32", device: Any = None,
-                 max_batch_sequences: int = 64):
-        """pixels: the run's `PixelSource` (data_controller.py)."""
+                 max_batch_sequences: int = 64, engine_options: dict[str, Any] | None = None):
+        """pixels: the run's `PixelSource` (data_controller.py); engine_options: `RolloutConfig.engine_options()`."""
         self.engine = engine_class(backend)(model_dir, dtype=dtype, device=device,
-                                            max_batch_sequences=max_batch_sequences)
+                                            max_batch_sequences=max_batch_sequences, **(engine_options or {}))
         self.pixels = pixels
 
     def generate(self, step: int, jobs: Sequence[PromptJob], params: SamplingParams) -> RolloutOutput:

@@ -1,0 +1,204 @@
+"""`flexrl bench rollout`: the trainer's rollout engines on the same prompts, and a colocated weight sync.
+
+One process, one GPU: a model of a named shape (Qwen2.5-VL-7B/3B layers with the tiny tokenizer's
+vocabulary) is built with random bf16 weights on the GPU; the `hf` engine samples from that model
+and the `vllm` engine from its own copy (`load_format="dummy"`), both through the trainer's
+`RolloutEngine` interface on identical text prompts (random token ids) with EOS off, so every
+response is exactly `new_tokens` long. Then the HF model's weights are synced into the vLLM engine
+in buckets as a colocated policy rank does (`iter_weight_buckets` on the GPU -> `load_weights`), timed,
+and the engine's log-probs of greedy samples are compared with the HF model's on the same tokens:
+after the sync both hold the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flexrl_ds.parallel import device as device_mod
+
+SHAPES = {
+    "7b": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28,
+               intermediate_size=18944, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16),
+    "3b": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, num_hidden_layers=36,
+               intermediate_size=11008, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16),
+    "tiny": dict(),
+}
+"""Model shapes (TinyModelConfig fields): Qwen2.5-VL-7B and -3B decoder and vision tower."""
+
+
+@dataclass
+class RolloutBenchConfig:
+    shape: str = "7b"
+    prompts: int = 64
+    prompt_len: int = 512
+    new_tokens: int = 256
+    backends: tuple[str, ...] = ("hf", "vllm")
+    bucket_mb: int = 512
+    gpu_memory_utilization: float = 0.4
+    work_dir: str = "/tmp/flexrl-rollout-bench"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.shape not in SHAPES:
+            raise ValueError(f"--shape: one of {', '.join(SHAPES)}, got {self.shape!r}")
+        for name in ("prompts", "prompt_len", "new_tokens", "bucket_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
+        unknown = set(self.backends) - {"hf", "vllm"}
+        if unknown or not self.backends:
+            raise ValueError(f"--backends: hf and/or vllm, got {','.join(self.backends)}")
+
+
+@dataclass
+class RolloutBenchResult:
+    config: dict
+    device: str
+    tokens_per_s: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    sync_s: list[float] = field(default_factory=list)
+    sync_tensors: int = 0
+    sync_gib: float = 0.0
+    logprob_diff_before_sync: float | None = None
+    logprob_diff_after_sync: float | None = None
+    engine_start_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _model_dir(config: RolloutBenchConfig) -> Path:
+    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+
+    out = Path(config.work_dir) / f"model-{config.shape}"
+    if not (out / "config.json").is_file():
+        make_tiny_model(TinyModelConfig(out_dir=str(out), **SHAPES[config.shape]), weights=False)
+    return out
+
+
+def _hf_model(model_dir: Path, device: Any):
+    import torch
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(hf_config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def _requests(config: RolloutBenchConfig, hf_config: Any):
+    """Random text prompts over the ordinary tokens (below the first special token: no vision pads)."""
+    import torch
+
+    from flexrl_ds.rollout.base import RolloutRequest
+
+    special = [getattr(hf_config, name, None) for name in ("image_token_id", "video_token_id", "vision_start_token_id")]
+    upper = min([token for token in special if token is not None] or [hf_config.get_text_config().vocab_size])
+    generator = torch.Generator().manual_seed(config.seed)
+    ids = torch.randint(0, upper, (config.prompts, config.prompt_len), generator=generator)
+    return [RolloutRequest(f"p{index}", ids[index].tolist(), [], seed=index) for index in range(config.prompts)]
+
+
+def _timed_generate(engine, requests, params) -> tuple[float, int]:
+    info = device_mod.detect()
+    engine.generate(requests[:2], params)  # warm-up (kernels, allocator)
+    device_mod.synchronize(info)
+    started = time.perf_counter()
+    results = engine.generate(requests, params)
+    device_mod.synchronize(info)
+    return time.perf_counter() - started, sum(len(result.response_ids) for result in results)
+
+
+def run_rollout_bench(config: RolloutBenchConfig, progress=print) -> RolloutBenchResult:
+    from flexrl_ds.rollout.base import SamplingParams
+
+    info = device_mod.detect()
+    if not info.is_gpu:
+        raise ValueError("flexrl bench rollout: needs a GPU (vLLM and the timed engines run there)")
+    device = device_mod.set_local_device(info, 0)
+    result = RolloutBenchResult(asdict(config), device_mod.accelerator_name() or "?")
+    model_dir = _model_dir(config)
+    model = _hf_model(model_dir, device)
+    requests = _requests(config, model.config)
+    params = SamplingParams(temperature=1.0, max_new_tokens=config.new_tokens)
+    if "hf" in config.backends:
+        from flexrl_ds.rollout.hf_engine import HFRolloutEngine
+
+        engine = HFRolloutEngine(model_dir, dtype="bfloat16", device=device, max_batch_sequences=config.prompts,
+                                 model=model)
+        seconds, tokens = _timed_generate(engine, requests, params)
+        result.seconds["hf"], result.tokens_per_s["hf"] = seconds, tokens / seconds
+        progress(f"[bench rollout] hf generate: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tokens/s")
+        del engine
+    if "vllm" in config.backends:
+        _bench_vllm(config, model_dir, model, requests, params, result, progress)
+    return result
+
+
+def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBenchResult, progress) -> None:
+    from flexrl_ds.rollout.vllm_engine import VLLMEngine
+
+    started = time.perf_counter()
+    engine = VLLMEngine(model_dir, dtype="bfloat16", device=next(model.parameters()).device,
+                        max_batch_sequences=config.prompts, load_format="dummy",
+                        gpu_memory_utilization=config.gpu_memory_utilization)
+    result.engine_start_s = time.perf_counter() - started
+    seconds, tokens = _timed_generate(engine, requests, params)
+    result.seconds["vllm"], result.tokens_per_s["vllm"] = seconds, tokens / seconds
+    result.logprob_diff_before_sync = _logprob_diff(engine, model, requests[:4])
+    progress(f"[bench rollout] vllm (started in {result.engine_start_s:.0f} s): {tokens} tokens in {seconds:.2f} s "
+             f"= {tokens / seconds:,.0f} tokens/s")
+    for _ in range(3):
+        _timed_sync(engine, model, config.bucket_mb << 20, result)
+    progress(f"[bench rollout] colocated sync of {result.sync_tensors} tensors ({result.sync_gib:.1f} GiB): "
+             + ", ".join(f"{s:.2f} s" for s in result.sync_s))
+    result.logprob_diff_after_sync = _logprob_diff(engine, model, requests[:4])
+    progress(f"[bench rollout] mean |vLLM - HF| log-prob of vLLM's greedy tokens: "
+             f"{result.logprob_diff_before_sync:.4f} before the first sync (vLLM's own random weights), "
+             f"{result.logprob_diff_after_sync:.4f} after")
+
+
+def _timed_sync(engine, model, bucket_bytes: int, result: RolloutBenchResult) -> None:
+    from flexrl_ds.models.weights import iter_weight_buckets
+
+    info = device_mod.detect()
+    device = next(model.parameters()).device
+    engine.sleep()  # as between steps: the policy trained while the engine slept
+    device_mod.synchronize(info)
+    started = time.perf_counter()
+    count = size = 0
+    for bucket in iter_weight_buckets(model, bucket_bytes, device):
+        engine.load_weights(bucket)
+        count += len(bucket)
+        size += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+    engine.wake()
+    device_mod.synchronize(info)
+    result.sync_s.append(time.perf_counter() - started)
+    result.sync_tensors, result.sync_gib = count, size / 2**30
+
+
+def _logprob_diff(engine, model, requests) -> float:
+    """Mean |vLLM - HF| log-prob over vLLM's greedy responses (bf16 both: ~1e-2 is agreement, a
+    stale or missing weight gives O(1))."""
+    import torch
+
+    from flexrl_ds.rollout.base import SamplingParams
+
+    results = engine.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=16))
+    diffs = []
+    with torch.no_grad():
+        for request, sampled in zip(requests, results):
+            ids = torch.tensor([request.prompt_ids + sampled.response_ids], device=next(model.parameters()).device)
+            logits = model(input_ids=ids).logits[0, len(request.prompt_ids) - 1:-1].float()
+            ours = torch.log_softmax(logits, -1).gather(-1, ids[0, len(request.prompt_ids):, None])[:, 0]
+            diffs.append((ours.cpu() - torch.tensor(sampled.logprobs)).abs())
+    return float(torch.cat(diffs).mean())
+
+
+def write_result(result: RolloutBenchResult, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(result.to_json(), indent=1) + "\n")

@@ -1,0 +1,33 @@
+"""Rollout commands: `flexrl bench rollout` (flexrl_ds/bench/rollout_bench.py)."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(commands, bench) -> None:
+    rollout = bench.add_parser("rollout", help="rollout engines (hf vs vllm) on one GPU, and a colocated weight sync")
+    rollout.add_argument("--shape", default="7b", help="model shape: 7b | 3b | tiny (Qwen2.5-VL, random bf16 weights)")
+    rollout.add_argument("--prompts", type=int, default=64, help="prompts in the batch")
+    rollout.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt")
+    rollout.add_argument("--new-tokens", type=int, default=256, help="tokens generated per prompt (EOS off)")
+    rollout.add_argument("--backends", default="hf,vllm", help="comma list of engines to time")
+    rollout.add_argument("--bucket-mb", type=int, default=512, help="weight-sync bucket size (MiB)")
+    rollout.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's share of the GPU")
+    rollout.add_argument("--work-dir", default="/tmp/flexrl-rollout-bench", help="where the model config is written")
+    rollout.add_argument("--json", help="write the result JSON here")
+    rollout.set_defaults(func=_bench_rollout)
+
+
+def _bench_rollout(args) -> int:
+    from flexrl_ds.bench.rollout_bench import RolloutBenchConfig, run_rollout_bench, write_result
+
+    config = RolloutBenchConfig(args.shape, args.prompts, args.prompt_len, args.new_tokens,
+                                tuple(b for b in args.backends.split(",") if b), args.bucket_mb,
+                                args.gpu_memory_utilization, args.work_dir)
+    result = run_rollout_bench(config)
+    write_result(result, args.json)
+    if "hf" in result.tokens_per_s and "vllm" in result.tokens_per_s:
+        print(f"[bench rollout] vllm / hf = {result.tokens_per_s['vllm'] / result.tokens_per_s['hf']:.1f}x")
+    print(json.dumps(result.to_json()))
+    return 0

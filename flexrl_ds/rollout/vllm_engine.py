@@ -1,0 +1,131 @@
+"""The `vllm` rollout backend: a vLLM engine in the calling process (GPU only; `pip install .[gpu]`).
+
+The engine lives where `RolloutHost` puts it: inside a policy rank (`flexrl.trainer.colocate`) or in
+a Ray actor of its own. It runs in process (vLLM's V1 multiprocessing off), so `load_weights` hands
+the gathered ZeRO-3 buckets straight to the model's `load_weights` on the same GPU (no copy between
+processes), and `sleep` / `wake` use vLLM's sleep mode. Inside a process that already belongs to a
+torch.distributed world (a policy rank) vLLM joins that world (`external_launcher`) instead of
+starting its own.
+
+Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.py`); every result
+is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. the
+same vision grids. Each sample is seeded (vLLM's per-request generator), so its response depends
+on its seed, not on the batch (`seeded=False` trades that for throughput). Log-probs are vLLM's raw
+ones (before temperature and filtering); the trainer's `rollout_logprob_diff` compares them with its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+import vllm
+
+from flexrl_ds.media.config import MediaConfig
+from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
+from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt, check_expanded_prompt,
+                                           sampling_kwargs, to_result)
+
+
+class VLLMEngine:
+    """One vLLM engine holding a full copy of the policy (see the module docstring)."""
+
+    def __init__(self, model_dir: str | Path, dtype: str = "bfloat16", device: Any = None,
+                 max_batch_sequences: int = 64, gpu_memory_utilization: float = 0.35,
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False, load_format: str = "auto",
+                 max_model_len: int | None = None, sleep_level: int = 1, max_images_per_prompt: int = 4,
+                 max_videos_per_prompt: int = 1, seeded: bool = True):
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(f"model_dir: {model_dir} is not a model directory (no config.json)")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"flexrl.rollout.vllm.sleep_level: 1 or 2, got {sleep_level}")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in process: load_weights reaches the model
+        self.sleep_level, self.seeded = sleep_level, seeded
+        in_world = torch.distributed.is_available() and torch.distributed.is_initialized()
+        with _local_rank_of(device):
+            self.llm = vllm.LLM(
+                model=str(model_dir), dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                load_format=load_format, max_model_len=max_model_len, max_num_seqs=max_batch_sequences,
+                enable_sleep_mode=True, enable_prefix_caching=True, seed=0,
+                limit_mm_per_prompt={"image": max_images_per_prompt, "video": max_videos_per_prompt},
+                distributed_executor_backend="external_launcher" if in_world else None)
+        config = self.llm.llm_engine.model_config.hf_config
+        self.is_vision_language = getattr(config, "vision_config", None) is not None
+        self.tokens = VisionTokens(int(getattr(config, "image_token_id", -1)), int(getattr(config, "video_token_id", -1)))
+        self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)))
+        self._asleep: set[str] = set()
+
+    def generate(self, requests: Sequence[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
+        """One result per request, in request order (see the module docstring)."""
+        if self._asleep:
+            raise RuntimeError("vLLM engine: generate while asleep (call wake first)")
+        prompts = self._prompts(requests)
+        sampling = [vllm.SamplingParams(**sampling_kwargs(params, request.seed if self.seeded else None))
+                    for request in requests]
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        results = []
+        for request, output in zip(requests, outputs):
+            check_expanded_prompt(request, output.prompt_token_ids)
+            completion = output.outputs[0]
+            results.append(to_result(request.sample_key, completion.token_ids, completion.logprobs, params))
+        return results
+
+    def _prompts(self, requests: Sequence[RolloutRequest]) -> list[dict[str, Any]]:
+        """vLLM prompts; the n samples of a prompt share one (their items are the same objects)."""
+        built: dict[tuple, dict[str, Any]] = {}
+        prompts = []
+        for request in requests:
+            if request.items and not self.is_vision_language:
+                raise ValueError(f"rollout request {request.sample_key!r}: has media but the model has no vision tower")
+            key = (tuple(request.prompt_ids), tuple(id(item.pixel_values) for item in request.items))
+            if key not in built:
+                built[key] = build_prompt(request, self.tokens, self.geometry)
+            prompts.append(built[key])
+        return prompts
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy one bucket into the engine's model (HF names; vLLM maps them to its fused modules)."""
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        bucket = list(named_tensors)
+        self.llm.apply_model(lambda model: model.load_weights(iter(bucket)))
+
+    def sleep(self) -> None:
+        """Free the GPU for training: the multimodal and prefix caches are cleared (the encoder cache
+        otherwise grows over steps), the KV cache is dropped and the weights offloaded (level 1) or
+        dropped (level 2: the next sync must bring every weight)."""
+        if self._asleep:
+            return
+        self.llm.reset_mm_cache()
+        self.llm.reset_prefix_cache()
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake(self) -> None:
+        """Undo sleep (what a weight sync has already woken stays as it is)."""
+        if self._asleep:
+            self.llm.wake_up(tags=sorted(self._asleep))
+            self._asleep.clear()
+
+
+@contextlib.contextmanager
+def _local_rank_of(device: Any) -> Iterator[None]:
+    """vLLM places itself on cuda:LOCAL_RANK: point it at this engine's device while it starts."""
+    index = torch.device(device).index if device is not None else None
+    if index is None:
+        yield
+        return
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(index)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = saved

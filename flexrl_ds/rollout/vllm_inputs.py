@@ -1,0 +1,221 @@
+"""The vLLM backend's pure parts: rollout requests as vLLM prompts, vLLM outputs as rollout results.
+
+Nothing here imports vLLM, so the CPU tests cover it. `vllm_engine.py` feeds these dicts to
+`vllm.LLM.generate` (a `TokensPrompt` is a plain dict) and `vllm.SamplingParams(**kwargs)`.
+
+How a request becomes a vLLM prompt, so that vLLM makes exactly the ShadowLoader's vision grids:
+- vLLM expands each vision pad of a token prompt itself (one `<|image_pad|>` per image becomes its
+  merged tokens), so every run of pads in the trainer's expanded `prompt_ids` is collapsed to one pad.
+  The engine afterwards checks that vLLM's expanded prompt equals the trainer's token for token: the
+  same `image_grid_thw` / `video_grid_thw`, hence the same vision tokens, or a ValueError naming the
+  sample (`check_expanded_prompt`).
+- The pixels are the ShadowLoader's own: each item's patch rows are un-patchified and un-normalised
+  back to the resized frames (uint8, rounded), so vLLM's HF processor resizes nothing. Its size
+  bounds are set per prompt to contain every item's pixel count (smart_resize is then the identity),
+  and each video's metadata (fps = temporal_patch_size / second_per_grid_t) gives vLLM the
+  ShadowLoader's video timing (the mRoPE temporal positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from flexrl_ds.models.processing import VisionItem
+from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
+
+LOGIT_BIAS_FLOOR = -100.0
+"""vLLM clamps logit biases to [-100, 100]: a suppressed token's logit drops by 100 (never sampled)."""
+
+
+@dataclass(frozen=True)
+class PixelGeometry:
+    """How the ShadowLoader turned frames into patch rows (media.config.MediaConfig's pixel part)."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+
+    @classmethod
+    def from_media_config(cls, config: Any) -> "PixelGeometry":
+        return cls(config.patch_size, config.merge_size, config.temporal_patch_size, tuple(config.image_mean),
+                   tuple(config.image_std), config.rescale_factor, config.do_normalize)
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    """The model's vision placeholder token ids (HF config image_token_id / video_token_id)."""
+
+    image: int
+    video: int
+
+
+def unpatchify(pixel_values: torch.Tensor, grid_thw: Sequence[int], geometry: PixelGeometry) -> torch.Tensor:
+    """Patch rows (t*h*w, 3*T*p*p) -> normalised frames (t*T, 3, h*p, w*p): `image_io.patchify` undone."""
+    t, h, w = (int(v) for v in grid_thw)
+    p, m, T = geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size
+    if pixel_values.shape != (t * h * w, 3 * T * p * p):
+        raise ValueError(f"pixel rows {tuple(pixel_values.shape)} do not match grid {tuple(grid_thw)} "
+                         f"(expected {(t * h * w, 3 * T * p * p)})")
+    blocks = pixel_values.reshape(t, h // m, w // m, m, m, 3, T, p, p)
+    # groups, merge rows, merge cols, row in window, col in window, channel, frame, py, px ->
+    # groups, frame, channel, merge rows, row in window, py, merge cols, col in window, px
+    frames = blocks.permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
+    return frames.reshape(t * T, 3, h * p, w * p)
+
+
+def denormalize(frames: torch.Tensor, geometry: PixelGeometry) -> torch.Tensor:
+    """Normalised frames -> uint8 pixel values (rounded): `image_io.normalize` undone."""
+    values = frames.to(torch.float64)
+    if geometry.do_normalize:
+        mean = torch.tensor(geometry.image_mean, dtype=torch.float64).view(1, 3, 1, 1)
+        std = torch.tensor(geometry.image_std, dtype=torch.float64).view(1, 3, 1, 1)
+        values = values * std + mean
+    return (values / geometry.rescale_factor).round().clamp(0, 255).to(torch.uint8)
+
+
+def item_media(item: VisionItem, geometry: PixelGeometry) -> np.ndarray:
+    """An item's pixels as vLLM takes them: an image (H, W, 3) or a video's frames (N, H, W, 3), uint8.
+
+    An image was repeated over the temporal patch, so its first frame is the image; a video's last
+    group may repeat its final frame (padding), which is kept: the processor pads the same way."""
+    frames = denormalize(unpatchify(item.pixel_values, item.grid_thw, geometry), geometry)
+    hwc = frames.permute(0, 2, 3, 1).contiguous().numpy()
+    return hwc[0] if item.kind == "image" else hwc
+
+
+def collapse_vision_pads(request: RolloutRequest, tokens: VisionTokens, merge_size: int) -> list[int]:
+    """The prompt with each item's run of pad tokens collapsed to one pad (vLLM expands it again).
+
+    Every run must be one item's merged tokens, in prompt order: else a ValueError names the sample."""
+    kinds = {tokens.image: "image", tokens.video: "video"}
+    collapsed: list[int] = []
+    runs: list[tuple[str, int]] = []
+    for token in request.prompt_ids:
+        kind = kinds.get(token)
+        if kind is not None and collapsed and collapsed[-1] == token:
+            runs[-1] = (kind, runs[-1][1] + 1)
+            continue
+        if kind is not None:
+            runs.append((kind, 1))
+        collapsed.append(token)
+    expected = [(item.kind, item.num_tokens(merge_size)) for item in request.items]
+    if runs != expected:
+        raise ValueError(f"rollout request {request.sample_key!r}: vision pad runs {runs} in prompt_ids do not "
+                         f"match its items {expected} (kind, merged tokens) in order")
+    return collapsed
+
+
+def processor_kwargs(items: Sequence[VisionItem], geometry: PixelGeometry) -> dict[str, Any]:
+    """HF processor settings for one prompt under which vLLM keeps every item's size and timing.
+
+    - `size`: bounds that contain every item's pixel count, so smart_resize keeps each size;
+    - `video_metadata`: each video's frames were sampled at fps = temporal_patch_size / second_per_grid_t
+      (without it transformers assumes 24 fps and the mRoPE temporal positions differ);
+    - `do_sample_frames` off: the frames given are the sampled ones."""
+    if not items:
+        return {}
+    pixels = [item.grid_thw[1] * item.grid_thw[2] * geometry.patch_size ** 2 for item in items]
+    kwargs: dict[str, Any] = {"size": {"shortest_edge": min(pixels), "longest_edge": max(pixels)}}
+    videos = [item for item in items if item.kind == "video"]
+    if videos:
+        kwargs["do_sample_frames"] = False
+        kwargs["video_metadata"] = [video_metadata(item, geometry) for item in videos]
+    return kwargs
+
+
+def video_metadata(item: VisionItem, geometry: PixelGeometry) -> dict[str, Any]:
+    """transformers' VideoMetadata fields of a video whose frames were all sampled at its fps."""
+    frames = item.grid_thw[0] * geometry.temporal_patch_size
+    fps = geometry.temporal_patch_size / item.second_per_grid_t
+    return {"total_num_frames": frames, "fps": fps, "duration": frames / fps, "frames_indices": list(range(frames)),
+            "height": item.grid_thw[1] * geometry.patch_size, "width": item.grid_thw[2] * geometry.patch_size}
+
+
+def build_prompt(request: RolloutRequest, tokens: VisionTokens, geometry: PixelGeometry) -> dict[str, Any]:
+    """A vLLM `TokensPrompt` (a dict) for one request."""
+    prompt: dict[str, Any] = {"prompt_token_ids": collapse_vision_pads(request, tokens, geometry.merge_size)}
+    if request.items:
+        media: dict[str, list[np.ndarray]] = {}
+        for item in request.items:
+            media.setdefault(item.kind, []).append(item_media(item, geometry))
+        prompt["multi_modal_data"] = media
+        prompt["mm_processor_kwargs"] = processor_kwargs(request.items, geometry)
+    return prompt
+
+
+def sampling_kwargs(params: SamplingParams, seed: int | None) -> dict[str, Any]:
+    """Keyword arguments of `vllm.SamplingParams` for one sample (seed None: the engine's stream).
+
+    Only `params.eos_token_ids` stop a response (ignore_eos: not the tokenizer's own EOS); the sampled
+    token's raw log-probability (before temperature and filtering) is returned with each token."""
+    kwargs: dict[str, Any] = {
+        "n": 1, "seed": None if seed is None else int(seed), "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+        "top_p": params.top_p, "top_k": params.top_k, "ignore_eos": True,
+        "stop_token_ids": list(params.eos_token_ids), "logprobs": 0, "skip_special_tokens": False,
+        "detokenize": False,
+    }
+    if params.suppressed_token_ids:
+        kwargs["logit_bias"] = {int(token): LOGIT_BIAS_FLOOR for token in params.suppressed_token_ids}
+    return kwargs
+
+
+def to_result(sample_key: str, token_ids: Sequence[int], logprobs: Sequence[Any] | None,
+              params: SamplingParams) -> RolloutResult:
+    """A vLLM completion (token ids and per-token {token: Logprob} dicts) as a RolloutResult.
+
+    The response is cut after its first EOS; finish_reason follows from the tokens, not vLLM's text."""
+    tokens = [int(t) for t in token_ids]
+    if logprobs is None or len(logprobs) != len(tokens):
+        raise ValueError(f"sample {sample_key!r}: vLLM returned {0 if logprobs is None else len(logprobs)} "
+                         f"log-probs for {len(tokens)} tokens (were logprobs requested?)")
+    values = []
+    for token, entry in zip(tokens, logprobs):
+        chosen = entry.get(token) if isinstance(entry, dict) else None
+        if chosen is None:
+            raise ValueError(f"sample {sample_key!r}: no log-prob for sampled token {token}")
+        values.append(float(getattr(chosen, "logprob", chosen)))
+    eos = set(params.eos_token_ids)
+    stop = next((index for index, token in enumerate(tokens) if token in eos), None)
+    if stop is not None:
+        return RolloutResult(sample_key, tokens[:stop + 1], values[:stop + 1], "stop")
+    return RolloutResult(sample_key, tokens, values, "length")
+
+
+def check_expanded_prompt(request: RolloutRequest, vllm_prompt_ids: Sequence[int]) -> None:
+    """vLLM's prompt after its own vision expansion must be the trainer's `prompt_ids` exactly."""
+    ours, theirs = list(request.prompt_ids), [int(t) for t in vllm_prompt_ids]
+    if ours == theirs:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    raise ValueError(f"rollout request {request.sample_key!r}: vLLM expanded the prompt to {len(theirs)} tokens, "
+                     f"the ShadowLoader's grids give {len(ours)} (first difference at position {first}): vLLM "
+                     f"would see other vision grids than the trainer")
+
+
+VLLM_WEIGHT_PREFIXES = {
+    "model.language_model.": "language_model.model.",
+    "model.visual.": "visual.",
+    "lm_head.": "language_model.lm_head.",
+    "model.": "language_model.model.",
+    "visual.": "visual.",
+}
+"""Qwen2.5-VL parameter prefixes -> vLLM's module prefixes, as vLLM's Qwen2_5_VLForConditionalGeneration
+maps them when loading (first match wins): the in-memory names of transformers >= 4.52, which a sync
+sends, and the original checkpoint names, which `save_pretrained` still writes."""
+
+
+def vllm_weight_name(hf_name: str) -> str:
+    """Where vLLM's Qwen2.5-VL puts an HF parameter (a ValueError for names it would not load)."""
+    for prefix, target in VLLM_WEIGHT_PREFIXES.items():
+        if hf_name.startswith(prefix):
+            return target + hf_name[len(prefix):]
+    raise ValueError(f"weight {hf_name!r}: no vLLM Qwen2.5-VL module takes it (prefixes "
+                     f"{', '.join(VLLM_WEIGHT_PREFIXES)})")

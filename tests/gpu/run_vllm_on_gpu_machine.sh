@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The vllm rollout backend on one H200 (issue 10). Prepare here: bash ../shared/device/fetch-vllm.sh and
+# bash ../shared/device/fetch-wheels.sh. Then, in ONE batch of `run` calls (the machine stays warm):
+#   1. carry .vllm/p0:  rm -rf /tmp/vb; mkdir -p /tmp/vb && cp .vllm/p0/* /tmp/vb/
+#   2. carry .vllm/p1:  cp .vllm/p1/* /tmp/vb/
+#   3. carry .whl:      mkdir -p /tmp/whl && cp .whl/* /tmp/whl/
+#   4. carry .vllm/p2:  bash .vllm/p2/install.sh && bash tests/gpu/run_vllm_on_gpu_machine.sh engine
+#   5. (nothing):       BACKEND=vllm STEPS=3 bash tests/gpu/run_trainer_on_gpu_machine.sh
+# "engine" (= "tests" + "bench") runs the GPU tests of the engine (grids, pixels, weight sync, sleep) and `flexrl bench
+# rollout` on the 7B shape (vLLM vs HF generate, colocated sync); results under $OUT.
+set -euo pipefail
+out=${OUT:-/tmp/flexrl-gpu}
+mkdir -p "$out"
+source tests/gpu/gpu_env.sh
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+start=$(date +%s)
+if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ]; then
+  python3 -m pytest -x -q -s -p no:cacheprovider tests/gpu/test_vllm_engine_gpu.py 2>&1 | grep -v "Loading weights" \
+    | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -30 | tee "$out/vllm_engine_tests.txt" || true
+  echo "engine tests done after $(( $(date +%s) - start )) s"
+fi
+if [ "${1:-engine}" = engine ] || [ "${1:-}" = bench ]; then
+  python3 -m flexrl_ds bench rollout --shape 7b --json "$out/rollout_7b.json" 2>&1 | grep "^\[bench\|Error\|error" \
+    | tail -20 | tee "$out/rollout_7b.txt" || true
+fi
+echo "total $(( $(date +%s) - start )) s"

@@ -1,0 +1,207 @@
+"""The vllm backend's pure parts (no vLLM here): prompts, pixels, processor settings, results, weight names.
+
+References are independent of the code under test: `image_io.patchify` (which the un-patchify must
+invert), transformers' own PIL image processor and VideoMetadata (what vLLM calls), the checkpoint
+files `save_pretrained` writes (what vLLM loads), and hand-built expectations.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flexrl_ds.media import image_io
+from flexrl_ds.media.config import MediaConfig
+from flexrl_ds.media.preprocess import SamplePreprocessor
+from flexrl_ds.media.types import MediaItem, Record
+from flexrl_ds.models.processing import VisionItem
+from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
+from flexrl_ds.rollout.config import RolloutConfig, VLLMOptions
+from flexrl_ds.rollout.vllm_inputs import (LOGIT_BIAS_FLOOR, PixelGeometry, VisionTokens, build_prompt,
+                                           check_expanded_prompt, collapse_vision_pads, denormalize, item_media,
+                                           processor_kwargs, sampling_kwargs, to_result, unpatchify,
+                                           video_metadata, vllm_weight_name)
+
+GEOMETRY = PixelGeometry()
+TOKENS = VisionTokens(image=7, video=8)
+
+
+@pytest.mark.parametrize("frames,grid_h,grid_w", [(1, 4, 6), (4, 6, 2), (6, 2, 10)])
+def test_unpatchify_inverts_patchify(frames, grid_h, grid_w):
+    generator = torch.Generator().manual_seed(frames * 100 + grid_h)
+    video = torch.randn(frames, 3, grid_h * 14, grid_w * 14, generator=generator)
+    rows = image_io.patchify(video, 14, 2, 2)
+    grid = (-(-frames // 2), grid_h, grid_w)
+    restored = unpatchify(rows, grid, GEOMETRY)
+    padded = torch.cat([video, video[-1:].expand(-frames % 2, -1, -1, -1)])  # patchify repeats the last frame
+    assert torch.equal(restored, padded)
+    with pytest.raises(ValueError, match="do not match grid"):
+        unpatchify(rows, (grid[0], grid_h, grid_w + 2), GEOMETRY)
+
+
+def test_denormalize_recovers_uint8():
+    pixels = torch.randint(0, 256, (2, 3, 28, 42), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    config = MediaConfig()
+    normalised = image_io.normalize(pixels, config.image_mean, config.image_std, config.rescale_factor)
+    assert torch.equal(denormalize(normalised, PixelGeometry.from_media_config(config)), pixels)
+
+
+@pytest.fixture(scope="module")
+def odd_image_item(tmp_path_factory):
+    """A ShadowLoader image item made from a 97x61 file (an odd size smart_resize changes)."""
+    path = tmp_path_factory.mktemp("vllm_media") / "odd.png"
+    rng = np.random.default_rng(3)
+    Image.fromarray(rng.integers(0, 256, (61, 97, 3), dtype=np.uint8)).save(path)
+    config = MediaConfig(image_min_pixels=28 * 28 * 4, image_max_pixels=28 * 28 * 64)
+    meta, outputs = SamplePreprocessor(config).process(Record("odd", "<image>q", (MediaItem("image", str(path)),)))
+    grid = tuple(int(v) for v in outputs["image_grid_thw"][0])
+    return path, config, VisionItem("image", outputs["pixel_values"], grid)
+
+
+def test_image_through_hf_processor_gives_shadowloader_pixels(odd_image_item):
+    """What vLLM runs (transformers' processor with `processor_kwargs`) on `item_media` reproduces the
+    ShadowLoader's grid and pixel rows."""
+    hf_module = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    _, config, item = odd_image_item
+    geometry = PixelGeometry.from_media_config(config)
+    image = item_media(item, geometry)
+    assert image.dtype == np.uint8 and image.shape == (item.grid_thw[1] * 14, item.grid_thw[2] * 14, 3)
+    processor = hf_module.Qwen2VLImageProcessorPil(image_mean=config.image_mean, image_std=config.image_std,
+                                                   patch_size=14, merge_size=2, temporal_patch_size=2)
+    kwargs = processor_kwargs([item], geometry)
+    out = processor(images=[Image.fromarray(image)], size=kwargs["size"], return_tensors="pt")
+    assert tuple(out["image_grid_thw"][0].tolist()) == item.grid_thw
+    difference = (out["pixel_values"].float() - item.pixel_values.float()).abs().max().item()
+    assert difference < 1e-5, f"pixel rows differ by {difference}"
+
+
+def test_video_metadata_gives_shadowloader_timing():
+    """transformers computes second_per_grid_ts = temporal_patch_size / VideoMetadata.sampled_fps."""
+    from transformers.video_utils import VideoMetadata
+
+    for seconds in (1.0, 0.5, 4 / 3):
+        item = VisionItem("video", torch.zeros(3 * 4 * 6, 3 * 2 * 14 * 14), (3, 4, 6), seconds)
+        metadata = VideoMetadata(**video_metadata(item, GEOMETRY))
+        assert metadata.total_num_frames == 6
+        assert 2 / metadata.sampled_fps == pytest.approx(seconds)
+
+
+def test_processor_kwargs_bound_every_item():
+    items = [VisionItem("image", torch.zeros(24, 1176), (1, 4, 6)), VisionItem("image", torch.zeros(64, 1176), (1, 8, 8)),
+             VisionItem("video", torch.zeros(32, 1176), (2, 4, 4), 0.5)]
+    kwargs = processor_kwargs(items, GEOMETRY)
+    assert kwargs["size"] == {"shortest_edge": 16 * 196, "longest_edge": 64 * 196}
+    assert kwargs["do_sample_frames"] is False and len(kwargs["video_metadata"]) == 1
+    assert processor_kwargs([], GEOMETRY) == {}
+
+
+def request_with(items, prompt_ids, key="s0p0k0", seed=5):
+    return RolloutRequest(key, prompt_ids, items, seed)
+
+
+def test_collapse_vision_pads_and_build_prompt():
+    image = VisionItem("image", torch.zeros(24, 1176), (1, 4, 6))  # 6 merged tokens
+    video = VisionItem("video", torch.zeros(32, 1176), (2, 4, 4), 0.5)  # 8 merged tokens
+    prompt = [1, 2, 7, 7, 7, 7, 7, 7, 3, 8, 8, 8, 8, 8, 8, 8, 8, 4]
+    request = request_with([image, video], prompt)
+    assert collapse_vision_pads(request, TOKENS, 2) == [1, 2, 7, 3, 8, 4]
+    built = build_prompt(request, TOKENS, GEOMETRY)
+    assert built["prompt_token_ids"] == [1, 2, 7, 3, 8, 4]
+    assert built["multi_modal_data"]["image"][0].shape == (56, 84, 3)
+    assert built["multi_modal_data"]["video"][0].shape == (4, 56, 56, 3)
+    text = request_with([], [1, 2, 3])
+    assert build_prompt(text, TOKENS, GEOMETRY) == {"prompt_token_ids": [1, 2, 3]}
+
+
+@pytest.mark.parametrize("prompt,reason", [
+    ([1, 7, 7, 7, 7, 7, 3], "do not match"),            # 5 pads for a 6-token image
+    ([1, 7, 7, 7, 7, 7, 7, 3, 7], "do not match"),      # a pad run with no item
+    ([1, 8, 8, 8, 8, 8, 8, 3], "do not match"),         # a video run where the image is
+])
+def test_collapse_vision_pads_rejects_mismatch(prompt, reason):
+    image = VisionItem("image", torch.zeros(24, 1176), (1, 4, 6))
+    with pytest.raises(ValueError, match=reason) as error:
+        collapse_vision_pads(request_with([image], prompt, key="s1p2k3"), TOKENS, 2)
+    assert "s1p2k3" in str(error.value)
+
+
+def test_check_expanded_prompt():
+    request = request_with([], [1, 7, 7, 3])
+    check_expanded_prompt(request, [1, 7, 7, 3])
+    with pytest.raises(ValueError, match="other vision grids.*|first difference at position 3"):
+        check_expanded_prompt(request, [1, 7, 7, 7, 3])
+
+
+def test_sampling_kwargs():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=12, eos_token_ids=(2, 5),
+                            suppressed_token_ids=(7, 8))
+    kwargs = sampling_kwargs(params, seed=2**62)
+    assert kwargs["seed"] == 2**62 and kwargs["max_tokens"] == 12 and kwargs["stop_token_ids"] == [2, 5]
+    assert kwargs["ignore_eos"] and kwargs["logprobs"] == 0 and kwargs["top_k"] == 0
+    assert kwargs["logit_bias"] == {7: LOGIT_BIAS_FLOOR, 8: LOGIT_BIAS_FLOOR}
+    assert "logit_bias" not in sampling_kwargs(SamplingParams(), seed=0)
+    assert sampling_kwargs(SamplingParams(), seed=None)["seed"] is None
+
+
+class FakeLogprob:
+    def __init__(self, value):
+        self.logprob = value
+
+
+def test_to_result():
+    params = SamplingParams(eos_token_ids=(2,))
+    logprobs = [{4: FakeLogprob(-0.5)}, {2: FakeLogprob(-1.0)}, {9: FakeLogprob(-2.0)}]
+    stopped = to_result("k", [4, 2, 9], logprobs, params)
+    assert (stopped.response_ids, stopped.logprobs, stopped.finish_reason) == ([4, 2], [-0.5, -1.0], "stop")
+    cut = to_result("k", [4, 9], [logprobs[0], logprobs[2]], params)
+    assert cut.finish_reason == "length" and cut.logprobs == [-0.5, -2.0]
+    with pytest.raises(ValueError, match="log-probs for 2 tokens"):
+        to_result("k", [4, 9], None, params)
+    with pytest.raises(ValueError, match="no log-prob for sampled token 9"):
+        to_result("k", [4, 9], [logprobs[0], {1: FakeLogprob(0.0)}], params)
+
+
+def test_weight_names_land_where_the_checkpoint_names_do(tmp_path):
+    """The names a sync sends (the HF model's in-memory parameters) reach the same vLLM modules as the
+    checkpoint names `save_pretrained` writes (which vLLM loads at start): one to one."""
+    from flexrl_ds.models.loading import load_model
+    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+    from flexrl_ds.models.weights import iter_weight_buckets
+
+    model_dir = make_tiny_model(TinyModelConfig(out_dir=str(tmp_path / "vl")))
+    model = load_model(str(model_dir))
+    sent = [name for bucket in iter_weight_buckets(model, 1 << 16) for name, _ in bucket]
+    from safetensors import safe_open
+
+    saved = set()
+    for file in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as handle:
+            saved.update(handle.keys())
+    assert len(sent) == len(set(sent)) == len(saved)
+    mapped = {vllm_weight_name(name) for name in sent}
+    assert mapped == {vllm_weight_name(name) for name in saved}
+    assert any(name.startswith("visual.") for name in mapped)
+    with pytest.raises(ValueError, match="no vLLM Qwen2.5-VL module"):
+        vllm_weight_name("encoder.layer.0.weight")
+
+
+def test_engine_options_by_backend():
+    assert RolloutConfig(backend="hf").engine_options() == {}
+    options = RolloutConfig(backend="vllm", vllm=VLLMOptions(gpu_memory_utilization=0.5)).engine_options()
+    assert options["gpu_memory_utilization"] == 0.5 and options["sleep_level"] == 1
+    for bad, match in (({"gpu_memory_utilization": 0}, "gpu_memory_utilization"), ({"sleep_level": 3}, "sleep_level"),
+                       ({"load_format": "pt"}, "load_format"), ({"tensor_parallel_size": 0}, "tensor_parallel_size")):
+        with pytest.raises(ValueError, match=match):
+            VLLMOptions(**bad)
+
+
+def test_vllm_config_section_reads_from_json():
+    from flexrl_ds.common.typed import from_dict
+
+    config = from_dict(RolloutConfig, json.loads('{"backend": "vllm", "vllm": {"sleep_level": 2}}'), "flexrl.rollout")
+    assert config.vllm.sleep_level == 2
