@@ -27,8 +27,8 @@ class SPConfig:
     (ds_configs/calibration/) matching the accelerator and model, if any (callers pass the device
     name to `load_cost_model`); None or "none": formula defaults."""
     domain_size: int | None = None
-    """Ranks of one sequence-parallel domain; None: the whole world. `flexrl train` runs one domain
-    (all policy ranks) and rejects any other value."""
+    """Ranks of one sequence-parallel domain; None: the whole world. In `flexrl train` it must divide
+    the policy ranks: each domain is a data-parallel replica with its own plan per pass."""
     overlap: bool = True
     """Overlap pack j+1's all-to-all with pack j's attention (the executor's attention, and the
     planner's step-time model)."""
