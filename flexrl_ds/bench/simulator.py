@@ -21,6 +21,7 @@ from flexrl_ds.planning.cost_model import CostModel
 from flexrl_ds.planning.plan import validate_plan
 from flexrl_ds.planning.planner import PlannerOptions, plan_step
 from flexrl_ds.planning.schedule import check_schedule
+from flexrl_ds.planning.step_time import describe_links
 
 TABLE_METRICS = ("attention_balance", "attention_balance_bound", "cost_balance", "token_balance", "efficiency",
                  "efficiency_bound", "all_to_all_relative", "num_packs", "step_time_s", "compute_s",
@@ -205,8 +206,6 @@ def project(mix: str, world_sizes: tuple[int, ...], gbs: int, n_samples: int, se
     """`simulate` at every world size: with `weak_scaling`, `gbs` prompts at the smallest world size
     and proportionally more at larger ones; `extra_p_maxes(world_size, sp, cost)` gives each size's
     extra FlexUlysses rows. Needs a calibration with the step-time fits (planning/step_time.py)."""
-    from flexrl_ds.planning.step_time import describe_links
-
     if cost.step is None:
         raise ValueError("a projection needs a calibration with step-time fits (--calibration FILE, or 'auto' "
                          "with --device 'NVIDIA H200')")

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import sys
-from pathlib import Path
 
 
 def register(commands, bench) -> None:
@@ -16,7 +12,7 @@ def register(commands, bench) -> None:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--n-samples", type=int, default=8, help="samples per prompt (share prompt + vision)")
     make.add_argument("--out", required=True, help="output workload JSON")
-    make.set_defaults(func=_make_workload)
+    make.set_defaults(func=lambda args: _commands().make_workload_command(args))
 
     plan = commands.add_parser("plan", help="plan one step: degrees, groups, packs, HSF order")
     plan.add_argument("--workload", required=True, help="workload JSON (plan-schema.md)")
@@ -24,7 +20,7 @@ def register(commands, bench) -> None:
     _add_sp_options(plan)
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the summary as JSON")
-    plan.set_defaults(func=_plan)
+    plan.set_defaults(func=lambda args: _commands().plan(args))
 
     sim = commands.add_parser("simulate", help="FlexUlysses vs bucketing vs fixed SP on generated steps")
     sim.add_argument("--mix", required=True, help="image-heavy | video-heavy | only-video")
@@ -45,7 +41,7 @@ def register(commands, bench) -> None:
                      help="extra FlexUlysses rows with these degree caps (comma list), 'auto' (the widest the "
                           "world size and head count allow, if above --p-max) or 'none'")
     _add_sp_options(sim)
-    sim.set_defaults(func=_simulate)
+    sim.set_defaults(func=lambda args: _commands().simulate_command(args))
 
     bench_planner = bench.add_parser("planner", help="planning time and plan quality, 64..2048 seqs x 8..128 ranks")
     bench_planner.add_argument("--json", action="store_true", help="print results as JSON")
@@ -57,7 +53,7 @@ def register(commands, bench) -> None:
     bench_planner.add_argument("--counts", type=_int_list, help="sequence counts, comma-separated (default 64..2048)")
     bench_planner.add_argument("--world-sizes", type=_int_list, help="world sizes, comma-separated (default 8..128)")
     _add_sp_options(bench_planner)
-    bench_planner.set_defaults(func=_bench_planner)
+    bench_planner.set_defaults(func=lambda args: _commands().bench_planner(args))
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -92,194 +88,8 @@ def _add_sp_options(parser: argparse.ArgumentParser) -> None:
     links.add_argument("--network-latency-us", type=float, help="latency of an all-to-all across nodes, us")
 
 
-def _resolve(args):
-    """(SPConfig, CostModel, PlannerOptions) from --config plus flag overrides."""
-    from flexrl_ds.config.flexrl_config import load_run_config
-    from flexrl_ds.planning.config import SPConfig
-    from flexrl_ds.planning.cost_model import load_cost_model
-    from flexrl_ds.planning.planner import PlannerOptions
+def _commands():
+    """bench/plan_commands.py, where the handlers are."""
+    from flexrl_ds.bench import plan_commands  # lazy: imports numpy (`flexrl --help` stays fast)
 
-    base = load_run_config(args.config).flexrl.sp if args.config else SPConfig()
-    overrides = {key: getattr(args, key) for key in ("p_max", "max_tokens_per_rank", "h_pack", "H_pack", "oversize")
-                 if getattr(args, key) is not None}
-    if args.model:
-        overrides["cost_model"] = args.model
-    if args.calibration:
-        overrides["calibration"] = args.calibration
-    for key, value in overrides.items():
-        if key != "oversize" and key not in ("cost_model", "calibration") and value <= 0:
-            raise ValueError(f"--{key.replace('_', '-')}: must be positive, got {value}")
-    sp = dataclasses.replace(base, **overrides)
-    calibration = None if sp.calibration == "none" else sp.calibration
-    device_name = args.device
-    if calibration == "auto" and device_name is None:
-        from flexrl_ds.parallel.device import accelerator_name
-
-        device_name = accelerator_name()
-    cost = load_cost_model(sp.cost_model or "qwen2.5-vl-7b", calibration, device_name=device_name)
-    return sp, _with_links(cost, args), PlannerOptions(head_rule=args.head_rule)
-
-
-def _with_links(cost, args):
-    """`cost` with the --gpus-per-node / --nvlink-GBps / --network-* overrides applied to its step model."""
-    from flexrl_ds.planning.step_time import LinkOverrides
-
-    giga = lambda value: None if value is None else value * 1e9  # noqa: E731
-    overrides = LinkOverrides(args.gpus_per_node, giga(args.nvlink_GBps), giga(args.network_GBps),
-                              None if args.network_latency_us is None else args.network_latency_us * 1e-6)
-    if overrides == LinkOverrides():
-        return cost
-    if cost.step is None:
-        raise ValueError("--gpus-per-node / --nvlink-GBps / --network-*: need a calibration with step-time fits "
-                         "(--calibration FILE, or 'auto' with --device)")
-    calibration = dataclasses.replace(cost.calibration, step=overrides.apply(cost.step))
-    return dataclasses.replace(cost, calibration=calibration)
-
-
-def _make_workload(args) -> int:
-    from flexrl_ds.bench.workloads import make_workload
-
-    workload = make_workload(args.mix, args.num, args.seed, args.n_samples)
-    Path(args.out).write_text(json.dumps(workload.to_json(), indent=1) + "\n")
-    tokens = [s.tokens for s in workload.sequences]
-    print(f"wrote {args.out}: {len(tokens)} sequences ({args.mix}, seed {args.seed}, {args.n_samples} samples/prompt), "
-          f"tokens min {min(tokens)} / mean {sum(tokens) / len(tokens):.0f} / max {max(tokens)}")
-    return 0
-
-
-def _plan(args) -> int:
-    from flexrl_ds.planning.plan import load_workload, validate_plan
-    from flexrl_ds.planning.planner import plan_step
-    from flexrl_ds.planning.schedule import check_schedule
-
-    workload = load_workload(args.workload)
-    sp, cost, options = _resolve(args)
-    result = plan_step(workload, args.world_size, cost, sp, options)
-    validate_plan(result.plan, result.workload)
-    check = check_schedule(result.plan)
-    assert check.deadlock_free, check.describe()
-    if args.out:
-        result.plan.save(args.out)
-    summary = result.metrics.summary()
-    summary.update(degree_cap=result.plan.extra["degree_cap"], dropped=list(result.dropped), truncated={k: v[1] for k, v in result.truncated.items()},
-                   schedule=check.describe(), h_pack=result.limits.h_pack, H_pack=result.limits.H_pack)
-    if args.json:
-        print(json.dumps(summary, indent=1))
-        return 0
-    m = result.metrics
-    hist = ", ".join(f"d={d}: {n}" for d, n in sorted(m.degree_histogram.items()))
-    calibration = cost.calibration.source if cost.calibration is not None else "none (FLOP formula)"
-    print(f"plan for {len(result.workload.sequences)} sequences on {args.world_size} ranks "
-          f"(model {cost.name}, c={cost.c:.0f}, p_max {sp.p_max}, h_pack {result.limits.h_pack}, "
-          f"H_pack {result.limits.H_pack}, calibration {calibration})")
-    if m.step_time_s > 0:
-        print(f"  projected step {m.step_time_s * 1e3:.1f} ms on the busiest rank: compute {m.compute_s * 1e3:.1f} ms, "
-              f"exposed all-to-all {m.exposed_all_to_all_s * 1e3:.1f} ms; mean idle {m.idle_s * 1e3:.1f} ms")
-    print(f"  attention balance {m.attention_balance:.3f}   cost balance {m.cost_balance:.3f}   "
-          f"token balance {m.token_balance:.3f}   efficiency {m.efficiency:.3f}")
-    print(f"  bounds for any plan on aligned groups: attention balance >= {m.attention_balance_bound:.3f}, "
-          f"efficiency <= {m.efficiency_bound:.3f}")
-    cap = result.plan.extra["degree_cap"]
-    print(f"  degrees: {hist}   packs: {m.num_packs}   schedule: {check.describe()}")
-    print(f"  largest degree {cap['max_degree']} (bound by {cap['by']}: p_max {cap['p_max']}, "
-          f"world size {cap['world_size']}, {cap['num_heads']} query heads, head rule {options.head_rule})")
-    print(f"  all-to-all volume {m.all_to_all_volume:.0f} tokens = {m.all_to_all_relative:.3f} x fixed SP at p_max")
-    if result.dropped:
-        print(f"  dropped (oversize): {', '.join(result.dropped)}")
-    for seq_id, (before, after) in result.truncated.items():
-        print(f"  truncated (oversize): {seq_id} {before} -> {after} tokens")
-    if args.out:
-        print(f"  wrote {args.out}")
-    return 0
-
-
-def _simulate(args) -> int:
-    from flexrl_ds.bench.simulator import format_table, plot_loads, simulate
-
-    sp, cost, options = _resolve(args)
-    if (args.world_size is None) == (args.world_sizes is None):
-        raise ValueError("give one of --world-size or --world-sizes")
-    if args.world_sizes is not None:
-        return _project(args, sp, cost, options)
-    if args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
-    extra = _extra_p_maxes(args.extra_p_max, args.world_size, sp, cost)
-    progress = None if args.json else (lambda done, total: print(f"  seed {done}/{total} done", file=sys.stderr))
-    sim = simulate(args.mix, args.world_size, args.gbs, args.n_samples, args.seeds, cost, sp, options, progress,
-                   extra)
-    if args.plot:
-        plot_loads(sim, args.plot)
-    if args.json:
-        print(json.dumps(sim.to_json(), indent=1))
-    else:
-        print(format_table(sim))
-        if args.plot:
-            print(f"wrote {args.plot}")
-    return 0
-
-
-def _project(args, sp, cost, options) -> int:
-    from flexrl_ds.bench.simulator import format_projection, plot_projection, project
-
-    def extra(world_size, sp, cost):
-        if args.extra_p_max in ("auto", "none"):
-            return _extra_p_maxes(args.extra_p_max, world_size, sp, cost)
-        caps = [c for c in args.extra_p_max.split(",") if c.strip().isdigit() and int(c) <= world_size]
-        return _extra_p_maxes(",".join(caps), world_size, sp, cost) if caps else ()
-
-    progress = None if args.json else (lambda size: print(f"  {size} GPUs done", file=sys.stderr))
-    proj = project(args.mix, args.world_sizes, args.gbs, args.n_samples, args.seeds, cost, sp, options,
-                   not args.fixed_gbs, extra, progress)
-    if args.plot:
-        plot_projection(proj, args.plot)
-    if args.json:
-        print(json.dumps(proj.to_json(), indent=1))
-        return 0
-    print(format_projection(proj))
-    if args.plot:
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def _extra_p_maxes(text: str, world_size: int, sp, cost) -> tuple[int, ...]:
-    """Parse --extra-p-max: 'auto', 'none' or a comma list of powers of two ≤ the world size."""
-    from flexrl_ds.bench.simulator import default_extra_p_maxes
-
-    if text == "auto":
-        return default_extra_p_maxes(world_size, sp, cost)
-    if text == "none":
-        return ()
-    caps = []
-    for item in text.split(","):
-        if not item.strip().isdigit():
-            raise ValueError(f"--extra-p-max: {item!r} is not 'auto', 'none' or a positive integer")
-        cap = int(item)
-        if cap < 1 or cap & (cap - 1) or cap > world_size:
-            raise ValueError(f"--extra-p-max: {cap} must be a power of two ≤ --world-size {world_size}")
-        if cap != sp.p_max:
-            caps.append(cap)
-    return tuple(dict.fromkeys(caps))
-
-
-def _bench_planner(args) -> int:
-    from flexrl_ds.bench.planner_bench import (SEQUENCE_COUNTS, WORLD_SIZES, PlannerBench, format_quality,
-                                               format_timing, measure_quality, time_planner)
-
-    sp, cost, options = _resolve(args)
-    out = PlannerBench()
-    say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
-    grid = {"counts": args.counts or SEQUENCE_COUNTS, "world_sizes": args.world_sizes or WORLD_SIZES}
-    if not args.no_timing:
-        out.timing = time_planner(cost, sp, args.timing_mix, args.repeats, **grid, options=options, progress=lambda r: say(
-            f"  timing N={r['num_sequences']} W={r['world_size']}: {r['plan_ms']:.1f} ms"))
-    if not args.no_quality:
-        out.quality = measure_quality(cost, sp, args.seeds, **grid, options=options, progress=lambda r: say(
-            f"  quality {r['mix']} W={r['world_size']} N={r['num_sequences']}: eff {r['efficiency_min']:.3f}"))
-    if args.json:
-        print(json.dumps(out.to_json(), indent=1))
-        return 0
-    if out.timing:
-        print(format_timing(out.timing))
-    if out.quality:
-        print(format_quality(out.quality))
-    return 0
+    return plan_commands
