@@ -13,17 +13,29 @@ table and returns the JSON record. The layer is a Qwen2-style block without rota
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
-from flexrl_ds.planning.config import SPConfig
-from flexrl_ds.planning.plan import SequenceSpec, Workload, load_workload
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-# `flexrl --help` imports this module (cli/sp_exec.py): imports that pull torch or numpy stay
-# inside the functions that need them.
+from flexrl_ds.bench.sp_calibrate import calibrate_rank
+from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
+from flexrl_ds.parallel.launch import init_distributed
+from flexrl_ds.planning.baselines import lpt_bucketing
+from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.cost_model import load_cost_model
+from flexrl_ds.planning.plan import SequenceSpec, Workload, load_workload
+from flexrl_ds.planning.planner import plan_step
+from flexrl_ds.sp.attention import FlexUlyssesAttention
+from flexrl_ds.sp.fixed_sp import FixedUlyssesAttention, fixed_sp_plan
+from flexrl_ds.sp.layout import build_rank_layout
+from flexrl_ds.sp.local_attention import CausalVarlenAttention, pick_backend
 
 SHAPES = {
     # hidden, heads, kv heads, head_dim, MLP
@@ -97,7 +109,6 @@ def skewed_lengths(config: SPBenchConfig) -> dict[str, int]:
     """The batch: `long_tokens` videos + `num_short` images with seeded lengths."""
     if config.workload:
         return {s.id: s.tokens for s in load_workload(config.workload).sequences}
-    import random
 
     rng = random.Random(config.seed)
     lengths = {f"video{i}": n for i, n in enumerate(config.long_tokens)}
@@ -108,11 +119,6 @@ def skewed_lengths(config: SPBenchConfig) -> dict[str, int]:
 
 def make_plans(lengths: dict[str, int], world_size: int, config: SPBenchConfig) -> dict[str, Any]:
     """system name -> (plan, lengths incl. padding). Pure: every rank computes the same plans."""
-    from flexrl_ds.planning.baselines import lpt_bucketing  # numpy
-    from flexrl_ds.planning.cost_model import load_cost_model  # numpy
-    from flexrl_ds.planning.planner import plan_step  # numpy
-    from flexrl_ds.sp.fixed_sp import fixed_sp_plan  # torch
-
     cost = load_cost_model("qwen2.5-vl-7b")
     workload = Workload(tuple(SequenceSpec(id=s, tokens=n) for s, n in lengths.items()))
     p_max = min(config.p_max, world_size)
@@ -134,8 +140,6 @@ class DecoderLayer:
     """A Qwen2-style layer (no rotary) whose attention is a given SP attention callable."""
 
     def __init__(self, shape: str, with_mlp: bool, device, dtype, seed: int):
-        import torch
-
         if shape not in SHAPES:
             raise ValueError(f"bench sp: unknown shape {shape!r}; one of {', '.join(SHAPES)}")
         hidden, heads, kv_heads, head_dim, mlp = SHAPES[shape]
@@ -154,8 +158,6 @@ class DecoderLayer:
         return [w for w in (self.wqkv, self.wo, self.w_gate_up, self.w_down) if w is not None]
 
     def __call__(self, x_LH, attention, layout):
-        import torch.nn.functional as F
-
         tokens = x_LH.shape[0]
         h = F.rms_norm(x_LH, (x_LH.shape[1],))
         qkv = F.linear(h, self.wqkv).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
@@ -169,15 +171,6 @@ class DecoderLayer:
 
 
 def _time_system(name, plan, lengths, tree, layer, config, ctx) -> SystemResult:
-    import torch
-    import torch.distributed as dist
-
-    from flexrl_ds.parallel import device as device_mod  # torch, as are the sp modules
-    from flexrl_ds.sp.attention import FlexUlyssesAttention
-    from flexrl_ds.sp.fixed_sp import FixedUlyssesAttention
-    from flexrl_ds.sp.layout import build_rank_layout
-    from flexrl_ds.sp.local_attention import CausalVarlenAttention, pick_backend
-
     layout = build_rank_layout(plan, lengths, tree.local_rank, tree, num_heads=layer.heads,
                                num_kv_heads=layer.kv_heads)
     if name.startswith("fixed"):
@@ -218,10 +211,6 @@ def _time_system(name, plan, lengths, tree, layer, config, ctx) -> SystemResult:
 
 def run_rank(config: SPBenchConfig) -> dict[str, Any] | None:
     """Body of one benchmark rank (torchrun-style env); returns the record on rank 0."""
-    import torch.distributed as dist
-
-    from flexrl_ds.parallel.launch import init_distributed  # torch
-
     ctx = init_distributed()
     world = ctx.launch.world_size
     tree = GroupTree.create(SPTopology(world_size=world, domain_size=world,
@@ -229,8 +218,6 @@ def run_rank(config: SPBenchConfig) -> dict[str, Any] | None:
     layer = DecoderLayer(config.shape, config.layer == "decoder" or config.calibrate, ctx.device,
                          _dtype(config.dtype), config.seed)
     if config.calibrate:
-        from flexrl_ds.bench.sp_calibrate import calibrate_rank  # torch
-
         record = calibrate_rank(config, tree, layer, ctx)
         dist.barrier()
         dist.destroy_process_group()
@@ -255,8 +242,6 @@ def run_rank(config: SPBenchConfig) -> dict[str, Any] | None:
 
 
 def _dtype(name: str):
-    import torch
-
     if name not in ("bfloat16", "float16", "float32", "float64"):
         raise ValueError(f"bench sp: --dtype {name!r} is not one of bfloat16, float16, float32, float64")
     return getattr(torch, name)
