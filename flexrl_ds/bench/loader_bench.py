@@ -35,140 +35,23 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psutil
+import ray
 
-from flexrl_ds.config.flexrl_config import load_run_config
+from flexrl_ds.bench.loader_bench_config import LoaderBenchConfig, RunResult, run_settings
+from flexrl_ds.loader.actors import PreprocessPool
+from flexrl_ds.loader.central_loader import CentralLoader
 from flexrl_ds.loader.config import DataConfig, LoaderConfig, PoolConfig
 from flexrl_ds.loader.destinations import RankDealing
+from flexrl_ds.loader.materializer import Materializer, RayFetcher, WorkerAssignment
+from flexrl_ds.loader.proxy_loader import LoaderStats, LoaderStep, ProxyLoader, requests_for_samples
+from flexrl_ds.media.preprocess import SamplePreprocessor
 from flexrl_ds.media.records import read_dataset
+from flexrl_ds.runtime.ray_session import connect_ray, gcs_address, join_ray
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, WorkerPlace
-
-# Ray and the loader classes (which import Ray and torch) are imported where a run needs them:
-# `flexrl --help` imports this module to register the command and must stay fast.
-
-MODES = ("none", "central", "shadow")
-"""none: the same loop with no data at all: the loop's own cost (Ray calls, sleep granularity)."""
-DEFAULT_CPUS_PER_ACTOR = 0.5
-"""Ray CPUs per preprocessing actor when neither --cpus-per-actor nor --config sets them (two actors
-per core: the setting of every run recorded in docs/BENCHMARKS.md that does not name one)."""
-
-
-@dataclass
-class LoaderBenchConfig:
-    """What `flexrl bench loader` runs."""
-
-    data: str
-    """Dataset file (JSONL/Parquet with media), e.g. from `flexrl make-dataset --mix video-heavy`."""
-    global_batches: list[int]
-    """Global batch sizes B (prompts per step) to measure."""
-    steps: int
-    """Measured steps per run."""
-    actors: list[int]
-    """Preprocessing actor counts K for the shadow runs."""
-    compute_ms: float = 0.0
-    """Simulated compute per step (ms): the time decoding can hide behind."""
-    num_workers: int = 2
-    """Worker actors standing in for training ranks."""
-    num_samples_per_prompt: int | None = None
-    """GRPO group size n (samples share their prompt's decode); None: the config's
-    `flexrl.data.loader.num_samples_per_prompt`."""
-    warmup_steps: int = 1
-    """Steps run before measuring (actor start, first decode)."""
-    num_cpus_per_actor: float | None = None
-    """Ray CPUs reserved per preprocessing actor; None: the config's `flexrl.data.pool.num_cpus_per_actor`
-    with --config, else `DEFAULT_CPUS_PER_ACTOR`."""
-    seed: int | None = None
-    """Sample order seed; None: the config's `flexrl.data.loader.seed`."""
-    model_dir: str | None = None
-    """Saved HF processor to take vision geometry from; None: the config's pixel settings."""
-    modes: list[str] = field(default_factory=lambda: list(MODES))
-    """Which of none / central / shadow to run (the ratios need central and shadow)."""
-    run_config: str | None = None
-    """DeepSpeed JSON whose `flexrl.data` section sets the loader, the pool, the bad-record policy
-    and the pixel settings; None: `DataConfig()` defaults. The bench's
-    options override it: B and K per run, n / seed / CPUs per actor / processor when given."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.warmup_steps < 0:
-            raise ValueError("--steps must be at least 1 and warm-up steps non-negative")
-        if min(self.global_batches) < 1 or min(self.actors) < 1 or self.num_workers < 1:
-            raise ValueError("--global-batch, --actors and --workers must be at least 1")
-        if self.compute_ms < 0:
-            raise ValueError(f"--compute-ms must be non-negative, got {self.compute_ms}")
-        if not self.modes or any(mode not in MODES for mode in self.modes):
-            raise ValueError(f"--modes {self.modes}: choose from {', '.join(MODES)}")
-        if not os.path.isfile(self.data):
-            raise ValueError(f"--data {self.data}: file not found")
-        if self.run_config is not None and not os.path.isfile(self.run_config):
-            raise ValueError(f"--config {self.run_config}: file not found")
-        self.data_config()  # a bad config, processor or override fails here, before Ray starts
-
-    def data_config(self) -> DataConfig:
-        """The run's `flexrl.data` (`DataConfig`): --config's (or the defaults), the processor of
-        --model, and the bench's n, seed and CPUs per actor. B and K are set per run (`run_settings`)."""
-        data = DataConfig()
-        if self.run_config is not None:
-            data = load_run_config(self.run_config).flexrl.data
-        if self.model_dir:
-            data = data.with_processor_dir(self.model_dir)
-        cpus = self.num_cpus_per_actor
-        if cpus is None and self.run_config is None:
-            cpus = DEFAULT_CPUS_PER_ACTOR
-        loader = _override(data.loader, num_samples_per_prompt=self.num_samples_per_prompt, seed=self.seed)
-        return replace(data, loader=loader, pool=_override(data.pool, num_cpus_per_actor=cpus))
-
-
-def _override(section: Any, **values: Any) -> Any:
-    """`section` with the values that are not None (the options given on the command line)."""
-    return replace(section, **{name: value for name, value in values.items() if value is not None})
-
-
-def run_settings(data_config: DataConfig, batch: int, num_actors: int) -> tuple[LoaderConfig, PoolConfig]:
-    """(LoaderConfig, PoolConfig) of one run: `data_config`'s loader and pool sections with global
-    batch `batch` and `num_actors` preprocessing actors per node (0: no pool, the config's count kept)."""
-    return (replace(data_config.loader, global_batch=batch),
-            _override(data_config.pool, num_actors_per_node=num_actors or None))
-
-
-@dataclass
-class RunResult:
-    mode: str
-    global_batch: int
-    actors: int
-    steps: int
-    compute_ms: float
-    exposed_ms: float
-    """Mean exposed data time per step."""
-    exposed_ms_max: float
-    worker_wait_ms: float
-    """Mean over steps of the slowest worker's wait in Materializer.get."""
-    controller_loader_ms: float
-    """Mean controller time per step the loop waited inside next_step (probe/dispatch/decode checks,
-    or decode for central)."""
-    controller_bytes_per_step: float
-    pixel_bytes_per_step: float
-    """Pixel bytes the workers received per step."""
-    controller_rss_start_mb: float
-    controller_rss_peak_mb: float
-    total_rss_peak_mb: float
-    samples_per_s: float
-    num_bad: int = 0
-    cross_node_bytes_per_step: float = 0.0
-    """Of `pixel_bytes_per_step`, bytes pulled from an actor on another node than the worker's."""
-    num_withdrawn: int = 0
-    """Prompts the workers got back withdrawn (decode failed after hand-out), summed over steps."""
-    compose_ms: float = 0.0
-    """Mean time per step spent composing steps (probe + dispatch; in the background for shadow)."""
-    step_ms: list[float] = field(default_factory=list)
-    phases_ms: dict[str, float] = field(default_factory=dict)
-    """Mean over steps of `step_phases` (where the exposed time went, and the Materializer's
-    background work)."""
-    step_phases_ms: list[dict[str, float]] = field(default_factory=list)
-    """`step_phases` of every measured step."""
-
 
 EXPOSED_PHASES = ("next_step", "send", "call", "wait", "overrun", "return", "other")
 """Parts of the exposed data time, in loop order (see `step_phases`); they sum to it exactly."""
@@ -242,8 +125,6 @@ class BenchWorker:
     of a `RayWorkerGroup` (runtime/worker_group.py)."""
 
     def __init__(self, place: WorkerPlace, bad_record_policy: str, timeout_s: float):
-        from flexrl_ds.loader.materializer import Materializer, RayFetcher
-
         self.place = place
         self.materializer = Materializer(RayFetcher(timeout_s=timeout_s), bad_record_policy=bad_record_policy)
 
@@ -274,19 +155,13 @@ class _NoDataLoader:
     """Steps without prompts: measures the bench loop's own overhead."""
 
     def __init__(self):
-        from flexrl_ds.loader.proxy_loader import LoaderStats
-
         self.stats, self._index = LoaderStats(), 0
 
     def next_step(self):
-        from flexrl_ds.loader.proxy_loader import LoaderStep
-
         self._index += 1
         return LoaderStep(self._index - 1, 0, [], 1)
 
     def assignment(self, step, requests):
-        from flexrl_ds.loader.materializer import WorkerAssignment
-
         return WorkerAssignment(step.step, (), {})
 
     def release(self, step) -> None:
@@ -296,11 +171,6 @@ class _NoDataLoader:
 def _build_loader(mode: str, records: list, data_config: DataConfig, loader_config: LoaderConfig,
                   pool_config: PoolConfig, dealing: Any = None):
     """(loader, preprocessing pool or None) of one run."""
-    from flexrl_ds.loader.actors import PreprocessPool
-    from flexrl_ds.loader.central_loader import CentralLoader
-    from flexrl_ds.media.preprocess import SamplePreprocessor
-    from flexrl_ds.loader.proxy_loader import ProxyLoader
-
     make_preprocessor = functools.partial(SamplePreprocessor, data_config)
     if mode == "none":
         return _NoDataLoader(), None
@@ -330,8 +200,6 @@ class _Measured:
 
 def _send(loader: Any, workers: Any, step: Any, dealing: Any) -> None:
     """Deal the step's samples to the workers (`dealing.shares`) and start their prefetch."""
-    from flexrl_ds.loader.proxy_loader import requests_for_samples
-
     shares = dealing.shares(step.sample_ids())
     workers.run_each_async("prefetch", [(loader.assignment(step, requests_for_samples(step, share)),)
                                         for share in shares])
@@ -341,8 +209,6 @@ def _run_steps(label: str, config: LoaderBenchConfig, loader: Any, workers: Any,
                dealing: Any) -> _Measured:
     """The bench loop: warm-up then measured steps, each loading the next one (the steady state
     of a long run, the last step included), sampling RSS throughout."""
-    import ray
-
     total, measured = config.warmup_steps + config.steps, _Measured()
     step = loader.next_step()
     _send(loader, workers, step, dealing)
@@ -438,8 +304,6 @@ def add_decode_timings(phases: list[dict[str, float]], asked: list[tuple[int, fl
 
 
 def _child_main(spec_json: str) -> int:
-    from flexrl_ds.runtime.ray_session import join_ray
-
     spec = json.loads(spec_json)
     config = LoaderBenchConfig(**spec["config"])
     join_ray(spec["address"])
@@ -450,10 +314,6 @@ def _child_main(spec_json: str) -> int:
 
 def run_bench(config: LoaderBenchConfig) -> list[RunResult]:
     """Start a local Ray cluster (or join RAY_ADDRESS's), then one controller process per (mode, B, K)."""
-    import ray
-
-    from flexrl_ds.runtime.ray_session import connect_ray, gcs_address
-
     runs = [("none", config.global_batches[0], 0)]
     runs += [("central", batch, 0) for batch in config.global_batches]
     runs += [("shadow", batch, k) for batch in config.global_batches for k in config.actors]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flexrl_ds.bench.loader_bench import RunResult
+from flexrl_ds.bench.loader_bench_config import RunResult
 
 
 def format_table(results: list[RunResult]) -> str:

@@ -8,8 +8,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from flexrl_ds.bench import loader_bench
-from flexrl_ds.bench.loader_bench import DEFAULT_CPUS_PER_ACTOR, MODES, LoaderBenchConfig
+from flexrl_ds.bench.loader_bench_config import DEFAULT_CPUS_PER_ACTOR, MODES, LoaderBenchConfig
 from flexrl_ds.bench.loader_report import format_table, summary
 
 
@@ -47,6 +46,8 @@ def register(commands, bench) -> None:
 
 
 def _bench_loader(args: argparse.Namespace) -> int:
+    from flexrl_ds.bench import loader_bench  # lazy: imports Ray and torch (`flexrl --help` stays fast)
+
     config = LoaderBenchConfig(
         data=args.data, global_batches=args.global_batch, steps=args.steps, actors=args.actors,
         compute_ms=args.compute_ms, num_workers=args.workers, num_samples_per_prompt=args.n_samples,
