@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
-from flexrl_ds.tools.logprobs import LogprobsConfig, run_logprobs
 
 
 def register(commands, bench) -> None:
@@ -71,6 +70,8 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _logprobs(args: argparse.Namespace) -> int:
+    from flexrl_ds.tools.logprobs import LogprobsConfig, run_logprobs  # lazy: imports torch
+
     config = LogprobsConfig(model_dir=args.model, data_path=args.data, out_path=args.out,
                             num_procs=args.nproc, p_max=args.p_max, plan_out=args.plan_out, dtype=args.dtype,
                             plan_in=args.plan, response_key=args.response_key, loader=args.loader,
@@ -81,7 +82,7 @@ def _logprobs(args: argparse.Namespace) -> int:
 
 
 def _bench_vision(args: argparse.Namespace) -> int:
-    from flexrl_ds.bench.vision_balance_bench import run  # imports torch: `flexrl --help` stays fast
+    from flexrl_ds.bench.vision_balance_bench import run  # lazy: imports torch (`flexrl --help` stays fast)
 
     rows = run(args.mix, args.gbs, args.n_samples, args.world, args.p_max, args.seed, args.plot)
     print(f"{'policy':<16}{'max patches':>14}{'mean':>14}{'max/mean':>10}")

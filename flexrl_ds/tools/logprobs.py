@@ -35,14 +35,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from flexrl_ds.config.flexrl_config import load_run_config
+from flexrl_ds.models.processing import encode_records
+from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.plan import Workload, load_plan, validate_plan
+from flexrl_ds.planning.planner import plan_step
 from flexrl_ds.runtime.process_workers import ProcessWorkerGroup
 from flexrl_ds.runtime.worker_group import RayWorkerGroup
+from flexrl_ds.tools import logprob_worker, shadow_step
+from flexrl_ds.tools.logprob_worker import PRELOAD, LogprobWorker, RankSetup
 
-# `flexrl --help` imports this module (cli/models.py): imports that pull torch, numpy or Ray stay
-# inside the functions that need them.
+# Ray is imported only by the shadow loader's functions: `--loader local` (and `auto` where Ray is
+# not importable) runs without it.
 
 DTYPES = ("float32", "bfloat16", "float64")
 LOADERS = ("auto", "shadow", "local")
@@ -110,8 +118,6 @@ class LogprobsConfig:
 
 def encode_dataset(model_dir: str, data_path: str, response_key: str = "response") -> dict[str, Any]:
     """EncodedSample per usable record id, in file order (bad records reported and skipped)."""
-    from flexrl_ds.models.processing import encode_records  # torch
-
     return encode_records(model_dir, data_path, response_key=response_key)
 
 
@@ -127,12 +133,7 @@ def plan_for_samples(model_dir: str, samples: dict[str, Any], num_procs: int, p_
                      sp: SPConfig | None = None):
     """The FlexUlysses planner's plan for these sequences over `num_procs` ranks (`sp`: the run
     config's `flexrl.sp`; None: defaults with `p_max`)."""
-    from flexrl_ds.planning.cost_model import load_cost_model  # numpy
-    from flexrl_ds.planning.planner import plan_step  # numpy
-
     sequences = tuple(sample.sequence_spec(seq_id) for seq_id, sample in samples.items())
-    from flexrl_ds.parallel import device as device_mod  # torch
-
     sp = sp or SPConfig(p_max=p_max)
     cost = load_cost_model(sp.cost_model or str(Path(model_dir) / "config.json"), sp.calibration,
                            device_name=device_mod.accelerator_name())
@@ -178,8 +179,6 @@ def run_logprobs(config: LogprobsConfig) -> LogprobsReport:
 def _run_local(config: LogprobsConfig):
     """This process decodes every record; the ranks (started first, loading the model meanwhile)
     receive every sample, pixels included."""
-    from flexrl_ds.tools.logprob_worker import PRELOAD, LogprobWorker, RankSetup  # torch
-
     if config.num_procs == 1:
         samples = encode_dataset(config.model_dir, config.data_path, config.response_key)
         return (samples, *_plan_and_run(config, samples, None))
@@ -200,11 +199,10 @@ def _run_shadow(config: LogprobsConfig):
     """The parent path: metadata here, pixels on the preprocessing actors (inside the data
     controller's service), ranks (a Ray worker group) pull their own units. The ranks start
     (process group, model) while the actors probe and decode."""
-    import ray
+    import ray  # lazy: Ray is optional for --loader local (see LogprobsConfig.resolved_loader)
 
-    from flexrl_ds.runtime.data_controller import DataController  # Ray, torch
-    from flexrl_ds.runtime.ray_session import connect_ray, num_alive_nodes  # Ray
-    from flexrl_ds.tools import shadow_step  # torch
+    from flexrl_ds.runtime.data_controller import DataController  # lazy: imports Ray (optional, as above)
+    from flexrl_ds.runtime.ray_session import connect_ray, num_alive_nodes  # lazy: imports Ray (as above)
 
     settings = shadow_step.ShadowSettings(num_actors_per_node=config.num_actors,
                                           num_cpus_per_actor=config.cpus_per_actor, timeout_s=config.timeout_s)
@@ -240,8 +238,6 @@ def _start_ranks_while_loading(config: LogprobsConfig, controller, encoder, stac
     group is shut down when `stack` closes (also if loading fails)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flexrl_ds.tools import shadow_step  # torch
-
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logprob-ranks")
     starting = executor.submit(_rank_group, config)
 
@@ -262,9 +258,7 @@ def _rank_group(config: LogprobsConfig):
     """`config.num_procs` rank actors (one GPU each when the cluster has enough GPUs)."""
     import os
 
-    import ray
-
-    from flexrl_ds.tools.logprob_worker import LogprobWorker, RankSetup  # torch
+    import ray  # lazy: Ray is optional for --loader local
 
     use_gpus = (os.environ.get("FLEXRL_FORCE_CPU", "0") != "1"
                 and ray.cluster_resources().get("GPU", 0) >= config.num_procs)
@@ -314,8 +308,6 @@ def _size(num_bytes: int) -> str:
 
 def pixel_bytes_in(samples: dict[str, Any]) -> int:
     """Bytes of pixel tensors held by encoded samples (placeholders hold none)."""
-    import torch
-
     return sum(item.pixel_values.nbytes for sample in samples.values() for item in sample.items
                if isinstance(item.pixel_values, torch.Tensor))
 
@@ -325,8 +317,6 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], ranks,
     """Plan the step, run it on `ranks` (a started worker group of `LogprobWorker`s; None: here,
     for local --nproc 1), assemble the log-probs. `pixels`: the job's `pixels`, `step` and
     `prompt_keys` (shadow: the ranks pull their units)."""
-    from flexrl_ds.tools import logprob_worker  # torch
-
     if config.plan_in:
         plan = load_given_plan(config.plan_in, samples, config.num_procs)
     else:
