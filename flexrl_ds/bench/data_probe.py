@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from flexrl_ds.loader.config import DataConfig
 from flexrl_ds.media.dataset import probe_entries
 from flexrl_ds.media.preprocess import SamplePreprocessor
 from flexrl_ds.media.types import BadMediaError, SampleMeta
@@ -69,3 +70,8 @@ def bench_probe(data: str | Path, preprocessor: SamplePreprocessor) -> ProbeBenc
         meta_bytes_per_record=meta_bytes / len(good), pixel_bytes_per_record=pixel_bytes / len(good),
         vision_tokens_per_record=sum(meta.vision_tokens for meta in good) / len(good),
     )
+
+
+def bench_probe_config(data: str | Path, data_config: DataConfig) -> ProbeBenchResult:
+    """`bench_probe` with the `SamplePreprocessor` of `data_config` (`flexrl bench probe`)."""
+    return bench_probe(data, SamplePreprocessor(data_config))

@@ -11,10 +11,9 @@ from dataclasses import replace
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.loader.config import DataConfig
 from flexrl_ds.media.config import VIDEO_BACKENDS
-from flexrl_ds.media.types import BadMediaError, BadRecord, SampleMeta
 
-# The dataset maker, the preprocessor and the probe bench import torch: they are imported in the
-# handlers, so that `flexrl --help` (which imports this module to register the commands) stays fast.
+# The dataset maker, inspect-data and the probe bench import torch: each handler imports its module
+# itself, so that `flexrl --help` (which imports this module to register the commands) stays fast.
 
 
 def register(commands, bench) -> None:
@@ -78,7 +77,7 @@ def _progress(label: str):
 
 
 def _make_dataset(args: argparse.Namespace) -> int:
-    from flexrl_ds.bench.datasets import make_dataset
+    from flexrl_ds.bench.datasets import make_dataset  # lazy: imports torch (`flexrl --help` stays fast)
 
     start = time.monotonic()
     summary = make_dataset(args.out, args.mix, args.num, args.scale, args.seed, parquet=args.parquet,
@@ -103,90 +102,15 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
 
 
 def _inspect_data(args: argparse.Namespace) -> int:
-    from flexrl_ds.media.dataset import probe_entries
-    from flexrl_ds.media.preprocess import SamplePreprocessor
+    from flexrl_ds.tools import inspect_data  # lazy: imports torch (`flexrl --help` stays fast)
 
-    preprocessor = SamplePreprocessor(_data_config(args))
-    entries = probe_entries(args.data, preprocessor, progress=None if args.json else _progress("probe"))
-    counts = {"ok": 0, "bad": 0, "mismatch": 0, "vision_tokens": 0}
-    if args.plot:
-        plot_vision_tokens(entries, args.plot)
-    for entry in entries:
-        result = inspect_entry(entry, preprocessor, args.materialize)
-        counts["ok" if result["ok"] else "bad"] += 1
-        counts["mismatch"] += bool(result["mismatch"])
-        counts["vision_tokens"] += result["vision_tokens"] or 0
-        print(json.dumps(result) if args.json else _text_line(result), flush=True)
-    summary = (f"{len(entries)} records: {counts['ok']} ok, {counts['bad']} bad, "
-               f"{counts['vision_tokens']} vision tokens"
-               + (f", {counts['mismatch']} shape mismatches" if args.materialize else ""))
-    print(summary, file=sys.stderr if args.json else sys.stdout)
-    return 1 if counts["mismatch"] else 0
+    return inspect_data.inspect_data(args.data, _data_config(args), args.materialize, args.json, args.plot,
+                                     progress=None if args.json else _progress("probe"))
 
 
 def _bench_probe(args: argparse.Namespace) -> int:
-    from flexrl_ds.bench.data_probe import bench_probe
-    from flexrl_ds.media.preprocess import SamplePreprocessor
+    from flexrl_ds.bench import data_probe  # lazy: imports torch (`flexrl --help` stays fast)
 
-    result = bench_probe(args.data, SamplePreprocessor(_data_config(args)))
+    result = data_probe.bench_probe_config(args.data, _data_config(args))
     print(json.dumps(result.to_json()) if args.json else result.table())
     return 0
-
-
-def inspect_entry(entry, preprocessor, materialize: bool) -> dict:
-    """The `inspect-data --json` object of one probed entry (SampleMeta or BadRecord)."""
-    from flexrl_ds.media.preprocess import collate
-
-    if isinstance(entry, BadRecord):
-        return {"id": entry.id, "ok": False, "reason": f"{entry.stage}: {entry.reason}",
-                "vision_tokens": None, "predicted_shapes": None, "actual_shapes": None, "mismatch": None}
-    predicted = {key: list(shape) for key, shape in entry.predicted_shapes().items()}
-    result = {"id": entry.id, "ok": True, "reason": None, "vision_tokens": entry.vision_tokens,
-              "predicted_shapes": predicted, "actual_shapes": None, "mismatch": None}
-    if materialize:
-        try:
-            outputs = collate(entry, preprocessor.materialize(entry))
-        except BadMediaError as error:
-            result.update(ok=False, reason=f"materialize: {error.bad.reason}")
-            return result
-        actual = {key: list(value.shape) for key, value in outputs.items() if hasattr(value, "shape")}
-        result["actual_shapes"] = actual
-        result["mismatch"] = actual != predicted
-    return result
-
-
-def plot_vision_tokens(entries, path: str) -> None:
-    """Histogram of vision tokens per good record, split by media kind (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups: dict[str, list[int]] = {}
-    for entry in entries:
-        if isinstance(entry, SampleMeta):
-            kind = "video" if entry.num_frames else ("image" if entry.num_images else "text")
-            groups.setdefault(kind, []).append(entry.vision_tokens)
-    figure, axis = plt.subplots(figsize=(7, 4))
-    if groups:
-        axis.hist(list(groups.values()), bins=30, label=list(groups), stacked=True)
-        axis.legend()
-    axis.set_xlabel("vision tokens per record (predicted from metadata)")
-    axis.set_ylabel("records")
-    axis.set_title(f"{sum(map(len, groups.values()))} good records")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    print(f"wrote {path}", file=sys.stderr)
-
-
-def _text_line(result: dict) -> str:
-    if not result["ok"] and result["predicted_shapes"] is None:
-        return f"{result['id']:<16} BAD  {result['reason']}"
-    shapes = " ".join(f"{key}={'x'.join(map(str, shape))}" for key, shape in result["predicted_shapes"].items())
-    line = f"{result['id']:<16} ok   {result['vision_tokens']:>7} vision tokens  {shapes}"
-    if not result["ok"]:
-        return f"{result['id']:<16} BAD  {result['reason']}  (predicted {shapes})"
-    if result["actual_shapes"] is not None:
-        line += "  MISMATCH actual " + json.dumps(result["actual_shapes"]) if result["mismatch"] else "  [actual: same]"
-    return line
