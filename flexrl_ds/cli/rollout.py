@@ -20,6 +20,7 @@ def register(commands, bench) -> None:
 
 
 def _bench_rollout(args) -> int:
+    # lazy: imports torch (`flexrl --help` stays fast)
     from flexrl_ds.bench.rollout_bench import RolloutBenchConfig, run_rollout_bench, write_result
 
     config = RolloutBenchConfig(args.shape, args.prompts, args.prompt_len, args.new_tokens,

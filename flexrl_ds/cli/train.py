@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from flexrl_ds.common.json_files import read_json
+from flexrl_ds.config.flexrl_config import load_run_config
+
 
 def register(commands, bench) -> None:
     train = commands.add_parser(
@@ -27,8 +30,7 @@ def register(commands, bench) -> None:
 
 
 def _train(args) -> int:
-    from flexrl_ds.common.json_files import read_json
-    from flexrl_ds.config.flexrl_config import load_run_config
+    # lazy: imports torch and Ray (`flexrl --help` stays fast)
     from flexrl_ds.trainer.launch import TrainArgs, train_spmd, train_with_ray
 
     run = load_run_config(args.config)

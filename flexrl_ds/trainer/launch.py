@@ -24,6 +24,7 @@ import transformers
 
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.parallel.launch import init_distributed
 from flexrl_ds.models.processing import SampleEncoder
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
@@ -200,8 +201,6 @@ def _quietly(function) -> None:
 
 def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
     """Every process of a launcher (deepspeed --hostfile, torchrun) runs this; rank 0 drives."""
-    from flexrl_ds.parallel.launch import init_distributed
-
     context = init_distributed(timeout_s=run.flexrl.trainer.timeout_s)
     rank, world = context.launch.rank, context.launch.world_size
     prepared = controller = None
