@@ -18,7 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+
+from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+from flexrl_ds.models.weights import iter_weight_buckets
 from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
+from flexrl_ds.rollout.hf_engine import HFRolloutEngine
 
 SHAPES = {
     "7b": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28,
@@ -71,8 +78,6 @@ class RolloutBenchResult:
 
 
 def _model_dir(config: RolloutBenchConfig) -> Path:
-    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
-
     out = Path(config.work_dir) / f"model-{config.shape}"
     if not (out / "config.json").is_file():
         make_tiny_model(TinyModelConfig(out_dir=str(out), **SHAPES[config.shape]), weights=False)
@@ -80,9 +85,6 @@ def _model_dir(config: RolloutBenchConfig) -> Path:
 
 
 def _hf_model(model_dir: Path, device: Any):
-    import torch
-    import transformers
-
     hf_config = transformers.AutoConfig.from_pretrained(str(model_dir))
     torch.manual_seed(0)
     with torch.device(device):
@@ -92,10 +94,6 @@ def _hf_model(model_dir: Path, device: Any):
 
 def _requests(config: RolloutBenchConfig, hf_config: Any):
     """Random text prompts over the ordinary tokens (below the first special token: no vision pads)."""
-    import torch
-
-    from flexrl_ds.rollout.base import RolloutRequest
-
     special = [getattr(hf_config, name, None) for name in ("image_token_id", "video_token_id", "vision_start_token_id")]
     upper = min([token for token in special if token is not None] or [hf_config.get_text_config().vocab_size])
     generator = torch.Generator().manual_seed(config.seed)
@@ -114,8 +112,6 @@ def _timed_generate(engine, requests, params) -> tuple[float, int]:
 
 
 def run_rollout_bench(config: RolloutBenchConfig, progress=print) -> RolloutBenchResult:
-    from flexrl_ds.rollout.base import SamplingParams
-
     info = device_mod.detect()
     if not info.is_gpu:
         raise ValueError("flexrl bench rollout: needs a GPU (vLLM and the timed engines run there)")
@@ -126,8 +122,6 @@ def run_rollout_bench(config: RolloutBenchConfig, progress=print) -> RolloutBenc
     requests = _requests(config, model.config)
     params = SamplingParams(temperature=1.0, max_new_tokens=config.new_tokens)
     if "hf" in config.backends:
-        from flexrl_ds.rollout.hf_engine import HFRolloutEngine
-
         engine = HFRolloutEngine(model_dir, dtype="bfloat16", device=device, max_batch_sequences=config.prompts,
                                  model=model)
         seconds, tokens = _timed_generate(engine, requests, params)
@@ -140,7 +134,7 @@ def run_rollout_bench(config: RolloutBenchConfig, progress=print) -> RolloutBenc
 
 
 def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBenchResult, progress) -> None:
-    from flexrl_ds.rollout.vllm_engine import VLLMEngine
+    from flexrl_ds.rollout.vllm_engine import VLLMEngine  # lazy: vllm is a GPU-only extra
 
     started = time.perf_counter()
     engine = VLLMEngine(model_dir, dtype="bfloat16", device=next(model.parameters()).device,
@@ -163,8 +157,6 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
 
 
 def _timed_sync(engine, model, bucket_bytes: int, result: RolloutBenchResult) -> None:
-    from flexrl_ds.models.weights import iter_weight_buckets
-
     info = device_mod.detect()
     device = next(model.parameters()).device
     engine.sleep()  # as between steps: the policy trained while the engine slept
@@ -184,10 +176,6 @@ def _timed_sync(engine, model, bucket_bytes: int, result: RolloutBenchResult) ->
 def _logprob_diff(engine, model, requests) -> float:
     """Mean |vLLM - HF| log-prob over vLLM's greedy responses (bf16 both: ~1e-2 is agreement, a
     stale or missing weight gives O(1))."""
-    import torch
-
-    from flexrl_ds.rollout.base import SamplingParams
-
     results = engine.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=16))
     diffs = []
     with torch.no_grad():
