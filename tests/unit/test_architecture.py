@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "flexrl_ds"
 DEVICE_MODULE = PACKAGE / "parallel" / "device.py"
@@ -156,3 +160,71 @@ def test_no_monkey_patching_of_model_classes():
     pattern = re.compile(r"^\s*(transformers\.\S+|Qwen\w+|\w+Attention)\.\w+\s*=", re.MULTILINE)
     offenders = [str(p) for p in package_files() if pattern.search(p.read_text())]
     assert not offenders, f"assignments onto model classes: {offenders}"
+
+
+LAZY_MARK = "lazy:"
+"""A function-level import of a flexrl_ds module carries a comment with this on its line (or the line
+above) saying why it is not at module top, e.g. `# lazy: vllm is a GPU-only extra`."""
+
+
+def function_level_project_imports(path: Path) -> list[ast.stmt]:
+    """Imports of flexrl_ds modules (or relative ones) inside functions of `path`, in line order."""
+    found: dict[int, ast.stmt] = {}
+    for function in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Import):
+                project = any(alias.name.split(".")[0] == "flexrl_ds" for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                project = node.level > 0 or (node.module or "").split(".")[0] == "flexrl_ds"
+            else:
+                continue
+            if project:
+                found[node.lineno] = node
+    return [found[lineno] for lineno in sorted(found)]
+
+
+def unexplained_lazy_imports(paths: list[Path]) -> list[str]:
+    """`file:line` of each function-level flexrl_ds import without a `lazy:` comment nearby."""
+    out = []
+    for path in paths:
+        lines = path.read_text().splitlines()
+        for node in function_level_project_imports(path):
+            nearby = lines[max(0, node.lineno - 2):node.end_lineno]  # the line above and the import's lines
+            if not any(LAZY_MARK in line.partition("#")[2] for line in nearby):
+                out.append(f"{path.name}:{node.lineno}")
+    return out
+
+
+def test_project_imports_inside_functions_say_why():
+    offenders = [f"{path.parent.relative_to(PACKAGE)}/{where}" for path in package_files()
+                 for where in unexplained_lazy_imports([path])]
+    assert not offenders, (f"flexrl_ds imports inside functions without a '# {LAZY_MARK} <why>' comment (move "
+                           f"them to module top, or say why they cannot be there): {offenders}")
+
+
+def test_lazy_import_finder_sees_function_level_imports(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("from flexrl_ds.common import typed\n\n\ndef f():\n    import os\n"
+                      "    from flexrl_ds.planning import plan\n\n    def g():\n"
+                      "        # lazy: a reason\n        import flexrl_ds.parallel.device\n")
+    assert [node.lineno for node in function_level_project_imports(sample)] == [6, 10]
+    assert unexplained_lazy_imports([sample]) == ["sample.py:6"]
+
+
+HEAVY_MODULES = ("torch", "numpy", "ray", "transformers", "deepspeed", "vllm")
+"""Modules `flexrl --help` must not import: it has to answer fast (every handler imports its own)."""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["plan", "--help"]])
+def test_help_imports_no_heavy_module(argv):
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['flexrl', *{argv!r}]\n"
+             "try:\n    runpy.run_module('flexrl_ds', run_name='__main__', alter_sys=True)\n"
+             "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
+             f"print('HEAVY', sorted(name for name in {HEAVY_MODULES!r} if name in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "HEAVY []", f"flexrl {' '.join(argv)} imported {done.stdout.splitlines()[-1]}"
