@@ -121,3 +121,23 @@ def use_full_precision_kernels() -> None:
 def accelerator_name() -> str | None:
     """Name of the local GPU (e.g. "NVIDIA H200"; what shipped calibrations match), None without one."""
     return torch.cuda.get_device_name(0) if gpu_available() else None
+
+
+def current_device(info: DeviceInfo) -> torch.device:
+    """The device this process computes on now (its current GPU, or the CPU)."""
+    return torch.device(info.kind, torch.cuda.current_device()) if info.is_gpu else torch.device("cpu")
+
+
+def new_private_group(info: DeviceInfo, store, rank: int, size: int, timeout_s: float):
+    """A process group of `size` ranks outside the default world, rendezvousing through `store`
+    (NCCL on GPUs, gloo on CPU): e.g. policy rank 0 with rollout engines that are no policy ranks."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if info.is_gpu:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)

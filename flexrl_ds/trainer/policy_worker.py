@@ -13,7 +13,9 @@ Every method is collective over the group (all ranks are called with the same ar
 - `train(job)`: one mini-batch: FlexUlysses forward with grad, the GRPO loss over this rank's
   tokens normalised by the mini-batch's global denominator, backward, optimizer step; returns
   summed statistics (the driver adds them over ranks) and the global grad norm;
-- `sync_rollout`, `weight_buckets`: ZeRO-3 parameters gathered in buckets for the rollout engines;
+- `sync_rollout` (colocated engines) / `send_weights` (separate engines, over the weight channel
+  that `weight_channel_address` + `join_weight_channel` set up): ZeRO-3 parameters gathered in
+  buckets for the rollout engines;
 - `save_checkpoint` / `load_checkpoint` / `export_hf`.
 Each rank pulls its own pixels: exactly the vision units the step's vision balancing gives it.
 """
@@ -41,7 +43,8 @@ from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 from flexrl_ds.parallel.launch import ensure_deepspeed_comm
 from flexrl_ds.planning.plan import parse_plan
 from flexrl_ds.runtime.rank_pixels import fetched_items, unit_requests
-from flexrl_ds.runtime.worker_group import WorkerPlace
+from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
+from flexrl_ds.runtime.worker_group import WorkerPlace, free_port, node_address
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.rollout_host import RolloutHost
 
@@ -217,15 +220,29 @@ class PolicyWorker:
             count += len(bucket)
         return {"sync_s": time.perf_counter() - started, "num_tensors": float(count)}
 
-    def weight_buckets(self, bucket_bytes: int) -> list[Any]:
-        """Separate engines: the gathered buckets as Ray objects (rank 0's list; others return [])."""
-        import ray
+    def weight_channel_address(self, num_engines: int, timeout_s: float) -> ChannelAddress | None:
+        """Separate engines: rank 0 names where its weight channel will listen (others: None)."""
+        if self.rank != 0:
+            return None
+        host = node_address()
+        return ChannelAddress(host, free_port(host), num_engines + 1, timeout_s)
 
-        refs = []
-        for bucket in model_weights.iter_weight_buckets(self.policy.module.hf_model, bucket_bytes):
-            if self.rank == 0:
-                refs.append(ray.put(bucket))
-        return refs
+    def join_weight_channel(self, address: ChannelAddress) -> bool:
+        """Rank 0 becomes the sender of the channel (blocks until every engine has joined)."""
+        if self.rank == 0:
+            self.channel = WeightChannel(address, 0, self.device_info)
+        return True
+
+    def send_weights(self, bucket_bytes: int) -> dict[str, float]:
+        """Separate engines: every rank gathers the buckets (collective); rank 0 broadcasts each one
+        over the weight channel as it is gathered (runtime/weight_channel.py)."""
+        started = time.perf_counter()
+        buckets = model_weights.iter_weight_buckets(self.policy.module.hf_model, bucket_bytes, self.device)
+        if self.rank == 0:
+            sent = self.channel.send(buckets)
+        else:
+            sent = sum(0 for _ in buckets)
+        return {"sync_s": time.perf_counter() - started, "bytes": float(sent)}
 
     def generate(self, step: int, jobs: list, params: Any):
         """Colocated rollout of this rank's share of the step's prompts."""

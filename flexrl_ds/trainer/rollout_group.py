@@ -4,8 +4,9 @@
   prompts are dealt over the ranks, and after an update every rank copies the gathered ZeRO-3
   weights into its own engine in process (no transfer between processes).
 - `SeparateRollout`: `num_engines` Ray actors of their own (`RolloutHost`), with their own CPUs /
-  GPUs; after an update rank 0 of the policy group puts the gathered buckets into the object store
-  and every engine loads them.
+  GPUs; after an update rank 0 of the policy group broadcasts the gathered buckets over a process
+  group of its own with the engines (runtime/weight_channel.py: NCCL between GPUs, gloo on CPU)
+  and every engine loads them as they arrive.
 Both return `(results, withdrawn prompts)` from `generate` and the seconds a sync took from `sync`.
 """
 
@@ -54,6 +55,7 @@ class SeparateRollout:
                  engine_options: dict[str, Any] | None = None):
         actor = ray.remote(RolloutHost)
         self.timeout_s = timeout_s
+        self.channel_ready = False
         self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
             backend, model_dir, pixels, dtype, None, max_batch_sequences, engine_options) for _ in range(num_engines)]
 
@@ -63,9 +65,18 @@ class SeparateRollout:
         return _merge(ray.get(refs, timeout=self.timeout_s))
 
     def sync(self, policy: Any, bucket_bytes: int) -> float:
+        """Policy rank 0 broadcasts each gathered bucket to every engine over the weight channel
+        (set up on the first sync); the engines load them as they arrive."""
         started = time.perf_counter()
-        buckets = policy.run("weight_buckets", bucket_bytes)[0]
-        ray.get([host.load_weights.remote(buckets) for host in self.hosts], timeout=self.timeout_s)
+        if not self.channel_ready:
+            address = policy.run("weight_channel_address", len(self.hosts), self.timeout_s)[0]
+            joins = [host.join_weight_channel.remote(address, rank) for rank, host in enumerate(self.hosts, 1)]
+            policy.run("join_weight_channel", address)
+            ray.get(joins, timeout=self.timeout_s)
+            self.channel_ready = True
+        loads = [host.receive_weights.remote() for host in self.hosts]
+        policy.run("send_weights", bucket_bytes)
+        ray.get(loads, timeout=self.timeout_s)
         return time.perf_counter() - started
 
     def shutdown(self) -> None:

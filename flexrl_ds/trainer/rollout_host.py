@@ -5,7 +5,8 @@ step it receives `PromptJob`s (token ids, item kinds/grids, per-sample seeds: me
 the whole media items of those prompts from the preprocessing actors through the run's
 `PixelSource` (the driver never holds pixels), and generates the n samples of each prompt. The
 host lives either inside each policy worker (`flexrl.trainer.colocate`: weights copied in process)
-or in a Ray actor of its own (weights arrive as buckets through the object store).
+or in a Ray actor of its own (weights arrive as buckets over policy rank 0's weight channel:
+runtime/weight_channel.py, NCCL between GPUs, gloo on CPU).
 `RolloutGroup` spreads a step's prompts over the hosts and collects the results.
 """
 
@@ -19,6 +20,7 @@ from flexrl_ds.loader.metastore import PromptKey
 from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams, engine_class
 from flexrl_ds.runtime.data_controller import prompt_name
+from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
 
 
 @dataclass(frozen=True)
@@ -76,14 +78,15 @@ class RolloutHost:
         results = self.engine.generate(rollout_requests, params) if rollout_requests else []
         return RolloutOutput(results, withdrawn, fetched.bytes_fetched if fetched is not None else 0)
 
-    def load_weights(self, buckets: Sequence[Any]) -> int:
-        """Load successive buckets of (name, tensor) pairs (Ray references are resolved here)."""
-        import ray
+    def join_weight_channel(self, address: ChannelAddress, rank: int) -> bool:
+        """Join policy rank 0's weight channel as receiver `rank` (1..engines; blocks until all join)."""
+        self.channel = WeightChannel(address, rank)
+        return True
 
+    def receive_weights(self) -> int:
+        """Load one sync's buckets as they arrive over the weight channel; returns the tensors loaded."""
         count = 0
-        for bucket in buckets:
-            if isinstance(bucket, ray.ObjectRef):
-                bucket = ray.get(bucket)
+        for bucket in self.channel.receive():
             self.engine.load_weights(bucket)
             count += len(bucket)
         return count

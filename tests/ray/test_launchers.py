@@ -1,7 +1,7 @@
 """Both launchers run the tiny config end to end: `ray job submit` (scripts/train_ray_job.sh, local
 head on 127.0.0.1) and `deepspeed --hostfile` (scripts/train_deepspeed.sh, SPMD, rank 0 drives).
-The Ray job runs its rollout engine as a separate Ray actor (`colocate: false`, weights synced
-through the object store), the SPMD run inside the ranks. They share the model, data and seed, so
+The Ray job runs its rollout engine as a separate Ray actor (`colocate: false`, weights sent over
+policy rank 0's weight channel), the SPMD run inside the ranks. They share the model, data and seed, so
 step 0 must sample the same responses; after the Ray job's first sync its engine must generate
 with the updated weights (`rollout_logprob_diff` ~ fp32 noise at step 1)."""
 

@@ -1,0 +1,118 @@
+"""Weights from policy rank 0 to rollout engines on other devices, over a process group of their own.
+
+Engines that are not policy ranks (`SeparateRollout`) are outside the policy's torch.distributed
+world, so `WeightChannel` builds a private group (parallel/device.new_private_group: NCCL between
+GPUs, gloo on CPU) of policy rank 0 (rank 0 of the channel, the TCPStore's host) and the engines
+(ranks 1..E). A sync sends each ZeRO-3 bucket (models/weights.iter_weight_buckets) as one broadcast:
+a small header (names, dtypes, shapes, pickled into bytes) and one flat byte buffer holding the
+bucket's tensors at 16-byte aligned offsets; an empty header ends the sync. Receivers rebuild the
+tensors on their own device and load them bucket by bucket, so no process holds more than one
+bucket extra and no weight passes through the Ray object store.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from flexrl_ds.parallel import device as device_mod
+
+ALIGN = 16
+"""Byte alignment of each tensor in a bucket's buffer (so every slice can be viewed as its dtype)."""
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where the channel's store listens (policy rank 0's node) and how many ranks join."""
+
+    host: str
+    port: int
+    size: int
+    """1 (the sender) + the number of engines."""
+    timeout_s: float = 900.0
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[bytes, torch.Tensor]:
+    """(header, flat uint8 buffer) of a bucket: tensors at ALIGN-byte offsets, described in the header."""
+    meta, offset = [], 0
+    for name, tensor in bucket:
+        nbytes = tensor.numel() * tensor.element_size()
+        meta.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        offset += _aligned(nbytes)
+    flat = torch.zeros(offset, dtype=torch.uint8, device=device)
+    for (_, tensor), (_, _, _, start, nbytes) in zip(bucket, meta):
+        flat[start:start + nbytes] = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+    return pickle.dumps(meta), flat
+
+
+def unpack_bucket(header: bytes, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The bucket `pack_bucket` described: views into `flat` with each tensor's dtype and shape."""
+    bucket = []
+    for name, dtype, shape, start, nbytes in pickle.loads(header):
+        bucket.append((name, flat[start:start + nbytes].view(getattr(torch, dtype)).view(shape)))
+    return bucket
+
+
+class WeightChannel:
+    """One end of the channel: rank 0 sends, ranks 1.. receive (see the module docstring)."""
+
+    def __init__(self, address: ChannelAddress, rank: int, info: device_mod.DeviceInfo | None = None):
+        import datetime
+
+        if not 0 <= rank < address.size:
+            raise ValueError(f"weight channel: rank {rank} outside a channel of {address.size}")
+        self.info = info or device_mod.detect()
+        self.device = device_mod.current_device(self.info)
+        self.rank = rank
+        store = dist.TCPStore(address.host, address.port, address.size, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=address.timeout_s), wait_for_workers=False)
+        self.group = device_mod.new_private_group(self.info, dist.PrefixStore("flexrl-weights", store), rank,
+                                                  address.size, address.timeout_s)
+        self._store = store  # the sender's store must outlive the group's rendezvous
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.group.broadcast([tensor], options).wait()
+
+    def _header(self, payload: bytes | None = None) -> bytes:
+        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device)
+        self._broadcast(length)
+        data = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+        if payload:
+            data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        if len(data):
+            self._broadcast(data)
+        return bytes(data.cpu().numpy())
+
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+        """Rank 0: broadcast every bucket, then the end marker; returns the bytes sent."""
+        assert self.rank == 0, "only rank 0 of a weight channel sends"
+        sent = 0
+        for bucket in buckets:
+            header, flat = pack_bucket(bucket, self.device)
+            self._header(header)
+            self._broadcast(flat)
+            sent += flat.numel()
+        self._header(b"")
+        return sent
+
+    def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Ranks 1..: the buckets of one sync, in order, as tensors on this rank's device."""
+        assert self.rank > 0, "rank 0 of a weight channel sends"
+        while True:
+            header = self._header()
+            if not header:
+                return
+            size = sum(_aligned(nbytes) for *_, nbytes in pickle.loads(header))
+            flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._broadcast(flat)
+            yield unpack_bucket(header, flat)
