@@ -146,6 +146,12 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
     result.logprob_diff_before_sync = _logprob_diff(engine, model, requests[:4])
     progress(f"[bench rollout] vllm (started in {result.engine_start_s:.0f} s): {tokens} tokens in {seconds:.2f} s "
              f"= {tokens / seconds:,.0f} tokens/s")
+    engine.seeded = False  # the same prompts from the engine's one stream: what per-sample seeds cost
+    seconds, tokens = _timed_generate(engine, requests, params)
+    engine.seeded = True
+    result.seconds["vllm_unseeded"], result.tokens_per_s["vllm_unseeded"] = seconds, tokens / seconds
+    progress(f"[bench rollout] vllm without per-sample seeds: {tokens} tokens in {seconds:.2f} s "
+             f"= {tokens / seconds:,.0f} tokens/s")
     for _ in range(3):
         _timed_sync(engine, model, config.bucket_mb << 20, result)
     progress(f"[bench rollout] colocated sync of {result.sync_tensors} tensors ({result.sync_gib:.1f} GiB): "
