@@ -28,7 +28,7 @@ def check_model_dir(model_dir: str) -> None:
 
 
 def check_batch(flexrl: Any, num_ranks: int) -> None:
-    loader, rl, sp = flexrl.data.loader, flexrl.rl, flexrl.sp
+    loader, rl = flexrl.data.loader, flexrl.rl
     samples = loader.global_batch * loader.num_samples_per_prompt
     if samples % num_ranks:
         raise ValueError(
