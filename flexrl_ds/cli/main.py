@@ -3,8 +3,9 @@
 Each subsystem owns a small module here with a `register(commands, bench)` function that adds its
 sub-commands: `commands` is the top-level argparse sub-parser set, `bench` the one under
 `flexrl bench`. A command's handler is stored as `func` and receives the parsed arguments; it returns
-an exit code. Heavy imports (torch, ray, transformers) happen inside handlers so that `flexrl --help`
-and the planner commands stay fast.
+an exit code. A command module imports at its top only what the registration needs (no torch, numpy
+or Ray); each handler imports its implementation module (bench/..., tools/..., trainer/launch.py) in
+one place, marked `# lazy:`, so that `flexrl --help` stays fast (tests/unit/test_architecture.py).
 """
 
 from __future__ import annotations
