@@ -104,6 +104,7 @@ def _requests(config: RolloutBenchConfig, hf_config: Any):
 def _timed_generate(engine, requests, params) -> tuple[float, int]:
     info = device_mod.detect()
     engine.generate(requests[:2], params)  # warm-up (kernels, allocator)
+    engine.reset_caches()  # no prefix computed by an earlier run is reused
     device_mod.synchronize(info)
     started = time.perf_counter()
     results = engine.generate(requests, params)
@@ -147,8 +148,10 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
     progress(f"[bench rollout] vllm (started in {result.engine_start_s:.0f} s): {tokens} tokens in {seconds:.2f} s "
              f"= {tokens / seconds:,.0f} tokens/s")
     engine.seeded = False  # the same prompts from the engine's one stream: what per-sample seeds cost
-    seconds, tokens = _timed_generate(engine, requests, params)
-    engine.seeded = True
+    try:
+        seconds, tokens = _timed_generate(engine, requests, params)
+    finally:
+        engine.seeded = True
     result.seconds["vllm_unseeded"], result.tokens_per_s["vllm_unseeded"] = seconds, tokens / seconds
     progress(f"[bench rollout] vllm without per-sample seeds: {tokens} tokens in {seconds:.2f} s "
              f"= {tokens / seconds:,.0f} tokens/s")

@@ -123,6 +123,10 @@ class RolloutEngine(Protocol):
         """Overwrite parameters; called with successive buckets, names as in the HF model's named_parameters()."""
         ...
 
+    def reset_caches(self) -> None:
+        """Drop whatever was computed with the previous weights (called after each weight sync)."""
+        ...
+
     def sleep(self) -> None:
         """Free what the engine can while another model uses the device (weights come back on wake)."""
         ...

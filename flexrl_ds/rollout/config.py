@@ -18,7 +18,7 @@ class VLLMOptions:
     """Fraction of the GPU's memory an engine may take for weights and KV cache while awake; colocated
     with the policy it must fit next to the ZeRO-3 states present when the engine starts."""
     tensor_parallel_size: int = 1
-    """GPUs one engine spans (tensor parallel inside the engine)."""
+    """GPUs one engine spans (tensor parallel inside the engine); only 1 is supported so far."""
     enforce_eager: bool = False
     """Skip CUDA graph capture (faster start, slower decoding)."""
     load_format: str = "auto"
@@ -28,7 +28,7 @@ class VLLMOptions:
     """Longest prompt + response an engine serves; None: the model config's."""
     sleep_level: int = 1
     """While the policy trains: 1 offloads the engine's weights to host memory, 2 drops them (every
-    sync then rewrites all of them). Both drop the KV cache."""
+    sync then rewrites all of them and skips copying the backup back). Both drop the KV cache."""
     max_images_per_prompt: int = 4
     """Images one prompt may carry (vLLM sizes its encoder budget by it)."""
     max_videos_per_prompt: int = 1
@@ -46,6 +46,10 @@ class VLLMOptions:
             raise ValueError(f"flexrl.rollout.vllm.sleep_level: 1 or 2, got {self.sleep_level}")
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"flexrl.rollout.vllm.load_format: auto | dummy | safetensors, got {self.load_format!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"flexrl.rollout.vllm.tensor_parallel_size: only 1 is supported so far (colocated "
+                             f"engines generate different prompts per rank; a separate engine's load_weights "
+                             f"runs in process), got {self.tensor_parallel_size}")
         for name in ("tensor_parallel_size", "max_images_per_prompt", "max_videos_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"flexrl.rollout.vllm.{name}: must be at least 1, got {getattr(self, name)}")

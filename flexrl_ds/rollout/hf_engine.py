@@ -143,6 +143,9 @@ class HFRolloutEngine:
                                      f"the rollout model's is {tuple(parameter.shape)}")
                 parameter.copy_(tensor.to(device=parameter.device, dtype=parameter.dtype))
 
+    def reset_caches(self) -> None:
+        """Nothing outlives a `generate` call here (the KV cache is per call)."""
+
     def sleep(self) -> None:
         """Free the accelerator for training: the weights move to host memory (on a CPU there is
         nothing to free). `load_weights` works while asleep; `generate` needs `wake` first."""

@@ -40,9 +40,7 @@ class VLLMEngine:
                  max_videos_per_prompt: int = 1, seeded: bool = True):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir: {model_dir} is not a model directory (no config.json)")
-        if sleep_level not in (1, 2):
-            raise ValueError(f"flexrl.rollout.vllm.sleep_level: 1 or 2, got {sleep_level}")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in process: load_weights reaches the model
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in process: load_weights reaches the model
         self.sleep_level, self.seeded = sleep_level, seeded
         in_world = torch.distributed.is_available() and torch.distributed.is_initialized()
         with _local_rank_of(device):
@@ -52,6 +50,9 @@ class VLLMEngine:
                 load_format=load_format, max_model_len=max_model_len, max_num_seqs=max_batch_sequences,
                 enable_sleep_mode=True, enable_prefix_caching=True, seed=0,
                 limit_mm_per_prompt={"image": max_images_per_prompt, "video": max_videos_per_prompt},
+                # vLLM's processor cache serves items one by one but calls the processor with the
+                # prompt's whole video_metadata list: with several videos a partial hit would fail.
+                mm_processor_cache_gb=0 if max_videos_per_prompt > 1 else 4,
                 distributed_executor_backend="external_launcher" if in_world else None)
         config = self.llm.llm_engine.model_config.hf_config
         self.is_vision_language = getattr(config, "vision_config", None) is not None
@@ -95,14 +96,22 @@ class VLLMEngine:
         bucket = list(named_tensors)
         self.llm.apply_model(lambda model: model.load_weights(iter(bucket)))
 
-    def sleep(self) -> None:
-        """Free the GPU for training: the multimodal and prefix caches are cleared (the encoder cache
-        otherwise grows over steps), the KV cache is dropped and the weights offloaded (level 1) or
-        dropped (level 2: the next sync must bring every weight)."""
-        if self._asleep:
-            return
-        self.llm.reset_mm_cache()
+    def reset_caches(self) -> None:
+        """Forget everything computed with the previous weights: prefix KV, processed media and
+        vision-encoder outputs (called after every sync; an engine that never sleeps would otherwise
+        reuse them, and EasyR1 saw the encoder cache grow until the update ran out of memory)."""
         self.llm.reset_prefix_cache()
+        self.llm.reset_mm_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+
+    def sleep(self) -> None:
+        """Free the GPU for training: the KV cache is dropped (vLLM also clears its prefix, media and
+        encoder caches) and the weights offloaded (level 1) or dropped (level 2: the next sync must
+        bring every weight, and skips copying the host backup back first)."""
+        if self._asleep == {"weights", "kv_cache"}:
+            return
+        if self._asleep:  # partly awake after a sync: vLLM sleeps only a fully awake engine
+            self.llm.wake_up(tags=sorted(self._asleep))
         self.llm.sleep(level=self.sleep_level)
         self._asleep = {"weights", "kv_cache"}
 

@@ -27,13 +27,24 @@ ALIGN = 16
 
 @dataclass(frozen=True)
 class ChannelAddress:
-    """Where the channel's store listens (policy rank 0's node) and how many ranks join."""
+    """Where the channel's store listens (policy rank 0's node), how many ranks join, and over what."""
 
     host: str
     port: int
     size: int
     """1 (the sender) + the number of engines."""
     timeout_s: float = 900.0
+    use_gpu: bool = False
+    """NCCL between GPUs (every rank on a GPU of its own); else gloo with the buckets in host memory.
+    Chosen once for all ranks by whoever sets the channel up, never per rank."""
+
+
+def open_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
+    """The sender's TCPStore on a port the OS picks (no race between choosing and binding it)."""
+    import datetime
+
+    return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def _aligned(nbytes: int) -> int:
@@ -64,16 +75,20 @@ def unpack_bucket(header: bytes, flat: torch.Tensor) -> list[tuple[str, torch.Te
 class WeightChannel:
     """One end of the channel: rank 0 sends, ranks 1.. receive (see the module docstring)."""
 
-    def __init__(self, address: ChannelAddress, rank: int, info: device_mod.DeviceInfo | None = None):
+    def __init__(self, address: ChannelAddress, rank: int, store: dist.TCPStore | None = None):
+        """store: the sender's (`open_store`, whose port the address names); receivers connect to it."""
         import datetime
 
         if not 0 <= rank < address.size:
             raise ValueError(f"weight channel: rank {rank} outside a channel of {address.size}")
-        self.info = info or device_mod.detect()
+        self.info = device_mod.GPU if address.use_gpu else device_mod.CPU
+        if address.use_gpu and not device_mod.detect().is_gpu:
+            raise ValueError(f"weight channel rank {rank}: the channel runs on GPUs but this process has none")
         self.device = device_mod.current_device(self.info)
         self.rank = rank
-        store = dist.TCPStore(address.host, address.port, address.size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=address.timeout_s), wait_for_workers=False)
+        if store is None:
+            store = dist.TCPStore(address.host, address.port, address.size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=address.timeout_s))
         self.group = device_mod.new_private_group(self.info, dist.PrefixStore("flexrl-weights", store), rank,
                                                   address.size, address.timeout_s)
         self._store = store  # the sender's store must outlive the group's rendezvous

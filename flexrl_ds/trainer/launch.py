@@ -136,9 +136,12 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
     if start >= prepared.max_steps:
         print(f"nothing to do: the checkpoint already reached step {start - 1} of --max-steps {prepared.max_steps}")
         return 0
+    rollout_config = prepared.run.flexrl.rollout
     if checkpoint is not None:
         policy.run("load_checkpoint", str(checkpoint))
         controller.skip_steps(start)
+    if checkpoint is not None or (rollout_config.backend == "vllm" and rollout_config.vllm.load_format == "dummy"):
+        # the engines must start from the policy's weights: a checkpoint's, or the model's over random ones
         rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
     trainer_config = prepared.run.flexrl.trainer
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
@@ -177,7 +180,8 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
             rollout = SeparateRollout(rollout_config.num_engines, rollout_config.backend, args.model_dir,
                                       controller.pixels, setup.dtype, rollout_config.num_cpus_per_engine,
                                       rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
-                                      trainer.timeout_s, rollout_config.engine_options())
+                                      trainer.timeout_s, rollout_config.engine_options(),
+                                      policy_on_gpu=trainer.num_gpus_per_rank >= 1)
         return drive(prepared, controller, policy, rollout, raw_config)
     finally:
         for part in (rollout, policy, controller):

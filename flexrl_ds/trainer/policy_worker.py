@@ -43,8 +43,8 @@ from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 from flexrl_ds.parallel.launch import ensure_deepspeed_comm
 from flexrl_ds.planning.plan import parse_plan
 from flexrl_ds.runtime.rank_pixels import fetched_items, unit_requests
-from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
-from flexrl_ds.runtime.worker_group import WorkerPlace, free_port, node_address
+from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
+from flexrl_ds.runtime.worker_group import WorkerPlace, node_address
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.rollout_host import RolloutHost
 
@@ -218,19 +218,22 @@ class PolicyWorker:
             if self.rollout is not None:
                 self.rollout.engine.load_weights(bucket)
             count += len(bucket)
+        if self.rollout is not None:
+            self.rollout.engine.reset_caches()
         return {"sync_s": time.perf_counter() - started, "num_tensors": float(count)}
 
-    def weight_channel_address(self, num_engines: int, timeout_s: float) -> ChannelAddress | None:
-        """Separate engines: rank 0 names where its weight channel will listen (others: None)."""
+    def weight_channel_address(self, num_engines: int, timeout_s: float, use_gpu: bool) -> ChannelAddress | None:
+        """Separate engines: rank 0 opens its weight channel's store and names it (others: None)."""
         if self.rank != 0:
             return None
         host = node_address()
-        return ChannelAddress(host, free_port(host), num_engines + 1, timeout_s)
+        self.channel_store = open_store(host, num_engines + 1, timeout_s)
+        return ChannelAddress(host, self.channel_store.port, num_engines + 1, timeout_s, use_gpu)
 
     def join_weight_channel(self, address: ChannelAddress) -> bool:
         """Rank 0 becomes the sender of the channel (blocks until every engine has joined)."""
         if self.rank == 0:
-            self.channel = WeightChannel(address, 0, self.device_info)
+            self.channel = WeightChannel(address, 0, self.channel_store)
         return True
 
     def send_weights(self, bucket_bytes: int) -> dict[str, float]:

@@ -28,6 +28,17 @@ def _merge(outputs: Sequence[Any]) -> tuple[list, dict[str, str]]:
     return results, withdrawn
 
 
+def _wait_all(refs: list, timeout_s: float, what: str) -> None:
+    """Wait for every reference, raising the first failure as soon as it happens (a dead engine must
+    not leave policy rank 0 waiting in a broadcast until the timeout)."""
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError(f"{what}: {len(pending)} of {len(refs)} calls unfinished after {timeout_s:.0f} s")
+        ray.get(ready)
+
+
 class ColocatedRollout:
     """Engines inside the policy ranks."""
 
@@ -52,10 +63,13 @@ class SeparateRollout:
 
     def __init__(self, num_engines: int, backend: str, model_dir: str, pixels: Any, dtype: str,
                  num_cpus: float, num_gpus: float, max_batch_sequences: int, timeout_s: float,
-                 engine_options: dict[str, Any] | None = None):
+                 engine_options: dict[str, Any] | None = None, policy_on_gpu: bool = False):
+        """policy_on_gpu: the policy ranks hold GPUs; with engines on whole GPUs of their own the
+        weight channel is NCCL, otherwise gloo through host memory."""
         actor = ray.remote(RolloutHost)
         self.timeout_s = timeout_s
         self.channel_ready = False
+        self.channel_on_gpu = policy_on_gpu and num_gpus >= 1
         self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
             backend, model_dir, pixels, dtype, None, max_batch_sequences, engine_options) for _ in range(num_engines)]
 
@@ -69,14 +83,12 @@ class SeparateRollout:
         (set up on the first sync); the engines load them as they arrive."""
         started = time.perf_counter()
         if not self.channel_ready:
-            address = policy.run("weight_channel_address", len(self.hosts), self.timeout_s)[0]
+            address = policy.run("weight_channel_address", len(self.hosts), self.timeout_s, self.channel_on_gpu)[0]
             joins = [host.join_weight_channel.remote(address, rank) for rank, host in enumerate(self.hosts, 1)]
-            policy.run("join_weight_channel", address)
-            ray.get(joins, timeout=self.timeout_s)
+            _wait_all(joins + policy.run_async("join_weight_channel", address), self.timeout_s, "weight channel set-up")
             self.channel_ready = True
         loads = [host.receive_weights.remote() for host in self.hosts]
-        policy.run("send_weights", bucket_bytes)
-        ray.get(loads, timeout=self.timeout_s)
+        _wait_all(loads + policy.run_async("send_weights", bucket_bytes), self.timeout_s, "weight sync")
         return time.perf_counter() - started
 
     def shutdown(self) -> None:

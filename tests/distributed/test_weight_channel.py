@@ -3,8 +3,6 @@ next to an existing torch.distributed world (the pool's), buckets of mixed dtype
 
 from __future__ import annotations
 
-import socket
-
 import torch
 
 from flexrl_ds.runtime.weight_channel import pack_bucket, unpack_bucket
@@ -27,13 +25,23 @@ def test_pack_unpack_round_trip():
             assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
-def channel_rank(port: int, seed: int, rounds: int):
+def channel_rank(port_file: str, seed: int, rounds: int):
+    import time
+    from pathlib import Path
+
     import torch.distributed as dist
 
-    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
+    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    channel = WeightChannel(ChannelAddress("127.0.0.1", port, size, timeout_s=120), rank)
+    store = None
+    if rank == 0:  # the sender opens the store on a port the OS picks and tells the others
+        store = open_store("127.0.0.1", size, 120)
+        Path(port_file).write_text(str(store.port))
+    while not Path(port_file).exists() or not Path(port_file).read_text():
+        time.sleep(0.05)
+    address = ChannelAddress("127.0.0.1", int(Path(port_file).read_text()), size, timeout_s=120)
+    channel = WeightChannel(address, rank, store)
     report = []
     for round_index in range(rounds):
         expected = seeded_buckets(seed + round_index)
@@ -49,10 +57,7 @@ def channel_rank(port: int, seed: int, rounds: int):
     return report
 
 
-def test_weight_channel_broadcasts_every_bucket(dist_pools):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = dist_pools(4).run(channel_rank, port, 5, 2)
+def test_weight_channel_broadcasts_every_bucket(dist_pools, tmp_path):
+    results = dist_pools(4).run(channel_rank, str(tmp_path / "port"), 5, 2)
     assert all(isinstance(sent, int) and sent > 0 for sent in results[0])
     assert results[1:] == [[True, True]] * 3

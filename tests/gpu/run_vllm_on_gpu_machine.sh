@@ -14,13 +14,15 @@ mkdir -p "$out"
 source tests/gpu/gpu_env.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
+status=0
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ]; then
   python3 -m pytest -x -q -s -p no:cacheprovider tests/gpu/test_vllm_engine_gpu.py 2>&1 | grep -v "Loading weights" \
-    | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -30 | tee "$out/vllm_engine_tests.txt" || true
+    | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -30 | tee "$out/vllm_engine_tests.txt" || status=1
   echo "engine tests done after $(( $(date +%s) - start )) s"
 fi
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = bench ]; then
   python3 -m flexrl_ds bench rollout --shape 7b --json "$out/rollout_7b.json" 2>&1 | grep "^\[bench\|Error\|error" \
-    | tail -20 | tee "$out/rollout_7b.txt" || true
+    | tail -20 | tee "$out/rollout_7b.txt" || status=1
 fi
 echo "total $(( $(date +%s) - start )) s"
+exit $status

@@ -195,7 +195,8 @@ def test_engine_options_by_backend():
     options = RolloutConfig(backend="vllm", vllm=VLLMOptions(gpu_memory_utilization=0.5)).engine_options()
     assert options["gpu_memory_utilization"] == 0.5 and options["sleep_level"] == 1
     for bad, match in (({"gpu_memory_utilization": 0}, "gpu_memory_utilization"), ({"sleep_level": 3}, "sleep_level"),
-                       ({"load_format": "pt"}, "load_format"), ({"tensor_parallel_size": 0}, "tensor_parallel_size")):
+                       ({"load_format": "pt"}, "load_format"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+                       ({"tensor_parallel_size": 2}, "only 1 is supported")):
         with pytest.raises(ValueError, match=match):
             VLLMOptions(**bad)
 
