@@ -37,7 +37,7 @@ from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
-from flexrl_ds.trainer.validation import check_run, model_dtype
+from flexrl_ds.trainer.validation import check_media_limits, check_run, model_dtype
 
 
 @dataclass
@@ -74,6 +74,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     check_run(run, args.model_dir, num_ranks)
     data_config = run.flexrl.data.with_processor_dir(args.model_dir)
     records = usable_records(read_dataset(args.data_path, data_config.media_root), args.data_path)
+    check_media_limits(run.flexrl.rollout, records)
     encoder = SampleEncoder(args.model_dir)
     reward_fn = load_reward_fn(run.flexrl.rl.reward_fn, base_dir=str(Path(args.config_path).resolve().parent))
     max_steps = args.max_steps if args.max_steps is not None else trainer.max_steps

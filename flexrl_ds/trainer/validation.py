@@ -70,6 +70,20 @@ def check_run(run: Any, model_dir: str, num_ranks: int) -> None:
         raise ValueError("flexrl.rollout.backend 'vllm' needs GPUs; this machine has none (use 'hf')")
 
 
+def check_media_limits(rollout: Any, records: list) -> None:
+    """vllm: every record's images and videos must fit the engine's per-prompt limits (vLLM would
+    fail the whole generate call of a step that holds one such prompt)."""
+    if rollout.backend != "vllm":
+        return
+    limits = {"image": rollout.vllm.max_images_per_prompt, "video": rollout.vllm.max_videos_per_prompt}
+    for record in records:
+        for kind, limit in limits.items():
+            count = sum(1 for item in record.items if item.kind == kind)
+            if count > limit:
+                raise ValueError(f"record {record.id!r}: {count} {kind}s, more than flexrl.rollout.vllm.max_{kind}s_"
+                                 f"per_prompt = {limit} (raise it, or drop the record)")
+
+
 def model_dtype(ds_config: dict) -> str:
     """bfloat16 when the DeepSpeed config enables bf16, else float32."""
     return "bfloat16" if ds_config.get("bf16", {}).get("enabled") else "float32"
