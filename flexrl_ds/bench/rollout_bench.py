@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import transformers
 
+from flexrl_ds.models.flex_model import reference_logprobs
+from flexrl_ds.models.processing import EncodedSample
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 from flexrl_ds.models.weights import iter_weight_buckets
 from flexrl_ds.parallel import device as device_mod
@@ -189,10 +191,10 @@ def _logprob_diff(engine, model, requests) -> float:
     diffs = []
     with torch.no_grad():
         for request, sampled in zip(requests, results):
-            ids = torch.tensor([request.prompt_ids + sampled.response_ids], device=next(model.parameters()).device)
-            logits = model(input_ids=ids).logits[0, len(request.prompt_ids) - 1:-1].float()
-            ours = torch.log_softmax(logits, -1).gather(-1, ids[0, len(request.prompt_ids):, None])[:, 0]
-            diffs.append((ours.cpu() - torch.tensor(sampled.logprobs)).abs())
+            sample = EncodedSample(request.sample_key, torch.tensor(request.prompt_ids + sampled.response_ids),
+                                   len(request.prompt_ids), list(request.items))
+            ours = reference_logprobs(model, sample).cpu()
+            diffs.append((ours - torch.tensor(sampled.logprobs)).abs())
     return float(torch.cat(diffs).mean())
 
 

@@ -149,3 +149,26 @@ def patchify(frames_NCHW: torch.Tensor, patch_size: int, merge_size: int, tempor
     # -> groups, merge rows, merge cols, row in window, col in window, channel, frame, py, px
     blocks = blocks.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return blocks.reshape(num_groups * grid_h * grid_w, channels * temporal_patch_size * patch_size * patch_size)
+
+
+def unpatchify(rows: torch.Tensor, grid_thw, patch_size: int, merge_size: int, temporal_patch_size: int) -> torch.Tensor:
+    """`patchify` undone: rows (t*h*w, 3*T*p*p) of grid (t, h, w) -> frames (t*T, 3, h*p, w*p)."""
+    t, h, w = (int(v) for v in grid_thw)
+    p, m, T = patch_size, merge_size, temporal_patch_size
+    if rows.shape != (t * h * w, 3 * T * p * p):
+        raise ValueError(f"pixel rows {tuple(rows.shape)} do not match grid {tuple(grid_thw)} "
+                         f"(expected {(t * h * w, 3 * T * p * p)})")
+    blocks = rows.reshape(t, h // m, w // m, m, m, 3, T, p, p)
+    # groups, merge rows, merge cols, row in window, col in window, channel, frame, py, px ->
+    # groups, frame, channel, merge rows, row in window, py, merge cols, col in window, px
+    return blocks.permute(0, 6, 5, 1, 3, 7, 2, 4, 8).reshape(t * T, 3, h * p, w * p)
+
+
+def denormalize(frames_NCHW: torch.Tensor, mean: list[float], std: list[float], rescale_factor: float = 1 / 255,
+                do_normalize: bool = True) -> torch.Tensor:
+    """`normalize` undone: standardised frames -> uint8 pixel values (rounded)."""
+    values = frames_NCHW.to(torch.float64)
+    if do_normalize:
+        values = values * torch.tensor(std, dtype=torch.float64).view(1, 3, 1, 1) \
+            + torch.tensor(mean, dtype=torch.float64).view(1, 3, 1, 1)
+    return (values / rescale_factor).round().clamp(0, 255).to(torch.uint8)

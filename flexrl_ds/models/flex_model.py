@@ -277,10 +277,13 @@ class FlexUlyssesLM(torch.nn.Module):
 
 
 def reference_logprobs(model, sample) -> torch.Tensor:
-    """Plain single-process HF log-probs of a sample's response tokens (model.forward, HF positions)."""
-    kwargs = reference_inputs(model, sample)
+    """Plain single-process HF log-probs of a sample's response tokens (model.forward, HF positions),
+    on the model's device (the sample's tensors are moved there)."""
+    device = next(model.parameters()).device
+    kwargs = {name: value.to(device) for name, value in reference_inputs(model, sample).items()}
     logits = model(**kwargs).logits[0].float()
-    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, sample.input_ids[1:].unsqueeze(1)).squeeze(1)
+    targets = kwargs["input_ids"][0, 1:].unsqueeze(1)
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, targets).squeeze(1)
     return logprobs[sample.response_start - 1:]
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
+from flexrl_ds.media import image_io
 from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
 
@@ -57,36 +57,15 @@ class VisionTokens:
     video: int
 
 
-def unpatchify(pixel_values: torch.Tensor, grid_thw: Sequence[int], geometry: PixelGeometry) -> torch.Tensor:
-    """Patch rows (t*h*w, 3*T*p*p) -> normalised frames (t*T, 3, h*p, w*p): `image_io.patchify` undone."""
-    t, h, w = (int(v) for v in grid_thw)
-    p, m, T = geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size
-    if pixel_values.shape != (t * h * w, 3 * T * p * p):
-        raise ValueError(f"pixel rows {tuple(pixel_values.shape)} do not match grid {tuple(grid_thw)} "
-                         f"(expected {(t * h * w, 3 * T * p * p)})")
-    blocks = pixel_values.reshape(t, h // m, w // m, m, m, 3, T, p, p)
-    # groups, merge rows, merge cols, row in window, col in window, channel, frame, py, px ->
-    # groups, frame, channel, merge rows, row in window, py, merge cols, col in window, px
-    frames = blocks.permute(0, 6, 5, 1, 3, 7, 2, 4, 8)
-    return frames.reshape(t * T, 3, h * p, w * p)
-
-
-def denormalize(frames: torch.Tensor, geometry: PixelGeometry) -> torch.Tensor:
-    """Normalised frames -> uint8 pixel values (rounded): `image_io.normalize` undone."""
-    values = frames.to(torch.float64)
-    if geometry.do_normalize:
-        mean = torch.tensor(geometry.image_mean, dtype=torch.float64).view(1, 3, 1, 1)
-        std = torch.tensor(geometry.image_std, dtype=torch.float64).view(1, 3, 1, 1)
-        values = values * std + mean
-    return (values / geometry.rescale_factor).round().clamp(0, 255).to(torch.uint8)
-
-
 def item_media(item: VisionItem, geometry: PixelGeometry) -> np.ndarray:
     """An item's pixels as vLLM takes them: an image (H, W, 3) or a video's frames (N, H, W, 3), uint8.
 
     An image was repeated over the temporal patch, so its first frame is the image; a video's last
     group may repeat its final frame (padding), which is kept: the processor pads the same way."""
-    frames = denormalize(unpatchify(item.pixel_values, item.grid_thw, geometry), geometry)
+    frames = image_io.unpatchify(item.pixel_values, item.grid_thw, geometry.patch_size, geometry.merge_size,
+                                 geometry.temporal_patch_size)
+    frames = image_io.denormalize(frames, list(geometry.image_mean), list(geometry.image_std),
+                                  geometry.rescale_factor, geometry.do_normalize)
     hwc = frames.permute(0, 2, 3, 1).contiguous().numpy()
     return hwc[0] if item.kind == "image" else hwc
 

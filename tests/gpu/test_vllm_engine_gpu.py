@@ -135,20 +135,16 @@ def test_engine_generates_with_shadowloader_grids(engine, assets):
 
 
 def _hf_logprobs(model_dir, requests, results):
-    from flexrl_ds.models.flex_model import reference_inputs
+    from flexrl_ds.models.flex_model import reference_logprobs
     from flexrl_ds.models.loading import load_model
     from flexrl_ds.models.processing import EncodedSample
 
     model = load_model(model_dir).cuda()
-    values = []
     with torch.no_grad():
-        for request, result in zip(requests, results):
-            ids = torch.tensor(request.prompt_ids + result.response_ids)
-            sample = EncodedSample(request.sample_key, ids, len(request.prompt_ids), list(request.items))
-            inputs = {k: v.cuda() for k, v in reference_inputs(model, sample).items()}
-            logits = model(**inputs).logits[0, len(request.prompt_ids) - 1:-1].float()
-            values.append(torch.log_softmax(logits, -1).gather(-1, ids[len(request.prompt_ids):, None].cuda())[:, 0].cpu())
-    return values
+        return [reference_logprobs(model, EncodedSample(request.sample_key,
+                                                        torch.tensor(request.prompt_ids + result.response_ids),
+                                                        len(request.prompt_ids), list(request.items))).cpu()
+                for request, result in zip(requests, results)]
 
 
 def test_weight_sync_then_logprobs_match_new_weights(engine, assets):

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_architecture import find_cycle  # noqa: E402  (the one cycle finder of the import tests)
+
 PLANNING = Path(__file__).resolve().parents[3] / "flexrl_ds" / "planning"
 MODULES = sorted(p.stem for p in PLANNING.glob("*.py") if p.stem != "__init__")
 
@@ -25,32 +28,10 @@ def _planning_imports(path: Path) -> tuple[set[str], set[str]]:
     return at_top, inside
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        state[node] = 2
-        path.pop()
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
-
-
 def test_no_import_cycle_inside_planning():
     graph = {name: set().union(*_planning_imports(PLANNING / f"{name}.py")) for name in MODULES}
-    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
-    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # the finder finds one
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # the finder finds one
 
 
 def test_baselines_and_planner_import_each_other_only_one_way_at_module_top():

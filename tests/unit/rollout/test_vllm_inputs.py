@@ -23,9 +23,9 @@ from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
 from flexrl_ds.rollout.config import RolloutConfig, VLLMOptions
 from flexrl_ds.rollout.vllm_inputs import (LOGIT_BIAS_FLOOR, PixelGeometry, VisionTokens, build_prompt,
-                                           check_expanded_prompt, collapse_vision_pads, denormalize, item_media,
-                                           processor_kwargs, sampling_kwargs, to_result, unpatchify,
-                                           video_metadata, vllm_weight_name)
+                                           check_expanded_prompt, collapse_vision_pads, item_media,
+                                           processor_kwargs, sampling_kwargs, to_result, video_metadata,
+                                           vllm_weight_name)
 
 GEOMETRY = PixelGeometry()
 TOKENS = VisionTokens(image=7, video=8)
@@ -37,18 +37,19 @@ def test_unpatchify_inverts_patchify(frames, grid_h, grid_w):
     video = torch.randn(frames, 3, grid_h * 14, grid_w * 14, generator=generator)
     rows = image_io.patchify(video, 14, 2, 2)
     grid = (-(-frames // 2), grid_h, grid_w)
-    restored = unpatchify(rows, grid, GEOMETRY)
+    restored = image_io.unpatchify(rows, grid, 14, 2, 2)
     padded = torch.cat([video, video[-1:].expand(-frames % 2, -1, -1, -1)])  # patchify repeats the last frame
     assert torch.equal(restored, padded)
     with pytest.raises(ValueError, match="do not match grid"):
-        unpatchify(rows, (grid[0], grid_h, grid_w + 2), GEOMETRY)
+        image_io.unpatchify(rows, (grid[0], grid_h, grid_w + 2), 14, 2, 2)
 
 
 def test_denormalize_recovers_uint8():
     pixels = torch.randint(0, 256, (2, 3, 28, 42), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     config = MediaConfig()
     normalised = image_io.normalize(pixels, config.image_mean, config.image_std, config.rescale_factor)
-    assert torch.equal(denormalize(normalised, PixelGeometry.from_media_config(config)), pixels)
+    assert torch.equal(image_io.denormalize(normalised, config.image_mean, config.image_std, config.rescale_factor),
+                       pixels)
 
 
 @pytest.fixture(scope="module")
