@@ -207,3 +207,19 @@ def test_vllm_config_section_reads_from_json():
 
     config = from_dict(RolloutConfig, json.loads('{"backend": "vllm", "vllm": {"sleep_level": 2}}'), "flexrl.rollout")
     assert config.vllm.sleep_level == 2
+
+
+def test_every_vllm_option_reaches_the_engine():
+    """Each `flexrl.rollout.vllm` field is a keyword of VLLMEngine (engine_options() is splatted into it),
+    and the engine takes no option the config cannot set. Read from the source: vLLM is not here."""
+    import ast
+    import dataclasses
+
+    source = Path(__file__).resolve().parents[3] / "flexrl_ds" / "rollout" / "vllm_engine.py"
+    engine = next(node for node in ast.walk(ast.parse(source.read_text()))
+                  if isinstance(node, ast.ClassDef) and node.name == "VLLMEngine")
+    init = next(node for node in engine.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    common = {"self", "model_dir", "dtype", "device", "max_batch_sequences"}
+    keywords = {arg.arg for arg in init.args.args + init.args.kwonlyargs} - common
+    assert keywords == {f.name for f in dataclasses.fields(VLLMOptions)}
+    assert set(RolloutConfig(backend="vllm").engine_options()) == keywords
