@@ -42,13 +42,14 @@ entry="cd $(printf %q "$PWD") && exec $(printf %q "$python") -m flexrl_ds train 
 for arg in "$@"; do entry+=" $(printf %q "$arg")"; done
 env_json="{\"env_vars\": {\"DS_ACCELERATOR\": \"${DS_ACCELERATOR:-}\", \"OMP_NUM_THREADS\": \"${OMP_NUM_THREADS:-1}\", \"TOKENIZERS_PARALLELISM\": \"false\", \"HF_HUB_OFFLINE\": \"1\", \"RAY_AUTH_MODE\": \"$RAY_AUTH_MODE\"}}"
 echo "[train_ray_job] submitting $job to $RAY_ADDRESS"
-# A head that has just started may not have its job agent up yet ("No available agent"): retry.
-for attempt in $(seq 1 30); do
+# A head that has just started may not have its job agent up yet ("No available agent"): retry (up to
+# ~3 min: on a loaded 2-core machine the agent has taken over a minute).
+for attempt in $(seq 1 90); do
   if submitted=$("$ray_bin" job submit --address "$RAY_ADDRESS" --submission-id "$job" --no-wait \
       --runtime-env-json "$env_json" -- bash -c "$entry" 2>&1); then
     break
   fi
-  if [ "$attempt" = 30 ] || ! echo "$submitted" | grep -q "No available agent\|Connection refused\|try again"; then
+  if [ "$attempt" = 90 ] || ! echo "$submitted" | grep -q "No available agent\|Connection refused\|try again"; then
     echo "$submitted" >&2
     echo "[train_ray_job] could not submit $job to $RAY_ADDRESS" >&2
     exit 1
