@@ -4,7 +4,8 @@ One process, one GPU: a model of a named shape (Qwen2.5-VL-7B/3B layers with the
 vocabulary) is built with random bf16 weights on the GPU; the `hf` engine samples from that model
 and the `vllm` engine from its own copy (`load_format="dummy"`), both through the trainer's
 `RolloutEngine` interface on identical text prompts (random token ids) with EOS off, so every
-response is exactly `new_tokens` long. Then the HF model's weights are synced into the vLLM engine
+response is exactly `new_tokens` long. vLLM is timed per seeding mode (per sample, per call, none)
+and bare (`LLM.generate` on the same token prompts). Then the HF model's weights are synced into the vLLM engine
 in buckets as a colocated policy rank does (`iter_weight_buckets` on the GPU -> `load_weights`), timed,
 and the engine's log-probs of greedy samples are compared with the HF model's on the same tokens:
 after the sync both hold the same weights.
@@ -73,6 +74,8 @@ class RolloutBenchResult:
     sync_gib: float = 0.0
     logprob_diff_before_sync: float | None = None
     logprob_diff_after_sync: float | None = None
+    logprob_diff_after_sync_by_case: dict[str, float] = field(default_factory=dict)
+    """After the sync: greedy / sampled (temperature 1) tokens, prompt_len / 8 x prompt_len prompts."""
     engine_start_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -149,14 +152,18 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
     result.logprob_diff_before_sync = _logprob_diff(engine, model, requests[:4])
     progress(f"[bench rollout] vllm (started in {result.engine_start_s:.0f} s): {tokens} tokens in {seconds:.2f} s "
              f"= {tokens / seconds:,.0f} tokens/s")
-    engine.seeded = False  # the same prompts from the engine's one stream: what per-sample seeds cost
-    try:
-        seconds, tokens = _timed_generate(engine, requests, params)
-    finally:
-        engine.seeded = True
-    result.seconds["vllm_unseeded"], result.tokens_per_s["vllm_unseeded"] = seconds, tokens / seconds
-    progress(f"[bench rollout] vllm without per-sample seeds: {tokens} tokens in {seconds:.2f} s "
-             f"= {tokens / seconds:,.0f} tokens/s")
+    for mode in ("batch", "off"):  # the same prompts, seeded once per call / not at all
+        engine.seeding = mode
+        try:
+            seconds, tokens = _timed_generate(engine, requests, params)
+        finally:
+            engine.seeding = "sample"
+        result.seconds[f"vllm_seeding_{mode}"], result.tokens_per_s[f"vllm_seeding_{mode}"] = seconds, tokens / seconds
+        progress(f"[bench rollout] vllm, seeding {mode!r}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s")
+    seconds, tokens = _timed_raw_generate(engine, requests, config.new_tokens)
+    result.seconds["vllm_raw"], result.tokens_per_s["vllm_raw"] = seconds, tokens / seconds
+    progress(f"[bench rollout] bare vLLM (LLM.generate on token prompts, no seeds, no log-probs): {tokens} tokens "
+             f"in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s")
     for _ in range(3):
         _timed_sync(engine, model, config.bucket_mb << 20, result)
     progress(f"[bench rollout] colocated sync of {result.sync_tensors} tensors ({result.sync_gib:.1f} GiB): "
@@ -165,6 +172,28 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
     progress(f"[bench rollout] mean |vLLM - HF| log-prob of vLLM's greedy tokens: "
              f"{result.logprob_diff_before_sync:.4f} before the first sync (vLLM's own random weights), "
              f"{result.logprob_diff_after_sync:.4f} after")
+    long_config = RolloutBenchConfig(**{**asdict(config), "prompts": 4, "prompt_len": 8 * config.prompt_len})
+    cases = {"greedy": (requests[:4], 0.0), "sampled": (requests[:4], 1.0),
+             "greedy_long": (_requests(long_config, model.config), 0.0)}
+    for case, (chosen, temperature) in cases.items():
+        result.logprob_diff_after_sync_by_case[case] = _logprob_diff(engine, model, chosen, temperature)
+    progress("[bench rollout] after the sync, by case: " + ", ".join(
+        f"{case} {value:.4f}" for case, value in result.logprob_diff_after_sync_by_case.items()))
+
+
+def _timed_raw_generate(engine, requests, new_tokens: int) -> tuple[float, int]:
+    """The engine's `vllm.LLM` called directly (`bare_generate`), as the bare-engine measurement did:
+    what the trainer's engine adds on top (request building, seeds, log-probs, the prompt check) is
+    the difference."""
+    prompts = [request.prompt_ids for request in requests]
+    info = device_mod.detect()
+    engine.bare_generate(prompts[:2], new_tokens)
+    engine.reset_caches()
+    device_mod.synchronize(info)
+    started = time.perf_counter()
+    tokens = engine.bare_generate(prompts, new_tokens)
+    device_mod.synchronize(info)
+    return time.perf_counter() - started, tokens
 
 
 def _timed_sync(engine, model, bucket_bytes: int, result: RolloutBenchResult) -> None:
@@ -184,10 +213,10 @@ def _timed_sync(engine, model, bucket_bytes: int, result: RolloutBenchResult) ->
     result.sync_tensors, result.sync_gib = count, size / 2**30
 
 
-def _logprob_diff(engine, model, requests) -> float:
-    """Mean |vLLM - HF| log-prob over vLLM's greedy responses (bf16 both: ~1e-2 is agreement, a
-    stale or missing weight gives O(1))."""
-    results = engine.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=16))
+def _logprob_diff(engine, model, requests, temperature: float = 0.0) -> float:
+    """Mean |vLLM - HF| log-prob over vLLM's responses (greedy by default; bf16 both: ~1e-2 is
+    agreement, a stale or missing weight gives O(1))."""
+    results = engine.generate(requests, SamplingParams(temperature=temperature, max_new_tokens=16))
     diffs = []
     with torch.no_grad():
         for request, sampled in zip(requests, results):

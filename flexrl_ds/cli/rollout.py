@@ -28,7 +28,9 @@ def _bench_rollout(args) -> int:
                                 args.gpu_memory_utilization, args.work_dir)
     result = run_rollout_bench(config)
     write_result(result, args.json)
-    if "hf" in result.tokens_per_s and "vllm" in result.tokens_per_s:
-        print(f"[bench rollout] vllm / hf = {result.tokens_per_s['vllm'] / result.tokens_per_s['hf']:.1f}x")
+    if "hf" in result.tokens_per_s:
+        for name, rate in result.tokens_per_s.items():
+            if name != "hf":
+                print(f"[bench rollout] {name} / hf = {rate / result.tokens_per_s['hf']:.1f}x")
     print(json.dumps(result.to_json()))
     return 0

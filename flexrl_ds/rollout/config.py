@@ -10,6 +10,10 @@ BACKEND_NAMES = ("hf", "vllm")
 The names of `rollout.base.ROLLOUT_BACKENDS` (kept here so the config needs no engine imports)."""
 
 
+SEEDING_MODES = ("sample", "batch", "off")
+"""`VLLMOptions.seeding` values."""
+
+
 @dataclass
 class VLLMOptions:
     """Settings of the vllm backend's engines (section `flexrl.rollout.vllm`; rollout/vllm_engine.py)."""
@@ -29,14 +33,18 @@ class VLLMOptions:
     sleep_level: int = 1
     """While the policy trains: 1 offloads the engine's weights to host memory, 2 drops them (every
     sync then rewrites all of them and skips copying the backup back). Both drop the KV cache."""
-    max_images_per_prompt: int = 4
-    """Images one prompt may carry (vLLM sizes its encoder budget by it)."""
-    max_videos_per_prompt: int = 1
-    """Videos one prompt may carry."""
-    seeded: bool = True
-    """Seed every sample (its response then depends only on its seed, so a resumed run regenerates
-    it). vLLM 0.26 draws seeded samples one request at a time, which costs throughput; False samples
-    the batch from one stream (faster, not reproducible)."""
+    max_images_per_prompt: int | None = None
+    """Images one prompt may carry (vLLM sizes its encoder budget by it); None: the most any record
+    of the run's dataset has (at least 1), found before the workers start."""
+    max_videos_per_prompt: int | None = None
+    """Videos one prompt may carry; None: from the dataset, as for images."""
+    seeding: str = "sample"
+    """How samples are seeded so that a resumed run regenerates them:
+    - "sample": each sample from its own seed (its response depends only on that seed, not on the
+      batch); vLLM 0.26 draws such samples one request at a time, which costs throughput;
+    - "batch": one seed per generate call, derived from its samples' seeds, for the engine's shared
+      stream (the same batch in the same order gives the same responses);
+    - "off": the engine's stream as it is (fastest to reason about, not reproducible)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -50,8 +58,10 @@ class VLLMOptions:
             raise ValueError(f"flexrl.rollout.vllm.tensor_parallel_size: only 1 is supported so far (colocated "
                              f"engines generate different prompts per rank; a separate engine's load_weights "
                              f"runs in process), got {self.tensor_parallel_size}")
+        if self.seeding not in SEEDING_MODES:
+            raise ValueError(f"flexrl.rollout.vllm.seeding: {' | '.join(SEEDING_MODES)}, got {self.seeding!r}")
         for name in ("tensor_parallel_size", "max_images_per_prompt", "max_videos_per_prompt"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"flexrl.rollout.vllm.{name}: must be at least 1, got {getattr(self, name)}")
 
 

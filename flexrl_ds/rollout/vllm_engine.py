@@ -9,14 +9,18 @@ starting its own.
 
 Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.py`); every result
 is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. the
-same vision grids. Each sample is seeded (vLLM's per-request generator), so its response depends
-on its seed, not on the batch (`seeded=False` trades that for throughput). Log-probs are vLLM's raw
+same vision grids. Seeding (`VLLMOptions.seeding`): "sample" gives each request vLLM's per-request
+generator, so its response depends on its seed, not on the batch; "batch" seeds the device's
+default generator, which the in-process engine samples from, once per call (`batch_seed`), inside
+`torch.random.fork_rng` so the caller's stream is untouched; "off" samples from the stream as it
+is. Log-probs are vLLM's raw
 ones (before temperature and filtering); the trainer's `rollout_logprob_diff` compares them with its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -25,9 +29,11 @@ import torch
 import vllm
 
 from flexrl_ds.media.config import MediaConfig
+from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
-from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt, check_expanded_prompt,
-                                           sampling_kwargs, to_result)
+from flexrl_ds.rollout.config import SEEDING_MODES
+from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, batch_seed, build_prompt,
+                                           check_expanded_prompt, sampling_kwargs, to_result)
 
 
 class VLLMEngine:
@@ -37,11 +43,13 @@ class VLLMEngine:
                  max_batch_sequences: int = 64, gpu_memory_utilization: float = 0.35,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False, load_format: str = "auto",
                  max_model_len: int | None = None, sleep_level: int = 1, max_images_per_prompt: int = 4,
-                 max_videos_per_prompt: int = 1, seeded: bool = True):
+                 max_videos_per_prompt: int = 1, seeding: str = "sample"):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir: {model_dir} is not a model directory (no config.json)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in process: load_weights reaches the model
-        self.sleep_level, self.seeded = sleep_level, seeded
+        if seeding not in SEEDING_MODES:
+            raise ValueError(f"seeding: {' | '.join(SEEDING_MODES)}, got {seeding!r}")
+        self.sleep_level, self.seeding = sleep_level, seeding
         in_world = torch.distributed.is_available() and torch.distributed.is_initialized()
         with _local_rank_of(device):
             self.llm = vllm.LLM(
@@ -57,23 +65,45 @@ class VLLMEngine:
         config = self.llm.llm_engine.model_config.hf_config
         self.is_vision_language = getattr(config, "vision_config", None) is not None
         self.tokens = VisionTokens(int(getattr(config, "image_token_id", -1)), int(getattr(config, "video_token_id", -1)))
-        self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)))
+        self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)),
+                                                        pin_frame_cap=_processor_knows_frame_cap())
         self._asleep: set[str] = set()
+        self.device_index = _device_index(device)
 
     def generate(self, requests: Sequence[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
         """One result per request, in request order (see the module docstring)."""
         if self._asleep:
             raise RuntimeError("vLLM engine: generate while asleep (call wake first)")
         prompts = self._prompts(requests)
-        sampling = [vllm.SamplingParams(**sampling_kwargs(params, request.seed if self.seeded else None))
+        per_sample = self.seeding == "sample"
+        sampling = [vllm.SamplingParams(**sampling_kwargs(params, request.seed if per_sample else None))
                     for request in requests]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        with self._batch_stream(requests):
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         results = []
         for request, output in zip(requests, outputs):
             check_expanded_prompt(request, output.prompt_token_ids)
             completion = output.outputs[0]
             results.append(to_result(request.sample_key, completion.token_ids, completion.logprobs, params))
         return results
+
+    @contextlib.contextmanager
+    def _batch_stream(self, requests: Sequence[RolloutRequest]) -> Iterator[None]:
+        """seeding "batch": the call samples from the device's default generator seeded by `batch_seed`."""
+        if self.seeding != "batch":
+            yield
+            return
+        seed = batch_seed([request.seed for request in requests])
+        with torch.random.fork_rng(devices=[self.device_index]):
+            torch.manual_seed(seed)
+            yield
+
+    def bare_generate(self, prompt_ids: Sequence[Sequence[int]], new_tokens: int) -> int:
+        """Benchmarks only: vLLM's `LLM.generate` on plain token prompts at temperature 1 with EOS off
+        (no seeds, no log-probs, no prompt check); returns the tokens generated."""
+        sampling = vllm.SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], sampling, use_tqdm=False)
+        return sum(len(output.outputs[0].token_ids) for output in outputs)
 
     def _prompts(self, requests: Sequence[RolloutRequest]) -> list[dict[str, Any]]:
         """vLLM prompts; the n samples of a prompt share one (their items are the same objects)."""
@@ -120,6 +150,20 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep.clear()
+
+
+def _processor_knows_frame_cap() -> bool:
+    """Whether the installed transformers' Qwen2-VL video processor takes `cap_pixels_per_frame`."""
+    try:
+        from transformers.models.qwen2_vl import video_processing_qwen2_vl as module  # lazy: needs torchvision
+    except ImportError:
+        return False
+    return "cap_pixels_per_frame" in inspect.signature(module.Qwen2VLVideoProcessor._preprocess).parameters
+
+
+def _device_index(device: Any) -> int:
+    index = torch.device(device).index if device is not None else None
+    return device_mod.current_device(device_mod.GPU).index if index is None else index
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ How a request becomes a vLLM prompt, so that vLLM makes exactly the ShadowLoader
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -42,11 +43,15 @@ class PixelGeometry:
     image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     rescale_factor: float = 1 / 255
     do_normalize: bool = True
+    pin_frame_cap: bool = False
+    """Pass `cap_pixels_per_frame=False` with videos: the frames given are final (any per-video cap
+    was applied by the ShadowLoader), so the processor must not shrink them again whatever its
+    default. Set where the installed transformers knows the keyword."""
 
     @classmethod
-    def from_media_config(cls, config: Any) -> "PixelGeometry":
+    def from_media_config(cls, config: Any, pin_frame_cap: bool = False) -> "PixelGeometry":
         return cls(config.patch_size, config.merge_size, config.temporal_patch_size, tuple(config.image_mean),
-                   tuple(config.image_std), config.rescale_factor, config.do_normalize)
+                   tuple(config.image_std), config.rescale_factor, config.do_normalize, pin_frame_cap)
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,8 @@ def processor_kwargs(items: Sequence[VisionItem], geometry: PixelGeometry) -> di
     - `size`: bounds that contain every item's pixel count, so smart_resize keeps each size;
     - `video_metadata`: each video's frames were sampled at fps = temporal_patch_size / second_per_grid_t
       (without it transformers assumes 24 fps and the mRoPE temporal positions differ);
-    - `do_sample_frames` off: the frames given are the sampled ones."""
+    - `do_sample_frames` off: the frames given are the sampled ones;
+    - `cap_pixels_per_frame` off (`geometry.pin_frame_cap`): nor are they to be shrunk again."""
     if not items:
         return {}
     pixels = [item.grid_thw[1] * item.grid_thw[2] * geometry.patch_size ** 2 for item in items]
@@ -107,6 +113,8 @@ def processor_kwargs(items: Sequence[VisionItem], geometry: PixelGeometry) -> di
     if videos:
         kwargs["do_sample_frames"] = False
         kwargs["video_metadata"] = [video_metadata(item, geometry) for item in videos]
+        if geometry.pin_frame_cap:
+            kwargs["cap_pixels_per_frame"] = False
     return kwargs
 
 
@@ -144,6 +152,15 @@ def sampling_kwargs(params: SamplingParams, seed: int | None) -> dict[str, Any]:
     if params.suppressed_token_ids:
         kwargs["logit_bias"] = {int(token): LOGIT_BIAS_FLOOR for token in params.suppressed_token_ids}
     return kwargs
+
+
+def batch_seed(seeds: Sequence[int | None]) -> int:
+    """One 63-bit seed for a whole generate call (`seeding: batch`): a function of its samples' seeds
+    in order, so the same batch gives the same seed and any other batch (or order) another one."""
+    if any(seed is None for seed in seeds):
+        raise ValueError("seeding 'batch': every rollout request needs a seed")
+    text = "/".join(str(int(seed)) for seed in seeds).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
 
 
 def to_result(sample_key: str, token_ids: Sequence[int], logprobs: Sequence[Any] | None,

@@ -22,7 +22,7 @@ from flexrl_ds.media.types import MediaItem, Record
 from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
 from flexrl_ds.rollout.config import RolloutConfig, VLLMOptions
-from flexrl_ds.rollout.vllm_inputs import (LOGIT_BIAS_FLOOR, PixelGeometry, VisionTokens, build_prompt,
+from flexrl_ds.rollout.vllm_inputs import (LOGIT_BIAS_FLOOR, PixelGeometry, VisionTokens, batch_seed, build_prompt,
                                            check_expanded_prompt, collapse_vision_pads, item_media,
                                            processor_kwargs, sampling_kwargs, to_result, video_metadata,
                                            vllm_weight_name)
@@ -98,6 +98,9 @@ def test_processor_kwargs_bound_every_item():
     kwargs = processor_kwargs(items, GEOMETRY)
     assert kwargs["size"] == {"shortest_edge": 16 * 196, "longest_edge": 64 * 196}
     assert kwargs["do_sample_frames"] is False and len(kwargs["video_metadata"]) == 1
+    assert "cap_pixels_per_frame" not in kwargs
+    assert processor_kwargs(items, PixelGeometry(pin_frame_cap=True))["cap_pixels_per_frame"] is False
+    assert "cap_pixels_per_frame" not in processor_kwargs(items[:2], PixelGeometry(pin_frame_cap=True))
     assert processor_kwargs([], GEOMETRY) == {}
 
 
@@ -154,6 +157,16 @@ class FakeLogprob:
         self.logprob = value
 
 
+def test_batch_seed_depends_on_the_batch_and_its_order():
+    seeds = [11, 12, 13]
+    assert batch_seed(seeds) == batch_seed(list(seeds))
+    others = {batch_seed(seeds[::-1]), batch_seed(seeds[:2]), batch_seed([11, 12, 14]), batch_seed(seeds)}
+    assert len(others) == 4
+    assert all(0 <= seed < 2**63 for seed in others)
+    with pytest.raises(ValueError, match="needs a seed"):
+        batch_seed([1, None])
+
+
 def test_to_result():
     params = SamplingParams(eos_token_ids=(2,))
     logprobs = [{4: FakeLogprob(-0.5)}, {2: FakeLogprob(-1.0)}, {9: FakeLogprob(-2.0)}]
@@ -197,7 +210,7 @@ def test_engine_options_by_backend():
     assert options["gpu_memory_utilization"] == 0.5 and options["sleep_level"] == 1
     for bad, match in (({"gpu_memory_utilization": 0}, "gpu_memory_utilization"), ({"sleep_level": 3}, "sleep_level"),
                        ({"load_format": "pt"}, "load_format"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-                       ({"tensor_parallel_size": 2}, "only 1 is supported")):
+                       ({"tensor_parallel_size": 2}, "only 1 is supported"), ({"seeding": True}, "seeding")):
         with pytest.raises(ValueError, match=match):
             VLLMOptions(**bad)
 
