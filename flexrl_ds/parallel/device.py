@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -97,6 +98,50 @@ def wait_stream(info: DeviceInfo, stream) -> None:
 def max_memory_allocated(info: DeviceInfo) -> int:
     """Peak device memory in bytes (0 on CPU, where host RSS is measured instead)."""
     return torch.cuda.max_memory_allocated() if info.is_gpu else 0
+
+
+class DeviceUsageMonitor:
+    """Peak memory in use on this process's GPU as the driver counts it (total - free, like
+    nvidia-smi: every allocator on the device, e.g. a vLLM engine's pool while it is awake, which
+    torch's `max_memory_allocated` may keep counting after the engine has slept), sampled every
+    `interval_s` on a daemon thread. Inert on CPU (peak 0)."""
+
+    def __init__(self, info: DeviceInfo, interval_s: float = 0.05):
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._peak = 0
+        self._device = torch.cuda.current_device() if info.is_gpu else None
+        self._thread = None
+        if self._device is not None:
+            self._thread = threading.Thread(target=self._poll, args=(interval_s,), daemon=True,
+                                            name="device-usage-monitor")
+            self._thread.start()
+
+    def _used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self._device)
+        return total - free
+
+    def _poll(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            used = self._used()
+            with self._lock:
+                self._peak = max(self._peak, used)
+
+    def reset(self) -> None:
+        """Start a new peak from what is in use now."""
+        if self._device is not None:
+            with self._lock:
+                self._peak = self._used()
+
+    def peak_bytes(self) -> int:
+        if self._device is not None:
+            used = self._used()
+            with self._lock:
+                self._peak = max(self._peak, used)
+        return self._peak
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def release_cached_memory(info: DeviceInfo) -> None:

@@ -53,6 +53,7 @@ class TrainOptions:
     start_step: int
     seed: int
     save_every: int
+    save_last: bool
     save_rollouts: bool
     sampling: Any
     """`rollout.base.SamplingParams`."""
@@ -80,7 +81,7 @@ class GRPOTrainer:
         rows = []
         for step in range(self.o.start_step, self.o.max_steps):
             rows.append(self.train_step(step))
-            last = step == self.o.max_steps - 1
+            last = self.o.save_last and step == self.o.max_steps - 1
             if last or (self.o.save_every and (step + 1) % self.o.save_every == 0):
                 self.save(step)
         return rows
@@ -91,7 +92,7 @@ class GRPOTrainer:
         cstep = self._timed(times, "data", self.controller.next_step)
         assert cstep.step == step, (cstep.step, step)
         prompts = encode_prompts(self.encoder, cstep)
-        samples = self._timed(times, "rollout", self._rollout, step, prompts)
+        samples, rollout_peaks = self._timed(times, "rollout", self._rollout, step, prompts)
         reward_info = self._timed(times, "reward", self._reward, samples)
         inference = self._timed(times, "inference", self._inference, step, samples)
         update = self._timed(times, "update", self._update, step, samples, inference)
@@ -99,6 +100,7 @@ class GRPOTrainer:
         self.controller.release(step)
         times["step"] = time.perf_counter() - started
         metrics = self._metrics(step, samples, reward_info, inference, update, times)
+        metrics.update(_phase_peaks(rollout_peaks, inference["peaks"], _max_peaks(update)))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
             self._save_rollouts(step, samples, reward_info["texts"])
@@ -112,19 +114,21 @@ class GRPOTrainer:
         return result
 
     # ---- phases -------------------------------------------------------------------------------
-    def _rollout(self, step: int, prompts: list) -> StepSamples:
+    def _rollout(self, step: int, prompts: list) -> tuple[StepSamples, dict[str, float]]:
         jobs = [PromptJob(p.key, tuple(p.prompt_ids),
                           tuple((i.kind, tuple(i.grid_thw), float(i.second_per_grid_t)) for i in p.items),
                           tuple((name, sample_seed(self.o.seed, parse_sample_name(name))) for name in p.sample_names))
                 for p in prompts]
+        self.policy.run("reset_peaks")
         results, withdrawn = self.rollout.generate(step, jobs, self.o.sampling)
+        peaks = _max_peaks(self.policy.run("peaks"))
         kept = [p for p in prompts if p.name not in withdrawn]
         samples = StepSamples(kept, {r.sample_key: list(r.response_ids) for r in results},
                               {r.sample_key: list(r.logprobs) for r in results},
                               {r.sample_key: r.finish_reason for r in results})
         if not samples.names:
             raise RuntimeError(f"step {step}: no prompt could be rolled out (withdrawn: {withdrawn})")
-        return samples
+        return samples, peaks
 
     def _reward(self, samples: StepSamples) -> dict[str, Any]:
         names, prompts = samples.names, samples.prompt_of()
@@ -160,12 +164,12 @@ class GRPOTrainer:
         results, encoded = self._plan(samples, samples.names)
         self._save_plans(results, step)
         job = PassJob(step, [r.plan.to_json() for r in results], encoded, samples.prompt_keys())
+        self.policy.run("reset_peaks")
         old = assemble(encoded, self.policy.run("logprobs", job))
         ref = {}
         if self.o.rl.init_kl_coef > 0:
             ref = assemble(encoded, self.policy.run("logprobs", dataclasses.replace(job, model="reference")))
-        peak = max(self.policy.run("peak_memory_gb"))
-        return {"old": old, "ref": ref, "plans": results, "peak_memory_gb": peak}
+        return {"old": old, "ref": ref, "plans": results, "peaks": _max_peaks(self.policy.run("peaks"))}
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         batches = split_mini_batches(samples.prompts, samples.names, self.o.rl.mini_batches_per_step)
@@ -206,8 +210,6 @@ class GRPOTrainer:
             "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
             "attention_balance": max(float(r.metrics.attention_balance) for r in inference["plans"]),
             "rollout_logprob_diff": _logprob_diff(samples, inference["old"]),
-            "peak_memory_gb": {"inference": inference["peak_memory_gb"],
-                               "update": max(b.get("peak_memory_gb", 0.0) for b in update)},
             "degrees": _degrees(inference["plans"]),
         }
 
@@ -240,6 +242,19 @@ def _degrees(results) -> dict[str, int]:
         for degree, count in result.metrics.degree_histogram.items():
             total[degree] = total.get(degree, 0) + count
     return {str(k): v for k, v in sorted(total.items())}
+
+
+def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The largest of each peak over ranks (or mini-batches)."""
+    return {key: max(entry.get(key, 0.0) for entry in per_rank) for key in ("peak_memory_gb", "peak_device_used_gb")}
+
+
+def _phase_peaks(rollout: dict[str, float], inference: dict[str, float], update: dict[str, float]) -> dict[str, Any]:
+    """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}} on the policy ranks' devices:
+    torch's allocations, and all memory in use on the device (a colocated engine's pool included)."""
+    phases = {"rollout": rollout, "inference": inference, "update": update}
+    return {key: {phase: values[key] for phase, values in phases.items()}
+            for key in ("peak_memory_gb", "peak_device_used_gb")}
 
 
 def _logprob_diff(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> float:

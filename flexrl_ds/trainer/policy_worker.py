@@ -122,6 +122,7 @@ class PolicyWorker:
                           MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port))
         info = self.device_info = device_mod.detect()
         self.device = device_mod.set_local_device(info, place.local_rank)
+        self.device_usage = device_mod.DeviceUsageMonitor(info)
         if not dist.is_initialized():
             dist.init_process_group(backend=info.backend, rank=place.rank, world_size=place.world_size,
                                     init_method=f"tcp://{place.master_addr}:{place.master_port}",
@@ -179,7 +180,6 @@ class PolicyWorker:
     def logprobs(self, job: PassJob) -> dict[str, list]:
         """This rank's pieces of next-token log-probs (no grad) of the policy or the reference."""
         engine = self.reference if job.model == "reference" else self.policy
-        device_mod.reset_peak_memory(self.device_info)
         batch = self._batch(job)
         with torch.no_grad():
             logprobs = engine(batch).logprobs
@@ -192,7 +192,7 @@ class PolicyWorker:
         """One mini-batch update (models/policy_update.train_step); the mini-batch's statistics
         (all-reduced: the same on every rank) and the global grad norm."""
         started = time.perf_counter()
-        device_mod.reset_peak_memory(self.device_info)
+        self.reset_peaks()
         batch = self._batch(job)
         old = policy_update.local_response_values(batch, job.old_logprobs)
         ref = policy_update.local_response_values(batch, job.ref_logprobs) if job.ref_logprobs else None
@@ -203,12 +203,19 @@ class PolicyWorker:
         stats = policy_update.reduce_stats(result.stats, device=self.device)
         stats["grad_norm"] = result.grad_norm
         stats["update_s"] = time.perf_counter() - started
-        stats["peak_memory_gb"] = device_mod.max_memory_allocated(self.device_info) / 2**30
+        stats.update(self.peaks())
         return stats
 
-    def peak_memory_gb(self) -> float:
-        """Peak device memory since the last reset (GiB; 0 on CPU)."""
-        return device_mod.max_memory_allocated(self.device_info) / 2**30
+    def reset_peaks(self) -> None:
+        """Start new peaks for `peaks` (the driver calls it before a phase)."""
+        device_mod.reset_peak_memory(self.device_info)
+        self.device_usage.reset()
+
+    def peaks(self) -> dict[str, float]:
+        """Peak device memory since `reset_peaks` (GiB; 0 on CPU): torch's allocations
+        (`peak_memory_gb`) and all memory in use on the device (`peak_device_used_gb`)."""
+        return {"peak_memory_gb": device_mod.max_memory_allocated(self.device_info) / 2**30,
+                "peak_device_used_gb": self.device_usage.peak_bytes() / 2**30}
 
     # ---- weights ------------------------------------------------------------------------------
     def sync_rollout(self, bucket_bytes: int) -> dict[str, float]:
