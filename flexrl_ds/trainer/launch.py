@@ -37,7 +37,7 @@ from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
-from flexrl_ds.trainer.validation import check_media_limits, check_run, model_dtype
+from flexrl_ds.trainer.validation import check_run, model_dtype, resolve_media_limits
 
 
 @dataclass
@@ -74,7 +74,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     check_run(run, args.model_dir, num_ranks)
     data_config = run.flexrl.data.with_processor_dir(args.model_dir)
     records = usable_records(read_dataset(args.data_path, data_config.media_root), args.data_path)
-    check_media_limits(run.flexrl.rollout, records)
+    run.flexrl.rollout = resolve_media_limits(run.flexrl.rollout, records)  # the engines are built from it
     encoder = SampleEncoder(args.model_dir)
     reward_fn = load_reward_fn(run.flexrl.rl.reward_fn, base_dir=str(Path(args.config_path).resolve().parent))
     max_steps = args.max_steps if args.max_steps is not None else trainer.max_steps
@@ -104,7 +104,7 @@ def train_options(prepared: Prepared, start_step: int, raw_config: dict) -> Trai
                            device_name=device_mod.accelerator_name())
     return TrainOptions(
         out_dir=Path(prepared.args.out_dir), max_steps=prepared.max_steps, start_step=start_step, seed=trainer.seed,
-        save_every=trainer.save_every, save_rollouts=trainer.save_rollouts,
+        save_every=trainer.save_every, save_last=trainer.save_last, save_rollouts=trainer.save_rollouts,
         sampling=SamplingParams.from_config(run.flexrl.rollout, eos_ids, vision_token_ids(prepared.args.model_dir)),
         rl=run.flexrl.rl, sp=run.flexrl.sp,
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
@@ -215,7 +215,8 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
             prepared = prepare(run, args, num_ranks=world)
             connect_ray(ray_cpus(run, 0))
             controller = DataController(prepared.records, prepared.data_config, run.flexrl.trainer.timeout_s)
-            shared = [(ray.get_runtime_context().gcs_address, controller.pixels)]
+            # the rollout section as prepare resolved it (media limits from the data) for every rank
+            shared = [(ray.get_runtime_context().gcs_address, controller.pixels, run.flexrl.rollout)]
         except Exception as error:
             shared = [error]
     dist.broadcast_object_list(shared, src=0)
@@ -223,7 +224,7 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
         if rank == 0:
             raise shared[0]
         return 2
-    address, pixels = shared[0]
+    address, pixels, run.flexrl.rollout = shared[0]
     if rank != 0:
         ray.init(address=address, namespace=pixels.namespace, log_to_driver=False, configure_logging=False)
     place = WorkerPlace(rank, world, context.launch.master_addr, context.launch.master_port, context.launch.local_rank)

@@ -11,6 +11,8 @@ trainer owns) and a vllm backend on a machine without GPUs. `launch.prepare` the
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import Any
 
@@ -70,18 +72,28 @@ def check_run(run: Any, model_dir: str, num_ranks: int) -> None:
         raise ValueError("flexrl.rollout.backend 'vllm' needs GPUs; this machine has none (use 'hf')")
 
 
-def check_media_limits(rollout: Any, records: list) -> None:
-    """vllm: every record's images and videos must fit the engine's per-prompt limits (vLLM would
-    fail the whole generate call of a step that holds one such prompt)."""
+def resolve_media_limits(rollout: Any, records: list) -> Any:
+    """vllm: the engine's per-prompt image/video limits for this dataset. A limit left None becomes
+    the most any record has (at least 1: vLLM sizes its encoder budget by it, so no more than the
+    data needs); a limit set explicitly must hold every record (vLLM would fail the whole generate
+    call of a step with one such prompt), else ValueError naming the record. Returns the rollout
+    config with both limits set (unchanged for other backends)."""
     if rollout.backend != "vllm":
-        return
-    limits = {"image": rollout.vllm.max_images_per_prompt, "video": rollout.vllm.max_videos_per_prompt}
-    for record in records:
-        for kind, limit in limits.items():
-            count = sum(1 for item in record.items if item.kind == kind)
+        return rollout
+    limits = {}
+    for kind in ("image", "video"):
+        name = f"max_{kind}s_per_prompt"
+        limit = getattr(rollout.vllm, name)
+        counts = {record.id: sum(1 for item in record.items if item.kind == kind) for record in records}
+        if limit is None:
+            limits[name] = max([1, *counts.values()])
+            continue
+        for record_id, count in counts.items():
             if count > limit:
-                raise ValueError(f"record {record.id!r}: {count} {kind}s, more than flexrl.rollout.vllm.max_{kind}s_"
-                                 f"per_prompt = {limit} (raise it, or drop the record)")
+                raise ValueError(f"record {record_id!r}: {count} {kind}s, more than flexrl.rollout.vllm.{name} = "
+                                 f"{limit} (raise it, leave it unset to size it from the data, or drop the record)")
+        limits[name] = limit
+    return dataclasses.replace(rollout, vllm=dataclasses.replace(rollout.vllm, **limits))
 
 
 def model_dtype(ds_config: dict) -> str:

@@ -193,16 +193,23 @@ def test_cli_reports_the_cause_and_exits_2(raw_config, tmp_path, trainer_assets,
     assert re.search(r"^flexrl train: error: .*" + re.escape(missing), err, re.MULTILINE), err
 
 
-def test_vllm_media_limits_name_the_record():
-    """vllm engines take at most max_{images,videos}_per_prompt per prompt: a record over it is refused
-    before any worker starts, by name; the hf backend has no such limit."""
+def test_vllm_media_limits_come_from_the_data_or_name_the_record():
+    """vllm engines take at most max_{images,videos}_per_prompt per prompt. Unset, each limit is the most
+    any record has (at least 1); set, a record over it is refused before any worker starts, by name;
+    the hf backend has no such limit."""
     from flexrl_ds.media.types import MediaItem, Record
     from flexrl_ds.rollout.config import RolloutConfig, VLLMOptions
-    from flexrl_ds.trainer.validation import check_media_limits
+    from flexrl_ds.trainer.validation import resolve_media_limits
 
     records = [Record("fine", "<image><video>q", (MediaItem("image", "a.png"), MediaItem("video", "v.mp4"))),
                Record("many", "<image><image><image>q", tuple(MediaItem("image", f"{i}.png") for i in range(3)))]
-    check_media_limits(RolloutConfig(backend="hf"), records)
-    check_media_limits(RolloutConfig(backend="vllm", vllm=VLLMOptions(max_images_per_prompt=3)), records)
+    hf = RolloutConfig(backend="hf")
+    assert resolve_media_limits(hf, records) is hf
+    derived = resolve_media_limits(RolloutConfig(backend="vllm"), records).vllm
+    assert (derived.max_images_per_prompt, derived.max_videos_per_prompt) == (3, 1)
+    text_only = resolve_media_limits(RolloutConfig(backend="vllm"), [Record("t", "q", ())]).vllm
+    assert (text_only.max_images_per_prompt, text_only.max_videos_per_prompt) == (1, 1)
+    kept = resolve_media_limits(RolloutConfig(backend="vllm", vllm=VLLMOptions(max_images_per_prompt=5)), records)
+    assert kept.vllm.max_images_per_prompt == 5 and kept.engine_options()["max_images_per_prompt"] == 5
     with pytest.raises(ValueError, match="record 'many': 3 images, more than flexrl.rollout.vllm.max_images_per_prompt = 2"):
-        check_media_limits(RolloutConfig(backend="vllm", vllm=VLLMOptions(max_images_per_prompt=2)), records)
+        resolve_media_limits(RolloutConfig(backend="vllm", vllm=VLLMOptions(max_images_per_prompt=2)), records)
