@@ -18,6 +18,9 @@ class TrainerConfig:
     """GRPO steps to run (the CLI's --max-steps overrides)."""
     save_every: int = 0
     """Write a checkpoint and an HF export every N steps; 0: only after the last step."""
+    save_last: bool = True
+    """Also write one after the last step (false: a measurement run, e.g. a 7B policy whose
+    optimizer states would take ~100 GB of disk)."""
     save_rollouts: bool = False
     """Write rollouts/step_N.jsonl (ids, tokens, text, reward, advantage per sample)."""
     colocate: bool = True

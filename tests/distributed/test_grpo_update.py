@@ -97,7 +97,8 @@ def fixed_values(model_dir: str, samples: dict) -> dict:
     return values
 
 
-def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict, reduction: str):
+def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict, reduction: str,
+                   offload: bool = False):
     """On every rank: ZeRO-3 engine from JSON, one GRPO train_step; rank 0 returns the parameters."""
     import deepspeed
     import torch.distributed as dist
@@ -118,7 +119,8 @@ def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict
     batch = build_step_batch(model.config, plan, samples, tree.local_rank, positions=positions_fn(model),
                              placement=placement)
     engine = build_engine(model, zero3_config(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                              gradient_clipping=CLIP, reduce_bucket_size=4096), logits_chunk=8)
+                                              gradient_clipping=CLIP, reduce_bucket_size=4096,
+                                              offload_optimizer=offload), logits_chunk=8)
     config = GRPOConfig(loss_reduction=reduction, **RL)
     denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})
     result = pu.train_step(engine, batch, pu.local_response_values(batch, values["old"]),
@@ -174,14 +176,16 @@ def _inputs(model, sample):
     return reference_inputs(model, sample)
 
 
-@pytest.mark.parametrize("kind,reduction", [("mixed", "token_mean"), ("idle", "sequence_mean")])
-def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kind, reduction):
+@pytest.mark.parametrize("kind,reduction,offload", [("mixed", "token_mean", False), ("idle", "sequence_mean", False),
+                                                    ("mixed", "token_mean", True)])
+def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kind, reduction, offload):
+    """offload: the optimizer offloaded to host memory (torch AdamW there), as the 7B GPU run has it."""
     model_dir, data_path = assets
     samples = rollouts(model_dir, data_path, with_tiny=kind == "idle")
     plan = make_plan(list(samples), kind)
     values = fixed_values(model_dir, samples)
     per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, plan.to_json(), values, reduction,
-                                     timeout_s=240)
+                                     offload, timeout_s=240)
     ref_loss, ref_norm, ref_params = reference_step(model_dir, samples, values, reduction)
     if kind == "idle":  # ranks 2, 3: no token, but a member of the degree-4 pack
         assert [(r["num_local"] == 0, r["num_packs"]) for r in per_rank][2:] == [(True, 1), (True, 1)]

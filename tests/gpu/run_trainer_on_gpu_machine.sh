@@ -1,52 +1,89 @@
 #!/usr/bin/env bash
-# The GRPO trainer on one GPU (issues 9, 10): a Qwen2.5-VL-3B-shaped model with random bf16 weights, a
+# The GRPO trainer on one GPU (issues 9, 10): a Qwen2.5-VL-shaped model with random bf16 weights, a
 # rollout backend (BACKEND=hf | vllm, default hf) colocated with the ZeRO-3 policy and reference,
-# STEPS steps (default 2) on images and videos. vLLM: bring it first (../shared/device/README.md;
-# tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
+# STEPS steps (default 2) on images and videos.
+#   SHAPE=3b (default): all ZeRO-3 states on the GPU.
+#   SHAPE=7b: ZeRO-3 with the optimizer offloaded to host memory (fp32 master weights, Adam moments
+#     and gradients: ~16 B/param, ~107 GiB for the 7.2B parameters), torch's AdamW stepping there
+#     (`zero_force_ds_cpu_optimizer: false`: DeepSpeed's CPUAdam would need compiling on the machine),
+#     and the vLLM engine dropping its weights while asleep (sleep_level 2: the sync rewrites them).
+#   COLOCATE=0: the rollout engine in a Ray actor of its own, sharing the one GPU with the policy rank
+#     (0.5 GPU each): the separate-engine path, its weights over the weight channel (gloo here, as
+#     the fractional GPUs are not whole devices of their own; NCCL needs two GPUs).
+#   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
+# vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
 # Run there (device tool, carry .whl):  bash tests/gpu/run_trainer_on_gpu_machine.sh [OUT]
 # No activation checkpointing yet: 16 sequences of a few hundred tokens per step keep activations
-# within the H200 next to the ZeRO-3 states (~16 B/param). Writes OUT/run/metrics.jsonl (per-phase times, tokens/GPU/s) and OUT/summary.txt.
+# within the H200 next to the ZeRO-3 states. Writes OUT/run/metrics.jsonl (per-phase times,
+# tokens/GPU/s, peak device memory per phase), OUT/host_memory.txt (peak host memory, sampled) and OUT/summary.txt.
 set -euo pipefail
 out=${1:-${OUT:-/tmp/flexrl-gpu}}
 mkdir -p "$out"
 backend=${BACKEND:-hf}
 steps=${STEPS:-2}
+shape=${SHAPE:-3b}
 source tests/gpu/gpu_env.sh
 export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 work=/tmp/flexrl-trainer
 mkdir -p "$work"
 start=$(date +%s)
-# 3B shape (Qwen2.5-VL-3B: 36 layers, 2048 wide, 16/2 heads, MLP 11008; vision 1280 x 32 blocks); the
-# vocabulary is the tiny tokenizer's (~640 rows instead of 151,936), so ~2.9B parameters, not 3.8B.
-[ -f "$work/m3b/config.json" ] || python3 - "$work/m3b" <<'PY'
+# Qwen2.5-VL decoder and vision shapes (the vocabulary is the tiny tokenizer's, ~640 rows instead of
+# 151,936): 3b ~2.9B parameters, 7b ~7.2B. Weights are made on the GPU in bf16 and saved.
+[ -f "$work/m$shape/model.safetensors.index.json" ] || [ -f "$work/m$shape/model.safetensors" ] || \
+  python3 - "$work/m$shape" "$shape" <<'PY'
 import sys
+import torch, transformers
+from flexrl_ds.bench.rollout_bench import SHAPES
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
-make_tiny_model(TinyModelConfig(out_dir=sys.argv[1], hidden_size=2048, num_attention_heads=16, num_key_value_heads=2,
-                                num_hidden_layers=36, intermediate_size=11008, vision_hidden_size=1280, vision_depth=32,
-                                vision_num_heads=16))
+out = make_tiny_model(TinyModelConfig(out_dir=sys.argv[1], **SHAPES[sys.argv[2]]), weights=False)
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
+        transformers.AutoConfig.from_pretrained(str(out)), dtype=torch.bfloat16)
+model.save_pretrained(str(out))
+print(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters saved to {out}")
 PY
 echo "model ready after $(( $(date +%s) - start )) s"
+[ "${MODEL_ONLY:-0}" = 1 ] && exit 0
 [ -f "$work/data-small/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num 16 --scale small \
   --task keyword --seed 0 --out "$work/data-small"
-python3 - "$work/config.json" "$backend" <<'PY'
+python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" <<'PY'
 import json, sys
+path, backend, shape, colocate = sys.argv[1:]
 config = json.load(open("ds_configs/grpo_tiny_cpu.json"))
 config["bf16"] = {"enabled": True}
 config["optimizer"]["params"]["lr"] = 1e-6
 config["flexrl"]["trainer"].update(num_policy_ranks=1, num_gpus_per_rank=1, num_cpus_per_rank=4, save_every=0,
                                    save_rollouts=True, timeout_s=900.0)
 config["flexrl"]["sp"].update(p_max=1)
-config["flexrl"]["rollout"].update(max_response_length=128, backend=sys.argv[2])
-if sys.argv[2] == "vllm":
-    config["flexrl"]["rollout"]["vllm"] = {"gpu_memory_utilization": 0.3, "max_model_len": 8192,
-                                           "max_images_per_prompt": 8, "max_videos_per_prompt": 4}
+config["flexrl"]["rollout"].update(max_response_length=128, backend=backend)
+vllm = {"gpu_memory_utilization": 0.3, "max_model_len": 8192}  # media per prompt: sized from the data
+if shape == "7b":
+    config["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False},
+                                       sub_group_size=100_000_000)
+    config["zero_force_ds_cpu_optimizer"] = False
+    vllm["sleep_level"] = 2
+    config["flexrl"]["trainer"].update(save_last=False,  # ~100 GB of optimizer states: more than the disk
+                                       num_cpus_per_rank=10)  # threads for the AdamW step on the host
+if backend == "vllm":
+    config["flexrl"]["rollout"]["vllm"] = vllm
+if colocate == "0":
+    config["flexrl"]["trainer"].update(colocate=False, num_gpus_per_rank=0.5)
+    config["flexrl"]["rollout"].update(num_engines=1, num_gpus_per_engine=0.5, num_cpus_per_engine=2)
 config["flexrl"]["data"]["loader"].update(global_batch=4, num_samples_per_prompt=4)
-config["flexrl"]["data"]["pool"].update(num_actors_per_node=4, num_cpus_per_actor=1.0)
-json.dump(config, open(sys.argv[1], "w"), indent=1)
+config["flexrl"]["data"]["pool"].update(num_actors_per_node=2 if shape == "7b" else 4, num_cpus_per_actor=1.0)
+json.dump(config, open(path, "w"), indent=1)
 PY
-python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m3b" --data "$work/data-small/train.jsonl" \
+cp "$work/config.json" "$out/config.json"
+# Peak host memory in use (MemTotal - MemAvailable), sampled every 2 s while the trainer runs.
+( peak=0; while sleep 2; do used=$(awk '/MemTotal/{t=$2} /MemAvailable/{a=$2} END{print int((t-a)/1048576)}' /proc/meminfo)
+  [ "$used" -gt "$peak" ] && peak=$used && echo "peak host memory in use: $peak GiB at $(( $(date +%s) - start )) s" > "$out/host_memory.txt"
+  done ) &
+sampler=$!
+trap 'kill $sampler 2>/dev/null || true' EXIT
+python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m$shape" --data "$work/data-small/train.jsonl" \
   --out "$out/run" --max-steps "$steps" 2>&1 | grep -v "Loading weights" | tail -40
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$out/summary.txt"
-cp "$work/config.json" "$out/config.json"
+cat "$out/host_memory.txt" | tee -a "$out/summary.txt"
 echo "total $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
