@@ -8,7 +8,11 @@ made from generated images and videos of odd sizes (SamplePreprocessor, the Open
     raises otherwise) and the responses are the requested length;
 (c) after `load_weights` of another model's weights the engine's log-probs match that model's HF
     forward on the same tokens (with our pixels), far closer than the old weights do;
-(d) sleep frees GPU memory and wake brings the engine back.
+(d) sleep frees GPU memory and wake brings the engine back;
+(e) vLLM's own input processor (the engine's, with its processor cache) gives, per item, the
+    ShadowLoader's grid, pixels and second_per_grid_t, and places each item's vision tokens exactly
+    where the trainer's prompt has its pad run;
+(f) seeding "batch" gives the same responses for the same batch and leaves the caller's CUDA stream as it was.
 Skipped without CUDA or vLLM. Run by tests/gpu/run_vllm_on_gpu_machine.sh.
 """
 
@@ -180,3 +184,67 @@ def test_sleep_frees_memory(engine, assets):
     print(f"\nsleep freed {(free_asleep - free_awake) / 2**30:.1f} GiB")
     assert free_asleep - free_awake > 1 * 2**30
     assert len(engine.generate(_requests(assets, seeds=(0,))[:1], SamplingParams(max_new_tokens=4))[0].response_ids) == 4
+
+
+def _pad_runs(prompt_ids, token_ids):
+    """(start, length) of every run of vision pad tokens in a prompt."""
+    runs, start = [], None
+    for index, token in enumerate(list(prompt_ids) + [None]):
+        if token in token_ids and start is None:
+            start = index
+        elif token not in token_ids and start is not None:
+            runs.append((start, index - start))
+            start = None
+    return runs
+
+
+def test_vllm_input_processor_places_shadowloader_grids(engine, assets):
+    """(e) the items vLLM's own processing hands its encoder: grids, pixels, timing and token positions."""
+    from flexrl_ds.rollout.vllm_inputs import build_prompt
+
+    processor = engine.llm.llm_engine.input_processor
+    tasks = engine.llm.llm_engine.get_supported_tasks()
+    worst = 0.0
+    for request in _requests(assets, seeds=(0,)):
+        engine.reset_caches()  # items are cached by content (img and mix share an image): process each anew
+        prompt = build_prompt(request, engine.tokens, engine.geometry)
+        core = processor.process_inputs(f"probe-{request.sample_key}", prompt, vllm.SamplingParams(max_tokens=1),
+                                        supported_tasks=tasks)
+        assert list(core.prompt_token_ids) == list(request.prompt_ids), request.sample_key
+        runs = _pad_runs(request.prompt_ids, {engine.tokens.image, engine.tokens.video})
+        features = sorted(core.mm_features, key=lambda feature: feature.mm_position.offset)
+        assert len(features) == len(request.items) == len(runs), request.sample_key
+        for feature, item, run in zip(features, request.items, runs):
+            assert feature.data is not None, f"{request.sample_key}: item served from vLLM's cache, not processed"
+            data = feature.data.get_data()
+            kind = "video" if item.kind == "video" else "image"
+            assert feature.modality == kind
+            assert tuple(int(v) for v in data[f"{kind}_grid_thw"].reshape(-1)) == tuple(item.grid_thw)
+            pixels = data["pixel_values_videos" if kind == "video" else "pixel_values"]
+            worst = max(worst, (pixels.float().cpu() - item.pixel_values.float()).abs().max().item())
+            if kind == "video":
+                assert float(data["second_per_grid_ts"]) == pytest.approx(item.second_per_grid_t)
+            assert (feature.mm_position.offset, feature.mm_position.length) == run, request.sample_key
+    print(f"\nvLLM input processor vs ShadowLoader: grids and token positions identical, max pixel difference {worst:.2e}")
+    assert worst < 1e-3
+
+
+def test_batch_seeding_repeats_the_batch_and_spares_the_caller_stream(engine, assets):
+    """(f) one seed per call: the same batch again gives the same responses; the caller's RNG is untouched."""
+    from flexrl_ds.rollout.base import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    requests = _requests(assets)
+    engine.seeding = "batch"
+    try:
+        torch.cuda.manual_seed(123)
+        before = torch.cuda.get_rng_state()
+        first = engine.generate(requests, params)
+        after = torch.cuda.get_rng_state()
+        again = engine.generate(requests, params)
+        shifted = engine.generate(_requests(assets, seeds=(5, 6)), params)
+    finally:
+        engine.seeding = "sample"
+    assert torch.equal(before, after)
+    assert [r.response_ids for r in first] == [r.response_ids for r in again]
+    assert [r.response_ids for r in first] != [r.response_ids for r in shifted]
