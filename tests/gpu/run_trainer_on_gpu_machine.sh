@@ -3,10 +3,11 @@
 # rollout backend (BACKEND=hf | vllm, default hf) colocated with the ZeRO-3 policy and reference,
 # STEPS steps (default 2) on images and videos.
 #   SHAPE=3b (default): all ZeRO-3 states on the GPU.
-#   SHAPE=7b: ZeRO-3 with the optimizer offloaded to host memory (fp32 master weights, Adam moments
-#     and gradients: ~16 B/param, ~107 GiB for the 7.2B parameters), torch's AdamW stepping there
-#     (`zero_force_ds_cpu_optimizer: false`: DeepSpeed's CPUAdam would need compiling on the machine),
-#     and the vLLM engine dropping its weights while asleep (sleep_level 2: the sync rewrites them).
+#   SHAPE=7b: ZeRO-3 with 70% of the optimizer offloaded to host memory (`offload_optimizer.ratio`:
+#     fp32 master weights, Adam moments and gradients are ~16 B/param, ~106 GiB for all 7.1B
+#     parameters, over what Ray lets one node use of its 125 GiB), DeepSpeed's CPUAdam stepping there
+#     (JIT-compiled on first use) and the vLLM engine dropping its weights while asleep (sleep_level 2:
+#     the sync rewrites them).
 #   COLOCATE=0: the rollout engine in a Ray actor of its own, sharing the one GPU with the policy rank
 #     (0.5 GPU each): the separate-engine path, its weights over the weight channel (gloo here, as
 #     the fractional GPUs are not whole devices of their own; NCCL needs two GPUs).
@@ -60,9 +61,11 @@ config["flexrl"]["sp"].update(p_max=1)
 config["flexrl"]["rollout"].update(max_response_length=128, backend=backend)
 vllm = {"gpu_memory_utilization": 0.3, "max_model_len": 8192}  # media per prompt: sized from the data
 if shape == "7b":
-    config["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False},
+    # 70% of the optimizer (fp32 master weights, moments, gradients) in host memory, stepped by
+    # DeepSpeed's CPUAdam (JIT-built there); the rest on the GPU
+    config["optimizer"]["params"].pop("torch_adam")
+    config["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False, "ratio": 0.7},
                                        sub_group_size=100_000_000)
-    config["zero_force_ds_cpu_optimizer"] = False
     vllm["sleep_level"] = 2
     config["flexrl"]["trainer"].update(save_last=False,  # ~100 GB of optimizer states: more than the disk
                                        num_cpus_per_rank=10)  # threads for the AdamW step on the host

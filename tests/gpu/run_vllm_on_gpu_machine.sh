@@ -17,7 +17,7 @@ start=$(date +%s)
 status=0
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm_engine_gpu.py 2>&1 | grep -v "Loading weights" \
-    | grep -v "^INFO\|^WARNING\|^(EngineCore" | tail -30 | tee "$out/vllm_engine_tests.txt" || status=1
+    | grep -v "^INFO\|^WARNING\|^(EngineCore" | tee "$out/vllm_engine_tests.txt" | tail -30 || status=1
   echo "engine tests done after $(( $(date +%s) - start )) s"
 fi
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = bench ]; then
