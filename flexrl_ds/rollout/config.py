@@ -108,3 +108,11 @@ class RolloutConfig:
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments the chosen backend's engine takes beyond the common ones."""
         return asdict(self.vllm) if self.backend == "vllm" else {}
+
+    def engines_start_without_policy_weights(self, colocated: bool) -> bool:
+        """Whether the engines' weights differ from the model directory's when step 0 begins, so the
+        trainer must sync before it: vllm with random weights (load_format dummy), or colocated
+        vllm engines at sleep_level 2 (they sleep as soon as they start, which drops their weights)."""
+        if self.backend != "vllm":
+            return False
+        return self.vllm.load_format == "dummy" or (colocated and self.vllm.sleep_level == 2)

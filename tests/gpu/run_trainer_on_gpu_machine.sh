@@ -11,6 +11,8 @@
 #   COLOCATE=0: the rollout engine in a Ray actor of its own, sharing the one GPU with the policy rank
 #     (0.5 GPU each): the separate-engine path, its weights over the weight channel (gloo here, as
 #     the fractional GPUs are not whole devices of their own; NCCL needs two GPUs).
+#   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
+#     the machine's disk is 64 GB).
 #   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
 # vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
@@ -50,13 +52,14 @@ echo "model ready after $(( $(date +%s) - start )) s"
 [ -f "$work/data-small/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num 16 --scale small \
   --task keyword --seed 0 --out "$work/data-small"
 python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" <<'PY'
-import json, sys
+import json, os, sys
 path, backend, shape, colocate = sys.argv[1:]
 config = json.load(open("ds_configs/grpo_tiny_cpu.json"))
 config["bf16"] = {"enabled": True}
 config["optimizer"]["params"]["lr"] = 1e-6
 config["flexrl"]["trainer"].update(num_policy_ranks=1, num_gpus_per_rank=1, num_cpus_per_rank=4, save_every=0,
-                                   save_rollouts=True, timeout_s=900.0)
+                                   save_rollouts=True, timeout_s=900.0,
+                                   save_last=os.environ.get("SAVE") == "1")  # the disk holds few checkpoints
 config["flexrl"]["sp"].update(p_max=1)
 config["flexrl"]["rollout"].update(max_response_length=128, backend=backend)
 vllm = {"gpu_memory_utilization": 0.3, "max_model_len": 8192}  # media per prompt: sized from the data
@@ -67,8 +70,7 @@ if shape == "7b":
     config["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False, "ratio": 0.7},
                                        sub_group_size=100_000_000)
     vllm["sleep_level"] = 2
-    config["flexrl"]["trainer"].update(save_last=False,  # ~100 GB of optimizer states: more than the disk
-                                       num_cpus_per_rank=10)  # threads for the AdamW step on the host
+    config["flexrl"]["trainer"].update(num_cpus_per_rank=10)  # threads for the Adam step on the host
 if backend == "vllm":
     config["flexrl"]["rollout"]["vllm"] = vllm
 if colocate == "0":

@@ -215,6 +215,18 @@ def test_engine_options_by_backend():
             VLLMOptions(**bad)
 
 
+def test_engines_that_start_without_the_policy_weights_are_synced_first():
+    """Random weights, or weights dropped by a colocated engine's first sleep at level 2 (a 7B GPU run
+    rolled out step 0 on those: log-prob difference 1.1 against 0.2 after the first sync)."""
+    def needs(colocated, **vllm):
+        return RolloutConfig(backend="vllm", vllm=VLLMOptions(**vllm)).engines_start_without_policy_weights(colocated)
+
+    assert not needs(True) and not needs(False)
+    assert needs(True, load_format="dummy") and needs(False, load_format="dummy")
+    assert needs(True, sleep_level=2) and not needs(False, sleep_level=2)
+    assert not RolloutConfig(backend="hf").engines_start_without_policy_weights(True)
+
+
 def test_vllm_config_section_reads_from_json():
     from flexrl_ds.common.typed import from_dict
 
