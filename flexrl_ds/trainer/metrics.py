@@ -100,14 +100,16 @@ def _wandb(project: str, run_name: str):
 
 
 def plot_metrics(rows: list[dict], path: Path) -> None:
-    """Reward, loss, KL, response length and phase times per step, one PNG."""
+    """Reward, loss, KL, response length and phase times per step, and on GPUs the peak device
+    memory per phase, one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [row["step"] for row in rows]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
+    memory = any(any(r.get("peak_device_used_gb", {}).values()) for r in rows)
+    fig, axes = plt.subplots(1, 5 if memory else 4, figsize=(20 if memory else 16, 3.4))
     axes[0].errorbar(steps, [r["reward_mean"] for r in rows], yerr=[r["reward_std"] for r in rows], marker="o")
     axes[0].set_title("reward (mean ± std over samples)")
     axes[1].plot(steps, [r["loss"] for r in rows], marker="o", label="loss")
@@ -123,6 +125,11 @@ def plot_metrics(rows: list[dict], path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values)]
     axes[3].legend(fontsize=7)
     axes[3].set_title("time per phase (s)")
+    if memory:
+        for phase in ("rollout", "inference", "update"):
+            axes[4].plot(steps, [r["peak_device_used_gb"].get(phase, 0.0) for r in rows], marker="o", label=phase)
+        axes[4].legend(fontsize=7)
+        axes[4].set_title("peak device memory in use (GiB)")
     for axis in axes:
         axis.set_xlabel("step")
     fig.tight_layout()
