@@ -3,9 +3,10 @@
 # rollout backend (BACKEND=hf | vllm, default hf) colocated with the ZeRO-3 policy and reference,
 # STEPS steps (default 2) on images and videos.
 #   SHAPE=3b (default): all ZeRO-3 states on the GPU.
-#   SHAPE=7b: ZeRO-3 with 70% of the optimizer offloaded to host memory (`offload_optimizer.ratio`:
-#     fp32 master weights, Adam moments and gradients are ~16 B/param, ~106 GiB for all 7.1B
-#     parameters, over what Ray lets one node use of its 125 GiB), DeepSpeed's CPUAdam stepping there
+#   SHAPE=7b: ZeRO-3 with 70% of the optimizer offloaded to host memory (`offload_optimizer.ratio`;
+#     host memory ~ 4 B/param of fp32 gradient buffer for all parameters + ratio x 16 B/param of
+#     master weights, moments and gradients: ~100 GiB at 0.7 for 7.1B parameters, ~132 GiB at 1.0,
+#     more than the machine's 125 GiB), DeepSpeed's CPUAdam stepping there
 #     (JIT-compiled on first use) and the vLLM engine dropping its weights while asleep (sleep_level 2:
 #     the sync rewrites them).
 #   COLOCATE=0: the rollout engine in a Ray actor of its own, sharing the one GPU with the policy rank
