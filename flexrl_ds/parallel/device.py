@@ -110,6 +110,7 @@ class DeviceUsageMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._peak = 0
+        self._generation = 0
         self._device = torch.cuda.current_device() if info.is_gpu else None
         self._thread = None
         if self._device is not None:
@@ -123,14 +124,17 @@ class DeviceUsageMonitor:
 
     def _poll(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
+            generation = self._generation
             used = self._used()
             with self._lock:
-                self._peak = max(self._peak, used)
+                if generation == self._generation:  # a sample taken before a reset belongs to the old peak
+                    self._peak = max(self._peak, used)
 
     def reset(self) -> None:
         """Start a new peak from what is in use now."""
         if self._device is not None:
             with self._lock:
+                self._generation += 1
                 self._peak = self._used()
 
     def peak_bytes(self) -> int:

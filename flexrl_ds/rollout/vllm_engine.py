@@ -9,11 +9,9 @@ starting its own.
 
 Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.py`); every result
 is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. the
-same vision grids. Seeding (`VLLMOptions.seeding`): "sample" gives each request vLLM's per-request
-generator, so its response depends on its seed, not on the batch; "batch" seeds the device's
-default generator, which the in-process engine samples from, once per call (`batch_seed`), inside
-`torch.random.fork_rng` so the caller's stream is untouched; "off" samples from the stream as it
-is. Log-probs are vLLM's raw
+same vision grids. Seeding (`VLLMOptions.seeding`): "sample" gives each request its sample's seed,
+so its response depends on that seed, not on the batch; "off" leaves the seeds to vLLM (0.26's
+model runner draws them from numpy's global generator). Log-probs are vLLM's raw
 ones (before temperature and filtering); the trainer's `rollout_logprob_diff` compares them with its own.
 """
 
@@ -29,10 +27,9 @@ import torch
 import vllm
 
 from flexrl_ds.media.config import MediaConfig
-from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
 from flexrl_ds.rollout.config import SEEDING_MODES
-from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, batch_seed, build_prompt,
+from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt,
                                            check_expanded_prompt, sampling_kwargs, to_result)
 
 
@@ -68,7 +65,6 @@ class VLLMEngine:
         self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)),
                                                         pin_frame_cap=_processor_knows_frame_cap())
         self._asleep: set[str] = set()
-        self.device_index = _device_index(device)
 
     def generate(self, requests: Sequence[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
         """One result per request, in request order (see the module docstring)."""
@@ -78,25 +74,13 @@ class VLLMEngine:
         per_sample = self.seeding == "sample"
         sampling = [vllm.SamplingParams(**sampling_kwargs(params, request.seed if per_sample else None))
                     for request in requests]
-        with self._batch_stream(requests):
-            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         results = []
         for request, output in zip(requests, outputs):
             check_expanded_prompt(request, output.prompt_token_ids)
             completion = output.outputs[0]
             results.append(to_result(request.sample_key, completion.token_ids, completion.logprobs, params))
         return results
-
-    @contextlib.contextmanager
-    def _batch_stream(self, requests: Sequence[RolloutRequest]) -> Iterator[None]:
-        """seeding "batch": the call samples from the device's default generator seeded by `batch_seed`."""
-        if self.seeding != "batch":
-            yield
-            return
-        seed = batch_seed([request.seed for request in requests])
-        with torch.random.fork_rng(devices=[self.device_index]):
-            torch.manual_seed(seed)
-            yield
 
     def bare_generate(self, prompt_ids: Sequence[Sequence[int]], new_tokens: int) -> int:
         """Benchmarks only: vLLM's `LLM.generate` on plain token prompts at temperature 1 with EOS off
@@ -159,11 +143,6 @@ def _processor_knows_frame_cap() -> bool:
     except ImportError:
         return False
     return "cap_pixels_per_frame" in inspect.signature(module.Qwen2VLVideoProcessor._preprocess).parameters
-
-
-def _device_index(device: Any) -> int:
-    index = torch.device(device).index if device is not None else None
-    return device_mod.current_device(device_mod.GPU).index if index is None else index
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ How a request becomes a vLLM prompt, so that vLLM makes exactly the ShadowLoader
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -152,15 +151,6 @@ def sampling_kwargs(params: SamplingParams, seed: int | None) -> dict[str, Any]:
     if params.suppressed_token_ids:
         kwargs["logit_bias"] = {int(token): LOGIT_BIAS_FLOOR for token in params.suppressed_token_ids}
     return kwargs
-
-
-def batch_seed(seeds: Sequence[int | None]) -> int:
-    """One 63-bit seed for a whole generate call (`seeding: batch`): a function of its samples' seeds
-    in order, so the same batch gives the same seed and any other batch (or order) another one."""
-    if any(seed is None for seed in seeds):
-        raise ValueError("seeding 'batch': every rollout request needs a seed")
-    text = "/".join(str(int(seed)) for seed in seeds).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
 
 
 def to_result(sample_key: str, token_ids: Sequence[int], logprobs: Sequence[Any] | None,

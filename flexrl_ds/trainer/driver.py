@@ -92,15 +92,16 @@ class GRPOTrainer:
         cstep = self._timed(times, "data", self.controller.next_step)
         assert cstep.step == step, (cstep.step, step)
         prompts = encode_prompts(self.encoder, cstep)
-        samples, rollout_peaks = self._timed(times, "rollout", self._rollout, step, prompts)
+        peaks: dict[str, dict[str, float]] = {}  # phase -> peak memory on the policy ranks' devices
+        samples = self._phase(times, peaks, "rollout", self._rollout, step, prompts)
         reward_info = self._timed(times, "reward", self._reward, samples)
-        inference = self._timed(times, "inference", self._inference, step, samples)
-        update = self._timed(times, "update", self._update, step, samples, inference)
-        times["sync"] = self.rollout.sync(self.policy, self.o.bucket_bytes)
+        inference = self._phase(times, peaks, "inference", self._inference, step, samples)
+        update = self._phase(times, peaks, "update", self._update, step, samples, inference)
+        times["sync"] = self._phase({}, peaks, "sync", self.rollout.sync, self.policy, self.o.bucket_bytes)
         self.controller.release(step)
         times["step"] = time.perf_counter() - started
         metrics = self._metrics(step, samples, reward_info, inference, update, times)
-        metrics.update(_phase_peaks(rollout_peaks, inference["peaks"], _max_peaks(update)))
+        metrics.update(_phase_peaks(peaks))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
             self._save_rollouts(step, samples, reward_info["texts"])
@@ -113,22 +114,27 @@ class GRPOTrainer:
         times[name] = time.perf_counter() - started
         return result
 
+    def _phase(self, times: dict[str, float], peaks: dict[str, dict[str, float]], name: str, function, *args):
+        """`_timed`, and the phase's peak memory (the largest over the policy ranks) into peaks[name]."""
+        self.policy.run("reset_peaks")
+        result = self._timed(times, name, function, *args)
+        peaks[name] = _max_peaks(self.policy.run("peaks"))
+        return result
+
     # ---- phases -------------------------------------------------------------------------------
-    def _rollout(self, step: int, prompts: list) -> tuple[StepSamples, dict[str, float]]:
+    def _rollout(self, step: int, prompts: list) -> StepSamples:
         jobs = [PromptJob(p.key, tuple(p.prompt_ids),
                           tuple((i.kind, tuple(i.grid_thw), float(i.second_per_grid_t)) for i in p.items),
                           tuple((name, sample_seed(self.o.seed, parse_sample_name(name))) for name in p.sample_names))
                 for p in prompts]
-        self.policy.run("reset_peaks")
         results, withdrawn = self.rollout.generate(step, jobs, self.o.sampling)
-        peaks = _max_peaks(self.policy.run("peaks"))
         kept = [p for p in prompts if p.name not in withdrawn]
         samples = StepSamples(kept, {r.sample_key: list(r.response_ids) for r in results},
                               {r.sample_key: list(r.logprobs) for r in results},
                               {r.sample_key: r.finish_reason for r in results})
         if not samples.names:
             raise RuntimeError(f"step {step}: no prompt could be rolled out (withdrawn: {withdrawn})")
-        return samples, peaks
+        return samples
 
     def _reward(self, samples: StepSamples) -> dict[str, Any]:
         names, prompts = samples.names, samples.prompt_of()
@@ -164,12 +170,11 @@ class GRPOTrainer:
         results, encoded = self._plan(samples, samples.names)
         self._save_plans(results, step)
         job = PassJob(step, [r.plan.to_json() for r in results], encoded, samples.prompt_keys())
-        self.policy.run("reset_peaks")
         old = assemble(encoded, self.policy.run("logprobs", job))
         ref = {}
         if self.o.rl.init_kl_coef > 0:
             ref = assemble(encoded, self.policy.run("logprobs", dataclasses.replace(job, model="reference")))
-        return {"old": old, "ref": ref, "plans": results, "peaks": _max_peaks(self.policy.run("peaks"))}
+        return {"old": old, "ref": ref, "plans": results}
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         batches = split_mini_batches(samples.prompts, samples.names, self.o.rl.mini_batches_per_step)
@@ -249,11 +254,10 @@ def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {key: max(entry.get(key, 0.0) for entry in per_rank) for key in ("peak_memory_gb", "peak_device_used_gb")}
 
 
-def _phase_peaks(rollout: dict[str, float], inference: dict[str, float], update: dict[str, float]) -> dict[str, Any]:
+def _phase_peaks(peaks: dict[str, dict[str, float]]) -> dict[str, Any]:
     """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}} on the policy ranks' devices:
     torch's allocations, and all memory in use on the device (a colocated engine's pool included)."""
-    phases = {"rollout": rollout, "inference": inference, "update": update}
-    return {key: {phase: values[key] for phase, values in phases.items()}
+    return {key: {phase: values[key] for phase, values in peaks.items()}
             for key in ("peak_memory_gb", "peak_device_used_gb")}
 
 

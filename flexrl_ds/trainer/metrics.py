@@ -126,8 +126,8 @@ def plot_metrics(rows: list[dict], path: Path) -> None:
     axes[3].legend(fontsize=7)
     axes[3].set_title("time per phase (s)")
     if memory:
-        for phase in ("rollout", "inference", "update"):
-            axes[4].plot(steps, [r["peak_device_used_gb"].get(phase, 0.0) for r in rows], marker="o", label=phase)
+        for phase in ("rollout", "inference", "update", "sync"):
+            axes[4].plot(steps, [r.get("peak_device_used_gb", {}).get(phase, 0.0) for r in rows], marker="o", label=phase)
         axes[4].legend(fontsize=7)
         axes[4].set_title("peak device memory in use (GiB)")
     for axis in axes:

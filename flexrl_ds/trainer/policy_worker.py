@@ -192,7 +192,6 @@ class PolicyWorker:
         """One mini-batch update (models/policy_update.train_step); the mini-batch's statistics
         (all-reduced: the same on every rank) and the global grad norm."""
         started = time.perf_counter()
-        self.reset_peaks()
         batch = self._batch(job)
         old = policy_update.local_response_values(batch, job.old_logprobs)
         ref = policy_update.local_response_values(batch, job.ref_logprobs) if job.ref_logprobs else None
@@ -203,7 +202,6 @@ class PolicyWorker:
         stats = policy_update.reduce_stats(result.stats, device=self.device)
         stats["grad_norm"] = result.grad_norm
         stats["update_s"] = time.perf_counter() - started
-        stats.update(self.peaks())
         return stats
 
     def reset_peaks(self) -> None:

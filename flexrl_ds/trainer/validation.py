@@ -16,6 +16,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from flexrl_ds.media.types import Record
 from flexrl_ds.models.zero3 import check_ds_config
 from flexrl_ds.parallel import device as device_mod
 
@@ -73,7 +74,8 @@ def check_run(run: Any, model_dir: str, num_ranks: int) -> None:
 
 
 def resolve_media_limits(rollout: Any, records: list) -> Any:
-    """vllm: the engine's per-prompt image/video limits for this dataset. A limit left None becomes
+    """vllm: the engine's per-prompt image/video limits for this dataset (its usable records; bad
+    rows carry no media). A limit left None becomes
     the most any record has (at least 1: vLLM sizes its encoder budget by it, so no more than the
     data needs); a limit set explicitly must hold every record (vLLM would fail the whole generate
     call of a step with one such prompt), else ValueError naming the record. Returns the rollout
@@ -84,7 +86,8 @@ def resolve_media_limits(rollout: Any, records: list) -> Any:
     for kind in ("image", "video"):
         name = f"max_{kind}s_per_prompt"
         limit = getattr(rollout.vllm, name)
-        counts = {record.id: sum(1 for item in record.items if item.kind == kind) for record in records}
+        counts = {record.id: sum(1 for item in record.items if item.kind == kind) for record in records
+                  if isinstance(record, Record)}  # bad rows are kept for the loader's policy, without media
         if limit is None:
             limits[name] = max([1, *counts.values()])
             continue

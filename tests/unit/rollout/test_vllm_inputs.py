@@ -22,7 +22,7 @@ from flexrl_ds.media.types import MediaItem, Record
 from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
 from flexrl_ds.rollout.config import RolloutConfig, VLLMOptions
-from flexrl_ds.rollout.vllm_inputs import (LOGIT_BIAS_FLOOR, PixelGeometry, VisionTokens, batch_seed, build_prompt,
+from flexrl_ds.rollout.vllm_inputs import (LOGIT_BIAS_FLOOR, PixelGeometry, VisionTokens, build_prompt,
                                            check_expanded_prompt, collapse_vision_pads, item_media,
                                            processor_kwargs, sampling_kwargs, to_result, video_metadata,
                                            vllm_weight_name)
@@ -155,16 +155,6 @@ def test_sampling_kwargs():
 class FakeLogprob:
     def __init__(self, value):
         self.logprob = value
-
-
-def test_batch_seed_depends_on_the_batch_and_its_order():
-    seeds = [11, 12, 13]
-    assert batch_seed(seeds) == batch_seed(list(seeds))
-    others = {batch_seed(seeds[::-1]), batch_seed(seeds[:2]), batch_seed([11, 12, 14]), batch_seed(seeds)}
-    assert len(others) == 4
-    assert all(0 <= seed < 2**63 for seed in others)
-    with pytest.raises(ValueError, match="needs a seed"):
-        batch_seed([1, None])
 
 
 def test_to_result():

@@ -197,7 +197,7 @@ def test_vllm_media_limits_come_from_the_data_or_name_the_record():
     """vllm engines take at most max_{images,videos}_per_prompt per prompt. Unset, each limit is the most
     any record has (at least 1); set, a record over it is refused before any worker starts, by name;
     the hf backend has no such limit."""
-    from flexrl_ds.media.types import MediaItem, Record
+    from flexrl_ds.media.types import BadRecord, MediaItem, Record
     from flexrl_ds.rollout.config import RolloutConfig, VLLMOptions
     from flexrl_ds.trainer.validation import resolve_media_limits
 
@@ -205,7 +205,8 @@ def test_vllm_media_limits_come_from_the_data_or_name_the_record():
                Record("many", "<image><image><image>q", tuple(MediaItem("image", f"{i}.png") for i in range(3)))]
     hf = RolloutConfig(backend="hf")
     assert resolve_media_limits(hf, records) is hf
-    derived = resolve_media_limits(RolloutConfig(backend="vllm"), records).vllm
+    bad = BadRecord("dup", "duplicate id", index=3)  # kept among the usable rows for the loader's bad-record policy
+    derived = resolve_media_limits(RolloutConfig(backend="vllm"), records + [bad]).vllm
     assert (derived.max_images_per_prompt, derived.max_videos_per_prompt) == (3, 1)
     text_only = resolve_media_limits(RolloutConfig(backend="vllm"), [Record("t", "q", ())]).vllm
     assert (text_only.max_images_per_prompt, text_only.max_videos_per_prompt) == (1, 1)
