@@ -107,14 +107,22 @@ def _requests(config: RolloutBenchConfig, hf_config: Any):
 
 
 def _timed_generate(engine, requests, params) -> tuple[float, int]:
+    """The trainer's `RolloutEngine.generate` on the requests: (seconds, tokens generated)."""
+    return _timed_tokens(engine, requests, lambda chosen: sum(
+        len(result.response_ids) for result in engine.generate(chosen, params)))
+
+
+def _timed_tokens(engine, requests, generate) -> tuple[float, int]:
+    """`generate(requests) -> tokens` timed after a warm-up on two requests (kernels, allocator)
+    and a cache reset (no prefix computed by the warm-up is reused)."""
     info = device_mod.detect()
-    engine.generate(requests[:2], params)  # warm-up (kernels, allocator)
-    engine.reset_caches()  # no prefix computed by an earlier run is reused
+    generate(requests[:2])
+    engine.reset_caches()
     device_mod.synchronize(info)
     started = time.perf_counter()
-    results = engine.generate(requests, params)
+    tokens = generate(requests)
     device_mod.synchronize(info)
-    return time.perf_counter() - started, sum(len(result.response_ids) for result in results)
+    return time.perf_counter() - started, tokens
 
 
 def run_rollout_bench(config: RolloutBenchConfig, progress=print) -> RolloutBenchResult:
@@ -152,14 +160,13 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
     result.logprob_diff_before_sync = _logprob_diff(engine, model, requests[:4])
     progress(f"[bench rollout] vllm (started in {result.engine_start_s:.0f} s): {tokens} tokens in {seconds:.2f} s "
              f"= {tokens / seconds:,.0f} tokens/s")
-    for mode in ("off",):  # the same prompts with the seeds left to vLLM
-        engine.seeding = mode
-        try:
-            seconds, tokens = _timed_generate(engine, requests, params)
-        finally:
-            engine.seeding = "sample"
-        result.seconds[f"vllm_seeding_{mode}"], result.tokens_per_s[f"vllm_seeding_{mode}"] = seconds, tokens / seconds
-        progress(f"[bench rollout] vllm, seeding {mode!r}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s")
+    engine.seeding = "off"  # the same prompts with the seeds left to vLLM: what per-sample seeds cost
+    try:
+        seconds, tokens = _timed_generate(engine, requests, params)
+    finally:
+        engine.seeding = "sample"
+    result.seconds["vllm_seeding_off"], result.tokens_per_s["vllm_seeding_off"] = seconds, tokens / seconds
+    progress(f"[bench rollout] vllm, seeding 'off': {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s")
     seconds, tokens = _timed_raw_generate(engine, requests, config.new_tokens)
     result.seconds["vllm_raw"], result.tokens_per_s["vllm_raw"] = seconds, tokens / seconds
     progress(f"[bench rollout] bare vLLM (LLM.generate on token prompts, no seeds, no log-probs): {tokens} tokens "
@@ -185,15 +192,8 @@ def _timed_raw_generate(engine, requests, new_tokens: int) -> tuple[float, int]:
     """The engine's `vllm.LLM` called directly (`bare_generate`), as the bare-engine measurement did:
     what the trainer's engine adds on top (request building, seeds, log-probs, the prompt check) is
     the difference."""
-    prompts = [request.prompt_ids for request in requests]
-    info = device_mod.detect()
-    engine.bare_generate(prompts[:2], new_tokens)
-    engine.reset_caches()
-    device_mod.synchronize(info)
-    started = time.perf_counter()
-    tokens = engine.bare_generate(prompts, new_tokens)
-    device_mod.synchronize(info)
-    return time.perf_counter() - started, tokens
+    return _timed_tokens(engine, requests, lambda chosen: engine.bare_generate(
+        [request.prompt_ids for request in chosen], new_tokens))
 
 
 def _timed_sync(engine, model, bucket_bytes: int, result: RolloutBenchResult) -> None:

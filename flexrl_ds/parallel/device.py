@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -108,7 +109,6 @@ class DeviceUsageMonitor:
 
     def __init__(self, info: DeviceInfo, interval_s: float = 0.05):
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._peak = 0
         self._generation = 0
         self._device = torch.cuda.current_device() if info.is_gpu else None
@@ -123,7 +123,8 @@ class DeviceUsageMonitor:
         return total - free
 
     def _poll(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
+        while True:  # a daemon thread: it ends with the process
+            time.sleep(interval_s)
             generation = self._generation
             used = self._used()
             with self._lock:
@@ -143,9 +144,6 @@ class DeviceUsageMonitor:
             with self._lock:
                 self._peak = max(self._peak, used)
         return self._peak
-
-    def close(self) -> None:
-        self._stop.set()
 
 
 def release_cached_memory(info: DeviceInfo) -> None:

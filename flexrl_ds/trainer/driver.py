@@ -249,16 +249,19 @@ def _degrees(results) -> dict[str, int]:
     return {str(k): v for k, v in sorted(total.items())}
 
 
+PEAK_KEYS = ("peak_memory_gb", "peak_device_used_gb")
+"""What `PolicyWorker.peaks` reports: torch's allocations, and all memory in use on the device."""
+
+
 def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """The largest of each peak over ranks (or mini-batches)."""
-    return {key: max(entry.get(key, 0.0) for entry in per_rank) for key in ("peak_memory_gb", "peak_device_used_gb")}
+    """The largest of each peak over the policy ranks."""
+    return {key: max(entry.get(key, 0.0) for entry in per_rank) for key in PEAK_KEYS}
 
 
 def _phase_peaks(peaks: dict[str, dict[str, float]]) -> dict[str, Any]:
     """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}} on the policy ranks' devices:
     torch's allocations, and all memory in use on the device (a colocated engine's pool included)."""
-    return {key: {phase: values[key] for phase, values in peaks.items()}
-            for key in ("peak_memory_gb", "peak_device_used_gb")}
+    return {key: {phase: values[key] for phase, values in peaks.items()} for key in PEAK_KEYS}
 
 
 def _logprob_diff(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> float:
