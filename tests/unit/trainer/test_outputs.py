@@ -6,6 +6,8 @@ import itertools
 import json
 import random
 
+import pytest
+
 from flexrl_ds.loader.metastore import PromptKey
 from flexrl_ds.trainer.checkpoint import STATE_FILE, latest_checkpoint, read_trainer_state, write_trainer_state
 from flexrl_ds.trainer.metrics import PHASES, StepLog, flatten, plot_metrics, progress_line
@@ -153,3 +155,20 @@ def test_latest_checkpoint_picks_the_highest_complete_step(tmp_path):
 def test_latest_checkpoint_none_when_all_incomplete(tmp_path):
     (tmp_path / "checkpoints" / "step_3").mkdir(parents=True)
     assert latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize("save_every,save_last,saved", [(0, True, [3]), (0, False, []), (2, False, [1, 3]),
+                                                        (3, True, [2, 3])])
+def test_checkpoint_steps_follow_save_every_and_save_last(save_every, save_last, saved):
+    """The driver's loop saves every `save_every` steps and, with `save_last`, after the last one."""
+    from types import SimpleNamespace
+
+    from flexrl_ds.trainer.driver import GRPOTrainer
+
+    trainer = object.__new__(GRPOTrainer)  # only the step loop: no workers behind it
+    trainer.o = SimpleNamespace(start_step=0, max_steps=4, save_every=save_every, save_last=save_last)
+    written = []
+    trainer.train_step = lambda step: {"step": step}
+    trainer.save = written.append
+    assert trainer.run() == [{"step": step} for step in range(4)]
+    assert written == saved
