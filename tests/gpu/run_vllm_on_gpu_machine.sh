@@ -6,7 +6,8 @@
 #   3. carry .whl:      mkdir -p /tmp/whl && cp .whl/* /tmp/whl/
 #   4. carry .vllm/p2:  bash .vllm/p2/install.sh && bash tests/gpu/run_vllm_on_gpu_machine.sh engine
 #   5. (nothing):       BACKEND=vllm STEPS=3 bash tests/gpu/run_trainer_on_gpu_machine.sh
-# "engine" (= "tests" + "bench") runs the GPU tests of the engine (grids, pixels, weight sync, sleep) and `flexrl bench
+# "engine" (= "tests" + "bench") runs the GPU tests of the engine (grids, pixels, weight sync, sleep), of the
+# weight channel over NCCL ("channel"; two GPUs) and `flexrl bench
 # rollout` on the 7B shape (vLLM vs HF generate, colocated sync); results under $OUT.
 set -euo pipefail
 out=${OUT:-/tmp/flexrl-gpu}
@@ -19,6 +20,15 @@ if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm_engine_gpu.py 2>&1 | grep -v "Loading weights" \
     | grep -v "^INFO\|^WARNING\|^(EngineCore" | tee "$out/vllm_engine_tests.txt" | tail -30 || status=1
   echo "engine tests done after $(( $(date +%s) - start )) s"
+fi
+if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ] || [ "${1:-}" = channel ]; then
+  # the weight channel's NCCL path needs two GPUs; on one, show NCCL's refusal of two ranks per GPU
+  python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_weight_channel_gpu.py 2>&1 | tail -5 \
+    | tee "$out/weight_channel_tests.txt" || status=1
+  if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+    timeout 300 python3 tests/gpu/test_weight_channel_gpu.py same-gpu 2>&1 | grep "^rank\|Duplicate\|Error" \
+      | tail -6 | tee -a "$out/weight_channel_tests.txt" || true
+  fi
 fi
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = bench ]; then
   python3 -m flexrl_ds bench rollout --shape 7b --json "$out/rollout_7b.json" 2>&1 | grep "^\[bench\|Error\|error" \
