@@ -66,11 +66,14 @@ def check_ds_config(ds_config: dict[str, Any], world_size: int, train: bool = Tr
 
 
 def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_group=None, train: bool = True,
-                 logits_chunk: int = 4096):
+                 logits_chunk: int = 4096, activation_checkpointing: bool = False):
     """A DeepSpeed ZeRO-3 engine around `FlexUlyssesLM(hf_model)`, configured by `ds_config` as written.
 
     torch.distributed (and deepspeed.comm) must be initialised. `attention` / `vision_group` /
     `logits_chunk`: see `FlexUlyssesLM`. `train=False`: the reference model's inference engine.
+    `activation_checkpointing`: every decoder and vision layer is recomputed in backward
+    (transformers' non-reentrant gradient checkpointing: ZeRO-3 gathers the layer's parameters
+    again, and its FlexUlysses all-to-alls run again, in the same order on every rank).
     The module's `zero_group` is set to the group its parameters are partitioned over.
     """
     import deepspeed
@@ -80,6 +83,8 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     if not train:
         for key in INFERENCE_DROPPED_KEYS:
             config.pop(key, None)
+    if activation_checkpointing:
+        _enable_activation_checkpointing(hf_model)
     module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk)
     parameters = [p for p in module.parameters() if p.requires_grad] if train else None
     engine, *_ = deepspeed.initialize(model=module, model_parameters=parameters, config=config)
@@ -87,6 +92,16 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     if not train:
         engine.eval()
     return engine
+
+
+def _enable_activation_checkpointing(hf_model) -> None:
+    """transformers' non-reentrant layer checkpointing (`activation_checkpointing_enable` in newer
+    transformers, e.g. 5.24; `gradient_checkpointing_enable` in older ones, e.g. the GPU machine's 5.17)."""
+    options = {"use_reentrant": False}
+    if hasattr(hf_model, "activation_checkpointing_enable"):
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
 def data_parallel_size(engine) -> int:

@@ -30,6 +30,10 @@ class TrainerConfig:
     """Ray CPUs reserved per policy rank (fractions allowed)."""
     num_gpus_per_rank: float = 0.0
     """Ray GPUs per policy rank (0 on CPU machines)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder and vision layer in the backward pass (transformers' gradient
+    checkpointing, non-reentrant) instead of keeping its activations: one layer's activations live
+    at a time, for about a third more compute in the update (long sequences, big models)."""
     weight_sync_bucket_mb: int = 512
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0

@@ -91,6 +91,7 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
         pixels=pixels, dtype=model_dtype(run.deepspeed), timeout_s=run.flexrl.trainer.timeout_s,
         seed=run.flexrl.trainer.seed, rollout_backend=run.flexrl.rollout.backend if colocated else None,
         max_batch_sequences=run.flexrl.rollout.max_batch_sequences,
+        activation_checkpointing=run.flexrl.trainer.activation_checkpointing,
         rollout_options=run.flexrl.rollout.engine_options() if colocated else {})
 
 

@@ -79,6 +79,8 @@ class PolicySetup:
     """Sequences per generate call of the colocated engine."""
     rollout_options: dict = field(default_factory=dict)
     """Backend-specific engine settings (`RolloutConfig.engine_options()`)."""
+    activation_checkpointing: bool = False
+    """`flexrl.trainer.activation_checkpointing`: the policy recomputes layers in backward."""
 
 
 @dataclass
@@ -146,7 +148,8 @@ class PolicyWorker:
         if self.device is not None:
             model = model.to(self.device)
         return zero3.build_engine(model, self.setup.ds_config, attention=FlexUlyssesAttention(overlap=self.setup.overlap),
-                                  vision_group=self.tree.domain_group, train=train)
+                                  vision_group=self.tree.domain_group, train=train,
+                                  activation_checkpointing=train and self.setup.activation_checkpointing)
 
     # ---- passes -------------------------------------------------------------------------------
     def _batch(self, job: PassJob):

@@ -98,7 +98,7 @@ def fixed_values(model_dir: str, samples: dict) -> dict:
 
 
 def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict, reduction: str,
-                   offload: str = "none"):
+                   offload: str = "none", checkpointing: bool = False):
     """On every rank: ZeRO-3 engine from JSON, one GRPO train_step; rank 0 returns the parameters."""
     import deepspeed
     import torch.distributed as dist
@@ -120,14 +120,21 @@ def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict
                              placement=placement)
     engine = build_engine(model, zero3_config(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                               gradient_clipping=CLIP, reduce_bucket_size=4096,
-                                              offload_optimizer=offload), logits_chunk=8)
+                                              offload_optimizer=offload), logits_chunk=8,
+                         activation_checkpointing=checkpointing)
+    recomputing = [m for m in engine.module.hf_model.modules() if getattr(m, "gradient_checkpointing", False)]
+    first_decoder_layer = next(m for m in engine.module.hf_model.modules() if type(m).__name__.endswith("DecoderLayer"))
+    layer_runs = []
+    # a module inside the layer (a pre-hook: the recompute stops early, once the saved tensors are back)
+    first_decoder_layer.mlp.register_forward_pre_hook(lambda *_: layer_runs.append(1))
     config = GRPOConfig(loss_reduction=reduction, **RL)
     denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})
     result = pu.train_step(engine, batch, pu.local_response_values(batch, values["old"]),
                            pu.local_response_values(batch, values["ref"]),
                            pu.local_response_values(batch, values["adv"]), config, denoms)
     out = {"metrics": pu.reduce_stats(result.stats), "grad_norm": result.grad_norm,
-           "num_local": batch.layout.num_local_tokens, "num_packs": len(batch.layout.packs)}
+           "num_local": batch.layout.num_local_tokens, "num_packs": len(batch.layout.packs),
+           "num_recomputed_layers": len(recomputing), "first_layer_runs": len(layer_runs)}
     params = dict(engine.module.hf_model.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())):
         if dist.get_rank() == 0:
@@ -176,13 +183,16 @@ def _inputs(model, sample):
     return reference_inputs(model, sample)
 
 
-@pytest.mark.parametrize("kind,reduction,offload", [("mixed", "token_mean", "none"), ("idle", "sequence_mean", "none"),
-                                                    ("mixed", "token_mean", "torch_adam"),
-                                                    ("mixed", "token_mean", "cpu_adam_ratio")])
-def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kind, reduction, offload):
+@pytest.mark.parametrize("kind,reduction,offload,checkpointing", [
+    ("mixed", "token_mean", "none", False), ("idle", "sequence_mean", "none", False),
+    ("mixed", "token_mean", "torch_adam", False), ("mixed", "token_mean", "cpu_adam_ratio", False),
+    ("mixed", "token_mean", "none", True), ("idle", "sequence_mean", "none", True)])
+def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kind, reduction, offload, checkpointing):
     """offload: the optimizer offloaded to host memory, all of it under torch's AdamW, or half of it
     under DeepSpeed's CPUAdam (the 7B GPU run's set-up, `offload_optimizer.ratio`). CPUAdam's
-    vectorised arithmetic is not torch's: its parameters are compared to 1% of one step."""
+    vectorised arithmetic is not torch's: its parameters are compared to 1% of one step.
+    checkpointing: every decoder and vision layer recomputed in backward (its all-to-alls, and on
+    the idle plan the empty ranks' placeholder, run again)."""
     if offload == "cpu_adam_ratio":
         _build_cpu_adam()
     model_dir, data_path = assets
@@ -190,10 +200,13 @@ def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kin
     plan = make_plan(list(samples), kind)
     values = fixed_values(model_dir, samples)
     per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, plan.to_json(), values, reduction,
-                                     offload, timeout_s=240)
+                                     offload, checkpointing, timeout_s=240)
     ref_loss, ref_norm, ref_params = reference_step(model_dir, samples, values, reduction)
     if kind == "idle":  # ranks 2, 3: no token, but a member of the degree-4 pack
         assert [(r["num_local"] == 0, r["num_packs"]) for r in per_rank][2:] == [(True, 1), (True, 1)]
+    num_layers = sum(1 for m in _load(model_dir).modules() if hasattr(m, "gradient_checkpointing"))
+    assert [r["num_recomputed_layers"] for r in per_rank] == [num_layers if checkpointing else 0] * WORLD
+    assert [r["first_layer_runs"] for r in per_rank] == [2 if checkpointing else 1] * WORLD  # forward (+ recompute)
     metrics = per_rank[0]["metrics"]
     assert all(r["metrics"] == metrics for r in per_rank)
     assert metrics["num_tokens"] == sum(x.length - x.response_start for x in samples.values())

@@ -12,14 +12,15 @@
 #   COLOCATE=0: the rollout engine in a Ray actor of its own, sharing the one GPU with the policy rank
 #     (0.5 GPU each): the separate-engine path, its weights over the weight channel (gloo here, as
 #     the fractional GPUs are not whole devices of their own; NCCL needs two GPUs).
+#   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
 #   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
 # vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
 # Run there (device tool, carry .whl):  bash tests/gpu/run_trainer_on_gpu_machine.sh [OUT]
-# No activation checkpointing yet: 16 sequences of a few hundred tokens per step keep activations
-# within the H200 next to the ZeRO-3 states. Writes OUT/run/metrics.jsonl (per-phase times,
+# 16 sequences of a few hundred tokens per step keep activations within the H200 next to the ZeRO-3
+# states also without activation checkpointing. Writes OUT/run/metrics.jsonl (per-phase times,
 # tokens/GPU/s, peak device memory per phase), OUT/host_memory.txt (peak host memory, sampled) and OUT/summary.txt.
 set -euo pipefail
 out=${1:-${OUT:-/tmp/flexrl-gpu}}
@@ -60,7 +61,8 @@ config["bf16"] = {"enabled": True}
 config["optimizer"]["params"]["lr"] = 1e-6
 config["flexrl"]["trainer"].update(num_policy_ranks=1, num_gpus_per_rank=1, num_cpus_per_rank=4, save_every=0,
                                    save_rollouts=True, timeout_s=900.0,
-                                   save_last=os.environ.get("SAVE") == "1")  # the disk holds few checkpoints
+                                   save_last=os.environ.get("SAVE") == "1",  # the disk holds few checkpoints
+                                   activation_checkpointing=os.environ.get("CKPT") == "1")
 config["flexrl"]["sp"].update(p_max=1)
 config["flexrl"]["rollout"].update(max_response_length=128, backend=backend)
 vllm = {"gpu_memory_utilization": 0.3, "max_model_len": 8192}  # media per prompt: sized from the data
