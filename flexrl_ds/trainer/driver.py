@@ -40,8 +40,8 @@ from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PassJob
 from flexrl_ds.trainer.rollout_host import PromptJob
-from flexrl_ds.trainer.samples import (StepSamples, encode_prompts, parse_sample_name, sample_seed, split_domains,
-                                       split_mini_batches)
+from flexrl_ds.trainer.samples import (LogprobGaps, StepSamples, encode_prompts, logprob_gaps, media_of,
+                                       parse_sample_name, sample_seed, split_domains, split_mini_batches)
 
 
 @dataclass
@@ -104,7 +104,7 @@ class GRPOTrainer:
         metrics.update(_phase_peaks(peaks))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
-            self._save_rollouts(step, samples, reward_info["texts"])
+            self._save_rollouts(step, samples, reward_info["texts"], logprob_gaps(samples, inference["old"]))
         return metrics
 
     @staticmethod
@@ -202,6 +202,7 @@ class GRPOTrainer:
             return sum(b[key] * b["num_tokens"] for b in update) / total_tokens
 
         last = update[-1]
+        gaps = logprob_gaps(samples, inference["old"])
         return {
             "step": step, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(names) > 1 else 0.0,
@@ -214,11 +215,11 @@ class GRPOTrainer:
             "num_reward_errors": reward_info["num_reward_errors"], "num_samples": len(names),
             "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
             "attention_balance": max(float(r.metrics.attention_balance) for r in inference["plans"]),
-            "rollout_logprob_diff": _logprob_diff(samples, inference["old"]),
+            "rollout_logprob_diff": gaps.mean, "rollout_logprob_diff_by_media": gaps.by_media,
             "degrees": _degrees(inference["plans"]),
         }
 
-    def _save_rollouts(self, step: int, samples: StepSamples, texts: dict[str, str]) -> None:
+    def _save_rollouts(self, step: int, samples: StepSamples, texts: dict[str, str], gaps: LogprobGaps) -> None:
         path = self.paths.rollouts(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         prompts = samples.prompt_of()
@@ -228,7 +229,8 @@ class GRPOTrainer:
                 handle.write(json.dumps({
                     "sample": name, "id": prompts[name].record.id, "k": parse_sample_name(name).sample_index,
                     "prompt_ids": prompts[name].prompt_ids, "response_ids": samples.response_ids[name],
-                    "response": text, "reward": samples.rewards[name], "advantage": samples.advantages[name]}) + "\n")
+                    "response": text, "reward": samples.rewards[name], "advantage": samples.advantages[name],
+                    "media": media_of(prompts[name]), "logprob_diff": gaps.per_sample[name]}) + "\n")
 
     def save(self, step: int) -> None:
         """checkpoints/step_N (DeepSpeed on every rank, then the trainer state) and hf/step_N."""
@@ -264,12 +266,3 @@ def _phase_peaks(peaks: dict[str, dict[str, float]]) -> dict[str, Any]:
     return {key: {phase: values[key] for phase, values in peaks.items()} for key in PEAK_KEYS}
 
 
-def _logprob_diff(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> float:
-    """Mean |engine log-prob - trainer log-prob| over the step's response tokens: near 0 only when the
-    engine sampled with the policy's current weights (and the same model code)."""
-    total, count = 0.0, 0
-    for name in samples.names:
-        for engine, trainer in zip(samples.engine_logprobs[name], trainer_logprobs[name]):
-            total += abs(engine - trainer)
-            count += 1
-    return total / max(count, 1)

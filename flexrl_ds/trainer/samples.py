@@ -150,3 +150,37 @@ def split_domains(prompts: Sequence[PromptInputs], names: Sequence[str], num_dom
         loads[domain] += costs[index]
         owner.update((name, domain) for name in units[index])
     return [[n for n in names if owner.get(n) == d] for d in range(num_domains)]
+
+
+def media_of(prompt: PromptInputs) -> str:
+    """What a prompt carries besides text: "text", "image", "video" or "image+video"."""
+    kinds = sorted({item.kind for item in prompt.items})
+    return "+".join(kinds) if kinds else "text"
+
+
+@dataclass(frozen=True)
+class LogprobGaps:
+    """|engine log-prob - trainer log-prob| of the sampled tokens, per sample, and its means."""
+
+    per_sample: dict[str, float]
+    """Sample name -> mean over its response tokens."""
+    mean: float
+    """Over all the step's response tokens: near 0 only when the engine sampled with the policy's
+    current weights (and the same model code)."""
+    by_media: dict[str, float]
+    """`media_of` its prompt -> mean over the response tokens of those samples (which inputs the
+    numerical gap comes from: e.g. a bf16 vision tower)."""
+
+
+def logprob_gaps(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> LogprobGaps:
+    """The step's `LogprobGaps` (the engine's log-probs against the trainer's old-policy ones)."""
+    prompts = samples.prompt_of()
+    per_sample, sums = {}, {}
+    for name in samples.names:
+        gaps = [abs(engine - trainer) for engine, trainer in zip(samples.engine_logprobs[name], trainer_logprobs[name])]
+        per_sample[name] = sum(gaps) / max(len(gaps), 1)
+        total, count = sums.get(media_of(prompts[name]), (0.0, 0))
+        sums[media_of(prompts[name])] = (total + sum(gaps), count + len(gaps))
+    all_total, all_count = sum(t for t, _ in sums.values()), sum(c for _, c in sums.values())
+    return LogprobGaps(per_sample, all_total / max(all_count, 1),
+                       {media: total / max(count, 1) for media, (total, count) in sorted(sums.items())})

@@ -106,8 +106,17 @@ def test_rewards_and_advantages_recomputed(run_a):
 
 def test_engine_generates_with_the_current_weights(run_a):
     """After every sync the rollout engine's log-probs of its own samples equal the trainer's."""
-    for row in rows(run_a):
+    data = {json.loads(line)["id"]: json.loads(line)
+            for line in (run_a.parent / "data" / "train.jsonl").read_text().splitlines()}
+    for step, row in enumerate(rows(run_a)):
         assert row["rollout_logprob_diff"] < 1e-4, row["rollout_logprob_diff"]
+        samples = rollouts(run_a, step)
+        kinds = {s["id"]: "+".join(kind for kind in ("image", "video") if data[s["id"]].get(kind + "s")) or "text"
+                 for s in samples}
+        assert [s["media"] for s in samples] == [kinds[s["id"]] for s in samples]
+        assert set(row["rollout_logprob_diff_by_media"]) == set(kinds.values())
+        assert max(row["rollout_logprob_diff_by_media"].values()) < 1e-4
+        assert max(s["logprob_diff"] for s in samples) < 1e-4
 
 
 def test_hf_export_loads_and_was_trained(run_a):

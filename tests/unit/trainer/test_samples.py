@@ -128,3 +128,34 @@ def test_split_domains_refuses_fewer_samples_than_domains():
     prompts = _prompts(1, 2)
     with pytest.raises(ValueError, match="2 samples cannot fill 4 SP domains"):
         split_domains(prompts, prompts[0].sample_names, 4, lambda name: 1.0)
+
+
+def test_logprob_gaps_per_sample_overall_and_by_media_match_a_plain_loop():
+    from flexrl_ds.models.processing import VisionItem
+    from flexrl_ds.trainer.samples import logprob_gaps, media_of
+
+    def item(kind):
+        return VisionItem(kind, None, (1, 2, 2), 1.0)
+
+    media = [[], [item("image")], [item("video")], [item("video"), item("image")], [item("image"), item("image")]]
+    prompts = _prompts(len(media), n=2)
+    for prompt, items in zip(prompts, media):
+        prompt.items = items
+    rng = random.Random(4)
+    names = [name for prompt in prompts for name in prompt.sample_names]
+    lengths = {name: rng.randint(1, 6) for name in names}
+    engine = {name: [rng.uniform(-5, 0) for _ in range(lengths[name])] for name in names}
+    trainer = {name: [rng.uniform(-5, 0) for _ in range(lengths[name])] for name in names}
+    samples = StepSamples(prompts, {name: [1] * lengths[name] for name in names}, engine)
+    gaps = logprob_gaps(samples, trainer)
+    assert [media_of(p) for p in prompts] == ["text", "image", "video", "image+video", "image"]
+    kind_of = {name: media_of(p) for p in prompts for name in p.sample_names}
+    tokens = [(kind_of[name], abs(e - t)) for name in names for e, t in zip(engine[name], trainer[name])]
+    assert gaps.mean == pytest.approx(sum(g for _, g in tokens) / len(tokens))
+    for kind in ("text", "image", "video", "image+video"):
+        chosen = [g for k, g in tokens if k == kind]
+        assert gaps.by_media[kind] == pytest.approx(sum(chosen) / len(chosen))
+    assert set(gaps.by_media) == {"text", "image", "video", "image+video"}
+    for name in names:
+        own = [abs(e - t) for e, t in zip(engine[name], trainer[name])]
+        assert gaps.per_sample[name] == pytest.approx(sum(own) / len(own))
