@@ -81,7 +81,7 @@ def place_rank(config, plan, samples: Mapping[str, Any], rank: int, group_tree=N
 
 
 def positions_fn(model) -> PositionsFn:
-    """Whole-sequence positions by the model's own rope-index logic (mRoPE needs it)."""
+    """Whole-sequence positions of the model's kind (mRoPE for Qwen2-VL-style models: positions.py)."""
     return functools.partial(sequence_positions, model)
 
 
@@ -277,8 +277,8 @@ class FlexUlyssesLM(torch.nn.Module):
 
 
 def reference_logprobs(model, sample) -> torch.Tensor:
-    """Plain single-process HF log-probs of a sample's response tokens (model.forward, HF positions),
-    on the model's device (the sample's tensors are moved there)."""
+    """Plain single-process HF log-probs of a sample's response tokens (model.forward on
+    `reference_inputs`), on the model's device (the sample's tensors are moved there)."""
     device = next(model.parameters()).device
     kwargs = {name: value.to(device) for name, value in reference_inputs(model, sample).items()}
     logits = model(**kwargs).logits[0].float()
@@ -288,7 +288,9 @@ def reference_logprobs(model, sample) -> torch.Tensor:
 
 
 def reference_inputs(model, sample) -> dict:
-    """What the HF processor would hand the model for one sample (batch of 1)."""
+    """What the HF processor would hand the model for one sample (batch of 1), with the sequence's
+    mRoPE `position_ids` (3, 1, L) of models/positions.py: transformers' own rope index differs
+    across 5.x releases for videos, and the trainer, the `hf` engine and vLLM must agree."""
     kwargs: dict[str, Any] = {"input_ids": sample.input_ids.unsqueeze(0)}
     if not hf_adapter.is_vision_language(model):
         return kwargs
@@ -304,4 +306,5 @@ def reference_inputs(model, sample) -> dict:
         kwargs["second_per_grid_ts"] = torch.tensor([i.second_per_grid_t for i in videos])
     kwargs["mm_token_type_ids"] = mm_token_type_ids(kwargs["input_ids"], model.config.image_token_id,
                                                     model.config.video_token_id)
+    kwargs["position_ids"] = sequence_positions(model, sample.input_ids, sample.items).unsqueeze(1)
     return kwargs

@@ -1,17 +1,24 @@
 """Position ids under FlexUlysses: computed per WHOLE sequence, then cut to a rank's local tokens.
 
 Qwen2.5-VL's 3D (mRoPE) positions of a token depend on every vision grid before it, so a shard cannot
-compute its own: `sequence_positions` runs the model's rope-index logic on the whole sequence and
-`local_position_ids` slices the result with the rank layout into `(3, 1, local_tokens)` (or
-`(1, local_tokens)` for text models), which the model gets explicitly as `position_ids`.
+compute its own: `sequence_positions` computes them for the whole sequence and `local_position_ids`
+slices the result with the rank layout into `(3, 1, local_tokens)` (or `(1, local_tokens)` for text
+models), which the model gets explicitly as `position_ids`.
 
-`rope_index` is the one wrapper around transformers' `get_rope_index`, whose signature differs across
-transformers 5.x (5.24 needs `mm_token_type_ids`; earlier 5.x releases derive token types from ids).
+The rule is Qwen2-VL's / Qwen2.5-VL's as released (and as vLLM computes it): text tokens advance all
+three coordinates together; a vision item's tokens, in (t, h, w) order, get (start + T(t), start + h,
+start + w) with `start` the next free position, where T(t) = t for images and Qwen2-VL videos and
+floor(t * second_per_grid_t * tokens_per_second) for Qwen2.5-VL videos; the text after an item
+starts at the item's largest position + 1. It is computed here, not by transformers'
+`get_rope_index`, because that one changed across transformers 5.x: 5.17 truncates
+second_per_grid_t to an integer first, and 5.x starts the text after a video at start + max(h, w)
+even when the video's temporal positions reach further. Against a vLLM engine that gave a
+log-prob gap of ~1 nat per token on such videos (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-import inspect
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -27,53 +34,76 @@ def mm_token_type_ids(input_ids_L: torch.Tensor, image_token_id: int, video_toke
     return types
 
 
-def _grid_tensor(grids: Sequence[tuple[int, int, int]]) -> torch.Tensor | None:
-    return torch.tensor([list(g) for g in grids], dtype=torch.long) if grids else None
+@dataclass(frozen=True)
+class MropeSpec:
+    """What Qwen2-VL / Qwen2.5-VL mRoPE positions depend on (from the HF config)."""
+
+    image_token_id: int
+    video_token_id: int
+    spatial_merge_size: int
+    tokens_per_second: float | None
+    """Qwen2.5-VL: temporal position units per second of video; None (Qwen2-VL): one per temporal group."""
+
+    @classmethod
+    def from_config(cls, config) -> "MropeSpec":
+        vision = config.vision_config
+        return cls(int(config.image_token_id), int(config.video_token_id), int(vision.spatial_merge_size),
+                   getattr(vision, "tokens_per_second", None))
 
 
-def rope_index(vl_model, input_ids_L: torch.Tensor, image_grids: Sequence[tuple[int, int, int]],
-               video_grids: Sequence[tuple[int, int, int]], second_per_grid_ts: Sequence[float]) -> torch.Tensor:
-    """(3, L) mRoPE positions of one whole sequence via the model's own `get_rope_index`.
+def _vision_block(item, start: int, spec: MropeSpec) -> torch.Tensor:
+    """(3, t*H*W) positions of one vision item's tokens (t, h/merge, w/merge order), from `start`."""
+    t, h, w = (int(v) for v in item.grid_thw)
+    rows, cols = h // spec.spatial_merge_size, w // spec.spatial_merge_size
+    factor = 1.0
+    if item.kind == "video" and spec.tokens_per_second is not None:
+        factor = float(item.second_per_grid_t) * float(spec.tokens_per_second)
+    temporal = torch.tensor([int(index * factor) for index in range(t)], dtype=torch.long)  # truncated
+    grid_t, grid_h, grid_w = torch.meshgrid(temporal, torch.arange(rows), torch.arange(cols), indexing="ij")
+    return torch.stack([grid_t, grid_h, grid_w]).reshape(3, -1) + start
 
-    `vl_model` is the `Qwen2_5_VLModel` (`model.model` of the conditional-generation class).
+
+def mrope_positions(input_ids_L: torch.Tensor, items: Sequence, spec: MropeSpec) -> torch.Tensor:
+    """(3, L) positions of one whole sequence by the Qwen2-VL / Qwen2.5-VL rule (module docstring).
+
+    `items`: the sequence's vision items in prompt order; item k owns the next run of
+    t*h*w/merge^2 pad tokens of its kind. ValueError when the pads and the items disagree.
     """
-    config = vl_model.config
-    input_ids = input_ids_L.view(1, -1)
-    kwargs = dict(image_grid_thw=_grid_tensor(image_grids), video_grid_thw=_grid_tensor(video_grids),
-                  second_per_grid_ts=torch.tensor(list(second_per_grid_ts)) if video_grids else None,
-                  attention_mask=None)
-    params = inspect.signature(vl_model.get_rope_index).parameters
-    if "mm_token_type_ids" in params:
-        kwargs["mm_token_type_ids"] = mm_token_type_ids(input_ids, config.image_token_id,
-                                                        config.video_token_id)
-    position_ids, _ = vl_model.get_rope_index(input_ids, **kwargs)
-    return position_ids[:, 0, :]
+    ids = input_ids_L.tolist()
+    pad_ids = {"image": spec.image_token_id, "video": spec.video_token_id}
+    chunks, next_position, cursor = [], 0, 0
+    for index, item in enumerate(items):
+        pad = pad_ids[item.kind]
+        count = item.num_tokens(spec.spatial_merge_size)
+        start = next((i for i in range(cursor, len(ids)) if ids[i] == pad), None)
+        if start is None or ids[start:start + count] != [pad] * count:
+            raise ValueError(f"vision item {index} ({item.kind}, grid {tuple(item.grid_thw)}): expected a run of "
+                             f"{count} pad tokens {pad} after token {cursor}")
+        chunks.append(torch.arange(start - cursor).expand(3, -1) + next_position)
+        block = _vision_block(item, next_position + start - cursor, spec)
+        chunks.append(block)
+        next_position, cursor = int(block.max()) + 1, start + count
+    left = [i for i in range(cursor, len(ids)) if ids[i] in pad_ids.values()]
+    if left:
+        raise ValueError(f"{len(left)} vision pad tokens after the last of {len(items)} vision items "
+                         f"(first at token {left[0]})")
+    chunks.append(torch.arange(len(ids) - cursor).expand(3, -1) + next_position)
+    return torch.cat(chunks, dim=1).to(torch.long)
 
 
 def sequence_positions(model, input_ids_L: torch.Tensor, items=()) -> torch.Tensor:
     """Whole-sequence positions: (3, L) for a vision-language model, (1, L) for a text model.
 
-    `items`: the sequence's `VisionItem`s in prompt order (kind, grid_thw, second_per_grid_t).
+    `model`: the HF model (or its config). `items`: the sequence's `VisionItem`s in prompt order
+    (kind, grid_thw, second_per_grid_t).
     """
+    config = getattr(model, "config", model)
     length = int(input_ids_L.shape[0])
-    if getattr(model.config, "vision_config", None) is None:
+    if getattr(config, "vision_config", None) is None:
         if items:
             raise ValueError("sequence has vision items but the model is text-only")
         return torch.arange(length, dtype=torch.long).view(1, length)
-    if not items:
-        return torch.arange(length, dtype=torch.long).view(1, length).expand(3, length).contiguous()
-    images = [tuple(i.grid_thw) for i in items if i.kind == "image"]
-    videos = [tuple(i.grid_thw) for i in items if i.kind == "video"]
-    seconds = [i.second_per_grid_t for i in items if i.kind == "video"]
-    return rope_index(_vl_base(model), input_ids_L, images, videos, seconds)
-
-
-def _vl_base(model):
-    """The module holding `get_rope_index` (Qwen2_5_VLModel) for the model or a wrapper of it."""
-    for candidate in (model, getattr(model, "model", None)):
-        if candidate is not None and hasattr(candidate, "get_rope_index"):
-            return candidate
-    raise ValueError(f"{type(model).__name__} has no get_rope_index (not a Qwen2-VL-style model)")
+    return mrope_positions(input_ids_L, items, MropeSpec.from_config(config))
 
 
 def local_position_ids(layout, positions_by_seq: Mapping[str, torch.Tensor]) -> torch.Tensor:

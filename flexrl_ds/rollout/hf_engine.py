@@ -9,7 +9,8 @@ sample's response depends only on its prompt, the weights, the sampling settings
 
 Vision-language models get the inputs the HF processor would give (`models.flex_model.reference_inputs`:
 pixel_values / image_grid_thw, pixel_values_videos / video_grid_thw / second_per_grid_ts and
-mm_token_type_ids, without which transformers 5.x silently falls back to 1D positions), repeated once
+mm_token_type_ids, without which transformers 5.x silently falls back to 1D positions, and the mRoPE
+position_ids of models/positions.py, which `generate` extends by one per new token), repeated once
 per row of the call.
 """
 
@@ -102,7 +103,7 @@ class HFRolloutEngine:
         for prompt, count in zip(prompts, counts):
             sample = EncodedSample(prompt.sample_key, torch.tensor(prompt.prompt_ids, dtype=torch.long),
                                    len(prompt.prompt_ids), list(prompt.items))
-            per_prompt.append({name: value.repeat(count, *[1] * (value.dim() - 1))
+            per_prompt.append({name: _repeat_rows(name, value, count)
                                for name, value in reference_inputs(self.model, sample).items()})
         length = max(len(prompt.prompt_ids) for prompt in prompts)
         batch: dict[str, list[torch.Tensor]] = {"attention_mask": []}
@@ -112,10 +113,11 @@ class HFRolloutEngine:
             for name, value in inputs.items():
                 if name == "input_ids":
                     value = torch.nn.functional.pad(value, (pad, 0), value=self.pad_token_id)
-                elif name == "mm_token_type_ids":
+                elif name in ("mm_token_type_ids", "position_ids"):  # (positions of pads: masked out)
                     value = torch.nn.functional.pad(value, (pad, 0), value=0)
                 batch.setdefault(name, []).append(value)
-        return {name: torch.cat(values).to(self.device) for name, values in batch.items()}
+        return {name: torch.cat(values, dim=1 if name == "position_ids" else 0).to(self.device)
+                for name, values in batch.items()}
 
     def _check_request(self, request: RolloutRequest) -> None:
         if request.items and not self.is_vision_language:
@@ -157,6 +159,14 @@ class HFRolloutEngine:
         """Bring the weights back to the engine's device."""
         if self.device.type != "cpu":
             self.model.to(self.device)
+
+
+def _repeat_rows(name: str, value: torch.Tensor, count: int) -> torch.Tensor:
+    """A one-prompt input repeated for `count` rows (position_ids (3, 1, L): along its batch axis 1;
+    media tensors: concatenated copies, one per row)."""
+    if name == "position_ids":
+        return value.repeat(1, count, 1)
+    return value.repeat(count, *[1] * (value.dim() - 1))
 
 
 def group_requests(requests: Sequence[RolloutRequest], max_batch_sequences: int) -> list[list[int]]:

@@ -7,7 +7,8 @@ made from generated images and videos of odd sizes (SamplePreprocessor, the Open
 (b) through the engine, vLLM's expansion of every prompt equals the trainer's token ids (the engine
     raises otherwise) and the responses are the requested length;
 (c) after `load_weights` of another model's weights the engine's log-probs match that model's HF
-    forward on the same tokens (with our pixels), far closer than the old weights do;
+    forward on the same tokens (with our pixels and mRoPE positions), far closer than the old
+    weights do, for every prompt (a long video's positions included);
 (d) sleep frees GPU memory and wake brings the engine back;
 (e) vLLM's own input processor (the engine's, with its processor cache) gives, per item, the
     ShadowLoader's grid, pixels and second_per_grid_t, and places each item's vision tokens exactly
@@ -50,11 +51,14 @@ def assets(tmp_path_factory):
         Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(paths[-1])
     write_video(root / "vid0.mp4", num_frames=9, width=150, height=94, fps=4.0, seed=1)
     write_video(root / "vid1.mp4", num_frames=12, width=62, height=118, fps=6.0, seed=2)
+    # 10 temporal groups of 2x2 merged patches: its temporal positions (0, 2, .., 18) reach far past
+    # its spatial ones, where transformers 5.x's own rope index differs from the released rule
+    write_video(root / "vid2.mp4", num_frames=40, width=62, height=62, fps=4.0, seed=3)
     preprocessor = SamplePreprocessor(MediaConfig().with_processor_dir(model_a))
     encoder = SampleEncoder(model_a)
     prompts = {}
     for key, files in {"img": paths[:1], "two": paths[1:], "vid": [root / "vid0.mp4"],
-                       "mix": [paths[0], root / "vid1.mp4"]}.items():
+                       "mix": [paths[0], root / "vid1.mp4"], "long": [root / "vid2.mp4"]}.items():
         items = tuple(MediaItem("video" if f.suffix == ".mp4" else "image", str(f)) for f in files)
         markers = "".join("<video>" if i.kind == "video" else "<image>" for i in items)
         meta, outputs = preprocessor.process(Record(key, markers + "describe", items))
@@ -164,11 +168,14 @@ def test_weight_sync_then_logprobs_match_new_weights(engine, assets):
     requests = _requests(assets, seeds=(3,))
     results = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=8))
     engine_values = [torch.tensor(r.logprobs) for r in results]
-    diff_b = torch.cat([(a - b).abs() for a, b in zip(engine_values, _hf_logprobs(assets["b"], requests, results))])
+    per_request_b = [(a - b).abs() for a, b in zip(engine_values, _hf_logprobs(assets["b"], requests, results))]
+    diff_b = torch.cat(per_request_b)
     diff_a = torch.cat([(a - b).abs() for a, b in zip(engine_values, _hf_logprobs(assets["a"], requests, results))])
+    worst = max(zip((float(d.mean()) for d in per_request_b), (r.sample_key for r in requests)))
     print(f"\nmean |vLLM - HF| log-prob after syncing model b: {diff_b.mean():.2e} against b, {diff_a.mean():.2e} "
-          f"against the engine's original weights a")
+          f"against the engine's original weights a; worst prompt {worst[1]} {worst[0]:.2e}")
     assert diff_b.mean() < 1e-2 and diff_b.mean() * 10 < diff_a.mean()
+    assert worst[0] < 1e-2  # every prompt, the long video's mRoPE positions included
 
 
 def test_sleep_frees_memory(engine, assets):

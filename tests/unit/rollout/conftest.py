@@ -36,7 +36,9 @@ def tokenizer(rollout_assets):
 @pytest.fixture(scope="session")
 def vl_prompts(rollout_assets):
     """Prompt ids and items per prompt (r0: one image, r1: one video, r2: two images and a video,
-    r3: text only), with random pixel rows: the engine takes patch rows, however they were made."""
+    r3: text only, r4: a video whose temporal positions reach past its spatial ones, where
+    transformers 5.x's own rope index departs from the released rule), with random pixel rows: the
+    engine takes patch rows, however they were made."""
     from flexrl_ds.models.processing import SampleEncoder, VisionItem
 
     generator = torch.Generator().manual_seed(0)
@@ -49,6 +51,7 @@ def vl_prompts(rollout_assets):
              "r1": ("<video>\nwho picked up the ball first?", [item("video", (2, 4, 4), 0.5)]),
              "r2": ("<image><image><video>\ncount the dogs", [item("image", (1, 6, 4)), item("image", (1, 4, 4)),
                                                                item("video", (3, 4, 6), 1.0)]),
-             "r3": ("what is two and three?", [])}
+             "r3": ("what is two and three?", []),
+             "r4": ("<video>\nwhat happens last?", [item("video", (6, 4, 4), 1.0)])}
     encoder = SampleEncoder(rollout_assets["vl"])
     return {key: (encoder.encode_prompt(key, text, items), items) for key, (text, items) in media.items()}
