@@ -131,6 +131,11 @@ def test_hf_export_loads_and_was_trained(run_a):
 
 
 def test_resume_reproduces_the_next_step(run_a, assets):
+    for rank in range(4):  # every rank's RNG states, in its own model-states file
+        states = torch.load(run_a / "checkpoints" / "step_1" / "policy" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+                            map_location="cpu", weights_only=False)
+        assert sorted(key for key in states if key.startswith("rng_")) == [f"rng_{rank}"]
+        assert set(states[f"rng_{rank}"]) == {"torch", "numpy", "python"}
     out = assets / "run_b"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(run_a / "checkpoints" / "step_1", out / "checkpoints" / "step_1")
