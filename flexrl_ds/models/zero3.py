@@ -89,7 +89,9 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     parameters = [p for p in module.parameters() if p.requires_grad] if train else None
     engine, *_ = deepspeed.initialize(model=module, model_parameters=parameters, config=config)
     module.zero_group = engine.seq_data_parallel_group
-    if not train:
+    if train:
+        engine.train()  # models load in eval mode; transformers recomputes layers only in training mode
+    else:
         engine.eval()
     return engine
 

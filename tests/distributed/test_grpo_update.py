@@ -106,6 +106,7 @@ def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict
 
     from flexrl_ds.models import policy_update as pu
     from flexrl_ds.models.flex_model import build_step_batch, place_rank, positions_fn
+    from flexrl_ds.models.loading import load_model
     from flexrl_ds.models.zero3 import build_engine
     from flexrl_ds.planning.plan import parse_plan
     from flexrl_ds.rl.config import GRPOConfig
@@ -114,7 +115,7 @@ def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict
     plan = parse_plan(plan_json)
     tree = cached_group_tree(WORLD, plan.p_max)
     samples = rollouts(model_dir, data_path, with_tiny=any("tiny" in p["sequences"] for p in plan_json["packs"]))
-    model = _load(model_dir)
+    model = load_model(model_dir)  # in eval mode, as the policy worker loads it: the engine must switch
     placement = place_rank(model.config, plan, samples, tree.local_rank, tree)
     batch = build_step_batch(model.config, plan, samples, tree.local_rank, positions=positions_fn(model),
                              placement=placement)
@@ -122,11 +123,7 @@ def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict
                                               gradient_clipping=CLIP, reduce_bucket_size=4096,
                                               offload_optimizer=offload), logits_chunk=8,
                          activation_checkpointing=checkpointing)
-    recomputing = [m for m in engine.module.hf_model.modules() if getattr(m, "gradient_checkpointing", False)]
-    first_decoder_layer = next(m for m in engine.module.hf_model.modules() if type(m).__name__.endswith("DecoderLayer"))
-    layer_runs = []
-    # a module inside the layer (a pre-hook: the recompute stops early, once the saved tensors are back)
-    first_decoder_layer.mlp.register_forward_pre_hook(lambda *_: layer_runs.append(1))
+    runs = _count_layer_runs(engine.module.hf_model)
     config = GRPOConfig(loss_reduction=reduction, **RL)
     denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})
     result = pu.train_step(engine, batch, pu.local_response_values(batch, values["old"]),
@@ -134,13 +131,28 @@ def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict
                            pu.local_response_values(batch, values["adv"]), config, denoms)
     out = {"metrics": pu.reduce_stats(result.stats), "grad_norm": result.grad_norm,
            "num_local": batch.layout.num_local_tokens, "num_packs": len(batch.layout.packs),
-           "num_recomputed_layers": len(recomputing), "first_layer_runs": len(layer_runs)}
+           "layer_runs": runs}
     params = dict(engine.module.hf_model.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())):
         if dist.get_rank() == 0:
             out["params"] = {name: p.detach().clone() for name, p in params.items()}
     engine.destroy()
     return out
+
+
+def _count_layer_runs(hf_model) -> dict[str, dict[str, int]]:
+    """Runs of the first decoder layer and the first vision block, in the forward pass and (recomputed)
+    inside the backward pass, counted by a pre-hook on a module inside each (the recompute stops
+    early, once the saved tensors are back, so a hook after the layer's end may never fire)."""
+    runs = {"decoder": {"forward": 0, "backward": 0}, "vision": {"forward": 0, "backward": 0}}
+    layers = {"decoder": "DecoderLayer", "vision": "VisionBlock"}
+    for kind, suffix in layers.items():
+        layer = next(m for m in hf_model.modules() if type(m).__name__.endswith(suffix))
+
+        def count(*_, kind=kind):
+            runs[kind]["backward" if torch._C._current_graph_task_id() != -1 else "forward"] += 1
+        layer.mlp.register_forward_pre_hook(count)
+    return runs
 
 
 def reference_step(model_dir: str, samples: dict, values: dict, reduction: str):
@@ -204,9 +216,11 @@ def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kin
     ref_loss, ref_norm, ref_params = reference_step(model_dir, samples, values, reduction)
     if kind == "idle":  # ranks 2, 3: no token, but a member of the degree-4 pack
         assert [(r["num_local"] == 0, r["num_packs"]) for r in per_rank][2:] == [(True, 1), (True, 1)]
-    num_layers = sum(1 for m in _load(model_dir).modules() if hasattr(m, "gradient_checkpointing"))
-    assert [r["num_recomputed_layers"] for r in per_rank] == [num_layers if checkpointing else 0] * WORLD
-    assert [r["first_layer_runs"] for r in per_rank] == [2 if checkpointing else 1] * WORLD  # forward (+ recompute)
+    for r in per_rank:  # with checkpointing each layer that ran forward runs again in backward
+        assert r["layer_runs"]["decoder"] == {"forward": 1, "backward": int(checkpointing)}
+        vision = r["layer_runs"]["vision"]
+        assert vision["backward"] == (vision["forward"] if checkpointing else 0)
+    assert any(r["layer_runs"]["vision"]["forward"] for r in per_rank)
     metrics = per_rank[0]["metrics"]
     assert all(r["metrics"] == metrics for r in per_rank)
     assert metrics["num_tokens"] == sum(x.length - x.response_start for x in samples.values())
