@@ -57,7 +57,9 @@ def _vision_block(item, start: int, spec: MropeSpec) -> torch.Tensor:
     rows, cols = h // spec.spatial_merge_size, w // spec.spatial_merge_size
     factor = 1.0
     if item.kind == "video" and spec.tokens_per_second is not None:
-        factor = float(item.second_per_grid_t) * float(spec.tokens_per_second)
+        # second_per_grid_t as the processors hold it (a float32 tensor: what vLLM reads back)
+        second = float(torch.tensor(float(item.second_per_grid_t), dtype=torch.float32))
+        factor = second * float(spec.tokens_per_second)
     temporal = torch.tensor([int(index * factor) for index in range(t)], dtype=torch.long)  # truncated
     grid_t, grid_h, grid_w = torch.meshgrid(temporal, torch.arange(rows), torch.arange(cols), indexing="ij")
     return torch.stack([grid_t, grid_h, grid_w]).reshape(3, -1) + start
@@ -75,10 +77,13 @@ def mrope_positions(input_ids_L: torch.Tensor, items: Sequence, spec: MropeSpec)
     for index, item in enumerate(items):
         pad = pad_ids[item.kind]
         count = item.num_tokens(spec.spatial_merge_size)
-        start = next((i for i in range(cursor, len(ids)) if ids[i] == pad), None)
+        where = f"vision item {index} ({item.kind}, grid {tuple(item.grid_thw)})"
+        if count < 1 or (item.kind == "image" and int(item.grid_thw[0]) != 1):
+            raise ValueError(f"{where}: an image has one temporal group and every item at least one token")
+        start = next((i for i in range(cursor, len(ids)) if ids[i] in pad_ids.values()), None)
         if start is None or ids[start:start + count] != [pad] * count:
-            raise ValueError(f"vision item {index} ({item.kind}, grid {tuple(item.grid_thw)}): expected a run of "
-                             f"{count} pad tokens {pad} after token {cursor}")
+            raise ValueError(f"{where}: expected a run of {count} pad tokens {pad} as the next vision "
+                             f"tokens after token {cursor}")
         chunks.append(torch.arange(start - cursor).expand(3, -1) + next_position)
         block = _vision_block(item, next_position + start - cursor, spec)
         chunks.append(block)

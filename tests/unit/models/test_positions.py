@@ -7,6 +7,7 @@ import inspect
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,7 +29,8 @@ def spec_positions(ids: list[int], items: list[VisionItem], tokens_per_second) -
         item = items[item_index]
         item_index += 1
         t, h, w = item.grid_thw
-        step = item.second_per_grid_t * tokens_per_second if item.kind == "video" and tokens_per_second else 1.0
+        second = float(np.float32(item.second_per_grid_t))  # the processors' float32 value
+        step = second * tokens_per_second if item.kind == "video" and tokens_per_second else 1.0
         for frame in range(t):
             for row in range(h // MERGE):
                 for col in range(w // MERGE):
@@ -48,7 +50,7 @@ def random_sequence(rng: random.Random, num_items: int, hf_safe: bool = False):
         kind = rng.choice(["image", "video"])
         t = 1 if kind == "image" else rng.randint(1, 2 if hf_safe else 9)
         grid = (t, MERGE * rng.randint(3 if hf_safe else 1, 4), MERGE * rng.randint(3 if hf_safe else 1, 4))
-        second = rng.choice([0.5, 1.0, 2 / 3, 1.125, 1.21875, 2.0]) if kind == "video" else 1.0
+        second = rng.choice([0.5, 0.7, 1.0, 2 / 3, 1.125, 1.21875, 2.0]) if kind == "video" else 1.0
         second = 1.0 if hf_safe else second
         items.append(VisionItem(kind, torch.zeros(t * grid[1] * grid[2], 1), grid, second))
         ids += [IMAGE if kind == "image" else VIDEO] * (t * grid[1] * grid[2] // MERGE ** 2)
@@ -89,6 +91,20 @@ def test_pads_and_items_must_agree():
         mrope_positions(torch.tensor([1, IMAGE, IMAGE, 2]), [image], spec)
     with pytest.raises(ValueError, match="4 vision pad tokens after the last of 1"):
         mrope_positions(torch.tensor([1] + [IMAGE] * 8), [image], spec)
+    video = VisionItem("video", torch.zeros(16, 1), (1, 4, 4), 1.0)
+    with pytest.raises(ValueError, match=r"vision item 0 \(image.*as the next vision tokens"):
+        mrope_positions(torch.tensor([1] + [VIDEO] * 4 + [IMAGE] * 4), [image, video], spec)
+    with pytest.raises(ValueError, match="an image has one temporal group"):
+        mrope_positions(torch.tensor([IMAGE] * 8), [VisionItem("image", torch.zeros(32, 1), (2, 4, 4), 1.0)], spec)
+
+
+def test_video_time_uses_the_processors_float32_seconds():
+    """0.7 s per group at 2 tokens/s: 5 * (0.7 * 2) is 7.0 in float64 but group 5 of a video whose
+    second_per_grid_ts the processor stored as float32 (0.699999988) lands at 6, as in vLLM."""
+    video = VisionItem("video", torch.zeros(6 * 4 * 4, 1), (6, 4, 4), 0.7)
+    positions = mrope_positions(torch.tensor([VIDEO] * 24), [video], MropeSpec(IMAGE, VIDEO, MERGE, 2))
+    assert positions[0].unique().tolist() == [int(t * (float(np.float32(0.7)) * 2)) for t in range(6)]
+    assert positions[0].unique().tolist()[-1] == 6
 
 
 def test_equal_to_transformers_where_its_rule_never_changed():
