@@ -109,6 +109,30 @@ def fetched_items(samples: Mapping[str, Any], prompt_keys: Mapping[str, PromptKe
     return items
 
 
+class StepSlices:
+    """The slices this rank pulled in its current step, kept until another step's pass comes: the
+    step's later passes (the reference's log-probs, the update) reuse them instead of pulling the
+    same pixels again. Exact requests are reused; others are pulled."""
+
+    def __init__(self):
+        self.step: int | None = None
+        self._tensors: dict[SliceRequest, Any] = {}
+
+    def missing(self, step: int, requests: Sequence[SliceRequest]) -> list[SliceRequest]:
+        """The requests of `step` not held (a new step first drops the last step's slices)."""
+        if step != self.step:
+            self.step, self._tensors = step, {}
+        return [request for request in dict.fromkeys(requests) if request not in self._tensors]
+
+    def add(self, step: int, requests: Sequence[SliceRequest], tensors: Sequence[Any]) -> None:
+        assert step == self.step, (step, self.step)
+        self._tensors.update(zip(requests, tensors))
+
+    def tensors(self, requests: Sequence[SliceRequest]) -> list[Any]:
+        """The held slices of `requests`, in order (all must be held)."""
+        return [self._tensors[request] for request in requests]
+
+
 class RankPixels:
     """This rank's pixel pull for one step: started before its batch is built, read after."""
 

@@ -98,6 +98,7 @@ class GRPOTrainer:
         inference = self._phase(times, peaks, "inference", self._inference, step, samples)
         update = self._phase(times, peaks, "update", self._update, step, samples, inference)
         times["sync"] = self._phase({}, peaks, "sync", self.rollout.sync, self.policy, self.o.bucket_bytes)
+        self.policy.run("release_pixels")
         self.controller.release(step)
         times["step"] = time.perf_counter() - started
         metrics = self._metrics(step, samples, reward_info, inference, update, times)

@@ -17,7 +17,8 @@ Every method is collective over the group (all ranks are called with the same ar
   that `weight_channel_address` + `join_weight_channel` set up): ZeRO-3 parameters gathered in
   buckets for the rollout engines;
 - `save_checkpoint` / `load_checkpoint` / `export_hf`.
-Each rank pulls its own pixels: exactly the vision units the step's vision balancing gives it.
+Each rank pulls its own pixels: exactly the vision units the step's vision balancing gives it, once
+per step (`StepSlices`: the reference's and the update's passes reuse what the first pass pulled).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 from flexrl_ds.parallel.launch import ensure_deepspeed_comm
 from flexrl_ds.planning.plan import parse_plan
-from flexrl_ds.runtime.rank_pixels import fetched_items, unit_requests
+from flexrl_ds.runtime.rank_pixels import StepSlices, fetched_items, unit_requests
 from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
 from flexrl_ds.runtime.worker_group import WorkerPlace, node_address
 from flexrl_ds.sp.attention import FlexUlyssesAttention
@@ -134,6 +135,7 @@ class PolicyWorker:
         topology = SPTopology(place.world_size, setup.domain_size or place.world_size, setup.p_max)
         self.tree = GroupTree.create(topology, place.rank)
         self.hf_config = None
+        self.slices = StepSlices()  # the step's pulled pixels, for its later passes
         self.policy = self._engine(train=True)
         self.reference = self._engine(train=False) if setup.rl.init_kl_coef > 0 else None
         self.rollout = None
@@ -160,25 +162,27 @@ class PolicyWorker:
         plan = parse_plan(job.plans_json[self.tree.domain])
         samples = {s: job.samples[s] for pack in plan.packs for s in pack.sequences}
         placement = place_rank(self.hf_config, plan, samples, self.tree.local_rank, self.tree)
-        fetch = None
-        if placement.units:
-            requests = unit_requests(placement.units, job.prompt_keys)
-            fetch = (self.setup.pixels.start(job.step, requests), requests)
+        requests = unit_requests(placement.units, job.prompt_keys) if placement.units else []
+        missing = self.slices.missing(job.step, requests)
+        materializer = self.setup.pixels.start(job.step, missing) if missing else None
         batch = build_step_batch(self.policy.module.hf_model, plan, samples, self.tree.local_rank, self.tree,
                                  placement=placement)
-        if fetch is not None:
-            batch.items = self._fetched_items(job, *fetch)
+        if materializer is not None:
+            self._pull(job.step, materializer, missing)
+        if requests:
+            batch.items = fetched_items(job.samples, job.prompt_keys, requests, self.slices.tensors(requests))
         return batch
 
-    def _fetched_items(self, job: PassJob, materializer, requests) -> dict[str, list[Any]]:
+    def _pull(self, step: int, materializer, requests) -> None:
+        """Wait for the pulled slices and keep them for the step's later passes."""
         try:
-            fetched = materializer.get(job.step)
+            fetched = materializer.get(step)
         finally:
             materializer.close()
         if fetched.withdrawn:
-            raise ValueError(f"step {job.step}: media of prompt(s) {sorted(map(str, fetched.withdrawn))} failed to "
+            raise ValueError(f"step {step}: media of prompt(s) {sorted(map(str, fetched.withdrawn))} failed to "
                              f"decode after the step was planned: {fetched.withdrawn_reasons()}")
-        return fetched_items(job.samples, job.prompt_keys, requests, fetched.tensors)
+        self.slices.add(step, requests, fetched.tensors)
 
     def logprobs(self, job: PassJob) -> dict[str, list]:
         """This rank's pieces of next-token log-probs (no grad) of the policy or the reference."""
@@ -206,6 +210,10 @@ class PolicyWorker:
         stats["grad_norm"] = result.grad_norm
         stats["update_s"] = time.perf_counter() - started
         return stats
+
+    def release_pixels(self) -> None:
+        """Drop the step's pulled slices (the driver's end of a step: their object-store buffers go)."""
+        self.slices = StepSlices()
 
     def reset_peaks(self) -> None:
         """Start new peaks for `peaks` (the driver calls it before a phase)."""
