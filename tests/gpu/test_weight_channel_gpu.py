@@ -60,13 +60,17 @@ def run_channel(gpus: list[int | None], rounds: int = 3) -> dict[int, object]:
     """Rank r on GPU gpus[r] (None: on the CPU, over gloo: a check of this harness); returns {rank: per-sync report, or the traceback of its failure}."""
     context = multiprocessing.get_context("spawn")
     ports, results = context.Queue(), context.Queue()
-    processes = [context.Process(target=_channel_process, args=(rank, gpu, len(gpus), rounds, ports, results))
-                 for rank, gpu in enumerate(gpus)]
+    processes = [context.Process(target=_channel_process, args=(rank, gpu, len(gpus), rounds, ports, results),
+                                 daemon=True) for rank, gpu in enumerate(gpus)]
     for process in processes:
         process.start()
-    reports = dict(results.get(timeout=300) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
+    try:
+        reports = dict(results.get(timeout=300) for _ in processes)
+    finally:  # a rank stuck in NCCL must not keep the test (or pytest's exit) waiting
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.terminate()
     return reports
 
 
