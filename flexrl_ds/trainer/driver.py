@@ -101,11 +101,12 @@ class GRPOTrainer:
         self.policy.run("release_pixels")
         self.controller.release(step)
         times["step"] = time.perf_counter() - started
-        metrics = self._metrics(step, samples, reward_info, inference, update, times)
+        gaps = logprob_gaps(samples, inference["old"])
+        metrics = self._metrics(step, samples, reward_info, inference, update, times, gaps)
         metrics.update(_phase_peaks(peaks))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
-            self._save_rollouts(step, samples, reward_info["texts"], logprob_gaps(samples, inference["old"]))
+            self._save_rollouts(step, samples, reward_info["texts"], gaps)
         return metrics
 
     @staticmethod
@@ -192,7 +193,7 @@ class GRPOTrainer:
         return per_batch
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _metrics(self, step, samples, reward_info, inference, update, times) -> dict[str, Any]:
+    def _metrics(self, step, samples, reward_info, inference, update, times, gaps: LogprobGaps) -> dict[str, Any]:
         names = samples.names
         rewards = torch.tensor([samples.rewards[n] for n in names], dtype=torch.float64)
         lengths = [len(samples.response_ids[n]) for n in names]
@@ -203,7 +204,6 @@ class GRPOTrainer:
             return sum(b[key] * b["num_tokens"] for b in update) / total_tokens
 
         last = update[-1]
-        gaps = logprob_gaps(samples, inference["old"])
         return {
             "step": step, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(names) > 1 else 0.0,
@@ -265,5 +265,3 @@ def _phase_peaks(peaks: dict[str, dict[str, float]]) -> dict[str, Any]:
     """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}} on the policy ranks' devices:
     torch's allocations, and all memory in use on the device (a colocated engine's pool included)."""
     return {key: {phase: values[key] for phase, values in peaks.items()} for key in PEAK_KEYS}
-
-

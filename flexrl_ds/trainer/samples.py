@@ -168,8 +168,8 @@ class LogprobGaps:
     """Over all the step's response tokens: near 0 only when the engine sampled with the policy's
     current weights (and the same model code)."""
     by_media: dict[str, float]
-    """`media_of` its prompt -> mean over the response tokens of those samples (which inputs the
-    numerical gap comes from: e.g. a bf16 vision tower)."""
+    """`media_of` its prompt -> mean over the response tokens of those samples (which inputs a gap
+    comes from: e.g. the videos' mRoPE positions, docs/BENCHMARKS.md)."""
 
 
 def logprob_gaps(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> LogprobGaps:
@@ -179,8 +179,9 @@ def logprob_gaps(samples: StepSamples, trainer_logprobs: dict[str, list[float]])
     for name in samples.names:
         gaps = [abs(engine - trainer) for engine, trainer in zip(samples.engine_logprobs[name], trainer_logprobs[name])]
         per_sample[name] = sum(gaps) / max(len(gaps), 1)
-        total, count = sums.get(media_of(prompts[name]), (0.0, 0))
-        sums[media_of(prompts[name])] = (total + sum(gaps), count + len(gaps))
+        media = media_of(prompts[name])
+        total, count = sums.get(media, (0.0, 0))
+        sums[media] = (total + sum(gaps), count + len(gaps))
     all_total, all_count = sum(t for t, _ in sums.values()), sum(c for _, c in sums.values())
     return LogprobGaps(per_sample, all_total / max(all_count, 1),
                        {media: total / max(count, 1) for media, (total, count) in sorted(sums.items())})

@@ -75,9 +75,10 @@ def check_run(run: Any, model_dir: str, num_ranks: int) -> None:
 def resolve_media_limits(rollout: Any, records: list) -> Any:
     """vllm: the engine's per-prompt image/video limits for this dataset (its usable records; bad
     rows carry no media). A limit left None becomes the most any record has (at least 1: vLLM sizes
-    its encoder budget by it, so no more than the data needs); a limit set explicitly must hold every record (vLLM would fail the whole generate
-    call of a step with one such prompt), else ValueError naming the record. Returns the rollout
-    config with both limits set (unchanged for other backends)."""
+    its encoder budget by it, so no more than the data needs); a limit set explicitly must hold
+    every record (vLLM would fail the whole generate call of a step with one such prompt), else
+    ValueError naming the record. Returns the rollout config with both limits set (unchanged for
+    other backends)."""
     if rollout.backend != "vllm":
         return rollout
     limits = {}
