@@ -3,9 +3,10 @@
 The engine lives where `RolloutHost` puts it: inside a policy rank (`flexrl.trainer.colocate`) or in
 a Ray actor of its own. It runs in process (vLLM's V1 multiprocessing off), so `load_weights` hands
 the gathered ZeRO-3 buckets straight to the model's `load_weights` on the same GPU (no copy between
-processes), and `sleep` / `wake` use vLLM's sleep mode. Inside a process that already belongs to a
-torch.distributed world (a policy rank) vLLM joins that world (`external_launcher`) instead of
-starting its own.
+processes), and `sleep` / `wake` use vLLM's sleep mode. In process costs no throughput: on one
+H200 the engine core in process and in a process of its own made the same tokens/s
+(docs/BENCHMARKS.md). Inside a process that already belongs to a torch.distributed world (a policy
+rank) vLLM joins that world (`external_launcher`) instead of starting its own.
 
 Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.py`); every result
 is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. the
