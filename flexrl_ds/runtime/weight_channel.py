@@ -7,7 +7,8 @@ GPUs, gloo on CPU) of policy rank 0 (rank 0 of the channel, the TCPStore's host)
 a small header (names, dtypes, shapes, pickled into bytes) and one flat byte buffer holding the
 bucket's tensors at 16-byte aligned offsets; an empty header ends the sync. Receivers rebuild the
 tensors on their own device and load them bucket by bucket, so no process holds more than one
-bucket extra and no weight passes through the Ray object store.
+bucket extra and no weight passes through the Ray object store. Joining ends with a one-byte
+broadcast, so NCCL (which connects at the first collective) is connected, or fails, at set-up.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class WeightChannel:
         self.group = device_mod.new_private_group(self.info, dist.PrefixStore("flexrl-weights", store), rank,
                                                   address.size, address.timeout_s)
         self._store = store  # the sender's store must outlive the group's rendezvous
+        # NCCL connects lazily, at the first collective: one here makes a bad device or network fail
+        # at set-up, where every rank is joining, not inside the first sync's ZeRO-3 gathers
+        self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device))
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
@@ -117,6 +121,7 @@ class WeightChannel:
             self._header(header)
             self._broadcast(flat)
             sent += flat.numel()
+            del bucket, flat  # before the next bucket is gathered: one bucket's copy at a time on the device
         self._header(b"")
         return sent
 
@@ -131,3 +136,4 @@ class WeightChannel:
             flat = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
             yield unpack_bucket(header, flat)
+            del flat  # loaded: freed before the next bucket's buffer is allocated (the caller drops its views too)

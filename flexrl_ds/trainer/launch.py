@@ -177,7 +177,7 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
         setup = policy_setup(run, args.model_dir, controller.pixels, colocated=trainer.colocate)
         policy = RayWorkerGroup(PolicyWorker, prepared.num_ranks, {"setup": setup}, trainer.num_cpus_per_rank,
                                 trainer.num_gpus_per_rank, name="policy", timeout_s=trainer.timeout_s,
-                                env=_worker_env())
+                                env=worker_env())
         if trainer.colocate:
             rollout = ColocatedRollout(policy)
         else:
@@ -185,7 +185,7 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
                                       controller.pixels, setup.dtype, rollout_config.num_cpus_per_engine,
                                       rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
                                       trainer.timeout_s, rollout_config.engine_options(),
-                                      policy_on_gpu=trainer.num_gpus_per_rank >= 1)
+                                      policy_on_gpu=trainer.num_gpus_per_rank >= 1, env=worker_env())
         return drive(prepared, controller, policy, rollout, raw_config)
     finally:
         for part in (rollout, policy, controller):
@@ -195,9 +195,16 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
             ray.shutdown()
 
 
-def _worker_env() -> dict[str, str]:
-    keep = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG")
-    return {key: os.environ[key] for key in keep if key in os.environ}
+WORKER_ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG")
+WORKER_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "VLLM_")
+"""The driver's settings that policy ranks and rollout engines get as theirs: on a Ray cluster started
+elsewhere they would otherwise run with the cluster's (NCCL's must match at both ends of a group)."""
+
+
+def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    environ = dict(os.environ if environ is None else environ)
+    return {key: value for key, value in environ.items()
+            if key in WORKER_ENV_KEYS or key.startswith(WORKER_ENV_PREFIXES)}
 
 
 def _quietly(function) -> None:

@@ -63,14 +63,17 @@ class SeparateRollout:
 
     def __init__(self, num_engines: int, backend: str, model_dir: str, pixels: Any, dtype: str,
                  num_cpus: float, num_gpus: float, max_batch_sequences: int, timeout_s: float,
-                 engine_options: dict[str, Any] | None = None, policy_on_gpu: bool = False):
+                 engine_options: dict[str, Any] | None = None, policy_on_gpu: bool = False,
+                 env: dict[str, str] | None = None):
         """policy_on_gpu: the policy ranks hold GPUs; with engines on whole GPUs of their own the
-        weight channel is NCCL, otherwise gloo through host memory."""
+        weight channel is NCCL, otherwise gloo through host memory. env: the engines' environment
+        variables (the policy ranks' NCCL settings among them)."""
         actor = ray.remote(RolloutHost)
         self.timeout_s = timeout_s
         self.channel_ready = False
         self.channel_on_gpu = policy_on_gpu and num_gpus >= 1
-        self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
+        runtime_env = {"env_vars": dict(env)} if env else None
+        self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env).remote(
             backend, model_dir, pixels, dtype, None, max_batch_sequences, engine_options) for _ in range(num_engines)]
 
     def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> tuple[list, dict[str, str]]:

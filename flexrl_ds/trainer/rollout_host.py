@@ -89,6 +89,7 @@ class RolloutHost:
         for bucket in self.channel.receive():
             self.engine.load_weights(bucket)
             count += len(bucket)
+            del bucket  # its buffer is freed before the channel allocates the next one
         self.engine.reset_caches()  # nothing computed with the old weights may be reused
         return count
 

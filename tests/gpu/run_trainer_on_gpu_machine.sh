@@ -9,9 +9,10 @@
 #     more than the machine's 125 GiB), DeepSpeed's CPUAdam stepping there
 #     (JIT-compiled on first use) and the vLLM engine dropping its weights while asleep (sleep_level 2:
 #     the sync rewrites them).
-#   COLOCATE=0: the rollout engine in a Ray actor of its own, sharing the one GPU with the policy rank
-#     (0.5 GPU each): the separate-engine path, its weights over the weight channel (gloo here, as
-#     the fractional GPUs are not whole devices of their own; NCCL needs two GPUs).
+#   COLOCATE=0: rollout engines in Ray actors of their own: the separate-engine path, its weights over
+#     the weight channel. On one GPU the engine shares it with the policy rank (0.5 GPU each; gloo, as
+#     fractional GPUs are not devices of their own). On G >= 2 GPUs every rank and engine has a whole
+#     GPU (G/2 policy ranks, the rest engines) and the channel is NCCL.
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
@@ -53,9 +54,10 @@ echo "model ready after $(( $(date +%s) - start )) s"
 [ "${MODEL_ONLY:-0}" = 1 ] && exit 0
 [ -f "$work/data-small/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num 16 --scale small \
   --task keyword --seed 0 --out "$work/data-small"
-python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" <<'PY'
+python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" "$(nvidia-smi -L | wc -l)" <<'PY'
 import json, os, sys
-path, backend, shape, colocate = sys.argv[1:]
+path, backend, shape, colocate, gpus = sys.argv[1:]
+gpus = int(gpus)
 config = json.load(open("ds_configs/grpo_tiny_cpu.json"))
 config["bf16"] = {"enabled": True}
 config["optimizer"]["params"]["lr"] = 1e-6
@@ -76,7 +78,10 @@ if shape == "7b":
     config["flexrl"]["trainer"].update(num_cpus_per_rank=10)  # threads for the Adam step on the host
 if backend == "vllm":
     config["flexrl"]["rollout"]["vllm"] = vllm
-if colocate == "0":
+if colocate == "0" and gpus >= 2:  # whole GPUs: the weight channel is NCCL
+    config["flexrl"]["trainer"].update(colocate=False, num_policy_ranks=gpus // 2, num_gpus_per_rank=1)
+    config["flexrl"]["rollout"].update(num_engines=gpus - gpus // 2, num_gpus_per_engine=1, num_cpus_per_engine=2)
+elif colocate == "0":
     config["flexrl"]["trainer"].update(colocate=False, num_gpus_per_rank=0.5)
     config["flexrl"]["rollout"].update(num_engines=1, num_gpus_per_engine=0.5, num_cpus_per_engine=2)
 config["flexrl"]["data"]["loader"].update(global_batch=4, num_samples_per_prompt=4)
