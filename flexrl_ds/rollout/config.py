@@ -22,7 +22,9 @@ class VLLMOptions:
     """Fraction of the GPU's memory an engine may take for weights and KV cache while awake; colocated
     with the policy it must fit next to the ZeRO-3 states present when the engine starts."""
     tensor_parallel_size: int = 1
-    """GPUs one engine spans (tensor parallel inside the engine); only 1 is supported so far."""
+    """GPUs one engine spans (tensor parallel inside the engine). Above 1 only for separate engines
+    (`flexrl.trainer.colocate` false) with `flexrl.rollout.num_gpus_per_engine` equal to it: each
+    shard's worker receives the weights itself (rollout/vllm_workers.py)."""
     enforce_eager: bool = False
     """Skip CUDA graph capture (faster start, slower decoding)."""
     load_format: str = "auto"
@@ -53,10 +55,6 @@ class VLLMOptions:
             raise ValueError(f"flexrl.rollout.vllm.sleep_level: 1 or 2, got {self.sleep_level}")
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"flexrl.rollout.vllm.load_format: auto | dummy | safetensors, got {self.load_format!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"flexrl.rollout.vllm.tensor_parallel_size: only 1 is supported so far (colocated "
-                             f"engines generate different prompts per rank; a separate engine's load_weights "
-                             f"runs in process), got {self.tensor_parallel_size}")
         if self.seeding not in SEEDING_MODES:
             raise ValueError(f"flexrl.rollout.vllm.seeding: {' | '.join(SEEDING_MODES)}, got {self.seeding!r}")
         for name in ("tensor_parallel_size", "max_images_per_prompt", "max_videos_per_prompt"):

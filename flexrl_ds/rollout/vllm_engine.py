@@ -1,9 +1,11 @@
 """The `vllm` rollout backend: a vLLM engine in the calling process (GPU only; `pip install .[gpu]`).
 
 The engine lives where `RolloutHost` puts it: inside a policy rank (`flexrl.trainer.colocate`) or in
-a Ray actor of its own. It runs in process (vLLM's V1 multiprocessing off), so `load_weights` hands
-the gathered ZeRO-3 buckets straight to the model's `load_weights` on the same GPU (no copy between
-processes), and `sleep` / `wake` use vLLM's sleep mode. In process costs no throughput: on one
+a Ray actor of its own. It runs in process (vLLM's V1 multiprocessing off), so a colocated engine's
+`load_weights` hands the gathered ZeRO-3 buckets straight to the model's `load_weights` on the same
+GPU (no copy between processes), and `sleep` / `wake` use vLLM's sleep mode. A separate engine's
+workers (one, or one per shard with `tensor_parallel_size` > 1) receive the buckets over the
+weight channel themselves (`join_weight_channel` / `receive_weights`, rollout/vllm_workers.py). In process costs no throughput: on one
 H200 the engine core in process and in a process of its own made the same tokens/s
 (docs/BENCHMARKS.md). Inside a process that already belongs to a torch.distributed world (a policy
 rank) vLLM joins that world (`external_launcher`) instead of starting its own.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -32,6 +35,8 @@ from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
 from flexrl_ds.rollout.config import SEEDING_MODES
 from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt,
                                            check_expanded_prompt, sampling_kwargs, to_result)
+from flexrl_ds.rollout.vllm_workers import EXTENSION as WORKER_EXTENSION
+from flexrl_ds.runtime.weight_channel import ChannelAddress
 
 
 class VLLMEngine:
@@ -49,6 +54,10 @@ class VLLMEngine:
             raise ValueError(f"seeding: {' | '.join(SEEDING_MODES)}, got {seeding!r}")
         self.sleep_level, self.seeding = sleep_level, seeding
         in_world = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if in_world and tensor_parallel_size > 1:
+            raise ValueError("vLLM engine: tensor_parallel_size > 1 only for separate engines; inside a "
+                             f"policy rank every engine holds the whole model (got {tensor_parallel_size})")
+        self.tensor_parallel_size = tensor_parallel_size
         with _local_rank_of(device):
             self.llm = vllm.LLM(
                 model=str(model_dir), dtype=dtype, tensor_parallel_size=tensor_parallel_size,
@@ -59,7 +68,8 @@ class VLLMEngine:
                 # vLLM's processor cache serves items one by one but calls the processor with the
                 # prompt's whole video_metadata list: with several videos a partial hit would fail.
                 mm_processor_cache_gb=0 if max_videos_per_prompt > 1 else 4,
-                distributed_executor_backend="external_launcher" if in_world else None)
+                distributed_executor_backend=_executor_backend(in_world, tensor_parallel_size),
+                worker_extension_cls=WORKER_EXTENSION)
         config = self.llm.llm_engine.model_config.hf_config
         self.is_vision_language = getattr(config, "vision_config", None) is not None
         self.tokens = VisionTokens(int(getattr(config, "image_token_id", -1)), int(getattr(config, "video_token_id", -1)))
@@ -111,6 +121,24 @@ class VLLMEngine:
         bucket = list(named_tensors)
         self.llm.apply_model(lambda model: model.load_weights(iter(bucket)))
 
+    @property
+    def channel_ranks(self) -> int:
+        """Receivers this engine adds to a weight channel: one per worker (tensor-parallel shard)."""
+        return self.tensor_parallel_size
+
+    def join_weight_channel(self, address: ChannelAddress, first_rank: int) -> None:
+        """Separate engines: every worker joins policy rank 0's channel as receiver first_rank + its
+        rank (rollout/vllm_workers.py); blocks until the whole channel has joined."""
+        self.llm.collective_rpc("flexrl_join_weight_channel", args=(asdict(address), first_rank))
+
+    def receive_weights(self) -> int:
+        """Separate engines: one sync's buckets, loaded by the workers as they arrive; returns the
+        tensors loaded (per worker: each loads every tensor and keeps its shard)."""
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        return int(self.llm.collective_rpc("flexrl_receive_weights")[0])
+
     def reset_caches(self) -> None:
         """Forget everything computed with the previous weights: prefix KV, processed media and
         vision-encoder outputs (called after every sync; an engine that never sleeps would otherwise
@@ -135,6 +163,15 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep.clear()
+
+
+def _executor_backend(in_world: bool, tensor_parallel_size: int) -> str | None:
+    """Inside a policy rank: join its torch.distributed world. A tensor-parallel engine: one worker
+    process per shard on the GPUs this (Ray) process was given ("mp", never vLLM's own Ray actors,
+    which would ask Ray for GPUs this engine already holds). Otherwise the worker stays in process."""
+    if in_world:
+        return "external_launcher"
+    return "mp" if tensor_parallel_size > 1 else None
 
 
 def _processor_knows_frame_cap() -> bool:

@@ -238,13 +238,14 @@ class PolicyWorker:
             self.rollout.engine.reset_caches()
         return {"sync_s": time.perf_counter() - started, "num_tensors": float(count)}
 
-    def weight_channel_address(self, num_engines: int, timeout_s: float, use_gpu: bool) -> ChannelAddress | None:
-        """Separate engines: rank 0 opens its weight channel's store and names it (others: None)."""
+    def weight_channel_address(self, num_receivers: int, timeout_s: float, use_gpu: bool) -> ChannelAddress | None:
+        """Separate engines: rank 0 opens its weight channel's store and names it (others: None);
+        num_receivers: the engines' receiving ranks (one per engine worker)."""
         if self.rank != 0:
             return None
         host = node_address()
-        self.channel_store = open_store(host, num_engines + 1, timeout_s)
-        return ChannelAddress(host, self.channel_store.port, num_engines + 1, timeout_s, use_gpu)
+        self.channel_store = open_store(host, num_receivers + 1, timeout_s)
+        return ChannelAddress(host, self.channel_store.port, num_receivers + 1, timeout_s, use_gpu)
 
     def join_weight_channel(self, address: ChannelAddress) -> bool:
         """Rank 0 becomes the sender of the channel (blocks until every engine has joined)."""

@@ -86,8 +86,10 @@ class SeparateRollout:
         (set up on the first sync); the engines load them as they arrive."""
         started = time.perf_counter()
         if not self.channel_ready:
-            address = policy.run("weight_channel_address", len(self.hosts), self.timeout_s, self.channel_on_gpu)[0]
-            joins = [host.join_weight_channel.remote(address, rank) for rank, host in enumerate(self.hosts, 1)]
+            ranks = ray.get([host.channel_ranks.remote() for host in self.hosts], timeout=self.timeout_s)
+            address = policy.run("weight_channel_address", sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
+            first_ranks = [1 + sum(ranks[:index]) for index in range(len(ranks))]
+            joins = [host.join_weight_channel.remote(address, first) for host, first in zip(self.hosts, first_ranks)]
             _wait_all(joins + policy.run_async("join_weight_channel", address), self.timeout_s, "weight channel set-up")
             self.channel_ready = True
         loads = [host.receive_weights.remote() for host in self.hosts]

@@ -78,20 +78,35 @@ class RolloutHost:
         results = self.engine.generate(rollout_requests, params) if rollout_requests else []
         return RolloutOutput(results, withdrawn, fetched.bytes_fetched if fetched is not None else 0)
 
-    def join_weight_channel(self, address: ChannelAddress, rank: int) -> bool:
-        """Join policy rank 0's weight channel as receiver `rank` (1..engines; blocks until all join)."""
-        self.channel = WeightChannel(address, rank)
+    def channel_ranks(self) -> int:
+        """Receivers this host adds to the weight channel: the engine's workers (vLLM: one per
+        tensor-parallel shard), else one (the host receives for its engine)."""
+        return getattr(self.engine, "channel_ranks", 1)
+
+    def join_weight_channel(self, address: ChannelAddress, first_rank: int) -> bool:
+        """Join policy rank 0's weight channel as receivers first_rank.. (blocks until all join)."""
+        if self._engine_receives():
+            self.engine.join_weight_channel(address, first_rank)
+        else:
+            self.channel = WeightChannel(address, first_rank)
         return True
 
     def receive_weights(self) -> int:
         """Load one sync's buckets as they arrive over the weight channel; returns the tensors loaded."""
-        count = 0
-        for bucket in self.channel.receive():
-            self.engine.load_weights(bucket)
-            count += len(bucket)
-            del bucket  # its buffer is freed before the channel allocates the next one
+        if self._engine_receives():
+            count = self.engine.receive_weights()
+        else:
+            count = 0
+            for bucket in self.channel.receive():
+                self.engine.load_weights(bucket)
+                count += len(bucket)
+                del bucket  # its buffer is freed before the channel allocates the next one
         self.engine.reset_caches()  # nothing computed with the old weights may be reused
         return count
+
+    def _engine_receives(self) -> bool:
+        """Whether the engine's own workers join the channel (vLLM) rather than this host."""
+        return hasattr(self.engine, "join_weight_channel")
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -61,3 +61,58 @@ def test_weight_channel_broadcasts_every_bucket(dist_pools, tmp_path):
     results = dist_pools(4).run(channel_rank, str(tmp_path / "port"), 5, 2)
     assert all(isinstance(sent, int) and sent > 0 for sent in results[0])
     assert results[1:] == [[True, True]] * 3
+
+
+class _RecordingModel:
+    def __init__(self):
+        self.loaded: list[tuple[str, torch.Tensor]] = []
+
+    def load_weights(self, named_tensors):
+        self.loaded.extend((name, tensor.clone()) for name, tensor in named_tensors)
+
+
+def engine_worker_rank(port_file: str, seed: int):
+    """Channel rank 0 sends; ranks 1-2 are the two workers of one tensor-parallel vLLM engine
+    (WeightReceiverExtension as vLLM mixes it into its Worker: `rank`, `get_model`), joining with
+    first_rank 1; rank 3 is a host receiving for a single-worker engine."""
+    import time
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from flexrl_ds.rollout.vllm_workers import WeightReceiverExtension
+    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
+
+    class Worker(WeightReceiverExtension):
+        def __init__(self, rank: int):
+            self.rank, self.model = rank, _RecordingModel()
+
+        def get_model(self):
+            return self.model
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    store = open_store("127.0.0.1", size, 120) if rank == 0 else None
+    if rank == 0:
+        Path(port_file).write_text(str(store.port))
+    while not Path(port_file).exists() or not Path(port_file).read_text():
+        time.sleep(0.05)
+    address = ChannelAddress("127.0.0.1", int(Path(port_file).read_text()), size, timeout_s=120)
+    expected = [pair for bucket in seeded_buckets(seed) for pair in bucket]
+    if rank == 0:
+        return WeightChannel(address, 0, store).send(seeded_buckets(seed)) > 0
+    if rank == 3:
+        channel = WeightChannel(address, 3)
+        got = [pair for bucket in channel.receive() for pair in bucket]
+        return ("host", 3, [(n, t.dtype, t.tolist()) for n, t in got] == [(n, t.dtype, t.tolist()) for n, t in expected])
+    worker = Worker(rank - 1)
+    joined_as = worker.flexrl_join_weight_channel(asdict(address), first_rank=1)
+    count = worker.flexrl_receive_weights()
+    same = [(n, t.dtype, t.tolist()) for n, t in worker.model.loaded] == [(n, t.dtype, t.tolist()) for n, t in expected]
+    return ("worker", joined_as, same and count == len(expected))
+
+
+def test_engine_workers_join_as_consecutive_receivers_and_load_every_tensor(dist_pools, tmp_path):
+    """A tensor-parallel engine's workers each receive the full tensors (vLLM keeps each shard's part)."""
+    results = dist_pools(4).run(engine_worker_rank, str(tmp_path / "port"), 9)
+    assert results == [True, ("worker", 1, True), ("worker", 2, True), ("host", 3, True)]

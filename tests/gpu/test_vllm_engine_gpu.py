@@ -12,7 +12,8 @@ made from generated images and videos of odd sizes (SamplePreprocessor, the Open
 (d) sleep frees GPU memory and wake brings the engine back;
 (e) vLLM's own input processor (the engine's, with its processor cache) gives, per item, the
     ShadowLoader's grid, pixels and second_per_grid_t, and places each item's vision tokens exactly
-    where the trainer's prompt has its pad run.
+    where the trainer's prompt has its pad run;
+(f) a separate engine's worker joins a weight channel and loads what the sender broadcasts.
 Skipped without CUDA or vLLM. Run by tests/gpu/run_vllm_on_gpu_machine.sh.
 """
 
@@ -237,3 +238,41 @@ def test_vllm_input_processor_places_shadowloader_grids(engine, assets):
     print(f"\nvLLM input processor vs ShadowLoader: grids and token positions identical, max pixel difference {worst:.2e}")
     assert worst < 1e-3
 
+
+
+def test_separate_engine_workers_receive_over_the_weight_channel(engine, assets):
+    """(f) a separate engine's sync: its worker joins a weight channel (rollout/vllm_workers.py, over
+    `collective_rpc`) and loads what the sender broadcasts. gloo here (NCCL refuses two ranks on one
+    GPU), the sender a thread with model a's weights on the CPU; (c) left model b in the engine."""
+    import threading
+
+    from flexrl_ds.models.loading import load_model
+    from flexrl_ds.models.weights import iter_weight_buckets
+    from flexrl_ds.rollout.base import SamplingParams
+    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
+
+    policy_a = load_model(assets["a"])
+    store = open_store("127.0.0.1", 2, 120.0)
+    address = ChannelAddress("127.0.0.1", store.port, 2, timeout_s=120.0)
+    sent: dict[str, int] = {}
+
+    def sender() -> None:
+        channel = WeightChannel(address, 0, store)
+        sent["bytes"] = channel.send(iter_weight_buckets(policy_a, 1 << 20, "cpu"))
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    assert engine.channel_ranks == 1
+    engine.join_weight_channel(address, 1)
+    loaded = engine.receive_weights()
+    thread.join(timeout=120)
+    engine.reset_caches()
+    assert loaded > 0 and sent["bytes"] > 0
+    requests = _requests(assets, seeds=(4,))
+    results = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=8))
+    values = [torch.tensor(r.logprobs) for r in results]
+    diff_a = torch.cat([(v - h).abs() for v, h in zip(values, _hf_logprobs(assets["a"], requests, results))])
+    diff_b = torch.cat([(v - h).abs() for v, h in zip(values, _hf_logprobs(assets["b"], requests, results))])
+    print(f"\nover the weight channel ({loaded} tensors, {sent['bytes'] / 2**20:.1f} MiB): mean |vLLM - HF| "
+          f"{diff_a.mean():.2e} against the weights sent (a), {diff_b.mean():.2e} against the previous (b)")
+    assert diff_a.mean() < 1e-2 and diff_a.mean() * 10 < diff_b.mean()
