@@ -5,10 +5,11 @@ a Ray actor of its own. It runs in process (vLLM's V1 multiprocessing off), so a
 `load_weights` hands the gathered ZeRO-3 buckets straight to the model's `load_weights` on the same
 GPU (no copy between processes), and `sleep` / `wake` use vLLM's sleep mode. A separate engine's
 workers (one, or one per shard with `tensor_parallel_size` > 1) receive the buckets over the
-weight channel themselves (`join_weight_channel` / `receive_weights`, rollout/vllm_workers.py). In process costs no throughput: on one
-H200 the engine core in process and in a process of its own made the same tokens/s
-(docs/BENCHMARKS.md). Inside a process that already belongs to a torch.distributed world (a policy
-rank) vLLM joins that world (`external_launcher`) instead of starting its own.
+weight channel themselves (`join_weight_channel` / `receive_weights`, rollout/vllm_workers.py).
+In process costs no throughput: on one H200 the engine core in process and in a process of its own
+made the same tokens/s (docs/BENCHMARKS.md). Inside a process that already belongs to a
+torch.distributed world (a policy rank) vLLM joins that world (`external_launcher`) instead of
+starting its own.
 
 Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.py`); every result
 is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. the
@@ -129,7 +130,11 @@ class VLLMEngine:
     def join_weight_channel(self, address: ChannelAddress, first_rank: int) -> None:
         """Separate engines: every worker joins policy rank 0's channel as receiver first_rank + its
         rank (rollout/vllm_workers.py); blocks until the whole channel has joined."""
-        self.llm.collective_rpc("flexrl_join_weight_channel", args=(asdict(address), first_rank))
+        joined = self.llm.collective_rpc("flexrl_join_weight_channel", args=(asdict(address), first_rank))
+        expected = list(range(first_rank, first_rank + self.tensor_parallel_size))
+        if sorted(joined) != expected:
+            raise RuntimeError(f"vLLM engine: its workers joined the weight channel as ranks {sorted(joined)}, not "
+                               f"{expected} (one per shard of tensor_parallel_size {self.tensor_parallel_size})")
 
     def receive_weights(self) -> int:
         """Separate engines: one sync's buckets, loaded by the workers as they arrive; returns the
@@ -137,7 +142,10 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        return int(self.llm.collective_rpc("flexrl_receive_weights")[0])
+        counts = self.llm.collective_rpc("flexrl_receive_weights")
+        if len(set(counts)) != 1:
+            raise RuntimeError(f"vLLM engine: its workers loaded different numbers of tensors in one sync: {counts}")
+        return int(counts[0])
 
     def reset_caches(self) -> None:
         """Forget everything computed with the previous weights: prefix KV, processed media and

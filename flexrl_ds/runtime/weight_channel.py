@@ -3,12 +3,14 @@
 Engines that are not policy ranks (`SeparateRollout`) are outside the policy's torch.distributed
 world, so `WeightChannel` builds a private group (parallel/device.new_private_group: NCCL between
 GPUs, gloo on CPU) of policy rank 0 (rank 0 of the channel, the TCPStore's host) and the engines
-(ranks 1..E). A sync sends each ZeRO-3 bucket (models/weights.iter_weight_buckets) as one broadcast:
-a small header (names, dtypes, shapes, pickled into bytes) and one flat byte buffer holding the
-bucket's tensors at 16-byte aligned offsets; an empty header ends the sync. Receivers rebuild the
+(ranks 1..R: one per engine worker, so a tensor-parallel vLLM engine takes one per shard). A sync
+sends each ZeRO-3 bucket (models/weights.iter_weight_buckets) as one broadcast: a small header
+(names, dtypes, shapes, pickled into bytes) and one flat byte buffer holding the bucket's tensors
+at 16-byte aligned offsets; an empty header ends the sync. Receivers rebuild the
 tensors on their own device and load them bucket by bucket, so no process holds more than one
 bucket extra and no weight passes through the Ray object store. Joining ends with a one-byte
-broadcast, so NCCL (which connects at the first collective) is connected, or fails, at set-up.
+broadcast, checked on the host, so NCCL (which connects at the first collective) is connected,
+or fails, at set-up.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ChannelAddress:
     host: str
     port: int
     size: int
-    """1 (the sender) + the number of engines."""
+    """1 (the sender) + the receivers (one per engine worker)."""
     timeout_s: float = 900.0
     use_gpu: bool = False
     """NCCL between GPUs (every rank on a GPU of its own); else gloo with the buckets in host memory.
@@ -93,9 +95,16 @@ class WeightChannel:
         self.group = device_mod.new_private_group(self.info, dist.PrefixStore("flexrl-weights", store), rank,
                                                   address.size, address.timeout_s)
         self._store = store  # the sender's store must outlive the group's rendezvous
-        # NCCL connects lazily, at the first collective: one here makes a bad device or network fail
-        # at set-up, where every rank is joining, not inside the first sync's ZeRO-3 gathers
-        self._broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device))
+        self._check_connected(rank)
+
+    def _check_connected(self, rank: int) -> None:
+        """NCCL connects lazily, at the first collective: one here (waited for on the host) makes a
+        bad device or network fail at set-up, where every rank is joining, not inside the first
+        sync's ZeRO-3 gathers."""
+        probe = torch.tensor([1 if rank == 0 else 0], dtype=torch.uint8, device=self.device)
+        self._broadcast(probe)
+        if int(probe.item()) != 1:
+            raise RuntimeError(f"weight channel rank {rank}: the set-up broadcast from rank 0 arrived wrong")
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()

@@ -199,12 +199,16 @@ WORKER_ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM"
 WORKER_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "VLLM_")
 """The driver's settings that policy ranks and rollout engines get as theirs: on a Ray cluster started
 elsewhere they would otherwise run with the cluster's (NCCL's must match at both ends of a group)."""
+WORKER_ENV_NODE_LOCAL = ("VLLM_HOST_IP", "VLLM_PORT", "VLLM_DP_")
+"""...except what names the driver's own node or a vLLM data-parallel place: wrong on other nodes."""
 
 
 def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The part of `environ` (default: this process's) the driver's actors get (WORKER_ENV_*)."""
     environ = dict(os.environ if environ is None else environ)
     return {key: value for key, value in environ.items()
-            if key in WORKER_ENV_KEYS or key.startswith(WORKER_ENV_PREFIXES)}
+            if (key in WORKER_ENV_KEYS or key.startswith(WORKER_ENV_PREFIXES))
+            and not key.startswith(WORKER_ENV_NODE_LOCAL)}
 
 
 def _quietly(function) -> None:

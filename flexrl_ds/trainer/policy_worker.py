@@ -248,7 +248,7 @@ class PolicyWorker:
         return ChannelAddress(host, self.channel_store.port, num_receivers + 1, timeout_s, use_gpu)
 
     def join_weight_channel(self, address: ChannelAddress) -> bool:
-        """Rank 0 becomes the sender of the channel (blocks until every engine has joined)."""
+        """Rank 0 becomes the sender of the channel (blocks until every receiver, one per engine worker, has joined)."""
         if self.rank == 0:
             self.channel = WeightChannel(address, 0, self.channel_store)
         return True

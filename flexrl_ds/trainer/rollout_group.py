@@ -58,6 +58,11 @@ class ColocatedRollout:
         pass
 
 
+def channel_first_ranks(ranks_per_host: Sequence[int]) -> list[int]:
+    """Each host's first weight-channel rank: rank 0 is the sender, then each host's receivers in a row."""
+    return [1 + sum(ranks_per_host[:index]) for index in range(len(ranks_per_host))]
+
+
 class SeparateRollout:
     """`num_engines` Ray actors hosting one engine each."""
 
@@ -88,8 +93,8 @@ class SeparateRollout:
         if not self.channel_ready:
             ranks = ray.get([host.channel_ranks.remote() for host in self.hosts], timeout=self.timeout_s)
             address = policy.run("weight_channel_address", sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
-            first_ranks = [1 + sum(ranks[:index]) for index in range(len(ranks))]
-            joins = [host.join_weight_channel.remote(address, first) for host, first in zip(self.hosts, first_ranks)]
+            joins = [host.join_weight_channel.remote(address, first)
+                     for host, first in zip(self.hosts, channel_first_ranks(ranks))]
             _wait_all(joins + policy.run_async("join_weight_channel", address), self.timeout_s, "weight channel set-up")
             self.channel_ready = True
         loads = [host.receive_weights.remote() for host in self.hosts]

@@ -7,7 +7,7 @@
 #   4. carry .vllm/p2:  bash .vllm/p2/install.sh && bash tests/gpu/run_vllm_on_gpu_machine.sh engine
 #   5. (nothing):       BACKEND=vllm STEPS=3 bash tests/gpu/run_trainer_on_gpu_machine.sh
 # "engine" (= "tests" + "bench") runs the GPU tests of the engine (grids, pixels, weight sync, sleep), of the
-# weight channel over NCCL ("channel"; two GPUs) and `flexrl bench
+# weight channel over NCCL and of a tensor-parallel engine ("channel"; two GPUs) and `flexrl bench
 # rollout` on the 7B shape (vLLM vs HF generate, colocated sync); results under $OUT.
 set -euo pipefail
 out=${OUT:-/tmp/flexrl-gpu}
@@ -25,6 +25,9 @@ if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ] || [ "${1:-}" = channel ]
   # the weight channel's NCCL path needs two GPUs; on one, show NCCL's refusal of two ranks per GPU
   python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_weight_channel_gpu.py 2>&1 | tail -5 \
     | tee "$out/weight_channel_tests.txt" || status=1
+  # a tensor-parallel separate engine (two GPUs): both shards' workers receive over the channel
+  python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_vllm_tp_gpu.py 2>&1 | grep -v "Loading weights" \
+    | grep -v "^INFO\|^WARNING\|^(EngineCore\|^(Worker" | tail -8 | tee -a "$out/weight_channel_tests.txt" || status=1
   if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
     timeout 300 python3 tests/gpu/test_weight_channel_gpu.py same-gpu 2>&1 | grep "^rank\|Duplicate\|Error" \
       | tail -6 | tee -a "$out/weight_channel_tests.txt" || true

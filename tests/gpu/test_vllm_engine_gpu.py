@@ -240,39 +240,55 @@ def test_vllm_input_processor_places_shadowloader_grids(engine, assets):
 
 
 
-def test_separate_engine_workers_receive_over_the_weight_channel(engine, assets):
-    """(f) a separate engine's sync: its worker joins a weight channel (rollout/vllm_workers.py, over
-    `collective_rpc`) and loads what the sender broadcasts. gloo here (NCCL refuses two ranks on one
-    GPU), the sender a thread with model a's weights on the CPU; (c) left model b in the engine."""
+def sync_over_weight_channel(engine, model) -> tuple[int, int]:
+    """Send `model`'s weights (CPU buckets) to the engine's workers over a gloo weight channel (NCCL
+    refuses two ranks on one GPU), the sender a thread as policy rank 0; (tensors loaded, bytes sent)."""
     import threading
 
-    from flexrl_ds.models.loading import load_model
     from flexrl_ds.models.weights import iter_weight_buckets
-    from flexrl_ds.rollout.base import SamplingParams
     from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
 
-    policy_a = load_model(assets["a"])
-    store = open_store("127.0.0.1", 2, 120.0)
-    address = ChannelAddress("127.0.0.1", store.port, 2, timeout_s=120.0)
-    sent: dict[str, int] = {}
+    size = 1 + engine.channel_ranks
+    store = open_store("127.0.0.1", size, 120.0)
+    address = ChannelAddress("127.0.0.1", store.port, size, timeout_s=120.0)
+    sent: dict[str, object] = {}
 
     def sender() -> None:
-        channel = WeightChannel(address, 0, store)
-        sent["bytes"] = channel.send(iter_weight_buckets(policy_a, 1 << 20, "cpu"))
+        try:
+            sent["bytes"] = WeightChannel(address, 0, store).send(iter_weight_buckets(model, 1 << 20, "cpu"))
+        except Exception as error:  # reported by the assertion below, not lost in the thread
+            sent["error"] = error
 
     thread = threading.Thread(target=sender)
     thread.start()
-    assert engine.channel_ranks == 1
     engine.join_weight_channel(address, 1)
     loaded = engine.receive_weights()
     thread.join(timeout=120)
     engine.reset_caches()
-    assert loaded > 0 and sent["bytes"] > 0
-    requests = _requests(assets, seeds=(4,))
+    assert not thread.is_alive() and "error" not in sent, sent.get("error")
+    assert loaded > 0 and int(sent["bytes"]) > 0
+    return loaded, int(sent["bytes"])
+
+
+def logprob_gaps(engine, assets, seed: int) -> dict[str, float]:
+    """Mean |vLLM - HF| log-prob of the engine's samples against models a and b."""
+    from flexrl_ds.rollout.base import SamplingParams
+
+    requests = _requests(assets, seeds=(seed,))
     results = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=8))
     values = [torch.tensor(r.logprobs) for r in results]
-    diff_a = torch.cat([(v - h).abs() for v, h in zip(values, _hf_logprobs(assets["a"], requests, results))])
-    diff_b = torch.cat([(v - h).abs() for v, h in zip(values, _hf_logprobs(assets["b"], requests, results))])
-    print(f"\nover the weight channel ({loaded} tensors, {sent['bytes'] / 2**20:.1f} MiB): mean |vLLM - HF| "
-          f"{diff_a.mean():.2e} against the weights sent (a), {diff_b.mean():.2e} against the previous (b)")
-    assert diff_a.mean() < 1e-2 and diff_a.mean() * 10 < diff_b.mean()
+    return {name: float(torch.cat([(v - h).abs() for v, h in zip(values, _hf_logprobs(assets[name], requests, results))]).mean())
+            for name in ("a", "b")}
+
+
+def test_separate_engine_workers_receive_over_the_weight_channel(engine, assets):
+    """(f) a separate engine's sync: its worker joins a weight channel (rollout/vllm_workers.py, over
+    `collective_rpc`) and loads what the sender broadcasts: model a's weights ((c) left b's)."""
+    from flexrl_ds.models.loading import load_model
+
+    assert engine.channel_ranks == 1
+    loaded, sent = sync_over_weight_channel(engine, load_model(assets["a"]))
+    gaps = logprob_gaps(engine, assets, seed=4)
+    print(f"\nover the weight channel ({loaded} tensors, {sent / 2**20:.1f} MiB): mean |vLLM - HF| "
+          f"{gaps['a']:.2e} against the weights sent (a), {gaps['b']:.2e} against the previous (b)")
+    assert gaps["a"] < 1e-2 and gaps["a"] * 10 < gaps["b"]

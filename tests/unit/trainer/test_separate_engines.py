@@ -1,0 +1,18 @@
+"""Pure parts of separate rollout engines and their weight channel."""
+
+from flexrl_ds.rollout.vllm_workers import WeightReceiverExtension
+from flexrl_ds.trainer.rollout_group import channel_first_ranks
+
+
+def test_hosts_take_consecutive_channel_ranks_after_the_sender():
+    # a tensor-parallel engine of 2 shards, an engine of 1, another of 2: ranks 1-2, 3, 4-5
+    assert channel_first_ranks([2, 1, 2]) == [1, 3, 4]
+    assert channel_first_ranks([1, 1, 1]) == [1, 2, 3]
+    assert channel_first_ranks([]) == []
+
+
+def test_worker_extension_only_adds_flexrl_names():
+    """vLLM refuses an extension defining a name its Worker has; it only checks when an engine starts
+    on a GPU, so the names are checked here."""
+    added = [name for name in dir(WeightReceiverExtension) if not name.startswith("__")]
+    assert added and all(name.startswith("flexrl_") for name in added), added
