@@ -38,24 +38,6 @@ class FlexRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """GRPO trainer: ranks, seed, steps, checkpoints (flexrl_ds/trainer/config.py)."""
 
-    def __post_init__(self) -> None:
-        check_engine_placement(self.rollout, self.trainer)
-
-
-def check_engine_placement(rollout: RolloutConfig, trainer: TrainerConfig) -> None:
-    """Settings of two sections that must agree: a tensor-parallel vLLM engine is a separate engine
-    with one whole GPU per shard."""
-    size = rollout.vllm.tensor_parallel_size
-    if rollout.backend != "vllm" or size == 1:
-        return
-    if trainer.colocate:
-        raise ValueError(f"flexrl.rollout.vllm.tensor_parallel_size: {size} needs separate engines "
-                         f"(flexrl.trainer.colocate false); a colocated engine holds the whole model in its rank")
-    if rollout.num_gpus_per_engine != size:
-        raise ValueError(f"flexrl.rollout.num_gpus_per_engine: a tensor-parallel engine takes one whole GPU "
-                         f"per shard, so it must equal flexrl.rollout.vllm.tensor_parallel_size ({size}); "
-                         f"got {rollout.num_gpus_per_engine}")
-
 
 @dataclass
 class RunConfig:

@@ -34,9 +34,4 @@ class WeightReceiverExtension:
     def flexrl_receive_weights(self) -> int:
         """Load one sync's buckets as they arrive; returns the tensors loaded."""
         model = self.get_model()  # type: ignore[attr-defined]  (vLLM's Worker)
-        count = 0
-        for bucket in self.flexrl_channel.receive():
-            model.load_weights(iter(bucket))
-            count += len(bucket)
-            del bucket  # its buffer is freed before the channel allocates the next one
-        return count
+        return self.flexrl_channel.load_each(lambda bucket: model.load_weights(iter(bucket)))

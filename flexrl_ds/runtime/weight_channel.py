@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -146,3 +146,13 @@ class WeightChannel:
             self._broadcast(flat)
             yield unpack_bucket(header, flat)
             del flat  # loaded: freed before the next bucket's buffer is allocated (the caller drops its views too)
+
+    def load_each(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
+        """Ranks 1..: `load` each bucket of one sync as it arrives (its buffer freed before the next
+        one is allocated); returns the tensors loaded."""
+        count = 0
+        for bucket in self.receive():
+            load(bucket)
+            count += len(bucket)
+            del bucket
+        return count

@@ -96,11 +96,7 @@ class RolloutHost:
         if self._engine_receives():
             count = self.engine.receive_weights()
         else:
-            count = 0
-            for bucket in self.channel.receive():
-                self.engine.load_weights(bucket)
-                count += len(bucket)
-                del bucket  # its buffer is freed before the channel allocates the next one
+            count = self.channel.load_each(self.engine.load_weights)
         self.engine.reset_caches()  # nothing computed with the old weights may be reused
         return count
 

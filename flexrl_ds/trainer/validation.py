@@ -4,7 +4,8 @@
 inconsistent config (batch not divisible over the ranks, SP domains that do not divide the ranks,
 p_max over the SP domain, a mini-batch with fewer samples than domains, mini-batches that
 do not divide the prompts, a GRPO estimator that needs n >= 2 with n = 1, a DeepSpeed setting the
-trainer owns) and a vllm backend on a machine without GPUs. `launch.prepare` then loads the reward
+trainer owns, a tensor-parallel engine that is colocated or not one GPU per shard) and a vllm
+backend on a machine without GPUs. `launch.prepare` then loads the reward
 (an unknown name, a missing file or function fails there) and reads the dataset
 (`data_controller.usable_records`), still before any worker starts.
 """
@@ -63,11 +64,27 @@ def check_domains(flexrl: Any, num_ranks: int) -> None:
                          "domains (flexrl.sp.domain_size): raise global_batch or lower mini_batches_per_step")
 
 
+def check_engine_placement(flexrl: Any) -> None:
+    """A tensor-parallel vLLM engine is a separate engine with one whole GPU per shard."""
+    rollout, trainer = flexrl.rollout, flexrl.trainer
+    size = rollout.vllm.tensor_parallel_size
+    if rollout.backend != "vllm" or size == 1:
+        return
+    if trainer.colocate:
+        raise ValueError(f"flexrl.rollout.vllm.tensor_parallel_size: {size} needs separate engines "
+                         f"(flexrl.trainer.colocate false); a colocated engine holds the whole model in its rank")
+    if rollout.num_gpus_per_engine != size:
+        raise ValueError(f"flexrl.rollout.num_gpus_per_engine: a tensor-parallel engine takes one whole GPU "
+                         f"per shard, so it must equal flexrl.rollout.vllm.tensor_parallel_size ({size}); "
+                         f"got {rollout.num_gpus_per_engine}")
+
+
 def check_run(run: Any, model_dir: str, num_ranks: int) -> None:
     """Everything that can be checked on the driver before workers start."""
     check_model_dir(model_dir)
     check_batch(run.flexrl, num_ranks)
     check_ds_config(run.deepspeed, num_ranks, train=True)
+    check_engine_placement(run.flexrl)
     if run.flexrl.rollout.backend == "vllm" and not device_mod.detect().is_gpu:
         raise ValueError("flexrl.rollout.backend 'vllm' needs GPUs; this machine has none (use 'hf')")
 

@@ -179,20 +179,21 @@ def test_invalid_config_key(raw_config, section, key, value):
     assert f"flexrl.{section}.{key}" in message or (f"flexrl.{section}:" in message and repr(key) in message), message
 
 
-def test_tensor_parallel_engines_are_separate_with_a_gpu_per_shard(raw_config):
+def test_tensor_parallel_engines_are_separate_with_a_gpu_per_shard(raw_config, tmp_path, trainer_assets):
+    from flexrl_ds.trainer.validation import check_engine_placement
+
     rollout, trainer = raw_config["flexrl"]["rollout"], raw_config["flexrl"]["trainer"]
     rollout.update(backend="vllm", vllm={"tensor_parallel_size": 2})
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 needs separate engines \(flexrl.trainer.colocate"):
-        parse_run_config(raw_config, source="run.json")
+    model, data = trainer_assets["model"], trainer_assets["data"]
+    _refused(raw_config, tmp_path, model, data, "tensor_parallel_size: 2 needs separate engines (flexrl.trainer.colocate")
     trainer["colocate"] = False
     rollout["num_gpus_per_engine"] = 1
-    with pytest.raises(ValueError, match=r"flexrl.rollout.num_gpus_per_engine: .* must equal .*\(2\); got 1"):
-        parse_run_config(raw_config, source="run.json")
+    _refused(raw_config, tmp_path, model, data, "flexrl.rollout.num_gpus_per_engine: ", " must equal ", "(2); got 1")
     rollout["num_gpus_per_engine"] = 2
-    assert parse_run_config(raw_config).flexrl.rollout.vllm.tensor_parallel_size == 2
+    check_engine_placement(parse_run_config(raw_config).flexrl)  # accepted (on CPU, prepare then refuses vllm)
     rollout["backend"] = "hf"  # the hf backend ignores the vllm section
     trainer["colocate"] = True
-    assert parse_run_config(raw_config).flexrl.rollout.backend == "hf"
+    check_engine_placement(parse_run_config(raw_config).flexrl)
 
 
 def test_cli_reports_the_cause_and_exits_2(raw_config, tmp_path, trainer_assets, capsys, monkeypatch):
