@@ -1,8 +1,10 @@
-"""Rollout commands: `flexrl bench rollout` (flexrl_ds/bench/rollout_bench.py)."""
+"""Rollout commands: `flexrl bench rollout` (flexrl_ds/bench/rollout_bench.py) and `flexrl bench
+channel` (the weight channel's transports, flexrl_ds/bench/channel_bench.py)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def register(commands, bench) -> None:
@@ -17,6 +19,14 @@ def register(commands, bench) -> None:
     rollout.add_argument("--work-dir", default="/tmp/flexrl-rollout-bench", help="where the model config is written")
     rollout.add_argument("--json", help="write the result JSON here")
     rollout.set_defaults(func=_bench_rollout)
+    channel = bench.add_parser("channel", help="weight channel to separate engines: its transports timed against each other")
+    channel.add_argument("--gib", type=float, default=6.0, help="bf16 weights per sync (GiB; 6: a 3B-shaped policy)")
+    channel.add_argument("--tensor-mb", type=float, default=64.0, help="size of each tensor (MiB)")
+    channel.add_argument("--bucket-mb", type=float, default=512.0, help="bucket size (MiB), as flexrl.trainer's")
+    channel.add_argument("--receivers", type=int, default=1, help="receiving processes (engine workers)")
+    channel.add_argument("--rounds", type=int, default=3, help="syncs per transport")
+    channel.add_argument("--json", help="write the results JSON here")
+    channel.set_defaults(func=_bench_channel)
 
 
 def _bench_rollout(args) -> int:
@@ -33,4 +43,17 @@ def _bench_rollout(args) -> int:
             if name != "hf":
                 print(f"[bench rollout] {name} / hf = {rate / result.tokens_per_s['hf']:.1f}x")
     print(json.dumps(result.to_json()))
+    return 0
+
+
+def _bench_channel(args) -> int:
+    # lazy: imports torch (`flexrl --help` stays fast)
+    from flexrl_ds.bench.channel_bench import ChannelBenchConfig, run_channel_bench
+
+    rows = run_channel_bench(ChannelBenchConfig(args.gib, args.tensor_mb, args.bucket_mb, args.receivers, args.rounds))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if not all(row["checksums_match"] for row in rows):
+        print("[bench channel] a receiver's weights differ from the sender's", flush=True)
+        return 1
     return 0

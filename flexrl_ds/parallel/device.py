@@ -188,3 +188,47 @@ def new_private_group(info: DeviceInfo, store, rank: int, size: int, timeout_s: 
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+# ---- sharing device memory with other processes on the same GPU (CUDA IPC) ----------------------
+def physical_device_id(info: DeviceInfo) -> str | None:
+    """The UUID of the GPU this process computes on (the same in every process that sees that GPU,
+    whatever index CUDA_VISIBLE_DEVICES gives it there), None on CPU."""
+    if not info.is_gpu:
+        return None
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def share_with_same_device(tensor: torch.Tensor) -> tuple:
+    """A picklable handle through which another process on the same GPU opens `tensor`'s memory
+    without a copy (torch's CUDA IPC; the sender must keep `tensor` alive until every opener is done)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(tensor)
+    return tuple(args)
+
+
+_SHARED_DEVICE_INDEX = 6
+"""Position of the storage's device index in torch's `rebuild_cuda_tensor` arguments: the index the
+sender knew the GPU by, replaced by this process's own index for the same GPU."""
+
+
+def open_shared(handle: tuple, device: torch.device) -> torch.Tensor:
+    """The tensor `share_with_same_device` shared, opened on `device` (this process's index of the
+    sender's GPU); its memory stays the sender's."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    names = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    if names[_SHARED_DEVICE_INDEX] != "storage_device":  # a torch that moved it: fail loudly, not on the wrong GPU
+        raise RuntimeError(f"torch's rebuild_cuda_tensor takes {names}: no 'storage_device' at {_SHARED_DEVICE_INDEX}")
+    args = list(handle)
+    args[_SHARED_DEVICE_INDEX] = device.index
+    return rebuild_cuda_tensor(*args)
+
+
+def release_shared(info: DeviceInfo) -> None:
+    """Sender: free the memory of shared tensors that every opener has released (no-op on CPU)."""
+    if info.is_gpu:
+        torch.cuda.ipc_collect()

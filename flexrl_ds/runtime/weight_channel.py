@@ -1,16 +1,22 @@
-"""Weights from policy rank 0 to rollout engines on other devices, over a process group of their own.
+"""Weights from policy rank 0 to rollout engines in other processes, over a process group of their own.
 
 Engines that are not policy ranks (`SeparateRollout`) are outside the policy's torch.distributed
-world, so `WeightChannel` builds a private group (parallel/device.new_private_group: NCCL between
-GPUs, gloo on CPU) of policy rank 0 (rank 0 of the channel, the TCPStore's host) and the engines
-(ranks 1..R: one per engine worker, so a tensor-parallel vLLM engine takes one per shard). A sync
-sends each ZeRO-3 bucket (models/weights.iter_weight_buckets) as one broadcast: a small header
-(names, dtypes, shapes, pickled into bytes) and one flat byte buffer holding the bucket's tensors
-at 16-byte aligned offsets; an empty header ends the sync. Receivers rebuild the
-tensors on their own device and load them bucket by bucket, so no process holds more than one
-bucket extra and no weight passes through the Ray object store. Joining ends with a one-byte
-broadcast, checked on the host, so NCCL (which connects at the first collective) is connected,
-or fails, at set-up.
+world, so `WeightChannel` builds a private group (parallel/device.new_private_group) of policy
+rank 0 (rank 0 of the channel, the TCPStore's host) and the engines (ranks 1..R: one per engine
+worker, so a tensor-parallel vLLM engine takes one per shard). A sync sends each ZeRO-3 bucket
+(models/weights.iter_weight_buckets) as a small header (names, dtypes, shapes, pickled into
+bytes) and one flat byte buffer holding the bucket's tensors at 16-byte aligned offsets; an empty
+header ends the sync. Receivers load the buckets as they arrive, so no process holds more than one
+bucket extra and no weight passes through the Ray object store.
+
+How the buffer travels (`transport`) is agreed at set-up from where the ranks are: each rank puts
+its GPU's id (parallel/device.physical_device_id) in the store and rank 0 picks (`choose_transport`):
+- `SAME_GPU`: every receiver computes on the sender's GPU (an engine sharing it): the buffer is
+  shared in place (CUDA IPC), no copy; the header and a barrier per bucket go over gloo;
+- `BETWEEN_GPUS`: every rank on a GPU of its own: NCCL broadcasts device to device;
+- `HOST_MEMORY`: anything else (CPU ranks, or GPUs shared by some ranks only): gloo through host memory.
+Joining ends with a one-byte broadcast, checked on the host, so NCCL (which connects at the first
+collective) is connected, or fails, at set-up.
 """
 
 from __future__ import annotations
@@ -27,6 +33,20 @@ from flexrl_ds.parallel import device as device_mod
 ALIGN = 16
 """Byte alignment of each tensor in a bucket's buffer (so every slice can be viewed as its dtype)."""
 
+SAME_GPU, BETWEEN_GPUS, HOST_MEMORY = "same_gpu", "between_gpus", "host_memory"
+"""The channel's transports (module docstring)."""
+
+
+def choose_transport(gpu_allowed: bool, device_ids: list[str | None]) -> str:
+    """The transport for ranks on these GPUs (device_ids[0]: the sender's; None: a rank without one)."""
+    if not gpu_allowed or any(device_id is None for device_id in device_ids):
+        return HOST_MEMORY
+    if all(device_id == device_ids[0] for device_id in device_ids[1:]):
+        return SAME_GPU
+    if len(set(device_ids)) == len(device_ids):
+        return BETWEEN_GPUS
+    return HOST_MEMORY
+
 
 @dataclass(frozen=True)
 class ChannelAddress:
@@ -38,8 +58,8 @@ class ChannelAddress:
     """1 (the sender) + the receivers (one per engine worker)."""
     timeout_s: float = 900.0
     use_gpu: bool = False
-    """NCCL between GPUs (every rank on a GPU of its own); else gloo with the buckets in host memory.
-    Chosen once for all ranks by whoever sets the channel up, never per rank."""
+    """The ranks may use their GPUs (`SAME_GPU` or `BETWEEN_GPUS`, whichever fits where they are);
+    False: `HOST_MEMORY`. Set once for all ranks by whoever sets the channel up, never per rank."""
 
 
 def open_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
@@ -84,24 +104,36 @@ class WeightChannel:
 
         if not 0 <= rank < address.size:
             raise ValueError(f"weight channel: rank {rank} outside a channel of {address.size}")
-        self.info = device_mod.GPU if address.use_gpu else device_mod.CPU
-        if address.use_gpu and not device_mod.detect().is_gpu:
-            raise ValueError(f"weight channel rank {rank}: the channel runs on GPUs but this process has none")
-        self.device = device_mod.current_device(self.info)
         self.rank = rank
         if store is None:
             store = dist.TCPStore(address.host, address.port, address.size, is_master=False,
                                   timeout=datetime.timedelta(seconds=address.timeout_s))
-        self.group = device_mod.new_private_group(self.info, dist.PrefixStore("flexrl-weights", store), rank,
+        self.transport = self._agree_transport(dist.PrefixStore("flexrl-where", store), address)
+        on_gpu = self.transport in (SAME_GPU, BETWEEN_GPUS)
+        self.device = device_mod.current_device(device_mod.GPU if on_gpu else device_mod.CPU)
+        """Where buckets are packed and received."""
+        group_info = device_mod.GPU if self.transport == BETWEEN_GPUS else device_mod.CPU
+        self.wire_device = device_mod.current_device(group_info)
+        """Where the group's broadcasts live."""
+        self.group = device_mod.new_private_group(group_info, dist.PrefixStore("flexrl-weights", store), rank,
                                                   address.size, address.timeout_s)
         self._store = store  # the sender's store must outlive the group's rendezvous
         self._check_connected(rank)
+
+    def _agree_transport(self, store, address: ChannelAddress) -> str:
+        """Every rank names its GPU; rank 0 chooses the transport for all and every rank reads it."""
+        local = device_mod.detect() if address.use_gpu else device_mod.CPU
+        store.set(f"rank{self.rank}", device_mod.physical_device_id(local) or "")
+        if self.rank == 0:
+            device_ids = [store.get(f"rank{rank}").decode() or None for rank in range(address.size)]
+            store.set("transport", choose_transport(address.use_gpu, device_ids))
+        return store.get("transport").decode()
 
     def _check_connected(self, rank: int) -> None:
         """NCCL connects lazily, at the first collective: one here (waited for on the host) makes a
         bad device or network fail at set-up, where every rank is joining, not inside the first
         sync's ZeRO-3 gathers."""
-        probe = torch.tensor([1 if rank == 0 else 0], dtype=torch.uint8, device=self.device)
+        probe = torch.tensor([1 if rank == 0 else 0], dtype=torch.uint8, device=self.wire_device)
         self._broadcast(probe)
         if int(probe.item()) != 1:
             raise RuntimeError(f"weight channel rank {rank}: the set-up broadcast from rank 0 arrived wrong")
@@ -111,10 +143,14 @@ class WeightChannel:
         options.rootRank = 0
         self.group.broadcast([tensor], options).wait()
 
+    def _barrier(self) -> None:
+        """Every rank waits for all (`SAME_GPU`: the receivers have loaded the shared bucket)."""
+        self.group.allreduce([torch.zeros(1, device=self.wire_device)]).wait()
+
     def _header(self, payload: bytes | None = None) -> bytes:
-        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device)
+        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=self.wire_device)
         self._broadcast(length)
-        data = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.device)
+        data = torch.zeros(int(length.item()), dtype=torch.uint8, device=self.wire_device)
         if payload:
             data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         if len(data):
@@ -122,30 +158,44 @@ class WeightChannel:
         return bytes(data.cpu().numpy())
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
-        """Rank 0: broadcast every bucket, then the end marker; returns the bytes sent."""
+        """Rank 0: send every bucket, then the end marker; returns the bytes sent."""
         assert self.rank == 0, "only rank 0 of a weight channel sends"
         sent = 0
         for bucket in buckets:
             header, flat = pack_bucket(bucket, self.device)
             self._header(header)
-            self._broadcast(flat)
+            if self.transport == SAME_GPU:
+                device_mod.synchronize(device_mod.GPU)  # packed before any receiver reads it
+                self._header(pickle.dumps(device_mod.share_with_same_device(flat)))
+                self._barrier()
+            else:
+                self._broadcast(flat)
             sent += flat.numel()
             del bucket, flat  # before the next bucket is gathered: one bucket's copy at a time on the device
+            if self.transport == SAME_GPU:
+                device_mod.release_shared(device_mod.GPU)
         self._header(b"")
         return sent
 
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Ranks 1..: the buckets of one sync, in order, as tensors on this rank's device."""
+        """Ranks 1..: the buckets of one sync, in order, as tensors on this rank's device (`SAME_GPU`:
+        views of the sender's memory, to be copied out before the next bucket is asked for)."""
         assert self.rank > 0, "rank 0 of a weight channel sends"
         while True:
             header = self._header()
             if not header:
                 return
-            size = sum(_aligned(nbytes) for *_, nbytes in pickle.loads(header))
-            flat = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._broadcast(flat)
+            if self.transport == SAME_GPU:
+                flat = device_mod.open_shared(pickle.loads(self._header()), self.device)
+            else:
+                size = sum(_aligned(nbytes) for *_, nbytes in pickle.loads(header))
+                flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+                self._broadcast(flat)
             yield unpack_bucket(header, flat)
             del flat  # loaded: freed before the next bucket's buffer is allocated (the caller drops its views too)
+            if self.transport == SAME_GPU:
+                device_mod.synchronize(device_mod.GPU)  # copied out before the sender may free it
+                self._barrier()
 
     def load_each(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
         """Ranks 1..: `load` each bucket of one sync as it arrives (its buffer freed before the next

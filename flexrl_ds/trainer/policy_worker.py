@@ -247,11 +247,13 @@ class PolicyWorker:
         self.channel_store = open_store(host, num_receivers + 1, timeout_s)
         return ChannelAddress(host, self.channel_store.port, num_receivers + 1, timeout_s, use_gpu)
 
-    def join_weight_channel(self, address: ChannelAddress) -> bool:
-        """Rank 0 becomes the sender of the channel (blocks until every receiver, one per engine worker, has joined)."""
-        if self.rank == 0:
-            self.channel = WeightChannel(address, 0, self.channel_store)
-        return True
+    def join_weight_channel(self, address: ChannelAddress) -> str | None:
+        """Rank 0 becomes the sender of the channel (blocks until every receiver, one per engine
+        worker, has joined) and returns the transport agreed (others: None)."""
+        if self.rank != 0:
+            return None
+        self.channel = WeightChannel(address, 0, self.channel_store)
+        return self.channel.transport
 
     def send_weights(self, bucket_bytes: int) -> dict[str, float]:
         """Separate engines: every rank gathers the buckets (collective); rank 0 broadcasts each one

@@ -4,9 +4,9 @@
   prompts are dealt over the ranks, and after an update every rank copies the gathered ZeRO-3
   weights into its own engine in process (no transfer between processes).
 - `SeparateRollout`: `num_engines` Ray actors of their own (`RolloutHost`), with their own CPUs /
-  GPUs; after an update rank 0 of the policy group broadcasts the gathered buckets over a process
-  group of its own with the engines (runtime/weight_channel.py: NCCL between GPUs, gloo on CPU)
-  and every engine loads them as they arrive.
+  GPUs (or a share of the policy's GPU); after an update rank 0 of the policy group sends the
+  gathered buckets over a process group of its own with the engines (runtime/weight_channel.py:
+  shared in place on one GPU, NCCL between GPUs, gloo on CPU) and every engine loads them as they arrive.
 Both return `(results, withdrawn prompts)` from `generate` and the seconds a sync took from `sync`.
 """
 
@@ -70,13 +70,17 @@ class SeparateRollout:
                  num_cpus: float, num_gpus: float, max_batch_sequences: int, timeout_s: float,
                  engine_options: dict[str, Any] | None = None, policy_on_gpu: bool = False,
                  env: dict[str, str] | None = None):
-        """policy_on_gpu: the policy ranks hold GPUs; with engines on whole GPUs of their own the
-        weight channel is NCCL, otherwise gloo through host memory. env: the engines' environment
-        variables (the policy ranks' NCCL settings among them)."""
+        """policy_on_gpu: the policy ranks hold GPUs; then engines with GPUs (whole or a share) let
+        the weight channel use them: shared in place where every engine is on policy rank 0's GPU,
+        NCCL where every rank has a GPU of its own, else gloo through host memory (chosen at set-up,
+        runtime/weight_channel.choose_transport). env: the engines' environment variables (the
+        policy ranks' NCCL settings among them)."""
         actor = ray.remote(RolloutHost)
         self.timeout_s = timeout_s
         self.channel_ready = False
-        self.channel_on_gpu = policy_on_gpu and num_gpus >= 1
+        self.channel_on_gpu = policy_on_gpu and num_gpus > 0
+        self.transport: str | None = None
+        """The weight channel's, once set up (runtime/weight_channel.py)."""
         runtime_env = {"env_vars": dict(env)} if env else None
         self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env).remote(
             backend, model_dir, pixels, dtype, None, max_batch_sequences, engine_options) for _ in range(num_engines)]
@@ -95,7 +99,10 @@ class SeparateRollout:
             address = policy.run("weight_channel_address", sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
             joins = [host.join_weight_channel.remote(address, first)
                      for host, first in zip(self.hosts, channel_first_ranks(ranks))]
-            _wait_all(joins + policy.run_async("join_weight_channel", address), self.timeout_s, "weight channel set-up")
+            policy_joins = policy.run_async("join_weight_channel", address)
+            _wait_all(joins + policy_joins, self.timeout_s, "weight channel set-up")
+            self.transport = ray.get(policy_joins[0])
+            print(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers", flush=True)
             self.channel_ready = True
         loads = [host.receive_weights.remote() for host in self.hosts]
         _wait_all(loads + policy.run_async("send_weights", bucket_bytes), self.timeout_s, "weight sync")

@@ -6,7 +6,7 @@ the whole media items of those prompts from the preprocessing actors through the
 `PixelSource` (the driver never holds pixels), and generates the n samples of each prompt. The
 host lives either inside each policy worker (`flexrl.trainer.colocate`: weights copied in process)
 or in a Ray actor of its own (weights arrive as buckets over policy rank 0's weight channel:
-runtime/weight_channel.py, NCCL between GPUs, gloo on CPU).
+runtime/weight_channel.py: shared in place on one GPU, NCCL between GPUs, gloo on CPU).
 `RolloutGroup` spreads a step's prompts over the hosts and collects the results.
 """
 

@@ -54,13 +54,16 @@ def channel_rank(port_file: str, seed: int, rounds: int):
                                                           for (_, a), (_, b) in zip(g, e))
             for g, e in zip(got, expected))
         report.append(same)
-    return report
+    return channel.transport, report
 
 
 def test_weight_channel_broadcasts_every_bucket(dist_pools, tmp_path):
+    from flexrl_ds.runtime.weight_channel import HOST_MEMORY
+
     results = dist_pools(4).run(channel_rank, str(tmp_path / "port"), 5, 2)
-    assert all(isinstance(sent, int) and sent > 0 for sent in results[0])
-    assert results[1:] == [[True, True]] * 3
+    assert [transport for transport, _ in results] == [HOST_MEMORY] * 4  # CPU ranks: agreed by all
+    assert all(isinstance(sent, int) and sent > 0 for sent in results[0][1])
+    assert [report for _, report in results[1:]] == [[True, True]] * 3
 
 
 class _RecordingModel:

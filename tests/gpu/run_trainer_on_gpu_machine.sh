@@ -10,8 +10,8 @@
 #     (JIT-compiled on first use) and the vLLM engine dropping its weights while asleep (sleep_level 2:
 #     the sync rewrites them).
 #   COLOCATE=0: rollout engines in Ray actors of their own: the separate-engine path, its weights over
-#     the weight channel. On one GPU the engine shares it with the policy rank (0.5 GPU each; gloo, as
-#     fractional GPUs are not devices of their own). On G >= 2 GPUs every rank and engine has a whole
+#     the weight channel. On one GPU the engine shares it with the policy rank (0.5 GPU each) and the
+#     channel shares each bucket in place (CUDA IPC). On G >= 2 GPUs every rank and engine has a whole
 #     GPU (G/2 policy ranks, the rest engines) and the channel is NCCL.
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and

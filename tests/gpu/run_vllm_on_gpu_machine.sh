@@ -7,8 +7,9 @@
 #   4. carry .vllm/p2:  bash .vllm/p2/install.sh && bash tests/gpu/run_vllm_on_gpu_machine.sh engine
 #   5. (nothing):       BACKEND=vllm STEPS=3 bash tests/gpu/run_trainer_on_gpu_machine.sh
 # "engine" (= "tests" + "bench") runs the GPU tests of the engine (grids, pixels, weight sync, sleep), of the
-# weight channel over NCCL and of a tensor-parallel engine ("channel"; two GPUs) and `flexrl bench
-# rollout` on the 7B shape (vLLM vs HF generate, colocated sync); results under $OUT.
+# weight channel's GPU transports with `flexrl bench channel` (CUDA IPC on one GPU; NCCL and a
+# tensor-parallel engine need two: "channel") and `flexrl bench rollout` on the 7B shape (vLLM vs HF
+# generate, colocated sync); results under $OUT.
 set -euo pipefail
 out=${OUT:-/tmp/flexrl-gpu}
 mkdir -p "$out"
@@ -22,16 +23,14 @@ if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ]; then
   echo "engine tests done after $(( $(date +%s) - start )) s"
 fi
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ] || [ "${1:-}" = channel ]; then
-  # the weight channel's NCCL path needs two GPUs; on one, show NCCL's refusal of two ranks per GPU
+  # the weight channel's GPU transports: shared in place on one GPU; NCCL between GPUs (two GPUs)
   python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_weight_channel_gpu.py 2>&1 | tail -5 \
     | tee "$out/weight_channel_tests.txt" || status=1
+  python3 -m flexrl_ds bench channel --json "$out/channel_bench.json" 2>&1 | grep "^\[bench\|Error\|error" \
+    | tail -8 | tee "$out/channel_bench.txt" || status=1
   # a tensor-parallel separate engine (two GPUs): both shards' workers receive over the channel
   python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_vllm_tp_gpu.py 2>&1 | grep -v "Loading weights" \
     | grep -v "^INFO\|^WARNING\|^(EngineCore\|^(Worker" | tail -8 | tee -a "$out/weight_channel_tests.txt" || status=1
-  if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
-    timeout 300 python3 tests/gpu/test_weight_channel_gpu.py same-gpu 2>&1 | grep "^rank\|Duplicate\|Error" \
-      | tail -6 | tee -a "$out/weight_channel_tests.txt" || true
-  fi
 fi
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = bench ]; then
   python3 -m flexrl_ds bench rollout --shape 7b --json "$out/rollout_7b.json" 2>&1 | grep "^\[bench\|Error\|error" \

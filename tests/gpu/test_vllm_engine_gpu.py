@@ -13,7 +13,9 @@ made from generated images and videos of odd sizes (SamplePreprocessor, the Open
 (e) vLLM's own input processor (the engine's, with its processor cache) gives, per item, the
     ShadowLoader's grid, pixels and second_per_grid_t, and places each item's vision tokens exactly
     where the trainer's prompt has its pad run;
-(f) a separate engine's worker joins a weight channel and loads what the sender broadcasts.
+(f) a separate engine's worker joins a weight channel and loads what the sender broadcasts;
+(g) with the sender a process of its own on the same GPU, the channel shares each bucket in place
+    (CUDA IPC) and the engine's worker loads from the sender's memory.
 Skipped without CUDA or vLLM. Run by tests/gpu/run_vllm_on_gpu_machine.sh.
 """
 
@@ -292,3 +294,51 @@ def test_separate_engine_workers_receive_over_the_weight_channel(engine, assets)
     print(f"\nover the weight channel ({loaded} tensors, {sent / 2**20:.1f} MiB): mean |vLLM - HF| "
           f"{gaps['a']:.2e} against the weights sent (a), {gaps['b']:.2e} against the previous (b)")
     assert gaps["a"] < 1e-2 and gaps["a"] * 10 < gaps["b"]
+
+
+def _gpu_sender(model_dir: str, ports, results) -> None:
+    """Policy rank 0 in a process of its own on the engine's GPU: sends the model's GPU buckets."""
+    try:
+        from flexrl_ds.models.loading import load_model
+        from flexrl_ds.models.weights import iter_weight_buckets
+        from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
+
+        torch.cuda.set_device(0)
+        model = load_model(model_dir).to("cuda")
+        store = open_store("127.0.0.1", 2, 120.0)
+        ports.put(store.port)
+        channel = WeightChannel(ChannelAddress("127.0.0.1", store.port, 2, timeout_s=120.0, use_gpu=True), 0, store)
+        sent = channel.send(iter_weight_buckets(model, 1 << 20, "cuda"))
+        results.put((channel.transport, sent))
+    except Exception:  # noqa: BLE001 - reported by the test
+        import traceback
+
+        results.put(("error", traceback.format_exc()))
+
+
+def test_separate_engine_sharing_the_gpu_receives_buckets_in_place(engine, assets):
+    """(g) a separate engine on policy rank 0's GPU: the channel agrees on sharing each bucket in
+    place (CUDA IPC) and the engine's worker loads model b's weights ((f) left a's) from the sender's memory."""
+    import multiprocessing
+
+    from flexrl_ds.runtime.weight_channel import SAME_GPU, ChannelAddress
+
+    context = multiprocessing.get_context("spawn")
+    ports, results = context.Queue(), context.Queue()
+    sender = context.Process(target=_gpu_sender, args=(str(assets["b"]), ports, results), daemon=True)
+    sender.start()
+    try:
+        port = ports.get(timeout=180)
+        engine.join_weight_channel(ChannelAddress("127.0.0.1", port, 2, timeout_s=120.0, use_gpu=True), 1)
+        loaded = engine.receive_weights()
+        transport, sent = results.get(timeout=120)
+    finally:
+        sender.join(timeout=60)
+        if sender.is_alive():
+            sender.terminate()
+    engine.reset_caches()
+    assert transport == SAME_GPU, sent
+    gaps = logprob_gaps(engine, assets, seed=6)
+    print(f"\nshared in place on one GPU ({loaded} tensors, {sent / 2**20:.1f} MiB): mean |vLLM - HF| "
+          f"{gaps['b']:.2e} against the weights sent (b), {gaps['a']:.2e} against the previous (a)")
+    assert loaded > 0 and gaps["b"] < 1e-2 and gaps["b"] * 10 < gaps["a"]

@@ -1,11 +1,12 @@
-"""The weight channel's NCCL path (issue 10): policy rank 0 -> engines on GPUs of their own.
+"""The weight channel's GPU transports (issue 10): policy rank 0 -> engines in processes of their own.
 
-Each rank is a spawned process on its own GPU; rank 0 opens the channel's TCPStore and broadcasts
-seeded buckets of mixed dtypes and odd sizes (the CPU test's, tests/distributed/test_weight_channel.py)
-over `WeightChannel(use_gpu=True)`; every receiver checks them against the same buckets made on its
-own, bit for bit, for several syncs. Needs two GPUs: NCCL refuses two ranks on one device
-("Duplicate GPU detected"), which `python3 tests/gpu/test_weight_channel_gpu.py same-gpu` shows on
-a one-GPU machine (`... cpu` runs the same harness over gloo). Run by tests/gpu/run_vllm_on_gpu_machine.sh.
+Each rank is a spawned process; rank 0 opens the channel's TCPStore and sends seeded buckets of
+mixed dtypes and odd sizes (the CPU test's, tests/distributed/test_weight_channel.py) over
+`WeightChannel(use_gpu=True)`; every receiver checks them against the same buckets made on its own,
+bit for bit, for several syncs, and every rank reports the transport agreed:
+- ranks on GPUs of their own: NCCL (`BETWEEN_GPUS`; needs two GPUs);
+- every rank on one GPU: shared in place by CUDA IPC (`SAME_GPU`; NCCL would refuse: "Duplicate GPU detected").
+`flexrl bench channel` times the transports against each other. Run by tests/gpu/run_vllm_on_gpu_machine.sh.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import traceback
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
 def _channel_process(rank: int, gpu: int | None, size: int, rounds: int, ports, results) -> None:
@@ -38,7 +39,7 @@ def _channel_process(rank: int, gpu: int | None, size: int, rounds: int, ports, 
         else:
             port = ports.get(timeout=120)
         channel = WeightChannel(ChannelAddress("127.0.0.1", port, size, timeout_s=120, use_gpu=gpu is not None), rank, store)
-        report = []
+        report: list = [channel.transport]
         for round_index in range(rounds):
             expected = seeded_buckets(round_index)
             if rank == 0:
@@ -57,7 +58,8 @@ def _channel_process(rank: int, gpu: int | None, size: int, rounds: int, ports, 
 
 
 def run_channel(gpus: list[int | None], rounds: int = 3) -> dict[int, object]:
-    """Rank r on GPU gpus[r] (None: on the CPU, over gloo: a check of this harness); returns {rank: per-sync report, or the traceback of its failure}."""
+    """Rank r on GPU gpus[r] (None: on the CPU, over gloo: a check of this harness); returns
+    {rank: [transport, per-sync report...], or the traceback of its failure}."""
     context = multiprocessing.get_context("spawn")
     ports, results = context.Queue(), context.Queue()
     processes = [context.Process(target=_channel_process, args=(rank, gpu, len(gpus), rounds, ports, results),
@@ -74,14 +76,21 @@ def run_channel(gpus: list[int | None], rounds: int = 3) -> dict[int, object]:
     return reports
 
 
+def _assert_delivered(reports: dict, transport: str) -> None:
+    assert all(isinstance(report, list) and report[0] == transport for report in reports.values()), reports
+    assert all(isinstance(sent, int) and sent > 0 for sent in reports[0][1:]), reports[0]
+    assert [reports[rank][1:] for rank in sorted(reports)[1:]] == [[True] * 3] * (len(reports) - 1), reports
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_channel_broadcasts_every_bucket_between_gpus():
-    gpus = list(range(min(torch.cuda.device_count(), 4)))
-    reports = run_channel(gpus)
-    assert all(isinstance(sent, int) and sent > 0 for sent in reports[0]), reports[0]
-    assert [reports[rank] for rank in gpus[1:]] == [[True] * 3] * (len(gpus) - 1), reports
+    from flexrl_ds.runtime.weight_channel import BETWEEN_GPUS
+
+    _assert_delivered(run_channel(list(range(min(torch.cuda.device_count(), 4)))), BETWEEN_GPUS)
 
 
-if __name__ == "__main__":
-    devices = {"same-gpu": [0, 0], "cpu": [None, None]}[sys.argv[1]]
-    for rank, report in sorted(run_channel(devices, rounds=1).items()):
-        print(f"rank {rank} on {devices[rank]}: {report if isinstance(report, list) else report[-400:]}")
+def test_receivers_on_the_senders_gpu_get_every_bucket_shared_in_place():
+    from flexrl_ds.runtime.weight_channel import SAME_GPU
+
+    _assert_delivered(run_channel([0, 0, 0]), SAME_GPU)
+
