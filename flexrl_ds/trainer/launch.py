@@ -185,7 +185,7 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
                                       controller.pixels, setup.dtype, rollout_config.num_cpus_per_engine,
                                       rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
                                       trainer.timeout_s, rollout_config.engine_options(),
-                                      policy_on_gpu=trainer.num_gpus_per_rank >= 1, env=worker_env())
+                                      gpus_per_policy_rank=trainer.num_gpus_per_rank, env=worker_env())
         return drive(prepared, controller, policy, rollout, raw_config)
     finally:
         for part in (rollout, policy, controller):

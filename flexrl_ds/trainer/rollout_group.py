@@ -63,22 +63,28 @@ def channel_first_ranks(ranks_per_host: Sequence[int]) -> list[int]:
     return [1 + sum(ranks_per_host[:index]) for index in range(len(ranks_per_host))]
 
 
+def channel_may_use_gpus(gpus_per_policy_rank: float, gpus_per_engine: float) -> bool:
+    """Whether the weight channel may use GPUs: both ends hold one, whole or a share of one (which
+    transport then fits is agreed at set-up, runtime/weight_channel.choose_transport)."""
+    return gpus_per_policy_rank > 0 and gpus_per_engine > 0
+
+
 class SeparateRollout:
     """`num_engines` Ray actors hosting one engine each."""
 
     def __init__(self, num_engines: int, backend: str, model_dir: str, pixels: Any, dtype: str,
                  num_cpus: float, num_gpus: float, max_batch_sequences: int, timeout_s: float,
-                 engine_options: dict[str, Any] | None = None, policy_on_gpu: bool = False,
+                 engine_options: dict[str, Any] | None = None, gpus_per_policy_rank: float = 0.0,
                  env: dict[str, str] | None = None):
-        """policy_on_gpu: the policy ranks hold GPUs; then engines with GPUs (whole or a share) let
-        the weight channel use them: shared in place where every engine is on policy rank 0's GPU,
+        """gpus_per_policy_rank: the policy ranks' GPUs (whole or a share); with GPUs at both ends
+        the weight channel uses them: shared in place where every engine is on policy rank 0's GPU,
         NCCL where every rank has a GPU of its own, else gloo through host memory (chosen at set-up,
         runtime/weight_channel.choose_transport). env: the engines' environment variables (the
         policy ranks' NCCL settings among them)."""
         actor = ray.remote(RolloutHost)
         self.timeout_s = timeout_s
         self.channel_ready = False
-        self.channel_on_gpu = policy_on_gpu and num_gpus > 0
+        self.channel_on_gpu = channel_may_use_gpus(gpus_per_policy_rank, num_gpus)
         self.transport: str | None = None
         """The weight channel's, once set up (runtime/weight_channel.py)."""
         runtime_env = {"env_vars": dict(env)} if env else None
