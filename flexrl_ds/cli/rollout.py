@@ -50,7 +50,8 @@ def _bench_channel(args) -> int:
     # lazy: imports torch (`flexrl --help` stays fast)
     from flexrl_ds.bench.channel_bench import ChannelBenchConfig, run_channel_bench
 
-    rows = run_channel_bench(ChannelBenchConfig(args.gib, args.tensor_mb, args.bucket_mb, args.receivers, args.rounds))
+    rows = run_channel_bench(ChannelBenchConfig(total_gib=args.gib, tensor_mib=args.tensor_mb, bucket_mib=args.bucket_mb,
+                                                receivers=args.receivers, rounds=args.rounds))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if not all(row["checksums_match"] for row in rows):

@@ -16,7 +16,9 @@ its GPU's id (parallel/device.physical_device_id) in the store and rank 0 picks 
 - `BETWEEN_GPUS`: every rank on a GPU of its own: NCCL broadcasts device to device;
 - `HOST_MEMORY`: anything else (CPU ranks, or GPUs shared by some ranks only): gloo through host memory.
 Joining ends with a one-byte broadcast, checked on the host, so NCCL (which connects at the first
-collective) is connected, or fails, at set-up.
+collective) is connected, or fails, at set-up. With `SAME_GPU` every receiver also opens a small
+shared tensor then; where CUDA IPC does not work all ranks fall back to `HOST_MEMORY`, and rank 0
+says so, as it does when GPUs were allowed but the placement fits neither GPU transport.
 """
 
 from __future__ import annotations
@@ -118,7 +120,10 @@ class WeightChannel:
         self.group = device_mod.new_private_group(group_info, dist.PrefixStore("flexrl-weights", store), rank,
                                                   address.size, address.timeout_s)
         self._store = store  # the sender's store must outlive the group's rendezvous
+        self.size = address.size
         self._check_connected(rank)
+        if self.transport == SAME_GPU:
+            self._check_sharing()
 
     def _agree_transport(self, store, address: ChannelAddress) -> str:
         """Every rank names its GPU; rank 0 chooses the transport for all and every rank reads it."""
@@ -126,7 +131,12 @@ class WeightChannel:
         store.set(f"rank{self.rank}", device_mod.physical_device_id(local) or "")
         if self.rank == 0:
             device_ids = [store.get(f"rank{rank}").decode() or None for rank in range(address.size)]
-            store.set("transport", choose_transport(address.use_gpu, device_ids))
+            transport = choose_transport(address.use_gpu, device_ids)
+            if address.use_gpu and transport == HOST_MEMORY:
+                print(f"weight channel: GPUs allowed, but the ranks' GPUs {device_ids} (rank 0 first; None: "
+                      f"none) allow neither {SAME_GPU} nor {BETWEEN_GPUS}: buckets go through host memory (slow)",
+                      flush=True)
+            store.set("transport", transport)
         return store.get("transport").decode()
 
     def _check_connected(self, rank: int) -> None:
@@ -137,6 +147,40 @@ class WeightChannel:
         self._broadcast(probe)
         if int(probe.item()) != 1:
             raise RuntimeError(f"weight channel rank {rank}: the set-up broadcast from rank 0 arrived wrong")
+
+    def _check_sharing(self) -> None:
+        """`SAME_GPU`: every receiver opens a small shared tensor now, so a machine where CUDA IPC
+        fails (e.g. processes in separate IPC namespaces) is found at set-up; then every rank falls
+        back to `HOST_MEMORY` (the group is gloo already)."""
+        pattern = torch.arange(ALIGN, dtype=torch.uint8)
+        probe = pattern.to(self.device) if self.rank == 0 else None
+        opened = self._share_or_open(probe)
+        works = True
+        if self.rank > 0:
+            try:
+                works = torch.equal(device_mod.open_shared(opened, self.device).cpu(), pattern)
+            except Exception as error:  # noqa: BLE001 - whatever stops the opening, sharing does not work here
+                works = False
+                print(f"weight channel rank {self.rank}: cannot open rank 0's GPU memory (CUDA IPC): {error}", flush=True)
+        verdict = torch.tensor([1.0 if works else 0.0])
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([verdict], options).wait()
+        del probe
+        device_mod.release_shared(device_mod.GPU)
+        if verdict.item() < 1:
+            if self.rank == 0:
+                print(f"weight channel: a receiver cannot open rank 0's GPU memory: {HOST_MEMORY} instead", flush=True)
+            self.transport, self.device = HOST_MEMORY, device_mod.current_device(device_mod.CPU)
+
+    def _share_or_open(self, flat: torch.Tensor | None) -> tuple | None:
+        """`SAME_GPU`: rank 0 sends one handle of `flat` per receiver (torch counts each opener
+        against a handle of its own); a receiver returns its handle."""
+        if self.rank == 0:
+            device_mod.synchronize(device_mod.GPU)  # written before any receiver reads it
+            self._header(pickle.dumps([device_mod.share_with_same_device(flat) for _ in range(self.size - 1)]))
+            return None
+        return pickle.loads(self._header())[self.rank - 1]
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
@@ -165,8 +209,7 @@ class WeightChannel:
             header, flat = pack_bucket(bucket, self.device)
             self._header(header)
             if self.transport == SAME_GPU:
-                device_mod.synchronize(device_mod.GPU)  # packed before any receiver reads it
-                self._header(pickle.dumps(device_mod.share_with_same_device(flat)))
+                self._share_or_open(flat)
                 self._barrier()
             else:
                 self._broadcast(flat)
@@ -186,7 +229,7 @@ class WeightChannel:
             if not header:
                 return
             if self.transport == SAME_GPU:
-                flat = device_mod.open_shared(pickle.loads(self._header()), self.device)
+                flat = device_mod.open_shared(self._share_or_open(None), self.device)
             else:
                 size = sum(_aligned(nbytes) for *_, nbytes in pickle.loads(header))
                 flat = torch.empty(size, dtype=torch.uint8, device=self.device)

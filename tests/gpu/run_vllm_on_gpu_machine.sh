@@ -26,8 +26,10 @@ if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ] || [ "${1:-}" = channel ]
   # the weight channel's GPU transports: shared in place on one GPU; NCCL between GPUs (two GPUs)
   python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_weight_channel_gpu.py 2>&1 | tail -5 \
     | tee "$out/weight_channel_tests.txt" || status=1
-  python3 -m flexrl_ds bench channel --json "$out/channel_bench.json" 2>&1 | grep "^\[bench\|Error\|error" \
-    | tail -8 | tee "$out/channel_bench.txt" || status=1
+  for receivers in 1 2; do  # two receivers: two openers of every shared bucket
+    python3 -m flexrl_ds bench channel --receivers $receivers --json "$out/channel_bench_$receivers.json" 2>&1 \
+      | grep "^\[bench\|Error\|error" | tail -8 | tee -a "$out/channel_bench.txt" || status=1
+  done
   # a tensor-parallel separate engine (two GPUs): both shards' workers receive over the channel
   python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_vllm_tp_gpu.py 2>&1 | grep -v "Loading weights" \
     | grep -v "^INFO\|^WARNING\|^(EngineCore\|^(Worker" | tail -8 | tee -a "$out/weight_channel_tests.txt" || status=1

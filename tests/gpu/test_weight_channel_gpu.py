@@ -3,7 +3,8 @@
 Each rank is a spawned process; rank 0 opens the channel's TCPStore and sends seeded buckets of
 mixed dtypes and odd sizes (the CPU test's, tests/distributed/test_weight_channel.py) over
 `WeightChannel(use_gpu=True)`; every receiver checks them against the same buckets made on its own,
-bit for bit, for several syncs, and every rank reports the transport agreed:
+bit for bit, for several syncs; every rank reports the transport agreed, and the sender that no
+sync leaves device memory behind (torch frees a shared bucket only once every opener is done):
 - ranks on GPUs of their own: NCCL (`BETWEEN_GPUS`; needs two GPUs);
 - every rank on one GPU: shared in place by CUDA IPC (`SAME_GPU`; NCCL would refuse: "Duplicate GPU detected").
 `flexrl bench channel` times the transports against each other. Run by tests/gpu/run_vllm_on_gpu_machine.sh.
@@ -40,12 +41,16 @@ def _channel_process(rank: int, gpu: int | None, size: int, rounds: int, ports, 
             port = ports.get(timeout=120)
         channel = WeightChannel(ChannelAddress("127.0.0.1", port, size, timeout_s=120, use_gpu=gpu is not None), rank, store)
         report: list = [channel.transport]
+        allocated = (lambda: torch.cuda.memory_allocated()) if gpu is not None else (lambda: 0)
         for round_index in range(rounds):
             expected = seeded_buckets(round_index)
             if rank == 0:
-                report.append(channel.send(expected))
+                before = allocated()
+                sent = channel.send(expected)
+                report.append((sent, allocated() - before))  # device bytes the sync left behind: none
                 continue
-            got = list(channel.receive())
+            got = []  # copied out as each bucket arrives, as engines load (same_gpu: the views are the sender's memory)
+            channel.load_each(lambda bucket: got.append([(name, tensor.clone()) for name, tensor in bucket]))
             report.append(len(got) == len(expected) and all(
                 [n for n, _ in g] == [n for n, _ in e] and all(
                     a.is_cuda == (gpu is not None) and a.dtype == b.dtype and torch.equal(a.cpu(), b) for (_, a), (_, b) in zip(g, e))
@@ -78,7 +83,7 @@ def run_channel(gpus: list[int | None], rounds: int = 3) -> dict[int, object]:
 
 def _assert_delivered(reports: dict, transport: str) -> None:
     assert all(isinstance(report, list) and report[0] == transport for report in reports.values()), reports
-    assert all(isinstance(sent, int) and sent > 0 for sent in reports[0][1:]), reports[0]
+    assert all(sent > 0 and left_behind == 0 for sent, left_behind in reports[0][1:]), reports[0]
     assert [reports[rank][1:] for rank in sorted(reports)[1:]] == [[True] * 3] * (len(reports) - 1), reports
 
 
@@ -92,5 +97,6 @@ def test_nccl_channel_broadcasts_every_bucket_between_gpus():
 def test_receivers_on_the_senders_gpu_get_every_bucket_shared_in_place():
     from flexrl_ds.runtime.weight_channel import SAME_GPU
 
-    _assert_delivered(run_channel([0, 0, 0]), SAME_GPU)
+    _assert_delivered(run_channel([0, 0]), SAME_GPU)
+    _assert_delivered(run_channel([0, 0, 0]), SAME_GPU)  # two openers of every bucket
 
