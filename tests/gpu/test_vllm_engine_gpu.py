@@ -243,8 +243,9 @@ def test_vllm_input_processor_places_shadowloader_grids(engine, assets):
 
 
 def sync_over_weight_channel(engine, model) -> tuple[int, int]:
-    """Send `model`'s weights (CPU buckets) to the engine's workers over a gloo weight channel (NCCL
-    refuses two ranks on one GPU), the sender a thread as policy rank 0; (tensors loaded, bytes sent)."""
+    """Send `model`'s weights (CPU buckets) to the engine's workers over a weight channel through host
+    memory (gloo), the sender a thread of this process as policy rank 0 (CUDA IPC needs a sender
+    process of its own: (g)); (tensors loaded, bytes sent)."""
     import threading
 
     from flexrl_ds.models.weights import iter_weight_buckets
