@@ -116,11 +116,15 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy one bucket into the engine's model (HF names; vLLM maps them to its fused modules)."""
+        self._wake_weights()
+        bucket = list(named_tensors)
+        self.llm.apply_model(lambda model: model.load_weights(iter(bucket)))
+
+    def _wake_weights(self) -> None:
+        """Before weights are loaded into a sleeping engine: bring its weights back (not its KV cache)."""
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        bucket = list(named_tensors)
-        self.llm.apply_model(lambda model: model.load_weights(iter(bucket)))
 
     @property
     def channel_ranks(self) -> int:
@@ -139,9 +143,7 @@ class VLLMEngine:
     def receive_weights(self) -> int:
         """Separate engines: one sync's buckets, loaded by the workers as they arrive; returns the
         tensors loaded (per worker: each loads every tensor and keeps its shard)."""
-        if "weights" in self._asleep:
-            self.llm.wake_up(tags=["weights"])
-            self._asleep.discard("weights")
+        self._wake_weights()
         counts = self.llm.collective_rpc("flexrl_receive_weights")
         if len(set(counts)) != 1:
             raise RuntimeError(f"vLLM engine: its workers loaded different numbers of tensors in one sync: {counts}")
