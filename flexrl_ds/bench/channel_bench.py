@@ -19,9 +19,11 @@ import multiprocessing
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 import torch
 
+from flexrl_ds.models.weights import group_by_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.runtime.weight_channel import (BETWEEN_GPUS, HOST_MEMORY, SAME_GPU, ChannelAddress, WeightChannel,
                                               open_store)
@@ -61,73 +63,83 @@ def _weights(config: ChannelBenchConfig, device: torch.device, fill: bool) -> li
             for i in range(count)]
 
 
-def _buckets(weights: list[tuple[str, torch.Tensor]], bucket_bytes: int):
-    """Bucket after bucket, as models/weights.iter_weight_buckets yields a gathered policy."""
-    bucket, size = [], 0
-    for name, tensor in weights:
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _checksum(weights: list[tuple[str, torch.Tensor]]) -> list[float]:
     return [float(tensor.float().sum()) for _, tensor in weights]
 
 
-def _rank_process(rank: int, size: int, gpu: int | None, gpu_transports: bool, config: ChannelBenchConfig,
-                  ports, results) -> None:
+def join_channel(rank: int, size: int, ports, use_gpu: bool, timeout_s: float) -> WeightChannel:
+    """Rank `rank` of a channel of processes on this machine: rank 0 opens the store and hands its
+    port to the others through the queue `ports`; every rank joins (blocks until all have)."""
+    store = open_store("127.0.0.1", size, timeout_s) if rank == 0 else None
+    if rank == 0:
+        for _ in range(size - 1):
+            ports.put(store.port)
+    port = store.port if rank == 0 else ports.get(timeout=timeout_s)
+    return WeightChannel(ChannelAddress("127.0.0.1", port, size, timeout_s, use_gpu=use_gpu), rank, store)
+
+
+def _run_rank(target: Callable, rank: int, size: int, args: tuple, ports, results) -> None:
     try:
-        info = device_mod.GPU if gpu is not None else device_mod.CPU
-        device = device_mod.set_local_device(info, gpu or 0)
-        weights = _weights(config, device, fill=rank == 0)
-        device_mod.synchronize(info)
-        base = device_mod.max_memory_allocated(info)
-        store = open_store("127.0.0.1", size, config.timeout_s) if rank == 0 else None
+        results.put((rank, True, target(rank, size, ports, *args)))
+    except Exception:  # noqa: BLE001 - the parent reports every rank's failure
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(target: Callable, args_per_rank: list[tuple], timeout_s: float) -> dict[int, Any]:
+    """`target(rank, size, ports, *args_per_rank[rank])` in a spawned process per rank (a module-level
+    function; `ports` for `join_channel`); {rank: what it returned}. Raises with every failed rank's
+    traceback; a rank still running after its report's deadline is terminated, not waited for."""
+    context = multiprocessing.get_context("spawn")
+    ports, results = context.Queue(), context.Queue()
+    size = len(args_per_rank)
+    processes = [context.Process(target=_run_rank, args=(target, rank, size, tuple(args), ports, results), daemon=True)
+                 for rank, args in enumerate(args_per_rank)]
+    for process in processes:
+        process.start()
+    try:
+        reports = [results.get(timeout=timeout_s) for _ in processes]
+    finally:  # a rank stuck in a collective must not keep the caller waiting
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.terminate()
+    failed = {rank: value for rank, ok, value in reports if not ok}
+    if failed:
+        raise RuntimeError(f"{target.__name__}: ranks {sorted(failed)} failed:\n"
+                           + "\n".join(f"--- rank {rank} ---\n{failed[rank]}" for rank in sorted(failed)))
+    return {rank: value for rank, _, value in reports}
+
+
+def _rank_process(rank: int, size: int, ports, gpu: int | None, gpu_transports: bool,
+                  config: ChannelBenchConfig) -> tuple:
+    info = device_mod.GPU if gpu is not None else device_mod.CPU
+    device = device_mod.set_local_device(info, gpu or 0)
+    weights = _weights(config, device, fill=rank == 0)
+    device_mod.synchronize(info)
+    base = device_mod.max_memory_allocated(info)
+    channel = join_channel(rank, size, ports, gpu_transports, config.timeout_s)
+    targets = dict(weights)
+    stamps = []
+    for _ in range(config.rounds):
+        started = time.time()
         if rank == 0:
-            for _ in range(size - 1):
-                ports.put(store.port)
-        port = store.port if rank == 0 else ports.get(timeout=config.timeout_s)
-        address = ChannelAddress("127.0.0.1", port, size, config.timeout_s, use_gpu=gpu_transports)
-        channel = WeightChannel(address, rank, store)
-        targets = dict(weights)
-        stamps = []
-        for _ in range(config.rounds):
-            started = time.time()
-            if rank == 0:
-                channel.send(_buckets(weights, int(config.bucket_mib * 2**20)))
-            else:
-                channel.load_each(lambda bucket: [targets[name].copy_(tensor) for name, tensor in bucket])
-            device_mod.synchronize(info)
-            stamps.append((started, time.time()))
-        extra = (device_mod.max_memory_allocated(info) - base) / 2**30
-        results.put((rank, channel.transport, stamps, extra, _checksum(weights)))
-    except Exception:  # noqa: BLE001 - the parent reports it
-        results.put((rank, "error", traceback.format_exc(), 0.0, []))
+            channel.send(group_by_bytes(weights, _nbytes, int(config.bucket_mib * 2**20)))
+        else:
+            channel.load_each(lambda bucket: [targets[name].copy_(tensor) for name, tensor in bucket])
+        device_mod.synchronize(info)
+        stamps.append((started, time.time()))
+    extra = (device_mod.max_memory_allocated(info) - base) / 2**30
+    return channel.transport, stamps, extra, _checksum(weights)
 
 
 def run_transport(config: ChannelBenchConfig, placement: list[int | None], gpu_transports: bool) -> TransportResult:
     """One channel of len(placement) ranks (rank r on GPU placement[r]; gpu_transports: the
     channel may use them), timed over config.rounds syncs."""
-    context = multiprocessing.get_context("spawn")
-    ports, results = context.Queue(), context.Queue()
-    processes = [context.Process(target=_rank_process, args=(rank, len(placement), gpu, gpu_transports, config, ports, results),
-                                 daemon=True) for rank, gpu in enumerate(placement)]
-    for process in processes:
-        process.start()
-    try:
-        reports = {report[0]: report[1:] for report in (results.get(timeout=config.timeout_s) for _ in processes)}
-    finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.terminate()
-    failed = {rank: report[1] for rank, report in reports.items() if report[0] == "error"}
-    if failed:
-        raise RuntimeError(f"bench channel: ranks failed: {failed}")
+    reports = run_ranks(_rank_process, [(gpu, gpu_transports, config) for gpu in placement], config.timeout_s)
     result = TransportResult(reports[0][0], list(placement))
     for index, (started, _) in enumerate(reports[0][1]):
         result.sync_s.append(max(reports[rank][1][index][1] for rank in reports) - started)

@@ -14,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                "pytorch_model.bin")
 """Files of a model directory that an export replaces (everything else is copied: tokenizer, processor)."""
+
+T = TypeVar("T")
 
 
 def _is_partitioned(param: torch.nn.Parameter) -> bool:
@@ -56,20 +58,27 @@ def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int,
     `module`: the HF model, or an engine / FlexUlyssesLM around it (names never carry their prefix).
     `device`: where the copies live; None: host memory (to send elsewhere). A colocated engine on the
     policy's GPU takes them on that GPU (no round trip through the host)."""
+    target = torch.device("cpu") if device is None else torch.device(device)
+    for bucket in group_by_bytes(hf_module(module).named_parameters(), _param_bytes, bucket_bytes):
+        yield _gather(bucket, target)
+
+
+def group_by_bytes(named: Iterable[tuple[str, T]], nbytes: Callable[[T], int],
+                   bucket_bytes: int) -> Iterator[list[tuple[str, T]]]:
+    """`named` in order, cut into buckets: each closes once its `nbytes` reach `bucket_bytes` (the
+    last one may be smaller)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes}")
-    module = hf_module(module)
-    target = torch.device("cpu") if device is None else torch.device(device)
-    bucket: list[tuple[str, torch.nn.Parameter]] = []
+    bucket: list[tuple[str, T]] = []
     size = 0
-    for name, param in module.named_parameters():
-        bucket.append((name, param))
-        size += _param_bytes(param)
+    for name, item in named:
+        bucket.append((name, item))
+        size += nbytes(item)
         if size >= bucket_bytes:
-            yield _gather(bucket, target)
+            yield bucket
             bucket, size = [], 0
     if bucket:
-        yield _gather(bucket, target)
+        yield bucket
 
 
 def _gather(bucket: list[tuple[str, torch.nn.Parameter]], device: torch.device) -> list[tuple[str, torch.Tensor]]:

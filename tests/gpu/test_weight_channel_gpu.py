@@ -12,9 +12,7 @@ sync leaves device memory behind (torch frees a shared bucket only once every op
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
-import traceback
 
 import pytest
 import torch
@@ -22,63 +20,42 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
-def _channel_process(rank: int, gpu: int | None, size: int, rounds: int, ports, results) -> None:
-    try:
-        if gpu is not None:
-            torch.cuda.set_device(gpu)
-        sys.path.insert(0, "tests/distributed")
-        from test_weight_channel import seeded_buckets
+def _channel_process(rank: int, size: int, ports, gpu: int | None, rounds: int) -> list:
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+    sys.path.insert(0, "tests/distributed")
+    from test_weight_channel import seeded_buckets
 
-        from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
+    from flexrl_ds.bench.channel_bench import join_channel
 
-        store = None
+    channel = join_channel(rank, size, ports, use_gpu=gpu is not None, timeout_s=120)
+    report: list = [channel.transport]
+    allocated = (lambda: torch.cuda.memory_allocated()) if gpu is not None else (lambda: 0)
+    for round_index in range(rounds):
+        expected = seeded_buckets(round_index)
         if rank == 0:
-            store = open_store("127.0.0.1", size, 120)
-            for _ in range(size - 1):
-                ports.put(store.port)
-            port = store.port
-        else:
-            port = ports.get(timeout=120)
-        channel = WeightChannel(ChannelAddress("127.0.0.1", port, size, timeout_s=120, use_gpu=gpu is not None), rank, store)
-        report: list = [channel.transport]
-        allocated = (lambda: torch.cuda.memory_allocated()) if gpu is not None else (lambda: 0)
-        for round_index in range(rounds):
-            expected = seeded_buckets(round_index)
-            if rank == 0:
-                before = allocated()
-                sent = channel.send(expected)
-                report.append((sent, allocated() - before))  # device bytes the sync left behind: none
-                continue
-            got = []  # copied out as each bucket arrives, as engines load (same_gpu: the views are the sender's memory)
-            channel.load_each(lambda bucket: got.append([(name, tensor.clone()) for name, tensor in bucket]))
-            report.append(len(got) == len(expected) and all(
-                [n for n, _ in g] == [n for n, _ in e] and all(
-                    a.is_cuda == (gpu is not None) and a.dtype == b.dtype and torch.equal(a.cpu(), b) for (_, a), (_, b) in zip(g, e))
-                for g, e in zip(got, expected)))
-        if gpu is not None:
-            torch.cuda.synchronize()
-        results.put((rank, report))
-    except Exception:  # noqa: BLE001 - the parent reports every rank's failure
-        results.put((rank, traceback.format_exc()))
+            before = allocated()
+            sent = channel.send(expected)
+            report.append((sent, allocated() - before))  # device bytes the sync left behind: none
+            continue
+        got = []  # copied out as each bucket arrives, as engines load (same_gpu: the views are the sender's memory)
+        channel.load_each(lambda bucket: got.append([(name, tensor.clone()) for name, tensor in bucket]))
+        report.append(len(got) == len(expected) and all(
+            [n for n, _ in g] == [n for n, _ in e] and all(
+                a.is_cuda == (gpu is not None) and a.dtype == b.dtype and torch.equal(a.cpu(), b) for (_, a), (_, b) in zip(g, e))
+            for g, e in zip(got, expected)))
+    if gpu is not None:
+        torch.cuda.synchronize()
+    return report
 
 
-def run_channel(gpus: list[int | None], rounds: int = 3) -> dict[int, object]:
+def run_channel(gpus: list[int | None], rounds: int = 3) -> dict[int, list]:
     """Rank r on GPU gpus[r] (None: on the CPU, over gloo: a check of this harness); returns
-    {rank: [transport, per-sync report...], or the traceback of its failure}."""
-    context = multiprocessing.get_context("spawn")
-    ports, results = context.Queue(), context.Queue()
-    processes = [context.Process(target=_channel_process, args=(rank, gpu, len(gpus), rounds, ports, results),
-                                 daemon=True) for rank, gpu in enumerate(gpus)]
-    for process in processes:
-        process.start()
-    try:
-        reports = dict(results.get(timeout=300) for _ in processes)
-    finally:  # a rank stuck in NCCL must not keep the test (or pytest's exit) waiting
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.terminate()
-    return reports
+    {rank: [transport, per-sync report...]} (bench/channel_bench.run_ranks raises with the
+    tracebacks of failed ranks)."""
+    from flexrl_ds.bench.channel_bench import run_ranks
+
+    return run_ranks(_channel_process, [(gpu, rounds) for gpu in gpus], timeout_s=300)
 
 
 def _assert_delivered(reports: dict, transport: str) -> None:

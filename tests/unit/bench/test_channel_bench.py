@@ -19,3 +19,19 @@ def test_cpu_run_delivers_every_weight_and_times_each_round():
     assert result.transport == HOST_MEMORY and result.checksums_match
     assert len(result.sync_s) == 2 and all(s > 0 for s in result.sync_s)
     assert result.gib_per_s > 0
+
+
+def _fails_on_rank_one(rank: int, size: int, ports) -> int:
+    if rank == 1:
+        raise ValueError("rank one's own failure")
+    return rank * 10
+
+
+def test_run_ranks_returns_each_rank_and_raises_with_a_failed_ranks_traceback():
+    import pytest
+
+    from flexrl_ds.bench.channel_bench import run_ranks
+
+    assert run_ranks(_fails_on_rank_one, [()], timeout_s=120) == {0: 0}
+    with pytest.raises(RuntimeError, match="rank one's own failure"):
+        run_ranks(_fails_on_rank_one, [(), ()], timeout_s=120)
