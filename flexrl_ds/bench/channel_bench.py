@@ -25,8 +25,8 @@ import torch
 
 from flexrl_ds.models.weights import group_by_bytes
 from flexrl_ds.parallel import device as device_mod
-from flexrl_ds.runtime.weight_channel import (BETWEEN_GPUS, HOST_MEMORY, SAME_GPU, ChannelAddress, WeightChannel,
-                                              open_store)
+from flexrl_ds.runtime.weight_channel import BETWEEN_GPUS, HOST_MEMORY, SAME_GPU, ChannelAddress, WeightChannel
+from flexrl_ds.runtime.worker_group import open_store
 
 
 @dataclass(frozen=True)

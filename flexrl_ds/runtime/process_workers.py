@@ -3,8 +3,8 @@
 The third implementation of the worker-group interface of runtime/worker_group.py (beside
 `RayWorkerGroup` and `SPMDWorkerGroup`): `num_ranks` processes forked from a forkserver that
 imported `preload` once (torch, transformers: not N times in parallel), each building its worker
-with `factory(WorkerPlace(rank, ...), **kwargs)` — the rendezvous on 127.0.0.1 at a port picked
-here, `local_rank` = rank. `flexrl logprobs --loader local` runs its ranks on it.
+with `factory(WorkerPlace(rank, ...), **kwargs)` — the rendezvous store hosted here on 127.0.0.1,
+`local_rank` = rank. `flexrl logprobs --loader local` runs its ranks on it.
 
 Construction returns at once: the ranks build their workers (join the process group, load the
 model) while the caller prepares the first call. `run(method, *args)` / `run_each(method,
@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from flexrl_ds.runtime.worker_group import WorkerPlace, free_port
+from flexrl_ds.runtime.worker_group import WorkerPlace, open_store
 
 _CONSTRUCT = -1
 """Call id of a rank's report about building its worker (only failures are reported)."""
@@ -55,7 +55,8 @@ class ProcessWorkerGroup:
         self.name, self.num_ranks, self.timeout_s = name, num_ranks, timeout_s
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(list(preload))
-        port = free_port()
+        self._store = open_store("127.0.0.1", num_ranks, timeout_s)  # the ranks' rendezvous, while they live
+        port = self._store.port
         self._calls = [context.Queue() for _ in range(num_ranks)]
         self._results = context.Queue()
         self._next_call, self._broken = 0, None

@@ -64,14 +64,6 @@ class ChannelAddress:
     False: `HOST_MEMORY`. Set once for all ranks by whoever sets the channel up, never per rank."""
 
 
-def open_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
-    """The sender's TCPStore on a port the OS picks (no race between choosing and binding it)."""
-    import datetime
-
-    return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
-
-
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -101,7 +93,7 @@ class WeightChannel:
     """One end of the channel: rank 0 sends, ranks 1.. receive (see the module docstring)."""
 
     def __init__(self, address: ChannelAddress, rank: int, store: dist.TCPStore | None = None):
-        """store: the sender's (`open_store`, whose port the address names); receivers connect to it."""
+        """store: the sender's (`worker_group.open_store`, whose port the address names); receivers connect to it."""
         import datetime
 
         if not 0 <= rank < address.size:

@@ -4,11 +4,16 @@ A worker is a plain class (testable without Ray) whose constructor takes `Worker
 rank, the group's size, the rendezvous address and port. Two groups run the same worker class:
 
 - `RayWorkerGroup`: one Ray actor per rank, placed by a placement group (one bundle per rank,
-  `PACK` strategy), the rendezvous at rank 0's node on a port rank 0 picked. This is the `flexrl
+  `PACK` strategy), the rendezvous store hosted by rank 0's actor. This is the `flexrl
   train` driver's path (a local Ray, or a cluster under `ray job submit`).
 - `SPMDWorkerGroup`: the processes a launcher started (`deepspeed --hostfile`, torchrun): every
   process holds its own worker; rank 0 runs the driver and `run(...)` broadcasts the call to the
   other ranks, which wait in `serve()`; results come back to rank 0 with `gather_object`.
+
+The rendezvous store is opened on a port the OS picks, by whoever hosts it (rank 0's actor, or
+`ProcessWorkerGroup`'s parent), before any rank joins: `join_process_group` connects to it (or uses
+it, in the process that hosts it), so no other process can take the port between its choice and
+its bind.
 
 Both give `run(method, *args, **kwargs) -> [result of rank 0, ..., rank N-1]` with the same
 arguments on every rank (collective methods, e.g. a ZeRO-3 forward), and `run_each(method,
@@ -17,9 +22,11 @@ per_rank_args)` with one argument tuple per rank.
 
 from __future__ import annotations
 
-import socket
+import datetime
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -40,11 +47,33 @@ class WorkerPlace:
     """Ray node id (hex) the worker runs on ("" outside Ray): where its pixels should be decoded."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host`."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def open_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore hosted here on a port the OS picks (no race between choosing and binding it);
+    `size` processes connect to it at `host`:`store.port`."""
+    return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+_HOSTED_STORES: dict[tuple[str, int], dist.TCPStore] = {}
+"""Rendezvous stores this process hosts (`host_rendezvous`), by (address, port)."""
+
+
+def host_rendezvous(address: str, world_size: int, timeout_s: float) -> int:
+    """Host a group's rendezvous store in this process, for as long as the process lives; its port."""
+    store = open_store(address, world_size, timeout_s)
+    _HOSTED_STORES[(address, store.port)] = store
+    return store.port
+
+
+def join_process_group(place: WorkerPlace, backend: str, timeout_s: float) -> None:
+    """Join the group's default process group through its rendezvous store at `place`'s address."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _HOSTED_STORES.get((place.master_addr, place.master_port))
+    if store is None:
+        store = dist.TCPStore(place.master_addr, place.master_port, place.world_size, is_master=False,
+                              timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=place.rank, world_size=place.world_size,
+                            timeout=timeout)
 
 
 def node_address() -> str:
@@ -65,9 +94,10 @@ class _Host:
     def __init__(self):
         self.worker = None
 
-    def rendezvous(self) -> tuple[str, int]:
+    def rendezvous(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         address = node_address()
-        return address, free_port(address if address != "localhost" else "127.0.0.1")
+        address = address if address != "localhost" else "127.0.0.1"
+        return address, host_rendezvous(address, world_size, timeout_s)
 
     def node_id(self) -> str:
         import ray
@@ -104,7 +134,7 @@ class RayWorkerGroup:
             actor_cls.options(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, runtime_env=runtime_env,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, index)).remote()
             for index in range(num_ranks)]
-        address, port = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout_s)
+        address, port = ray.get(self.actors[0].rendezvous.remote(num_ranks, timeout_s), timeout=timeout_s)
         self.node_ids: list[str] = ray.get([actor.node_id.remote() for actor in self.actors], timeout=timeout_s)
         """Ray node id of each rank, in rank order (where the group's consumers of pixels run)."""
         # Ray gives each actor its own GPU(s) (CUDA_VISIBLE_DEVICES): local device 0 in every actor.

@@ -13,7 +13,6 @@ every sample with its pixels in the job).
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 from flexrl_ds.planning.plan import parse_plan
 from flexrl_ds.runtime.pieces import assemble  # noqa: F401  (re-exported: callers import it from here)
 from flexrl_ds.runtime.rank_pixels import RankPixels
-from flexrl_ds.runtime.worker_group import WorkerPlace
+from flexrl_ds.runtime.worker_group import WorkerPlace, join_process_group
 
 PRELOAD = ("torch", "torch.distributed", "transformers", "flexrl_ds.models.flex_model",
            "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.qwen2.modeling_qwen2")
@@ -120,17 +119,13 @@ class LogprobWorker:
     """One rank of `flexrl logprobs` in a worker group: process group and model, then steps."""
 
     def __init__(self, place: WorkerPlace, setup: RankSetup):
-        import torch.distributed as dist
-
         self.place, self.setup = place, setup
         os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world_size), LOCAL_RANK=str(place.local_rank),
                           MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port))
         info = device_mod.detect()
         self.device = device_mod.set_local_device(info, place.local_rank)
         # Plain process group (no deepspeed.comm: the overlapped FlexUlysses path does not need it).
-        dist.init_process_group(backend=info.backend, rank=place.rank, world_size=place.world_size,
-                                init_method=f"tcp://{place.master_addr}:{place.master_port}",
-                                timeout=datetime.timedelta(seconds=setup.timeout_s))
+        join_process_group(place, info.backend, setup.timeout_s)
         model = load_model(setup.model_dir, setup.dtype)
         self.model = model.to(self.device) if self.device is not None else model
 

@@ -23,7 +23,6 @@ per step (`StepSlices`: the reference's and the update's passes reuse what the f
 
 from __future__ import annotations
 
-import datetime
 import os
 import random
 import time
@@ -44,8 +43,8 @@ from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 from flexrl_ds.parallel.launch import ensure_deepspeed_comm
 from flexrl_ds.planning.plan import parse_plan
 from flexrl_ds.runtime.rank_pixels import StepSlices, fetched_items, unit_requests
-from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
-from flexrl_ds.runtime.worker_group import WorkerPlace, node_address
+from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
+from flexrl_ds.runtime.worker_group import WorkerPlace, join_process_group, node_address, open_store
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.rollout_host import RolloutHost
 
@@ -127,9 +126,7 @@ class PolicyWorker:
         self.device = device_mod.set_local_device(info, place.local_rank)
         self.device_usage = device_mod.DeviceUsageMonitor(info)
         if not dist.is_initialized():
-            dist.init_process_group(backend=info.backend, rank=place.rank, world_size=place.world_size,
-                                    init_method=f"tcp://{place.master_addr}:{place.master_port}",
-                                    timeout=datetime.timedelta(seconds=setup.timeout_s))
+            join_process_group(place, info.backend, setup.timeout_s)
         ensure_deepspeed_comm(info.backend)
         _seed_everything(setup.seed)
         topology = SPTopology(place.world_size, setup.domain_size or place.world_size, setup.p_max)

@@ -31,7 +31,8 @@ def channel_rank(port_file: str, seed: int, rounds: int):
 
     import torch.distributed as dist
 
-    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
+    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
+    from flexrl_ds.runtime.worker_group import open_store
 
     rank, size = dist.get_rank(), dist.get_world_size()
     store = None
@@ -85,7 +86,8 @@ def engine_worker_rank(port_file: str, seed: int):
     import torch.distributed as dist
 
     from flexrl_ds.rollout.vllm_workers import WeightReceiverExtension
-    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
+    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
+    from flexrl_ds.runtime.worker_group import open_store
 
     class Worker(WeightReceiverExtension):
         def __init__(self, rank: int):

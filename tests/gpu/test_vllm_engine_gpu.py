@@ -249,7 +249,8 @@ def sync_over_weight_channel(engine, model) -> tuple[int, int]:
     import threading
 
     from flexrl_ds.models.weights import iter_weight_buckets
-    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
+    from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
+    from flexrl_ds.runtime.worker_group import open_store
 
     size = 1 + engine.channel_ranks
     store = open_store("127.0.0.1", size, 120.0)
@@ -302,7 +303,8 @@ def _gpu_sender(model_dir: str, ports, results) -> None:
     try:
         from flexrl_ds.models.loading import load_model
         from flexrl_ds.models.weights import iter_weight_buckets
-        from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel, open_store
+        from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
+        from flexrl_ds.runtime.worker_group import open_store
 
         torch.cuda.set_device(0)
         model = load_model(model_dir).to("cuda")

@@ -4,6 +4,7 @@ and failures that name the rank instead of hanging."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -33,6 +34,35 @@ class EchoWorker:
         if self.place.rank == rank:
             os._exit(3)
         return self.place.rank
+
+
+class GroupWorker:
+    """Joins the group's process group the way the trainer's workers do."""
+
+    def __init__(self, place):
+        from flexrl_ds.runtime.worker_group import join_process_group
+
+        self.place = place
+        join_process_group(place, "gloo", timeout_s=60)
+
+    def rank_sum(self) -> tuple[int, int]:
+        """(sum of the ranks over the group, the rendezvous port)"""
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([self.place.rank])
+        dist.all_reduce(total)
+        return int(total.item()), self.place.master_port
+
+
+def test_ranks_join_one_process_group_through_the_store_the_group_holds():
+    with ProcessWorkerGroup(GroupWorker, 3, name="pg", timeout_s=60) as group:
+        answers = group.run("rank_sum")
+        assert [total for total, _ in answers] == [sum(range(3))] * 3
+        (port,) = {port for _, port in answers}
+        # The rendezvous port stays bound by the group's store: no other process can take it.
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
 
 
 def test_run_and_run_each_return_results_in_rank_order():
