@@ -84,6 +84,8 @@ class SeparateRollout:
         actor = ray.remote(RolloutHost)
         self.timeout_s = timeout_s
         self.channel_ready = False
+        self.channel_broken: str | None = None
+        """Why a sync failed: its ranks may be anywhere in a bucket, so the channel is never used again."""
         self.channel_on_gpu = channel_may_use_gpus(gpus_per_policy_rank, num_gpus)
         self.transport: str | None = None
         """The weight channel's, once set up (runtime/weight_channel.py)."""
@@ -99,6 +101,16 @@ class SeparateRollout:
     def sync(self, policy: Any, bucket_bytes: int) -> float:
         """Policy rank 0 broadcasts each gathered bucket to every engine over the weight channel
         (set up on the first sync); the engines load them as they arrive."""
+        if self.channel_broken is not None:
+            raise RuntimeError(f"weight channel: unusable since a sync failed ({self.channel_broken}); "
+                               "restart the run (--resume continues from the last checkpoint)")
+        try:
+            return self._sync(policy, bucket_bytes)
+        except Exception as error:
+            self.channel_broken = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            raise
+
+    def _sync(self, policy: Any, bucket_bytes: int) -> float:
         started = time.perf_counter()
         if not self.channel_ready:
             ranks = ray.get([host.channel_ranks.remote() for host in self.hosts], timeout=self.timeout_s)
