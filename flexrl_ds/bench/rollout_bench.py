@@ -5,7 +5,9 @@ vocabulary) is built with random bf16 weights on the GPU; the `hf` engine sample
 and the `vllm` engine from its own copy (`load_format="dummy"`), both through the trainer's
 `RolloutEngine` interface on identical text prompts (random token ids) with EOS off, so every
 response is exactly `new_tokens` long. vLLM is timed per seeding mode (per sample, none)
-and bare (`LLM.generate` on the same token prompts). Then the HF model's weights are synced into the vLLM engine
+and bare (`LLM.generate` on the same token prompts). Every engine is timed `repeats` times after one
+warm-up, each from cold caches; its best time gives its tokens/s (one 2 s timing moved by ~10%
+between runs on a shared machine). Then the HF model's weights are synced into the vLLM engine
 in buckets as a colocated policy rank does (`iter_weight_buckets` on the GPU -> `load_weights`), timed,
 and the engine's log-probs of greedy samples are compared with the HF model's on the same tokens:
 after the sync both hold the same weights.
@@ -51,11 +53,13 @@ class RolloutBenchConfig:
     gpu_memory_utilization: float = 0.4
     work_dir: str = "/tmp/flexrl-rollout-bench"
     seed: int = 0
+    repeats: int = 3
+    """Timings per engine (the best is its figure; all are kept)."""
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
             raise ValueError(f"--shape: one of {', '.join(SHAPES)}, got {self.shape!r}")
-        for name in ("prompts", "prompt_len", "new_tokens", "bucket_mb"):
+        for name in ("prompts", "prompt_len", "new_tokens", "bucket_mb", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
         unknown = set(self.backends) - {"hf", "vllm"}
@@ -69,6 +73,9 @@ class RolloutBenchResult:
     device: str
     tokens_per_s: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    """Per engine, its best time."""
+    timings_s: dict[str, list[float]] = field(default_factory=dict)
+    """Per engine, every timing."""
     sync_s: list[float] = field(default_factory=list)
     sync_tensors: int = 0
     sync_gib: float = 0.0
@@ -80,6 +87,13 @@ class RolloutBenchResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def record(self, engine: str, timings_s: list[float], tokens: int) -> str:
+        """Keep an engine's timings of `tokens` generated tokens; the line that reports them."""
+        best = min(timings_s)
+        self.timings_s[engine], self.seconds[engine], self.tokens_per_s[engine] = list(timings_s), best, tokens / best
+        return (f"{tokens} tokens in {best:.2f} s = {tokens / best:,.0f} tokens/s "
+                f"(best of {', '.join(f'{t:.2f}' for t in timings_s)} s)")
 
 
 def _model_dir(config: RolloutBenchConfig) -> Path:
@@ -106,23 +120,26 @@ def _requests(config: RolloutBenchConfig, hf_config: Any):
     return [RolloutRequest(f"p{index}", ids[index].tolist(), [], seed=index) for index in range(config.prompts)]
 
 
-def _timed_generate(engine, requests, params) -> tuple[float, int]:
-    """The trainer's `RolloutEngine.generate` on the requests: (seconds, tokens generated)."""
+def _timed_generate(engine, requests, params, repeats: int) -> tuple[list[float], int]:
+    """The trainer's `RolloutEngine.generate` on the requests: (seconds of each timing, tokens generated)."""
     return _timed_tokens(engine, requests, lambda chosen: sum(
-        len(result.response_ids) for result in engine.generate(chosen, params)))
+        len(result.response_ids) for result in engine.generate(chosen, params)), repeats)
 
 
-def _timed_tokens(engine, requests, generate) -> tuple[float, int]:
-    """`generate(requests) -> tokens` timed after a warm-up on two requests (kernels, allocator)
-    and a cache reset (no prefix computed by the warm-up is reused)."""
+def _timed_tokens(engine, requests, generate, repeats: int) -> tuple[list[float], int]:
+    """`generate(requests) -> tokens` timed `repeats` times after a warm-up on two requests
+    (kernels, allocator), each after a cache reset (no prefix computed before is reused)."""
     info = device_mod.detect()
     generate(requests[:2])
-    engine.reset_caches()
-    device_mod.synchronize(info)
-    started = time.perf_counter()
-    tokens = generate(requests)
-    device_mod.synchronize(info)
-    return time.perf_counter() - started, tokens
+    timings, tokens = [], 0
+    for _ in range(repeats):
+        engine.reset_caches()
+        device_mod.synchronize(info)
+        started = time.perf_counter()
+        tokens = generate(requests)
+        device_mod.synchronize(info)
+        timings.append(time.perf_counter() - started)
+    return timings, tokens
 
 
 def run_rollout_bench(config: RolloutBenchConfig, progress=print) -> RolloutBenchResult:
@@ -138,9 +155,8 @@ def run_rollout_bench(config: RolloutBenchConfig, progress=print) -> RolloutBenc
     if "hf" in config.backends:
         engine = HFRolloutEngine(model_dir, dtype="bfloat16", device=device, max_batch_sequences=config.prompts,
                                  model=model)
-        seconds, tokens = _timed_generate(engine, requests, params)
-        result.seconds["hf"], result.tokens_per_s["hf"] = seconds, tokens / seconds
-        progress(f"[bench rollout] hf generate: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tokens/s")
+        timings, tokens = _timed_generate(engine, requests, params, config.repeats)
+        progress(f"[bench rollout] hf generate: {result.record('hf', timings, tokens)}")
         del engine
     if "vllm" in config.backends:
         _bench_vllm(config, model_dir, model, requests, params, result, progress)
@@ -155,22 +171,19 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
                         max_batch_sequences=config.prompts, load_format="dummy",
                         gpu_memory_utilization=config.gpu_memory_utilization)
     result.engine_start_s = time.perf_counter() - started
-    seconds, tokens = _timed_generate(engine, requests, params)
-    result.seconds["vllm"], result.tokens_per_s["vllm"] = seconds, tokens / seconds
+    timings, tokens = _timed_generate(engine, requests, params, config.repeats)
+    line = result.record("vllm", timings, tokens)
     result.logprob_diff_before_sync = _logprob_diff(engine, model, requests[:4])
-    progress(f"[bench rollout] vllm (started in {result.engine_start_s:.0f} s): {tokens} tokens in {seconds:.2f} s "
-             f"= {tokens / seconds:,.0f} tokens/s")
+    progress(f"[bench rollout] vllm (started in {result.engine_start_s:.0f} s): {line}")
     engine.seeding = "off"  # the same prompts with the seeds left to vLLM: what per-sample seeds cost
     try:
-        seconds, tokens = _timed_generate(engine, requests, params)
+        timings, tokens = _timed_generate(engine, requests, params, config.repeats)
     finally:
         engine.seeding = "sample"
-    result.seconds["vllm_seeding_off"], result.tokens_per_s["vllm_seeding_off"] = seconds, tokens / seconds
-    progress(f"[bench rollout] vllm, seeding 'off': {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s")
-    seconds, tokens = _timed_raw_generate(engine, requests, config.new_tokens)
-    result.seconds["vllm_raw"], result.tokens_per_s["vllm_raw"] = seconds, tokens / seconds
-    progress(f"[bench rollout] bare vLLM (LLM.generate on token prompts, no seeds, no log-probs): {tokens} tokens "
-             f"in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s")
+    progress(f"[bench rollout] vllm, seeding 'off': {result.record('vllm_seeding_off', timings, tokens)}")
+    timings, tokens = _timed_raw_generate(engine, requests, config.new_tokens, config.repeats)
+    progress("[bench rollout] bare vLLM (LLM.generate on token prompts, no seeds, no log-probs): "
+             + result.record("vllm_raw", timings, tokens))
     for _ in range(3):
         _timed_sync(engine, model, config.bucket_mb << 20, result)
     progress(f"[bench rollout] colocated sync of {result.sync_tensors} tensors ({result.sync_gib:.1f} GiB): "
@@ -188,12 +201,12 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
         f"{case} {value:.4f}" for case, value in result.logprob_diff_after_sync_by_case.items()))
 
 
-def _timed_raw_generate(engine, requests, new_tokens: int) -> tuple[float, int]:
+def _timed_raw_generate(engine, requests, new_tokens: int, repeats: int) -> tuple[list[float], int]:
     """The engine's `vllm.LLM` called directly (`bare_generate`), as the bare-engine measurement did:
     what the trainer's engine adds on top (request building, seeds, log-probs, the prompt check) is
     the difference."""
     return _timed_tokens(engine, requests, lambda chosen: engine.bare_generate(
-        [request.prompt_ids for request in chosen], new_tokens))
+        [request.prompt_ids for request in chosen], new_tokens), repeats)
 
 
 def _timed_sync(engine, model, bucket_bytes: int, result: RolloutBenchResult) -> None:

@@ -17,6 +17,7 @@ def register(commands, bench) -> None:
     rollout.add_argument("--bucket-mb", type=int, default=512, help="weight-sync bucket size (MiB)")
     rollout.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's share of the GPU")
     rollout.add_argument("--work-dir", default="/tmp/flexrl-rollout-bench", help="where the model config is written")
+    rollout.add_argument("--repeats", type=int, default=3, help="timings per engine (the best is its figure)")
     rollout.add_argument("--json", help="write the result JSON here")
     rollout.set_defaults(func=_bench_rollout)
     channel = bench.add_parser("channel", help="weight channel to separate engines: its transports timed against each other")
@@ -35,7 +36,7 @@ def _bench_rollout(args) -> int:
 
     config = RolloutBenchConfig(args.shape, args.prompts, args.prompt_len, args.new_tokens,
                                 tuple(b for b in args.backends.split(",") if b), args.bucket_mb,
-                                args.gpu_memory_utilization, args.work_dir)
+                                args.gpu_memory_utilization, args.work_dir, repeats=args.repeats)
     result = run_rollout_bench(config)
     write_result(result, args.json)
     if "hf" in result.tokens_per_s:

@@ -1,0 +1,39 @@
+"""`flexrl bench rollout`'s timing and bookkeeping (the engines themselves need a GPU: tests/gpu)."""
+
+import pytest
+
+from flexrl_ds.bench import rollout_bench
+from flexrl_ds.bench.rollout_bench import RolloutBenchConfig, RolloutBenchResult
+
+
+class _CountingEngine:
+    def __init__(self):
+        self.events = []
+
+    def reset_caches(self):
+        self.events.append("reset")
+
+    def generate(self, requests):
+        self.events.append(f"generate {len(requests)}")
+        return 7 * len(requests)
+
+
+def test_every_timing_starts_from_reset_caches_after_one_warm_up():
+    engine = _CountingEngine()
+    timings, tokens = rollout_bench._timed_tokens(engine, list(range(5)), engine.generate, repeats=3)
+    assert engine.events == ["generate 2"] + ["reset", "generate 5"] * 3
+    assert len(timings) == 3 and all(t >= 0 for t in timings) and tokens == 35
+
+
+def test_an_engine_is_reported_by_its_best_timing_and_keeps_all():
+    result = RolloutBenchResult(config={}, device="cpu")
+    line = result.record("vllm", [2.4, 2.0, 2.2], tokens=16384)
+    assert result.seconds["vllm"] == min([2.4, 2.0, 2.2])
+    assert result.tokens_per_s["vllm"] == pytest.approx(16384 / 2.0)
+    assert result.timings_s["vllm"] == [2.4, 2.0, 2.2]
+    assert "best of 2.40, 2.00, 2.20 s" in line
+
+
+def test_repeats_must_be_positive():
+    with pytest.raises(ValueError, match="--repeats: must be at least 1, got 0"):
+        RolloutBenchConfig(repeats=0)
