@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from flexrl_ds.models.weights import group_by_bytes
+from flexrl_ds.models.weights import group_by_bytes, tensor_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.runtime.weight_channel import BETWEEN_GPUS, HOST_MEMORY, SAME_GPU, ChannelAddress, WeightChannel
 from flexrl_ds.runtime.worker_group import open_store
@@ -61,10 +61,6 @@ def _weights(config: ChannelBenchConfig, device: torch.device, fill: bool) -> li
     return [(f"layer{i}.weight", (torch.randn(numel, generator=generator, dtype=torch.float32).to(torch.bfloat16)
                                   if fill else torch.zeros(numel, dtype=torch.bfloat16)).to(device))
             for i in range(count)]
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _checksum(weights: list[tuple[str, torch.Tensor]]) -> list[float]:
@@ -127,7 +123,7 @@ def _rank_process(rank: int, size: int, ports, gpu: int | None, gpu_transports: 
     for _ in range(config.rounds):
         started = time.time()
         if rank == 0:
-            channel.send(group_by_bytes(weights, _nbytes, int(config.bucket_mib * 2**20)))
+            channel.send(group_by_bytes(weights, tensor_bytes, int(config.bucket_mib * 2**20)))
         else:
             channel.load_each(lambda bucket: [targets[name].copy_(tensor) for name, tensor in bucket])
         device_mod.synchronize(info)

@@ -27,7 +27,7 @@ import transformers
 from flexrl_ds.models.flex_model import reference_logprobs
 from flexrl_ds.models.processing import EncodedSample
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
-from flexrl_ds.models.weights import iter_weight_buckets
+from flexrl_ds.models.weights import iter_weight_buckets, tensor_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
 from flexrl_ds.rollout.hf_engine import HFRolloutEngine
@@ -219,7 +219,7 @@ def _timed_sync(engine, model, bucket_bytes: int, result: RolloutBenchResult) ->
     for bucket in iter_weight_buckets(model, bucket_bytes, device):
         engine.load_weights(bucket)
         count += len(bucket)
-        size += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        size += sum(tensor_bytes(tensor) for _, tensor in bucket)
     engine.wake()
     device_mod.synchronize(info)
     result.sync_s.append(time.perf_counter() - started)

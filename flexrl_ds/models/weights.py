@@ -29,9 +29,10 @@ def _is_partitioned(param: torch.nn.Parameter) -> bool:
     return hasattr(param, "ds_id")
 
 
-def _param_bytes(param: torch.nn.Parameter) -> int:
-    numel = param.ds_numel if _is_partitioned(param) else param.numel()
-    return int(numel) * param.element_size()
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor, or of a ZeRO-3 parameter whole (not this rank's partition)."""
+    numel = tensor.ds_numel if _is_partitioned(tensor) else tensor.numel()
+    return int(numel) * tensor.element_size()
 
 
 def _gathered(params: list[torch.nn.Parameter]):
@@ -59,7 +60,7 @@ def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int,
     `device`: where the copies live; None: host memory (to send elsewhere). A colocated engine on the
     policy's GPU takes them on that GPU (no round trip through the host)."""
     target = torch.device("cpu") if device is None else torch.device(device)
-    for bucket in group_by_bytes(hf_module(module).named_parameters(), _param_bytes, bucket_bytes):
+    for bucket in group_by_bytes(hf_module(module).named_parameters(), tensor_bytes, bucket_bytes):
         yield _gather(bucket, target)
 
 

@@ -83,12 +83,11 @@ class SeparateRollout:
         policy ranks' NCCL settings among them)."""
         actor = ray.remote(RolloutHost)
         self.timeout_s = timeout_s
-        self.channel_ready = False
         self.channel_broken: str | None = None
         """Why a sync failed: its ranks may be anywhere in a bucket, so the channel is never used again."""
         self.channel_on_gpu = channel_may_use_gpus(gpus_per_policy_rank, num_gpus)
         self.transport: str | None = None
-        """The weight channel's, once set up (runtime/weight_channel.py)."""
+        """The weight channel's, once set up (runtime/weight_channel.py); None: not set up yet."""
         runtime_env = {"env_vars": dict(env)} if env else None
         self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env).remote(
             backend, model_dir, pixels, dtype, None, max_batch_sequences, engine_options) for _ in range(num_engines)]
@@ -107,12 +106,13 @@ class SeparateRollout:
         try:
             return self._sync(policy, bucket_bytes)
         except Exception as error:
-            self.channel_broken = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            first_line = (str(error).splitlines() or [""])[0]
+            self.channel_broken = f"{type(error).__name__}: {first_line}"
             raise
 
     def _sync(self, policy: Any, bucket_bytes: int) -> float:
         started = time.perf_counter()
-        if not self.channel_ready:
+        if self.transport is None:
             ranks = ray.get([host.channel_ranks.remote() for host in self.hosts], timeout=self.timeout_s)
             address = policy.run("weight_channel_address", sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
             joins = [host.join_weight_channel.remote(address, first)
@@ -121,7 +121,6 @@ class SeparateRollout:
             _wait_all(joins + policy_joins, self.timeout_s, "weight channel set-up")
             self.transport = ray.get(policy_joins[0])
             print(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers", flush=True)
-            self.channel_ready = True
         loads = [host.receive_weights.remote() for host in self.hosts]
         _wait_all(loads + policy.run_async("send_weights", bucket_bytes), self.timeout_s, "weight sync")
         return time.perf_counter() - started

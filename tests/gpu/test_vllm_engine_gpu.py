@@ -301,16 +301,13 @@ def test_separate_engine_workers_receive_over_the_weight_channel(engine, assets)
 def _gpu_sender(model_dir: str, ports, results) -> None:
     """Policy rank 0 in a process of its own on the engine's GPU: sends the model's GPU buckets."""
     try:
+        from flexrl_ds.bench.channel_bench import join_channel
         from flexrl_ds.models.loading import load_model
         from flexrl_ds.models.weights import iter_weight_buckets
-        from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
-        from flexrl_ds.runtime.worker_group import open_store
 
         torch.cuda.set_device(0)
         model = load_model(model_dir).to("cuda")
-        store = open_store("127.0.0.1", 2, 120.0)
-        ports.put(store.port)
-        channel = WeightChannel(ChannelAddress("127.0.0.1", store.port, 2, timeout_s=120.0, use_gpu=True), 0, store)
+        channel = join_channel(0, 2, ports, use_gpu=True, timeout_s=120.0)  # hands the engine its port
         sent = channel.send(iter_weight_buckets(model, 1 << 20, "cuda"))
         results.put((channel.transport, sent))
     except Exception:  # noqa: BLE001 - reported by the test

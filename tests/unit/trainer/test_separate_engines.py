@@ -41,7 +41,7 @@ def test_a_failed_sync_leaves_the_channel_refusing_further_syncs():
     """A sync that failed may leave ranks anywhere in a bucket: a later sync over the same channel
     would hang or load a mix of two updates, so it is refused with the first failure's reason."""
     rollout = SeparateRollout.__new__(SeparateRollout)
-    rollout.hosts, rollout.timeout_s, rollout.channel_ready, rollout.channel_broken = [], 5.0, True, None
+    rollout.hosts, rollout.timeout_s, rollout.transport, rollout.channel_broken = [], 5.0, "host_memory", None
     policy = _PolicyFailingToSend()
     with pytest.raises(RuntimeError, match="rank 1 died"):
         rollout.sync(policy, bucket_bytes=1 << 20)
