@@ -37,3 +37,18 @@ def test_an_engine_is_reported_by_its_best_timing_and_keeps_all():
 def test_repeats_must_be_positive():
     with pytest.raises(ValueError, match="--repeats: must be at least 1, got 0"):
         RolloutBenchConfig(repeats=0)
+
+
+def test_the_cli_repeats_reach_the_bench(monkeypatch, capsys):
+    from flexrl_ds.cli.main import build_parser
+
+    seen = []
+
+    def fake_bench(config):  # the real one needs a GPU
+        seen.append(config)
+        return RolloutBenchResult(config={}, device="none")
+
+    monkeypatch.setattr(rollout_bench, "run_rollout_bench", fake_bench)
+    args = build_parser().parse_args(["bench", "rollout", "--shape", "tiny", "--repeats", "5"])
+    assert args.func(args) == 0
+    assert [config.repeats for config in seen] == [5]
