@@ -7,7 +7,9 @@ and the `vllm` engine from its own copy (`load_format="dummy"`), both through th
 response is exactly `new_tokens` long. vLLM is timed per seeding mode (per sample, none)
 and bare (`LLM.generate` on the same token prompts). Every engine is timed `repeats` times after one
 warm-up, each from cold caches; its best time gives its tokens/s (one 2 s timing moved by ~10%
-between runs on a shared machine). Then the HF model's weights are synced into the vLLM engine
+between runs on a shared machine). The trainer's engines are then timed as the trainer uses them,
+each timing after the engine slept and woke (`<engine>_after_sleep`): between steps a colocated
+engine frees the GPU for the update, so every step's rollout starts from what `wake` gives back. Then the HF model's weights are synced into the vLLM engine
 in buckets as a colocated policy rank does (`iter_weight_buckets` on the GPU -> `load_weights`), timed,
 and the engine's log-probs of greedy samples are compared with the HF model's on the same tokens:
 after the sync both hold the same weights.
@@ -30,6 +32,7 @@ from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 from flexrl_ds.models.weights import iter_weight_buckets, tensor_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
+from flexrl_ds.rollout.config import KV_CACHE_MODES
 from flexrl_ds.rollout.hf_engine import HFRolloutEngine
 
 SHAPES = {
@@ -55,6 +58,8 @@ class RolloutBenchConfig:
     seed: int = 0
     repeats: int = 3
     """Timings per engine (the best is its figure; all are kept)."""
+    hf_kv_caches: tuple[str, ...] = ("dynamic", "static")
+    """The hf engine's KV caches to time (`HFOptions.kv_cache`): "hf" is the dynamic one, "hf_static" the static."""
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
@@ -62,6 +67,8 @@ class RolloutBenchConfig:
         for name in ("prompts", "prompt_len", "new_tokens", "bucket_mb", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
+        if "hf" in self.backends and (not self.hf_kv_caches or set(self.hf_kv_caches) - set(KV_CACHE_MODES)):
+            raise ValueError(f"--hf-kv-caches: {' and/or '.join(KV_CACHE_MODES)}, got {','.join(self.hf_kv_caches)}")
         unknown = set(self.backends) - {"hf", "vllm"}
         if unknown or not self.backends:
             raise ValueError(f"--backends: hf and/or vllm, got {','.join(self.backends)}")
@@ -84,6 +91,7 @@ class RolloutBenchResult:
     logprob_diff_after_sync_by_case: dict[str, float] = field(default_factory=dict)
     """After the sync: greedy / sampled (temperature 1) tokens, prompt_len / 8 x prompt_len prompts."""
     engine_start_s: float | None = None
+    vllm_async_scheduling: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,19 +128,24 @@ def _requests(config: RolloutBenchConfig, hf_config: Any):
     return [RolloutRequest(f"p{index}", ids[index].tolist(), [], seed=index) for index in range(config.prompts)]
 
 
-def _timed_generate(engine, requests, params, repeats: int) -> tuple[list[float], int]:
+def _timed_generate(engine, requests, params, repeats: int, after_sleep: bool = False) -> tuple[list[float], int]:
     """The trainer's `RolloutEngine.generate` on the requests: (seconds of each timing, tokens generated)."""
     return _timed_tokens(engine, requests, lambda chosen: sum(
-        len(result.response_ids) for result in engine.generate(chosen, params)), repeats)
+        len(result.response_ids) for result in engine.generate(chosen, params)), repeats, after_sleep)
 
 
-def _timed_tokens(engine, requests, generate, repeats: int) -> tuple[list[float], int]:
+def _timed_tokens(engine, requests, generate, repeats: int, after_sleep: bool = False) -> tuple[list[float], int]:
     """`generate(requests) -> tokens` timed `repeats` times after a warm-up on two requests
-    (kernels, allocator), each after a cache reset (no prefix computed before is reused)."""
+    (kernels, allocator), each after a cache reset (no prefix computed before is reused);
+    after_sleep: each also after the engine slept and woke, as between two training steps (the
+    sleep and the wake are not timed: the trainer counts them in its sync)."""
     info = device_mod.detect()
     generate(requests[:2])
     timings, tokens = [], 0
     for _ in range(repeats):
+        if after_sleep:
+            engine.sleep()
+            engine.wake()
         engine.reset_caches()
         device_mod.synchronize(info)
         started = time.perf_counter()
@@ -153,14 +166,23 @@ def run_rollout_bench(config: RolloutBenchConfig, progress=print) -> RolloutBenc
     requests = _requests(config, model.config)
     params = SamplingParams(temperature=1.0, max_new_tokens=config.new_tokens)
     if "hf" in config.backends:
-        engine = HFRolloutEngine(model_dir, dtype="bfloat16", device=device, max_batch_sequences=config.prompts,
-                                 model=model)
-        timings, tokens = _timed_generate(engine, requests, params, config.repeats)
-        progress(f"[bench rollout] hf generate: {result.record('hf', timings, tokens)}")
-        del engine
+        for kv_cache in config.hf_kv_caches:
+            _bench_hf(config, model_dir, model, kv_cache, requests, params, result, progress)
     if "vllm" in config.backends:
         _bench_vllm(config, model_dir, model, requests, params, result, progress)
     return result
+
+
+def _bench_hf(config, model_dir, model, kv_cache, requests, params, result: RolloutBenchResult, progress) -> None:
+    """HF `generate` with one KV cache mode, warm and after sleep and wake."""
+    name = "hf" if kv_cache == "dynamic" else f"hf_{kv_cache}"
+    engine = HFRolloutEngine(model_dir, dtype="bfloat16", device=next(model.parameters()).device,
+                             max_batch_sequences=config.prompts, model=model, kv_cache=kv_cache)
+    timings, tokens = _timed_generate(engine, requests, params, config.repeats)
+    progress(f"[bench rollout] {name} generate ({kv_cache} KV cache): {result.record(name, timings, tokens)}")
+    timings, tokens = _timed_generate(engine, requests, params, config.repeats, after_sleep=True)
+    progress(f"[bench rollout] {name} generate, each after sleep and wake: "
+             + result.record(f"{name}_after_sleep", timings, tokens))
 
 
 def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBenchResult, progress) -> None:
@@ -171,10 +193,13 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
                         max_batch_sequences=config.prompts, load_format="dummy",
                         gpu_memory_utilization=config.gpu_memory_utilization)
     result.engine_start_s = time.perf_counter() - started
+    result.vllm_async_scheduling = _async_scheduling(engine)
     timings, tokens = _timed_generate(engine, requests, params, config.repeats)
     line = result.record("vllm", timings, tokens)
     result.logprob_diff_before_sync = _logprob_diff(engine, model, requests[:4])
     progress(f"[bench rollout] vllm (started in {result.engine_start_s:.0f} s): {line}")
+    timings, tokens = _timed_generate(engine, requests, params, config.repeats, after_sleep=True)
+    progress(f"[bench rollout] vllm, each after sleep and wake: {result.record('vllm_after_sleep', timings, tokens)}")
     engine.seeding = "off"  # the same prompts with the seeds left to vLLM: what per-sample seeds cost
     try:
         timings, tokens = _timed_generate(engine, requests, params, config.repeats)
@@ -199,6 +224,12 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
         result.logprob_diff_after_sync_by_case[case] = _logprob_diff(engine, model, chosen, temperature)
     progress("[bench rollout] after the sync, by case: " + ", ".join(
         f"{case} {value:.4f}" for case, value in result.logprob_diff_after_sync_by_case.items()))
+
+
+def _async_scheduling(engine) -> bool | None:
+    """Whether the engine's scheduler overlaps the next step's scheduling with this step's GPU work."""
+    scheduler = getattr(getattr(engine.llm.llm_engine, "vllm_config", None), "scheduler_config", None)
+    return getattr(scheduler, "async_scheduling", None)
 
 
 def _timed_raw_generate(engine, requests, new_tokens: int, repeats: int) -> tuple[list[float], int]:

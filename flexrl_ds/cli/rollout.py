@@ -18,6 +18,7 @@ def register(commands, bench) -> None:
     rollout.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's share of the GPU")
     rollout.add_argument("--work-dir", default="/tmp/flexrl-rollout-bench", help="where the model config is written")
     rollout.add_argument("--repeats", type=int, default=3, help="timings per engine (the best is its figure)")
+    rollout.add_argument("--hf-kv-caches", default="dynamic,static", help="hf engine KV caches to time (dynamic,static)")
     rollout.add_argument("--json", help="write the result JSON here")
     rollout.set_defaults(func=_bench_rollout)
     channel = bench.add_parser("channel", help="weight channel to separate engines: its transports timed against each other")
@@ -36,15 +37,25 @@ def _bench_rollout(args) -> int:
 
     config = RolloutBenchConfig(args.shape, args.prompts, args.prompt_len, args.new_tokens,
                                 tuple(b for b in args.backends.split(",") if b), args.bucket_mb,
-                                args.gpu_memory_utilization, args.work_dir, repeats=args.repeats)
+                                args.gpu_memory_utilization, args.work_dir, repeats=args.repeats,
+                                hf_kv_caches=tuple(c for c in args.hf_kv_caches.split(",") if c))
     result = run_rollout_bench(config)
     write_result(result, args.json)
-    if "hf" in result.tokens_per_s:
-        for name, rate in result.tokens_per_s.items():
-            if name != "hf":
-                print(f"[bench rollout] {name} / hf = {rate / result.tokens_per_s['hf']:.1f}x")
+    for line in speedup_lines(result.tokens_per_s):
+        print(f"[bench rollout] {line}")
     print(json.dumps(result.to_json()))
     return 0
+
+
+def speedup_lines(tokens_per_s: dict[str, float]) -> list[str]:
+    """Each engine's tokens/s over hf's: engines timed warm against hf warm, engines timed after
+    sleep and wake (`*_after_sleep`, the trainer's case) against hf after sleep and wake."""
+    lines = []
+    for name, rate in tokens_per_s.items():
+        baseline = "hf_after_sleep" if name.endswith("_after_sleep") else "hf"
+        if name != baseline and baseline in tokens_per_s:
+            lines.append(f"{name} / {baseline} = {rate / tokens_per_s[baseline]:.1f}x")
+    return lines
 
 
 def _bench_channel(args) -> int:

@@ -13,6 +13,25 @@ The names of `rollout.base.ROLLOUT_BACKENDS` (kept here so the config needs no e
 SEEDING_MODES = ("sample", "off")
 """`VLLMOptions.seeding` values."""
 
+KV_CACHE_MODES = ("dynamic", "static")
+"""`HFOptions.kv_cache` values."""
+
+
+@dataclass
+class HFOptions:
+    """Settings of the hf backend's engines (section `flexrl.rollout.hf`; rollout/hf_engine.py)."""
+
+    kv_cache: str = "dynamic"
+    """The KV cache of each `generate` call:
+    - "dynamic": grows by one token per step (HF's default); on a GPU a call whose sizes the
+      allocator has not cached (the first, or any after `sleep` emptied it) waits on new allocations;
+    - "static": allocated once per call at prompt + `max_response_length` tokens (not compiled:
+      the batch shapes change from call to call)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"flexrl.rollout.hf.kv_cache: {' | '.join(KV_CACHE_MODES)}, got {self.kv_cache!r}")
+
 
 @dataclass
 class VLLMOptions:
@@ -86,6 +105,8 @@ class RolloutConfig:
     """Ray GPUs reserved per engine (0 on CPU machines; fractions allowed when colocated)."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """Engine settings of the vllm backend (ignored by hf)."""
+    hf: HFOptions = field(default_factory=HFOptions)
+    """Engine settings of the hf backend (ignored by vllm)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
@@ -104,7 +125,7 @@ class RolloutConfig:
 
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments the chosen backend's engine takes beyond the common ones."""
-        return asdict(self.vllm) if self.backend == "vllm" else {}
+        return asdict(self.vllm) if self.backend == "vllm" else asdict(self.hf)
 
     def engines_start_without_policy_weights(self, colocated: bool) -> bool:
         """Whether the engines' weights differ from the model directory's when step 0 begins, so the

@@ -1,4 +1,5 @@
-"""The `hf` rollout backend: batched HF `generate` with a KV cache (CPU, tests, fallback).
+"""The `hf` rollout backend: batched HF `generate` with a KV cache (CPU, tests, fallback), dynamic
+or static (`HFOptions.kv_cache`).
 
 Requests that share one prompt (identical `prompt_ids` and items: the n GRPO samples of a prompt) form
 a group of rows that needs no padding; groups (by prompt length) are packed whole into `generate` calls
@@ -28,6 +29,7 @@ from flexrl_ds.models.processing import EncodedSample, VisionItem
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.device import detect
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
+from flexrl_ds.rollout.config import HFOptions
 from flexrl_ds.rollout.sampling import SeededSampler
 
 
@@ -35,10 +37,12 @@ class HFRolloutEngine:
     """A full copy of the policy as an HF model, sampling with `generate` (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
-                 max_batch_sequences: int = 64, pad_prompts: bool = True, model: torch.nn.Module | None = None):
+                 max_batch_sequences: int = 64, pad_prompts: bool = True, model: torch.nn.Module | None = None,
+                 kv_cache: str = "dynamic"):
         """pad_prompts: batch different prompts together, left-padded (else one call per prompt);
         model: an HF model already built from `model_dir`'s config (e.g. random weights made on the GPU
-        by a benchmark) instead of loading the directory's weights."""
+        by a benchmark) instead of loading the directory's weights; kv_cache: `HFOptions.kv_cache`."""
+        HFOptions(kv_cache=kv_cache)  # the config's check, for engines built without one
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences: must be at least 1, got {max_batch_sequences}")
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -50,6 +54,7 @@ class HFRolloutEngine:
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
         self.pad_prompts = pad_prompts
+        self.kv_cache = kv_cache
         self.model = (load_model(str(model_dir), dtype) if model is None else model).to(self.device)
         # A clean generation config: no sampling defaults or penalties carried over from the checkpoint.
         self.model.generation_config = transformers.GenerationConfig()
@@ -85,7 +90,8 @@ class HFRolloutEngine:
         sampler = SeededSampler([request.seed for request in rows], params)
         config = transformers.GenerationConfig(
             do_sample=False, num_beams=1, use_cache=True, max_new_tokens=params.max_new_tokens,
-            eos_token_id=list(params.eos_token_ids) or None, pad_token_id=self.pad_token_id)
+            eos_token_id=list(params.eos_token_ids) or None, pad_token_id=self.pad_token_id,
+            **_cache_settings(self.kv_cache))
         with torch.no_grad():
             sequences = self.model.generate(**inputs, generation_config=config,
                                             logits_processor=transformers.LogitsProcessorList([sampler]))
@@ -159,6 +165,12 @@ class HFRolloutEngine:
         """Bring the weights back to the engine's device."""
         if self.device.type != "cpu":
             self.model.to(self.device)
+
+
+def _cache_settings(kv_cache: str) -> dict:
+    """GenerationConfig fields of a `HFOptions.kv_cache` mode (a static cache would otherwise be
+    compiled on a GPU, again for every new batch shape)."""
+    return {"cache_implementation": "static", "disable_compile": True} if kv_cache == "static" else {}
 
 
 def _repeat_rows(name: str, value: torch.Tensor, count: int) -> torch.Tensor:

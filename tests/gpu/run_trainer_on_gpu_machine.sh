@@ -13,6 +13,8 @@
 #     the weight channel. On one GPU the engine shares it with the policy rank (0.5 GPU each) and the
 #     channel shares each bucket in place (CUDA IPC). On G >= 2 GPUs every rank and engine has a whole
 #     GPU (G/2 policy ranks, the rest engines) and the channel is NCCL.
+#   HF_KV_CACHE=static: the hf backend's KV cache allocated once per call (`flexrl.rollout.hf.kv_cache`;
+#     default dynamic).
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
@@ -78,6 +80,8 @@ if shape == "7b":
     config["flexrl"]["trainer"].update(num_cpus_per_rank=10)  # threads for the Adam step on the host
 if backend == "vllm":
     config["flexrl"]["rollout"]["vllm"] = vllm
+else:
+    config["flexrl"]["rollout"]["hf"] = {"kv_cache": os.environ.get("HF_KV_CACHE", "dynamic")}
 if colocate == "0" and gpus >= 2:  # whole GPUs: the weight channel is NCCL
     config["flexrl"]["trainer"].update(colocate=False, num_policy_ranks=gpus // 2, num_gpus_per_rank=1)
     config["flexrl"]["rollout"].update(num_engines=gpus - gpus // 2, num_gpus_per_engine=1, num_cpus_per_engine=2)

@@ -39,7 +39,7 @@ def test_repeats_must_be_positive():
         RolloutBenchConfig(repeats=0)
 
 
-def test_the_cli_repeats_reach_the_bench(monkeypatch, capsys):
+def test_the_cli_repeats_and_kv_caches_reach_the_bench(monkeypatch, capsys):
     from flexrl_ds.cli.main import build_parser
 
     seen = []
@@ -49,6 +49,37 @@ def test_the_cli_repeats_reach_the_bench(monkeypatch, capsys):
         return RolloutBenchResult(config={}, device="none")
 
     monkeypatch.setattr(rollout_bench, "run_rollout_bench", fake_bench)
-    args = build_parser().parse_args(["bench", "rollout", "--shape", "tiny", "--repeats", "5"])
+    args = build_parser().parse_args(["bench", "rollout", "--shape", "tiny", "--repeats", "5",
+                                      "--hf-kv-caches", "static"])
     assert args.func(args) == 0
-    assert [config.repeats for config in seen] == [5]
+    assert [(config.repeats, config.hf_kv_caches) for config in seen] == [(5, ("static",))]
+
+
+class _SleepingEngine(_CountingEngine):
+    def sleep(self):
+        self.events.append("sleep")
+
+    def wake(self):
+        self.events.append("wake")
+
+
+def test_after_sleep_every_timing_follows_a_sleep_and_a_wake_as_between_training_steps():
+    engine = _SleepingEngine()
+    timings, tokens = rollout_bench._timed_tokens(engine, list(range(5)), engine.generate, repeats=2,
+                                                  after_sleep=True)
+    assert engine.events == ["generate 2"] + ["sleep", "wake", "reset", "generate 5"] * 2
+    assert len(timings) == 2 and tokens == 35
+
+
+def test_engines_after_sleep_are_compared_with_hf_after_sleep_and_warm_ones_with_warm_hf():
+    from flexrl_ds.cli.rollout import speedup_lines
+
+    lines = speedup_lines({"hf": 100.0, "hf_after_sleep": 50.0, "vllm": 400.0, "vllm_after_sleep": 350.0})
+    assert lines == ["vllm / hf = 4.0x", "vllm_after_sleep / hf_after_sleep = 7.0x"]
+    assert speedup_lines({"vllm": 400.0}) == []
+
+
+def test_hf_kv_caches_must_be_known_modes():
+    with pytest.raises(ValueError, match="--hf-kv-caches: dynamic and/or static, got paged"):
+        RolloutBenchConfig(hf_kv_caches=("paged",))
+    assert RolloutBenchConfig(backends=("vllm",), hf_kv_caches=()).backends == ("vllm",)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+import transformers
 
 from flexrl_ds.models.flex_model import reference_inputs
 from flexrl_ds.models.loading import load_model
@@ -32,6 +35,16 @@ def requests_of(vl_prompts, seeds):
     return requests
 
 
+def plain_forward_logprobs(model, request, result):
+    """Log-probs of the result's tokens from one plain HF forward of prompt + response."""
+    full = EncodedSample(request.sample_key, torch.tensor(request.prompt_ids + result.response_ids),
+                         len(request.prompt_ids), request.items)
+    with torch.no_grad():
+        logits = model(**reference_inputs(model, full)).logits[0].float()
+    start, ids = full.response_start, full.input_ids
+    return torch.log_softmax(logits[start - 1:-1], dim=-1).gather(-1, ids[start:, None])[:, 0]
+
+
 def test_pixels_matter(vl_engine, vl_prompts):
     """The prompts' pixels reach the model: other pixels, other greedy responses."""
     requests = requests_of({key: vl_prompts[key] for key in ("r0", "r1")}, seeds=(0,))
@@ -54,13 +67,8 @@ def test_batched_equals_unbatched_and_logprobs_equal_a_plain_forward(vl_engine, 
         assert got.sample_key == alone.sample_key == request.sample_key
         assert got.response_ids == alone.response_ids
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
-        full = EncodedSample(request.sample_key, torch.tensor(request.prompt_ids + got.response_ids),
-                             len(request.prompt_ids), request.items)
-        with torch.no_grad():
-            logits = hf_vl_model(**reference_inputs(hf_vl_model, full)).logits[0].float()
-        start, ids = full.response_start, full.input_ids
-        expected = torch.log_softmax(logits[start - 1:-1], dim=-1).gather(-1, ids[start:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(got.logprobs), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(got.logprobs), plain_forward_logprobs(hf_vl_model, request, got),
+                                   atol=1e-4, rtol=0)
     assert batched[0].response_ids != batched[1].response_ids
 
 
@@ -81,3 +89,34 @@ def test_pad_count_mismatch_names_the_sample(vl_engine, vl_prompts):
     request.items = request.items + request.items
     with pytest.raises(ValueError, match="'r0/0'.*image pad tokens"):
         vl_engine.generate([request], GREEDY)
+
+
+def test_a_static_kv_cache_samples_what_the_dynamic_one_does(rollout_assets, vl_engine, vl_prompts, hf_vl_model):
+    """kv_cache "static" (allocated once per call): the same tokens as the dynamic cache on padded
+    batches of image, video and text prompts, and log-probs equal to a plain forward's."""
+    static = HFRolloutEngine(rollout_assets["vl"], device="cpu", model=hf_vl_model, kv_cache="static")
+    requests = requests_of(vl_prompts, seeds=(3, 4))
+    dynamic_caches, dynamic_results = _caches_used(vl_engine, requests)
+    static_caches, static_results = _caches_used(static, requests)
+    assert (dynamic_caches, static_caches) == ({"DynamicCache"}, {"StaticCache"})
+    for request, ours, reference in zip(requests, static_results, dynamic_results):
+        assert ours.response_ids == reference.response_ids, request.sample_key
+        torch.testing.assert_close(torch.tensor(ours.logprobs), plain_forward_logprobs(hf_vl_model, request, ours),
+                                   atol=1e-4, rtol=0)
+
+
+def _caches_used(engine, requests):
+    """(names of the KV cache classes the engine's forward calls got, the engine's results)."""
+    caches = set()
+    hook = engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: caches.update(type(value).__name__ for value in kwargs.values()
+                                                   if isinstance(value, transformers.Cache)), with_kwargs=True)
+    try:
+        return caches, engine.generate(requests, PARAMS)
+    finally:
+        hook.remove()
+
+
+def test_an_unknown_kv_cache_is_refused(rollout_assets):
+    with pytest.raises(ValueError, match=re.escape("kv_cache: dynamic | static, got 'paged'")):
+        HFRolloutEngine(rollout_assets["vl"], device="cpu", kv_cache="paged")

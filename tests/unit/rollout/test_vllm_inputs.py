@@ -8,6 +8,7 @@ files `save_pretrained` writes (what vLLM loads), and hand-built expectations.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from flexrl_ds.media.preprocess import SamplePreprocessor
 from flexrl_ds.media.types import MediaItem, Record
 from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
-from flexrl_ds.rollout.config import RolloutConfig, VLLMOptions
+from flexrl_ds.rollout.config import HFOptions, RolloutConfig, VLLMOptions
 from flexrl_ds.rollout.vllm_inputs import (LOGIT_BIAS_FLOOR, PixelGeometry, VisionTokens, build_prompt,
                                            check_expanded_prompt, collapse_vision_pads, item_media,
                                            processor_kwargs, sampling_kwargs, to_result, video_metadata,
@@ -195,7 +196,10 @@ def test_weight_names_land_where_the_checkpoint_names_do(tmp_path):
 
 
 def test_engine_options_by_backend():
-    assert RolloutConfig(backend="hf").engine_options() == {}
+    assert RolloutConfig(backend="hf").engine_options() == {"kv_cache": "dynamic"}
+    assert RolloutConfig(backend="hf", hf=HFOptions(kv_cache="static")).engine_options() == {"kv_cache": "static"}
+    with pytest.raises(ValueError, match=re.escape("flexrl.rollout.hf.kv_cache: dynamic | static, got 'paged'")):
+        HFOptions(kv_cache="paged")
     options = RolloutConfig(backend="vllm", vllm=VLLMOptions(gpu_memory_utilization=0.5)).engine_options()
     assert options["gpu_memory_utilization"] == 0.5 and options["sleep_level"] == 1
     for bad, match in (({"gpu_memory_utilization": 0}, "gpu_memory_utilization"), ({"sleep_level": 3}, "sleep_level"),
