@@ -23,10 +23,10 @@ class HFOptions:
 
     kv_cache: str = "dynamic"
     """The KV cache of each `generate` call:
-    - "dynamic": grows by one token per step (HF's default); on a GPU a call whose sizes the
-      allocator has not cached (the first, or any after `sleep` emptied it) waits on new allocations;
-    - "static": allocated once per call at prompt + `max_response_length` tokens (not compiled:
-      the batch shapes change from call to call)."""
+    - "dynamic": grows by one token per step (HF's default);
+    - "static": allocated once per call at prompt + `max_response_length` tokens, not compiled
+      (the batch shapes change from call to call). On one H200 it made 0.6-0.9x the dynamic
+      cache's tokens/s (docs/BENCHMARKS.md, "One H200, seventh run")."""
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
