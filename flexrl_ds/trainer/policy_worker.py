@@ -266,14 +266,19 @@ class PolicyWorker:
     def generate(self, step: int, jobs: list, params: Any):
         """Colocated rollout of this rank's share of the step's prompts."""
         assert self.rollout is not None, "generate on a policy rank without a colocated engine"
+        started = time.perf_counter()
         offload = self.device_info.is_gpu and self._offload_states()
         self.rollout.wake()
+        woken = time.perf_counter()
         try:
-            return self.rollout.generate(step, jobs, params)
+            output = self.rollout.generate(step, jobs, params)
         finally:
+            generated = time.perf_counter()
             self.rollout.sleep()
             if offload:
                 self.policy.reload_states()
+        output.times_s.update(wake=woken - started, sleep=time.perf_counter() - generated)
+        return output
 
     def _offload_states(self) -> bool:
         """Move the policy's ZeRO-3 states to host memory while the engine generates. DeepSpeed 0.19

@@ -7,7 +7,7 @@
   GPUs (or a share of the policy's GPU); after an update rank 0 of the policy group sends the
   gathered buckets over a process group of its own with the engines (runtime/weight_channel.py:
   shared in place on one GPU, NCCL between GPUs, gloo on CPU) and every engine loads them as they arrive.
-Both return `(results, withdrawn prompts)` from `generate` and the seconds a sync took from `sync`.
+Both return the step's merged `RolloutOutput` from `generate` and the seconds a sync took from `sync`.
 """
 
 from __future__ import annotations
@@ -17,15 +17,20 @@ from typing import Any, Sequence
 
 import ray
 
-from flexrl_ds.trainer.rollout_host import PromptJob, RolloutHost, spread_jobs
+from flexrl_ds.trainer.rollout_host import PromptJob, RolloutHost, RolloutOutput, spread_jobs
 
 
-def _merge(outputs: Sequence[Any]) -> tuple[list, dict[str, str]]:
-    results, withdrawn = [], {}
+def merge_outputs(outputs: Sequence[RolloutOutput]) -> RolloutOutput:
+    """One step's output from its hosts': results and withdrawn prompts together, pixel bytes
+    summed, each part's time the slowest host's (the step waits for that one)."""
+    merged = RolloutOutput([], {})
     for output in outputs:
-        results.extend(output.results)
-        withdrawn.update(output.withdrawn)
-    return results, withdrawn
+        merged.results.extend(output.results)
+        merged.withdrawn.update(output.withdrawn)
+        merged.pixel_bytes += output.pixel_bytes
+        for part, seconds in output.times_s.items():
+            merged.times_s[part] = max(seconds, merged.times_s.get(part, 0.0))
+    return merged
 
 
 def _wait_all(refs: list, timeout_s: float, what: str) -> None:
@@ -45,9 +50,9 @@ class ColocatedRollout:
     def __init__(self, policy: Any):
         self.policy = policy
 
-    def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> tuple[list, dict[str, str]]:
+    def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> RolloutOutput:
         shares = spread_jobs(jobs, self.policy.num_ranks)
-        return _merge(self.policy.run_each("generate", [(step, share, params) for share in shares]))
+        return merge_outputs(self.policy.run_each("generate", [(step, share, params) for share in shares]))
 
     def sync(self, policy: Any, bucket_bytes: int) -> float:
         started = time.perf_counter()
@@ -92,10 +97,10 @@ class SeparateRollout:
         self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env).remote(
             backend, model_dir, pixels, dtype, None, max_batch_sequences, engine_options) for _ in range(num_engines)]
 
-    def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> tuple[list, dict[str, str]]:
+    def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> RolloutOutput:
         shares = spread_jobs(jobs, len(self.hosts))
         refs = [host.generate.remote(step, share, params) for host, share in zip(self.hosts, shares) if share]
-        return _merge(ray.get(refs, timeout=self.timeout_s))
+        return merge_outputs(ray.get(refs, timeout=self.timeout_s))
 
     def sync(self, policy: Any, bucket_bytes: int) -> float:
         """Policy rank 0 broadcasts each gathered bucket to every engine over the weight channel

@@ -12,7 +12,8 @@ runtime/weight_channel.py: shared in place on one GPU, NCCL between GPUs, gloo o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from flexrl_ds.loader.materializer import SliceRequest
@@ -47,6 +48,14 @@ class RolloutOutput:
     """Prompt name -> reason, for prompts whose media failed to decode after hand-out."""
     pixel_bytes: int = 0
     """Pixel bytes the host pulled from the preprocessing actors."""
+    times_s: dict[str, float] = field(default_factory=dict)
+    """Where the call's seconds went (`ROLLOUT_PARTS`)."""
+
+
+ROLLOUT_PARTS = ("pixels", "generate", "wake", "sleep")
+"""Parts of a rollout call, timed apart: "pixels" (the pulls from the preprocessing actors),
+"generate" (the engine's), and for an engine inside a policy rank "wake" (the engine's wake, after
+the ZeRO-3 states were offloaded) and "sleep" (the engine's sleep, then the states' reload)."""
 
 
 class RolloutHost:
@@ -60,8 +69,10 @@ class RolloutHost:
         self.pixels = pixels
 
     def generate(self, step: int, jobs: Sequence[PromptJob], params: SamplingParams) -> RolloutOutput:
+        started = time.perf_counter()
         requests = [SliceRequest(job.key, index) for job in jobs for index in range(len(job.items))]
         fetched = self.pixels.fetch(step, requests) if requests else None
+        times = {"pixels": time.perf_counter() - started}
         pixels: dict[tuple[PromptKey, int], Any] = {}
         withdrawn: dict[str, str] = {}
         if fetched is not None:
@@ -75,8 +86,10 @@ class RolloutHost:
             items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt)
                      for index, (kind, grid, spgt) in enumerate(job.items)]
             rollout_requests.extend(RolloutRequest(name, list(job.prompt_ids), items, seed) for name, seed in job.samples)
+        started = time.perf_counter()
         results = self.engine.generate(rollout_requests, params) if rollout_requests else []
-        return RolloutOutput(results, withdrawn, fetched.bytes_fetched if fetched is not None else 0)
+        times["generate"] = time.perf_counter() - started
+        return RolloutOutput(results, withdrawn, fetched.bytes_fetched if fetched is not None else 0, times)
 
     def channel_ranks(self) -> int:
         """Receivers this host adds to the weight channel: the engine's workers (vLLM: one per

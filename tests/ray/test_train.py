@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = ("step", "reward_mean", "reward_std", "loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm",
             "response_length_mean", "num_samples", "time_s", "tokens_per_gpu_s", "attention_balance")
 PHASES = ("data", "rollout", "reward", "inference", "update", "sync", "step")
+ROLLOUT_PARTS = ("pixels", "generate", "wake", "sleep")
 
 
 def tiny_config(path: Path, sp: dict | None = None, **trainer) -> Path:
@@ -74,6 +75,9 @@ def test_outputs_and_metrics(run_a):
     for row in metrics:
         assert all(key in row for key in REQUIRED) and set(PHASES) <= set(row["time_s"])
         assert math.isfinite(row["loss"]) and row["grad_norm"] > 0 and row["num_samples"] == 16
+        parts = row["rollout_time_s"]  # colocated engines: all four parts, each the slowest rank's
+        assert set(parts) == set(ROLLOUT_PARTS)
+        assert all(0 <= seconds <= row["time_s"]["rollout"] for seconds in parts.values())
     assert (run_a / "checkpoints" / "step_1" / "trainer_state.json").exists()
     assert (run_a / "checkpoints" / "step_2" / "trainer_state.json").exists()
     assert (run_a / "metrics.png").exists()

@@ -172,3 +172,20 @@ def test_checkpoint_steps_follow_save_every_and_save_last(save_every, save_last,
     trainer.save = written.append
     assert trainer.run() == [{"step": step} for step in range(4)]
     assert written == saved
+
+
+def test_a_steps_rollout_output_merges_its_hosts_and_takes_each_parts_slowest():
+    from flexrl_ds.rollout.base import RolloutResult
+    from flexrl_ds.trainer.rollout_group import merge_outputs
+    from flexrl_ds.trainer.rollout_host import RolloutOutput
+
+    def result(name):
+        return RolloutResult(name, [1, 2], [-0.5, -0.25], "length")
+
+    first = RolloutOutput([result("a")], {"p1": "bad video"}, 100, {"pixels": 0.5, "generate": 2.0})
+    second = RolloutOutput([result("b"), result("c")], {}, 50, {"pixels": 1.5, "generate": 1.0, "wake": 0.25})
+    merged = merge_outputs([first, second])
+    assert [r.sample_key for r in merged.results] == ["a", "b", "c"]
+    assert merged.withdrawn == {"p1": "bad video"} and merged.pixel_bytes == 150
+    assert merged.times_s == {"pixels": 1.5, "generate": 2.0, "wake": 0.25}
+    assert first.times_s == {"pixels": 0.5, "generate": 2.0}  # the hosts' own outputs are left as they were
