@@ -8,6 +8,11 @@ next `run` starts a fresh one). Tensors travel back as numpy arrays and are turn
 
 Inside `fn`, `worker_state()` is a per-process dict that lives as long as the pool (e.g. to build a
 `GroupTree` once per topology with `cached_group_tree`).
+
+The job's rendezvous store is opened by the pool itself on a port the OS picks, before any rank
+starts, and held while the pool lives; every rank joins it as a client (torch's
+`TORCHELASTIC_USE_AGENT_STORE`, the launcher-hosted store of torchrun), so no other process can take
+the port between its choice and its bind.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import importlib.util
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -42,12 +46,6 @@ def cached_group_tree(domain_size: int, p_max: int):
         topology = SPTopology(world_size=dist.get_world_size(), domain_size=domain_size, p_max=p_max)
         _STATE[key] = GroupTree.create(topology, dist.get_rank())
     return _STATE[key]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _to_wire(value):
@@ -92,6 +90,7 @@ def _load_function(path: str, name: str) -> Callable:
 def _worker(rank: int, world_size: int, port: int, with_deepspeed: bool, use_gpu: bool, tasks, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      TORCHELASTIC_USE_AGENT_STORE="True",  # the pool hosts the store: join it as a client
                       FLEXRL_FORCE_CPU="0" if use_gpu else "1")
     from flexrl_ds.parallel import device
 
@@ -145,14 +144,18 @@ class DistPool:
         self._procs: list = []
         self._tasks: list = []
         self._results = None
+        self._store = None
 
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def start(self) -> None:
+        from flexrl_ds.runtime.worker_group import open_store
+
         context = _context()
-        port = _free_port()
+        self._store = open_store("127.0.0.1", self.world_size, timeout_s=600)
+        port = self._store.port
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(self.world_size)]
         self._procs = [
@@ -210,7 +213,7 @@ class DistPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-        self._procs, self._tasks = [], []
+        self._procs, self._tasks, self._store = [], [], None
 
 
 class RankError(RuntimeError):
