@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flexrl_ds.bench.rollout_plot import plot_rollout, speedups
+
 
 def register(commands, bench) -> None:
     rollout = bench.add_parser("rollout", help="rollout engines (hf vs vllm) on one GPU, and a colocated weight sync")
@@ -20,6 +22,8 @@ def register(commands, bench) -> None:
     rollout.add_argument("--repeats", type=int, default=3, help="timings per engine (the best is its figure)")
     rollout.add_argument("--hf-kv-caches", default="dynamic,static", help="hf engine KV caches to time (dynamic,static)")
     rollout.add_argument("--json", help="write the result JSON here")
+    rollout.add_argument("--plot", help="draw every engine's tokens/s into this PNG")
+    rollout.add_argument("--from-json", help="no run: report and --plot a result JSON written before (no GPU needed)")
     rollout.set_defaults(func=_bench_rollout)
     channel = bench.add_parser("channel", help="weight channel to separate engines: its transports timed against each other")
     channel.add_argument("--gib", type=float, default=6.0, help="bf16 weights per sync (GiB; 6: a 3B-shaped policy)")
@@ -32,30 +36,44 @@ def register(commands, bench) -> None:
 
 
 def _bench_rollout(args) -> int:
-    # lazy: imports torch (`flexrl --help` stays fast)
-    from flexrl_ds.bench.rollout_bench import RolloutBenchConfig, run_rollout_bench, write_result
+    if args.from_json:
+        result = _saved_result(args.from_json)
+    else:
+        # lazy: imports torch (`flexrl --help` stays fast)
+        from flexrl_ds.bench.rollout_bench import RolloutBenchConfig, run_rollout_bench, write_result
 
-    config = RolloutBenchConfig(args.shape, args.prompts, args.prompt_len, args.new_tokens,
-                                tuple(b for b in args.backends.split(",") if b), args.bucket_mb,
-                                args.gpu_memory_utilization, args.work_dir, repeats=args.repeats,
-                                hf_kv_caches=tuple(c for c in args.hf_kv_caches.split(",") if c))
-    result = run_rollout_bench(config)
-    write_result(result, args.json)
-    for line in speedup_lines(result.tokens_per_s):
+        config = RolloutBenchConfig(args.shape, args.prompts, args.prompt_len, args.new_tokens,
+                                    tuple(b for b in args.backends.split(",") if b), args.bucket_mb,
+                                    args.gpu_memory_utilization, args.work_dir, repeats=args.repeats,
+                                    hf_kv_caches=tuple(c for c in args.hf_kv_caches.split(",") if c))
+        ran = run_rollout_bench(config)
+        write_result(ran, args.json)
+        result = ran.to_json()
+    for line in speedup_lines(result["tokens_per_s"]):
         print(f"[bench rollout] {line}")
-    print(json.dumps(result.to_json()))
+    if args.plot:
+        plot_rollout(result, args.plot)
+        print(f"[bench rollout] plot: {args.plot}")
+    if not args.from_json:
+        print(json.dumps(result))
     return 0
 
 
+def _saved_result(path: str) -> dict:
+    """A result JSON of an earlier run, checked for what the report and the plot read."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise SystemExit(f"--from-json {path}: cannot read a result ({error})") from None
+    missing = [key for key in ("tokens_per_s", "seconds", "timings_s") if key not in result]
+    if missing:
+        raise SystemExit(f"--from-json {path}: not a `flexrl bench rollout` result (no {', '.join(missing)})")
+    return result
+
+
 def speedup_lines(tokens_per_s: dict[str, float]) -> list[str]:
-    """Each engine's tokens/s over hf's: engines timed warm against hf warm, engines timed after
-    sleep and wake (`*_after_sleep`, the trainer's case) against hf after sleep and wake."""
-    lines = []
-    for name, rate in tokens_per_s.items():
-        baseline = "hf_after_sleep" if name.endswith("_after_sleep") else "hf"
-        if name != baseline and baseline in tokens_per_s:
-            lines.append(f"{name} / {baseline} = {rate / tokens_per_s[baseline]:.1f}x")
-    return lines
+    """One line per engine with an hf baseline in the result (`bench/rollout_plot.speedups`)."""
+    return [f"{name} / {baseline} = {ratio:.1f}x" for name, (baseline, ratio) in speedups(tokens_per_s).items()]
 
 
 def _bench_channel(args) -> int:

@@ -83,3 +83,47 @@ def test_hf_kv_caches_must_be_known_modes():
     with pytest.raises(ValueError, match="--hf-kv-caches: dynamic and/or static, got paged"):
         RolloutBenchConfig(hf_kv_caches=("paged",))
     assert RolloutBenchConfig(backends=("vllm",), hf_kv_caches=()).backends == ("vllm",)
+
+
+def _saved(tmp_path):
+    result = RolloutBenchResult(config={"shape": "7b", "prompts": 4, "prompt_len": 8, "new_tokens": 16}, device="x")
+    for name, timings in (("hf", [8.0, 4.0]), ("vllm", [1.0, 2.0]), ("hf_after_sleep", [5.0, 6.0]),
+                          ("vllm_after_sleep", [1.0, 1.25])):
+        result.record(name, timings, tokens=64)
+    path = tmp_path / "result.json"
+    rollout_bench.write_result(result, str(path))
+    return path
+
+
+def test_rows_of_a_saved_result_give_each_timings_rate_warm_engines_first(tmp_path):
+    import json
+
+    from flexrl_ds.bench.rollout_plot import engine_rows, speedups
+
+    result = json.loads(_saved(tmp_path).read_text())
+    rows = engine_rows(result)
+    assert [name for name, *_ in rows] == ["hf", "vllm", "hf_after_sleep", "vllm_after_sleep"]
+    assert rows[0][2] == [64 / 8.0, 64 / 4.0] and rows[0][3] == 64 / 4.0
+    assert rows[3][1] == "vLLM, the trainer's engine, after sleep and wake"
+    assert speedups(result["tokens_per_s"]) == {"vllm": ("hf", 4.0), "vllm_after_sleep": ("hf_after_sleep", 5.0)}
+
+
+def test_a_saved_result_is_reported_and_plotted_without_a_gpu(tmp_path, capsys):
+    from flexrl_ds.cli.main import build_parser
+
+    plot = tmp_path / "rollout.png"
+    args = build_parser().parse_args(["bench", "rollout", "--from-json", str(_saved(tmp_path)), "--plot", str(plot)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "vllm / hf = 4.0x" in out and "vllm_after_sleep / hf_after_sleep = 5.0x" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_json_that_is_no_result_is_named(tmp_path):
+    from flexrl_ds.cli.main import build_parser
+
+    other = tmp_path / "other.json"
+    other.write_text('{"rows": []}')
+    args = build_parser().parse_args(["bench", "rollout", "--from-json", str(other)])
+    with pytest.raises(SystemExit, match="other.json: not a `flexrl bench rollout` result"):
+        args.func(args)
