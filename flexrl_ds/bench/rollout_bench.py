@@ -67,8 +67,10 @@ class RolloutBenchConfig:
         for name in ("prompts", "prompt_len", "new_tokens", "bucket_mb", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
-        if "hf" in self.backends and (not self.hf_kv_caches or set(self.hf_kv_caches) - set(KV_CACHE_MODES)):
-            raise ValueError(f"--hf-kv-caches: {' and/or '.join(KV_CACHE_MODES)}, got {','.join(self.hf_kv_caches)}")
+        if "hf" in self.backends and (not self.hf_kv_caches or set(self.hf_kv_caches) - set(KV_CACHE_MODES)
+                                      or len(set(self.hf_kv_caches)) < len(self.hf_kv_caches)):
+            raise ValueError(f"--hf-kv-caches: {' and/or '.join(KV_CACHE_MODES)}, each once, got "
+                             f"{','.join(self.hf_kv_caches)}")
         unknown = set(self.backends) - {"hf", "vllm"}
         if unknown or not self.backends:
             raise ValueError(f"--backends: hf and/or vllm, got {','.join(self.backends)}")
@@ -138,7 +140,7 @@ def _timed_tokens(engine, requests, generate, repeats: int, after_sleep: bool = 
     """`generate(requests) -> tokens` timed `repeats` times after a warm-up on two requests
     (kernels, allocator), each after a cache reset (no prefix computed before is reused);
     after_sleep: each also after the engine slept and woke, as between two training steps (the
-    sleep and the wake are not timed: the trainer counts them in its sync)."""
+    sleep and the wake are not timed here; the trainer's rollout phase holds them, `rollout_time_s`)."""
     info = device_mod.detect()
     generate(requests[:2])
     timings, tokens = [], 0
@@ -228,7 +230,8 @@ def _bench_vllm(config, model_dir, model, requests, params, result: RolloutBench
 
 def _async_scheduling(engine) -> bool | None:
     """Whether the engine's scheduler overlaps the next step's scheduling with this step's GPU work."""
-    scheduler = getattr(getattr(engine.llm.llm_engine, "vllm_config", None), "scheduler_config", None)
+    llm_engine = getattr(getattr(engine, "llm", None), "llm_engine", None)
+    scheduler = getattr(getattr(llm_engine, "vllm_config", None), "scheduler_config", None)
     return getattr(scheduler, "async_scheduling", None)
 
 

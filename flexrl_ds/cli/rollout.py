@@ -65,9 +65,13 @@ def _saved_result(path: str) -> dict:
         result = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise SystemExit(f"--from-json {path}: cannot read a result ({error})") from None
-    missing = [key for key in ("tokens_per_s", "seconds", "timings_s") if key not in result]
+    missing = [key for key in ("tokens_per_s", "seconds", "timings_s") if not isinstance(result.get(key), dict)]
     if missing:
         raise SystemExit(f"--from-json {path}: not a `flexrl bench rollout` result (no {', '.join(missing)})")
+    untimed = [name for name in result["tokens_per_s"] if name not in result["timings_s"] or name not in result["seconds"]]
+    if not result["tokens_per_s"] or untimed:
+        raise SystemExit(f"--from-json {path}: no engine timed" if not untimed else
+                         f"--from-json {path}: engines without timings: {', '.join(untimed)}")
     return result
 
 

@@ -93,8 +93,8 @@ class GRPOTrainer:
         assert cstep.step == step, (cstep.step, step)
         prompts = encode_prompts(self.encoder, cstep)
         peaks: dict[str, dict[str, float]] = {}  # phase -> peak memory on the policy ranks' devices
-        rollout_parts: dict[str, float] = {}
-        samples = self._phase(times, peaks, "rollout", self._rollout, step, prompts, rollout_parts)
+        rollout_info: dict[str, Any] = {}
+        samples = self._phase(times, peaks, "rollout", self._rollout, step, prompts, rollout_info)
         reward_info = self._timed(times, "reward", self._reward, samples)
         inference = self._phase(times, peaks, "inference", self._inference, step, samples)
         update = self._phase(times, peaks, "update", self._update, step, samples, inference)
@@ -104,7 +104,7 @@ class GRPOTrainer:
         times["step"] = time.perf_counter() - started
         gaps = logprob_gaps(samples, inference["old"])
         metrics = self._metrics(step, samples, reward_info, inference, update, times, gaps)
-        metrics["rollout_time_s"] = rollout_parts
+        metrics.update(rollout_info)
         metrics.update(_phase_peaks(peaks))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
@@ -126,15 +126,16 @@ class GRPOTrainer:
         return result
 
     # ---- phases -------------------------------------------------------------------------------
-    def _rollout(self, step: int, prompts: list, parts: dict[str, float]) -> StepSamples:
-        """The step's samples; `parts` gets where the phase's time went (`ROLLOUT_PARTS`)."""
+    def _rollout(self, step: int, prompts: list, info: dict[str, Any]) -> StepSamples:
+        """The step's samples; `info` gets the metrics of the phase: where its time went
+        (`rollout_time_s`, `ROLLOUT_PARTS`) and the pixels the hosts pulled (`rollout_pixel_mb`)."""
         jobs = [PromptJob(p.key, tuple(p.prompt_ids),
                           tuple((i.kind, tuple(i.grid_thw), float(i.second_per_grid_t)) for i in p.items),
                           tuple((name, sample_seed(self.o.seed, parse_sample_name(name))) for name in p.sample_names))
                 for p in prompts]
         output = self.rollout.generate(step, jobs, self.o.sampling)
         results, withdrawn = output.results, output.withdrawn
-        parts.update(output.times_s)
+        info.update(rollout_time_s=output.times_s, rollout_pixel_mb=output.pixel_bytes / 2**20)
         kept = [p for p in prompts if p.name not in withdrawn]
         samples = StepSamples(kept, {r.sample_key: list(r.response_ids) for r in results},
                               {r.sample_key: list(r.logprobs) for r in results},

@@ -54,8 +54,9 @@ class RolloutOutput:
 
 ROLLOUT_PARTS = ("pixels", "generate", "wake", "sleep")
 """Parts of a rollout call, timed apart: "pixels" (the pulls from the preprocessing actors),
-"generate" (the engine's), and for an engine inside a policy rank "wake" (the engine's wake, after
-the ZeRO-3 states were offloaded) and "sleep" (the engine's sleep, then the states' reload)."""
+"generate" (the engine's, vision tower included), and for an engine inside a policy rank "wake"
+(the ZeRO-3 states' offload to host memory, then the engine's wake) and "sleep" (the engine's
+sleep, then the states' reload). Building the requests and Ray's transfers are in none of them."""
 
 
 class RolloutHost:

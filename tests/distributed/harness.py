@@ -102,6 +102,7 @@ def _worker(rank: int, world_size: int, port: int, with_deepspeed: bool, use_gpu
         from flexrl_ds.parallel.launch import init_distributed
 
         _STATE["context"] = init_distributed(timeout_s=600, with_deepspeed=with_deepspeed)
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")  # only this job's store is the pool's
         results.put((rank, "ready", None))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))

@@ -22,6 +22,7 @@ def rank_sum_and_port():
 
 
 def test_ranks_join_the_store_the_pool_holds(dist_pools):
+    """The ranks formed their group (the all-reduce) while the pool held the port they used."""
     pool = dist_pools(2)
     results = pool.run(rank_sum_and_port)
     assert [total for total, _ in results] == [3.0, 3.0]

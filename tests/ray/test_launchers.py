@@ -65,6 +65,7 @@ def test_both_launchers_train_the_same_step(assets, tmp_path):
     rows, ray_job = check_run(launch("train_ray_job.sh", assets, tmp_path / "ray_job", config=separate, steps=2),
                               tmp_path / "ray_job", steps=2)
     assert rows[1]["rollout_logprob_diff"] < 1e-4, rows[1]["rollout_logprob_diff"]
+    assert all(set(row["rollout_time_s"]) == {"pixels", "generate"} for row in rows)  # separate engines never sleep
     _, spmd = check_run(launch("train_deepspeed.sh", assets, tmp_path / "spmd", str(assets / "hostfile")),
                         tmp_path / "spmd")
     assert [s["sample"] for s in ray_job] == [s["sample"] for s in spmd]

@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = ("step", "reward_mean", "reward_std", "loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm",
             "response_length_mean", "num_samples", "time_s", "tokens_per_gpu_s", "attention_balance")
 PHASES = ("data", "rollout", "reward", "inference", "update", "sync", "step")
-ROLLOUT_PARTS = ("pixels", "generate", "wake", "sleep")
 
 
 def tiny_config(path: Path, sp: dict | None = None, **trainer) -> Path:
@@ -70,6 +69,8 @@ def rollouts(out: Path, step: int) -> list[dict]:
 
 
 def test_outputs_and_metrics(run_a):
+    from flexrl_ds.trainer.rollout_host import ROLLOUT_PARTS
+
     metrics = rows(run_a)
     assert [row["step"] for row in metrics] == [0, 1, 2]
     for row in metrics:
@@ -78,6 +79,8 @@ def test_outputs_and_metrics(run_a):
         parts = row["rollout_time_s"]  # colocated engines: all four parts, each the slowest rank's
         assert set(parts) == set(ROLLOUT_PARTS)
         assert all(0 <= seconds <= row["time_s"]["rollout"] for seconds in parts.values())
+        assert row["rollout_pixel_mb"] >= 0
+    assert any(row["rollout_pixel_mb"] > 0 for row in metrics)  # the video-heavy data's media reached the hosts
     assert (run_a / "checkpoints" / "step_1" / "trainer_state.json").exists()
     assert (run_a / "checkpoints" / "step_2" / "trainer_state.json").exists()
     assert (run_a / "metrics.png").exists()

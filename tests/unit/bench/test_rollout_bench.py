@@ -80,8 +80,10 @@ def test_engines_after_sleep_are_compared_with_hf_after_sleep_and_warm_ones_with
 
 
 def test_hf_kv_caches_must_be_known_modes():
-    with pytest.raises(ValueError, match="--hf-kv-caches: dynamic and/or static, got paged"):
+    with pytest.raises(ValueError, match="--hf-kv-caches: dynamic and/or static, each once, got paged"):
         RolloutBenchConfig(hf_kv_caches=("paged",))
+    with pytest.raises(ValueError, match="each once, got static,static"):
+        RolloutBenchConfig(hf_kv_caches=("static", "static"))
     assert RolloutBenchConfig(backends=("vllm",), hf_kv_caches=()).backends == ("vllm",)
 
 
@@ -123,7 +125,11 @@ def test_a_json_that_is_no_result_is_named(tmp_path):
     from flexrl_ds.cli.main import build_parser
 
     other = tmp_path / "other.json"
-    other.write_text('{"rows": []}')
-    args = build_parser().parse_args(["bench", "rollout", "--from-json", str(other)])
-    with pytest.raises(SystemExit, match="other.json: not a `flexrl bench rollout` result"):
-        args.func(args)
+    for text, message in (('{"rows": []}', "other.json: not a `flexrl bench rollout` result"),
+                          ('{"tokens_per_s": {}, "seconds": {}, "timings_s": {}}', "other.json: no engine timed"),
+                          ('{"tokens_per_s": {"hf": 1.0}, "seconds": {"hf": 2.0}, "timings_s": {}}',
+                           "engines without timings: hf")):
+        other.write_text(text)
+        args = build_parser().parse_args(["bench", "rollout", "--from-json", str(other)])
+        with pytest.raises(SystemExit, match=message):
+            args.func(args)
