@@ -7,10 +7,10 @@ and the `vllm` engine from its own copy (`load_format="dummy"`), both through th
 response is exactly `new_tokens` long. vLLM is timed per seeding mode (per sample, none)
 and bare (`LLM.generate` on the same token prompts). Every engine is timed `repeats` times after one
 warm-up, each from cold caches; its best time gives its tokens/s (one 2 s timing moved by ~10%
-between runs on a shared machine). The trainer's engines are then timed as the trainer uses them,
-each timing after the engine slept and woke (`<engine>_after_sleep`): between steps a colocated
-engine frees the GPU for the update, so every step's rollout starts from what `wake` gives back. Then the HF model's weights are synced into the vLLM engine
-in buckets as a colocated policy rank does (`iter_weight_buckets` on the GPU -> `load_weights`), timed,
+between runs on a shared machine). The trainer's engines are then timed again, each timing after
+the engine slept and woke (`<engine>_after_sleep`): between steps a colocated engine frees the
+GPU for the update, so every step's rollout starts from what `wake` gives back. Then the HF
+model's weights are synced into the vLLM engine in buckets as a colocated policy rank does (`iter_weight_buckets` on the GPU -> `load_weights`), timed,
 and the engine's log-probs of greedy samples are compared with the HF model's on the same tokens:
 after the sync both hold the same weights.
 """

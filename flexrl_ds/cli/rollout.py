@@ -68,10 +68,11 @@ def _saved_result(path: str) -> dict:
     missing = [key for key in ("tokens_per_s", "seconds", "timings_s") if not isinstance(result.get(key), dict)]
     if missing:
         raise SystemExit(f"--from-json {path}: not a `flexrl bench rollout` result (no {', '.join(missing)})")
+    if not result["tokens_per_s"]:
+        raise SystemExit(f"--from-json {path}: no engine timed")
     untimed = [name for name in result["tokens_per_s"] if name not in result["timings_s"] or name not in result["seconds"]]
-    if not result["tokens_per_s"] or untimed:
-        raise SystemExit(f"--from-json {path}: no engine timed" if not untimed else
-                         f"--from-json {path}: engines without timings: {', '.join(untimed)}")
+    if untimed:
+        raise SystemExit(f"--from-json {path}: engines without timings: {', '.join(untimed)}")
     return result
 
 

@@ -120,3 +120,16 @@ def _caches_used(engine, requests):
 def test_an_unknown_kv_cache_is_refused(rollout_assets):
     with pytest.raises(ValueError, match=re.escape("kv_cache: dynamic | static, got 'paged'")):
         HFRolloutEngine(rollout_assets["vl"], device="cpu", kv_cache="paged")
+
+
+def test_the_run_configs_kv_cache_reaches_the_hosts_engine(rollout_assets):
+    """`flexrl.rollout.hf.kv_cache` from a run's JSON gets to the engine a rollout host builds."""
+    import json
+
+    from flexrl_ds.common.typed import from_dict
+    from flexrl_ds.rollout.config import RolloutConfig
+    from flexrl_ds.trainer.rollout_host import RolloutHost
+
+    config = from_dict(RolloutConfig, json.loads('{"backend": "hf", "hf": {"kv_cache": "static"}}'), "flexrl.rollout")
+    host = RolloutHost("hf", rollout_assets["vl"], pixels=None, device="cpu", engine_options=config.engine_options())
+    assert host.engine.kv_cache == "static"
