@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from brute_force import best_split
@@ -36,6 +36,9 @@ def _assert_not_worse_than_fixed_sp(workload: Workload, world_size: int) -> None
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world_size=st.sampled_from([8, 16, 32, 64, 128]),
        lengths=st.lists(st.integers(OPTIONS.min_shard_tokens, 60_000), min_size=1, max_size=100))
+# Found by Hypothesis in CI (2026-12-02): the planner's own block partition was 0.3 % worse than
+# fixed SP's LPT one, and its refinement could not reach it without raising a block's attention.
+@example(world_size=16, lengths=[1024, 1024, 1082, 2088, 5974, 1082, 1071, 2266, 11259])
 def test_efficiency_at_least_fixed_sp_at_p_max_on_random_lengths(world_size, lengths):
     """No short sequences (those may stay whole where they dominate a block): within 0.2 %."""
     workload = Workload(tuple(SequenceSpec(id=f"s{i}", tokens=n) for i, n in enumerate(lengths)))
