@@ -13,6 +13,10 @@ GPU for the update, so every step's rollout starts from what `wake` gives back. 
 model's weights are synced into the vLLM engine in buckets as a colocated policy rank does (`iter_weight_buckets` on the GPU -> `load_weights`), timed,
 and the engine's log-probs of greedy samples are compared with the HF model's on the same tokens:
 after the sync both hold the same weights.
+
+Every engine is also set against the batch's roofline floor (bench/rollout_floor.py) on this GPU's
+measured peaks (a bf16 GEMM, a device-to-device copy): its share of the floor, and the most any
+engine could gain over hf (hf's time ÷ the floor).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import transformers
 from flexrl_ds.models.flex_model import reference_logprobs
 from flexrl_ds.models.processing import EncodedSample
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+from flexrl_ds.bench.rollout_floor import DecoderShape, Peaks, rollout_floor
 from flexrl_ds.models.weights import iter_weight_buckets, tensor_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
@@ -94,6 +99,12 @@ class RolloutBenchResult:
     """After the sync: greedy / sampled (temperature 1) tokens, prompt_len / 8 x prompt_len prompts."""
     engine_start_s: float | None = None
     vllm_async_scheduling: bool | None = None
+    peak_tflops: float | None = None
+    """bf16 GEMM TFLOP/s measured on the GPU (an 8192³ matmul)."""
+    peak_gb_per_s: float | None = None
+    """Device memory GB/s measured on the GPU (a 2 GiB device-to-device copy: read + write)."""
+    floor_s: dict[str, float] = field(default_factory=dict)
+    """The batch's roofline floor at those peaks: prefill, decode and total seconds (bench/rollout_floor.py)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,12 +178,52 @@ def run_rollout_bench(config: RolloutBenchConfig, progress=print) -> RolloutBenc
     model = _hf_model(model_dir, device)
     requests = _requests(config, model.config)
     params = SamplingParams(temperature=1.0, max_new_tokens=config.new_tokens)
+    _record_floor(config, model, result, progress)
     if "hf" in config.backends:
         for kv_cache in config.hf_kv_caches:
             _bench_hf(config, model_dir, model, kv_cache, requests, params, result, progress)
     if "vllm" in config.backends:
         _bench_vllm(config, model_dir, model, requests, params, result, progress)
     return result
+
+
+def measure_peaks(device: Any, repeats: int = 10) -> Peaks:
+    """What this GPU reaches: bf16 FLOP/s of an 8192³ matmul and bytes/s of a 2 GiB copy (each the
+    best of `repeats` after a warm-up; a copy reads and writes every byte)."""
+    info = device_mod.detect()
+
+    def best_seconds(work) -> float:
+        work()
+        times = []
+        for _ in range(repeats):
+            device_mod.synchronize(info)
+            started = time.perf_counter()
+            work()
+            device_mod.synchronize(info)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    size = 8192
+    left, right = (torch.randn(size, size, dtype=torch.bfloat16, device=device) for _ in range(2))
+    flops = 2.0 * size**3 / best_seconds(lambda: left @ right)
+    source = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    bytes_per_s = 2.0 * source.numel() / best_seconds(lambda: target.copy_(source))
+    del left, right, source, target
+    device_mod.release_cached_memory(info)  # the engines started after this see the memory free
+    return Peaks(flops, bytes_per_s)
+
+
+def _record_floor(config: RolloutBenchConfig, model, result: RolloutBenchResult, progress) -> None:
+    """The batch's roofline floor on this GPU's measured peaks (bench/rollout_floor.py)."""
+    peaks = measure_peaks(next(model.parameters()).device)
+    shape = DecoderShape.from_config(model.config.get_text_config())
+    floor = rollout_floor(shape, config.prompts, config.prompt_len, config.new_tokens, peaks)
+    result.peak_tflops, result.peak_gb_per_s = peaks.flops_per_s / 1e12, peaks.bytes_per_s / 1e9
+    result.floor_s = {"prefill": floor.prefill_s, "decode": floor.decode_s, "total": floor.seconds}
+    progress(f"[bench rollout] roofline floor at this GPU's measured peaks ({result.peak_tflops:.0f} TFLOP/s bf16 "
+             f"GEMM, {result.peak_gb_per_s:,.0f} GB/s copy): prefill {floor.prefill_s:.2f} s + decode "
+             f"{floor.decode_s:.2f} s = {floor.seconds:.2f} s, {floor.tokens_per_s:,.0f} tokens/s")
 
 
 def _bench_hf(config, model_dir, model, kv_cache, requests, params, result: RolloutBenchResult, progress) -> None:

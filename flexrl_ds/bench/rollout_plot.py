@@ -1,4 +1,5 @@
-"""The figure of a `flexrl bench rollout` result: every engine's tokens/s, warm and after sleep and wake.
+"""The figure of a `flexrl bench rollout` result: every engine's tokens/s, warm and after sleep and wake,
+and the batch's roofline floor where the result has one.
 
 Drawn from the result's JSON (`RolloutBenchResult.to_json()`), so a saved result can be redrawn on
 a machine without a GPU (`flexrl bench rollout --from-json R.json --plot R.png`).
@@ -42,6 +43,26 @@ def speedups(tokens_per_s: dict[str, float]) -> dict[str, tuple[str, float]]:
     return out
 
 
+def floor_lines(result: dict[str, Any]) -> list[str]:
+    """Each engine's best time against the batch's roofline floor (bench/rollout_floor.py), then the
+    most any engine could gain over each hf baseline; none for a result without a floor."""
+    floor = (result.get("floor_s") or {}).get("total")
+    if not floor:
+        return []
+    lines = [f"{name} runs at {floor / seconds:.0%} of the roofline floor ({floor:.2f} s)"
+             for name, seconds in result["seconds"].items()]
+    return lines + [f"no engine can be more than {result['seconds'][name] / floor:.1f}x {name} on this batch and GPU"
+                    for name in ("hf", "hf_after_sleep") if name in result["seconds"]]
+
+
+def _floor_tokens_per_s(result: dict[str, Any]) -> float | None:
+    floor = (result.get("floor_s") or {}).get("total")
+    if not floor:
+        return None
+    name = next(iter(result["seconds"]))
+    return result["tokens_per_s"][name] * result["seconds"][name] / floor
+
+
 def plot_rollout(result: dict[str, Any], path: str) -> None:
     """Horizontal bars of each engine's best tokens/s, a dot per timing, the speedup over hf."""
     import matplotlib
@@ -62,7 +83,11 @@ def plot_rollout(result: dict[str, Any], path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("generated tokens/s (bar: best timing; dots: every timing)")
     config = result.get("config", {})
-    ax.set_xlim(0, max(best for *_, best in rows) * 1.35)
+    ceiling = _floor_tokens_per_s(result)
+    if ceiling:
+        ax.axvline(ceiling, color="tab:red", linestyle="--", linewidth=1)
+        ax.text(ceiling, len(rows) - 0.4, " roofline floor", color="tab:red", fontsize=8, va="bottom")
+    ax.set_xlim(0, max([best for *_, best in rows] + [ceiling or 0]) * 1.35)
     ax.set_title(f"flexrl bench rollout, {config.get('shape', '?')} shape, {config.get('prompts', '?')} × "
                  f"{config.get('prompt_len', '?')} → {config.get('new_tokens', '?')} tokens, {result.get('device', '?')}",
                  fontsize=10, loc="left")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flexrl_ds.bench.rollout_plot import plot_rollout, speedups
+from flexrl_ds.bench.rollout_plot import floor_lines, plot_rollout, speedups
 
 
 def register(commands, bench) -> None:
@@ -49,7 +49,7 @@ def _bench_rollout(args) -> int:
         ran = run_rollout_bench(config)
         write_result(ran, args.json)
         result = ran.to_json()
-    for line in speedup_lines(result["tokens_per_s"]):
+    for line in speedup_lines(result["tokens_per_s"]) + floor_lines(result):
         print(f"[bench rollout] {line}")
     if args.plot:
         plot_rollout(result, args.plot)

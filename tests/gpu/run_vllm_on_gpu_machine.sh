@@ -35,7 +35,9 @@ if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ] || [ "${1:-}" = channel ]
     | grep -v "^INFO\|^WARNING\|^(EngineCore\|^(Worker" | tail -8 | tee -a "$out/weight_channel_tests.txt" || status=1
 fi
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = bench ]; then
-  python3 -m flexrl_ds bench rollout --shape 7b --json "$out/rollout_7b.json" --plot "$out/rollout_7b.png" 2>&1 | grep "^\[bench\|Error\|error" \
+  # ROLLOUT_BENCH_ARGS: more options of `flexrl bench rollout` (e.g. "--hf-kv-caches dynamic --repeats 2")
+  python3 -m flexrl_ds bench rollout --shape 7b ${ROLLOUT_BENCH_ARGS:-} --json "$out/rollout_7b.json" \
+    --plot "$out/rollout_7b.png" 2>&1 | grep "^\[bench\|Error\|error" \
     | tail -20 | tee "$out/rollout_7b.txt" || status=1
 fi
 echo "total $(( $(date +%s) - start )) s"

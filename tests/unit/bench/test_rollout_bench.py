@@ -133,3 +133,26 @@ def test_a_json_that_is_no_result_is_named(tmp_path):
         args = build_parser().parse_args(["bench", "rollout", "--from-json", str(other)])
         with pytest.raises(SystemExit, match=message):
             args.func(args)
+
+
+def test_engines_are_set_against_the_floor_and_hf_against_what_the_floor_allows(tmp_path, capsys):
+    import json
+
+    from flexrl_ds.bench.rollout_plot import floor_lines
+    from flexrl_ds.cli.main import build_parser
+
+    path = _saved(tmp_path)
+    result = json.loads(path.read_text())
+    assert floor_lines(result) == []  # results written before the floor existed
+    result["floor_s"] = {"prefill": 0.25, "decode": 0.25, "total": 0.5}
+    path.write_text(json.dumps(result))
+    lines = floor_lines(result)
+    assert "vllm runs at 50% of the roofline floor (0.50 s)" in lines  # best 1.0 s
+    assert "hf runs at 12% of the roofline floor (0.50 s)" in lines  # best 4.0 s
+    assert lines[-2:] == ["no engine can be more than 8.0x hf on this batch and GPU",
+                          "no engine can be more than 10.0x hf_after_sleep on this batch and GPU"]
+    plot = tmp_path / "rollout.png"
+    args = build_parser().parse_args(["bench", "rollout", "--from-json", str(path), "--plot", str(plot)])
+    assert args.func(args) == 0
+    assert "no engine can be more than 8.0x hf" in capsys.readouterr().out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
