@@ -86,7 +86,7 @@ def plot_rollout(result: dict[str, Any], path: str) -> None:
     ceiling = _floor_tokens_per_s(result)
     if ceiling:
         ax.axvline(ceiling, color="tab:red", linestyle="--", linewidth=1)
-        ax.text(ceiling, len(rows) - 0.4, " roofline floor", color="tab:red", fontsize=8, va="bottom")
+        ax.text(ceiling, len(rows) - 0.4, " roofline limit", color="tab:red", fontsize=8, va="bottom")
     ax.set_xlim(0, max([best for *_, best in rows] + [ceiling or 0]) * 1.35)
     ax.set_title(f"flexrl bench rollout, {config.get('shape', '?')} shape, {config.get('prompts', '?')} × "
                  f"{config.get('prompt_len', '?')} → {config.get('new_tokens', '?')} tokens, {result.get('device', '?')}",
