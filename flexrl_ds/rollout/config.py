@@ -27,10 +27,19 @@ class HFOptions:
     - "static": allocated once per call at prompt + `max_response_length` tokens, not compiled
       (the batch shapes change from call to call). On one H200 it made 0.6-0.9x the dynamic
       cache's tokens/s (docs/BENCHMARKS.md, "One H200, seventh run")."""
+    sleep_level: int = 1
+    """While the policy trains (colocated engines), as vLLM's `sleep_level`: 1 moves the engine's
+    weights to host memory; 2 frees them, and the weight sync after the update allocates and
+    writes every one straight on the device (waking with a weight not written since is refused).
+    2 skips two copies of the model per step and the host memory of one: on one H200 the sleep of
+    level 1 took a third of a 3B hf rollout phase, and at 7B its host copy did not fit next to the
+    offloaded optimizer (docs/BENCHMARKS.md, "One H200, eighth run"; level 2 not yet timed there)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"flexrl.rollout.hf.kv_cache: {' | '.join(KV_CACHE_MODES)}, got {self.kv_cache!r}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"flexrl.rollout.hf.sleep_level: 1 or 2, got {self.sleep_level}")
 
 
 @dataclass
@@ -130,7 +139,7 @@ class RolloutConfig:
     def engines_start_without_policy_weights(self, colocated: bool) -> bool:
         """Whether the engines' weights differ from the model directory's when step 0 begins, so the
         trainer must sync before it: vllm with random weights (load_format dummy), or colocated
-        vllm engines at sleep_level 2 (they sleep as soon as they start, which drops their weights)."""
-        if self.backend != "vllm":
-            return False
+        engines at sleep_level 2 (they sleep as soon as they start, which drops their weights)."""
+        if self.backend == "hf":
+            return colocated and self.hf.sleep_level == 2
         return self.vllm.load_format == "dummy" or (colocated and self.vllm.sleep_level == 2)

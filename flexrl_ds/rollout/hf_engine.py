@@ -38,11 +38,11 @@ class HFRolloutEngine:
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
                  max_batch_sequences: int = 64, pad_prompts: bool = True, model: torch.nn.Module | None = None,
-                 kv_cache: str = "dynamic"):
+                 kv_cache: str = "dynamic", sleep_level: int = 1):
         """pad_prompts: batch different prompts together, left-padded (else one call per prompt);
         model: an HF model already built from `model_dir`'s config (e.g. random weights made on the GPU
-        by a benchmark) instead of loading the directory's weights; kv_cache: `HFOptions.kv_cache`."""
-        HFOptions(kv_cache=kv_cache)  # the config's check, for engines built without one
+        by a benchmark) instead of loading the directory's weights; kv_cache, sleep_level: `HFOptions`."""
+        HFOptions(kv_cache=kv_cache, sleep_level=sleep_level)  # the config's checks, for engines built without one
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences: must be at least 1, got {max_batch_sequences}")
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -54,7 +54,7 @@ class HFRolloutEngine:
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
         self.pad_prompts = pad_prompts
-        self.kv_cache = kv_cache
+        self.kv_cache, self.sleep_level = kv_cache, sleep_level
         self.model = (load_model(str(model_dir), dtype) if model is None else model).to(self.device)
         # A clean generation config: no sampling defaults or penalties carried over from the checkpoint.
         self.model.generation_config = transformers.GenerationConfig()
@@ -62,6 +62,9 @@ class HFRolloutEngine:
         self.pad_token_id = int(text_config.pad_token_id if text_config.pad_token_id is not None else 0)
         self.is_vision_language = getattr(self.model.config, "vision_config", None) is not None
         self._parameters = dict(self.model.named_parameters())
+        self._shapes = {name: parameter.shape for name, parameter in self._parameters.items()}
+        self._dropped: set[str] = set()
+        """Weights freed by a sleep at level 2 and not written since."""
 
     def generate(self, requests: Sequence[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
         """One result per request, in request order."""
@@ -146,24 +149,40 @@ class HFRolloutEngine:
                 parameter = self._parameters.get(name)
                 if parameter is None:
                     raise ValueError(f"load_weights: {name!r} is not a parameter of the rollout model")
-                if tuple(parameter.shape) != tuple(tensor.shape):
+                if tuple(self._shapes[name]) != tuple(tensor.shape):
                     raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"the rollout model's is {tuple(parameter.shape)}")
+                                     f"the rollout model's is {tuple(self._shapes[name])}")
+                if name in self._dropped:  # freed by a level-2 sleep: allocated anew on the device
+                    parameter.data = torch.empty(self._shapes[name], dtype=parameter.dtype, device=self.device)
+                    self._dropped.discard(name)
                 parameter.copy_(tensor.to(device=parameter.device, dtype=parameter.dtype))
 
     def reset_caches(self) -> None:
         """Nothing outlives a `generate` call here (the KV cache is per call)."""
 
     def sleep(self) -> None:
-        """Free the accelerator for training: the weights move to host memory (on a CPU there is
-        nothing to free). `load_weights` works while asleep; `generate` needs `wake` first."""
-        if self.device.type != "cpu":
+        """Free the accelerator for training. Level 1: the weights move to host memory (on a CPU
+        there is nothing to free). Level 2: they are freed wherever they are, and each is allocated
+        again when `load_weights` writes it. `load_weights` works while asleep; `generate` needs
+        `wake` first."""
+        if self.sleep_level == 2:
+            for name, parameter in self._parameters.items():
+                parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+                self._dropped.add(name)
+        elif self.device.type != "cpu":
             self.model.to("cpu")
+        if self.device.type != "cpu":
             device_mod.release_cached_memory(detect())
 
     def wake(self) -> None:
-        """Bring the weights back to the engine's device."""
-        if self.device.type != "cpu":
+        """Bring the weights back to the engine's device; after a level-2 sleep every weight must
+        have been written since (a weight sync), else this raises naming them."""
+        if self._dropped:
+            missing = sorted(self._dropped)
+            raise RuntimeError(f"hf engine: wake after a sleep at level 2 with {len(missing)} weights not written "
+                               f"since (a weight sync must load every one): {', '.join(missing[:5])}"
+                               + (", ..." if len(missing) > 5 else ""))
+        if self.sleep_level == 1 and self.device.type != "cpu":
             self.model.to(self.device)
 
 

@@ -24,10 +24,11 @@ REQUIRED = ("step", "reward_mean", "reward_std", "loss", "pg_loss", "kl", "entro
 PHASES = ("data", "rollout", "reward", "inference", "update", "sync", "step")
 
 
-def tiny_config(path: Path, sp: dict | None = None, **trainer) -> Path:
+def tiny_config(path: Path, sp: dict | None = None, rollout: dict | None = None, **trainer) -> Path:
     config = json.loads((ROOT / "ds_configs" / "grpo_tiny_cpu.json").read_text())
     config["flexrl"]["trainer"].update(trainer)
     config["flexrl"]["sp"].update(sp or {})
+    config["flexrl"]["rollout"].update(rollout or {})
     path.write_text(json.dumps(config))
     return path
 
@@ -44,10 +45,10 @@ def assets(tmp_path_factory):
 
 
 def run_train(assets: Path, out: Path, max_steps: int, resume: bool = False, sp: dict | None = None,
-              **trainer) -> int:
+              rollout: dict | None = None, **trainer) -> int:
     from flexrl_ds.cli.main import main
 
-    config = tiny_config(out.parent / f"{out.name}.json", sp, **trainer)
+    config = tiny_config(out.parent / f"{out.name}.json", sp, rollout, **trainer)
     argv = ["train", "--config", str(config), "--model", str(assets / "model"),
             "--data", str(assets / "data" / "train.jsonl"), "--out", str(out), "--max-steps", str(max_steps)]
     return main(argv + (["--resume"] if resume else []))
@@ -124,6 +125,17 @@ def test_engine_generates_with_the_current_weights(run_a):
         assert set(row["rollout_logprob_diff_by_media"]) == set(kinds.values())
         assert max(row["rollout_logprob_diff_by_media"].values()) < 1e-4
         assert max(s["logprob_diff"] for s in samples) < 1e-4
+
+
+def test_engines_that_drop_their_weights_while_asleep_sample_with_the_synced_ones(run_a, assets):
+    """flexrl.rollout.hf.sleep_level 2: the colocated engines free their weights at every sleep, so
+    the trainer syncs before step 0 and after every update; step 0 samples run A's responses, and
+    every step's engine log-probs equal the trainer's."""
+    out = assets / "run_dropping"
+    assert run_train(assets, out, 2, rollout={"hf": {"sleep_level": 2}}) == 0
+    assert [s["response_ids"] for s in rollouts(out, 0)] == [s["response_ids"] for s in rollouts(run_a, 0)]
+    for row in rows(out):
+        assert row["rollout_logprob_diff"] < 1e-4, (row["step"], row["rollout_logprob_diff"])
 
 
 def test_hf_export_loads_and_was_trained(run_a):

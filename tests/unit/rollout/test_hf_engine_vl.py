@@ -130,6 +130,31 @@ def test_the_run_configs_kv_cache_reaches_the_hosts_engine(rollout_assets):
     from flexrl_ds.rollout.config import RolloutConfig
     from flexrl_ds.trainer.rollout_host import RolloutHost
 
-    config = from_dict(RolloutConfig, json.loads('{"backend": "hf", "hf": {"kv_cache": "static"}}'), "flexrl.rollout")
+    config = from_dict(RolloutConfig, json.loads('{"backend": "hf", "hf": {"kv_cache": "static", "sleep_level": 2}}'),
+                       "flexrl.rollout")
     host = RolloutHost("hf", rollout_assets["vl"], pixels=None, device="cpu", engine_options=config.engine_options())
-    assert host.engine.kv_cache == "static"
+    assert (host.engine.kv_cache, host.engine.sleep_level) == ("static", 2)
+
+
+def test_a_sleep_at_level_2_frees_the_weights_and_a_full_sync_brings_back_the_same_samples(
+        rollout_assets, vl_engine, vl_prompts, hf_vl_model):
+    """Level 2 frees every weight; waking before each is written again is refused naming them;
+    after a sync of all of them the engine samples what an engine that kept its weights does."""
+    engine = HFRolloutEngine(rollout_assets["vl"], device="cpu", model=load_model(rollout_assets["vl"]), sleep_level=2)
+    engine.sleep()
+    assert all(parameter.numel() == 0 for parameter in engine.model.parameters())
+    named = list(hf_vl_model.named_parameters())
+    engine.load_weights(named[:-1])
+    with pytest.raises(RuntimeError, match=re.escape(f"1 weights not written since (a weight sync must load every "
+                                                     f"one): {named[-1][0]}")):
+        engine.wake()
+    engine.load_weights(named[-1:])
+    engine.wake()
+    requests = requests_of(vl_prompts, seeds=(5,))
+    for ours, reference in zip(engine.generate(requests, PARAMS), vl_engine.generate(requests, PARAMS)):
+        assert (ours.response_ids, ours.logprobs) == (reference.response_ids, reference.logprobs), ours.sample_key
+
+
+def test_an_unknown_sleep_level_is_refused(rollout_assets):
+    with pytest.raises(ValueError, match=re.escape("sleep_level: 1 or 2, got 3")):
+        HFRolloutEngine(rollout_assets["vl"], device="cpu", sleep_level=3)
