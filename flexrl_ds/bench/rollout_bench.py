@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import transformers
 
+from flexrl_ds.bench.rollout_floor import DecoderShape, Peaks, rollout_floor
 from flexrl_ds.models.flex_model import reference_logprobs
 from flexrl_ds.models.processing import EncodedSample
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
-from flexrl_ds.bench.rollout_floor import DecoderShape, Peaks, rollout_floor
 from flexrl_ds.models.weights import iter_weight_buckets, tensor_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams

@@ -33,9 +33,10 @@ Algorithm (p = the largest allowed degree):
 Guarantee (no token cap, no short sequences kept whole): the busiest rank's modelled time is at
 most (1 + balance_tolerance) × that of fixed SP at p on the planner's partition, and at most
 (1 + balance_tolerance)² × that of fixed SP at p on fixed SP's own LPT partition (split too where
-the planner's is worse by more than the tolerance); all-to-all volume ≤ fixed SP's at p. The attention repair and attention-first search of earlier versions are gone:
-on 45 generated cells they never lowered the busiest rank (they traded up to 0.4 % of it for
-attention balance), so under this objective they did not pay.
+the planner's is worse by more than the tolerance); all-to-all volume ≤ fixed SP's at p. The
+attention repair and attention-first search of earlier versions are gone: on 45 generated cells
+they never lowered the busiest rank (they traded up to 0.4 % of it for attention balance), so
+under this objective they did not pay.
 
 Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the group. "uneven"
 (default) allows every power-of-two degree ≤ min(p_max, num_heads) (every rank needs a query head;
