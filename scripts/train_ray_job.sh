@@ -30,6 +30,8 @@ if [ -z "${RAY_ADDRESS:-}" ]; then
     rm -rf "$ray_dir"
   }
   trap stop_head EXIT
+  trap 'exit 143' TERM  # a signal ends the script through its EXIT trap, so the head is stopped
+  trap 'exit 130' INT
   for _ in $(seq 1 120); do
     "$ray_bin" job list --address "http://127.0.0.1:$port" >/dev/null 2>&1 && break
     kill -0 "$head_pid" 2>/dev/null || { cat "$ray_dir/head.log" >&2; echo "$0: the Ray head did not start" >&2; exit 1; }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -47,7 +48,32 @@ def launch(script: str, assets: Path, out: Path, *first: str, config: Path | Non
     command = ["bash", str(ROOT / "scripts" / script), *first, str(config),
                "--model", str(assets / "model"), "--data", str(assets / "data" / "train.jsonl"),
                "--out", str(out), "--max-steps", str(steps)]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return run_as_group(command, env, timeout=900)
+
+
+def run_as_group(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run a launcher in a process group of its own and stop the whole group however the test ends
+    (a timeout, pytest-timeout's alarm, ^C): SIGTERM first, which the launcher traps to stop its Ray
+    head, then SIGKILL. A plain subprocess.run kills only bash and leaves the head holding its ports."""
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        stop_group(process)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return  # nothing of the group is left
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def check_run(result: subprocess.CompletedProcess, out: Path, steps: int = 1) -> tuple[list[dict], list[dict]]:
@@ -77,9 +103,9 @@ def test_ray_job_launcher_returns_the_job_status(assets, tmp_path):
     """A job that fails (here: no such model directory) makes the launcher exit non-zero."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "FLEXRL_RAY_DASHBOARD_PORT": "8298"}
     env.pop("RAY_ADDRESS", None)
-    result = subprocess.run(
+    result = run_as_group(
         ["bash", str(ROOT / "scripts" / "train_ray_job.sh"), str(ROOT / "ds_configs" / "grpo_tiny_cpu.json"),
          "--model", str(tmp_path / "missing"), "--data", str(assets / "data" / "train.jsonl"),
-         "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+         "--out", str(tmp_path / "out")], env, timeout=600)
     assert result.returncode != 0
     assert "missing" in result.stdout + result.stderr
