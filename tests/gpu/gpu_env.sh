@@ -14,5 +14,5 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1
+python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1 || true
+python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1 || true
