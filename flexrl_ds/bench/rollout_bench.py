@@ -230,7 +230,8 @@ def _bench_hf(config, model_dir, model, kv_cache, requests, params, result: Roll
     """HF `generate` with one KV cache mode, warm and after sleep and wake."""
     name = "hf" if kv_cache == "dynamic" else f"hf_{kv_cache}"
     engine = HFRolloutEngine(model_dir, dtype="bfloat16", device=next(model.parameters()).device,
-                             max_batch_sequences=config.prompts, model=model, kv_cache=kv_cache)
+                             max_batch_sequences=config.prompts, model=model, kv_cache=kv_cache,
+                             sleep_level=1)  # the model is shared with the other measurements: kept over sleeps
     timings, tokens = _timed_generate(engine, requests, params, config.repeats)
     progress(f"[bench rollout] {name} generate ({kv_cache} KV cache): {result.record(name, timings, tokens)}")
     timings, tokens = _timed_generate(engine, requests, params, config.repeats, after_sleep=True)

@@ -27,13 +27,14 @@ class HFOptions:
     - "static": allocated once per call at prompt + `max_response_length` tokens, not compiled
       (the batch shapes change from call to call). On one H200 it made 0.6-0.9x the dynamic
       cache's tokens/s (docs/BENCHMARKS.md, "One H200, seventh run")."""
-    sleep_level: int = 1
-    """While the policy trains (colocated engines), as vLLM's `sleep_level`: 1 moves the engine's
-    weights to host memory; 2 frees them, and the weight sync after the update allocates and
-    writes every one straight on the device (waking with a weight not written since is refused).
-    2 skips two copies of the model per step and the host memory of one: on one H200 the sleep of
-    level 1 took a third of a 3B hf rollout phase, and at 7B its host copy did not fit next to the
-    offloaded optimizer (docs/BENCHMARKS.md, "One H200, eighth run"; level 2 not yet timed there)."""
+    sleep_level: int = 2
+    """While the policy trains (colocated engines), as vLLM's `sleep_level`: 2 frees the engine's
+    weights, and the weight sync after the update allocates and writes every one straight on the
+    device (waking with a weight not written since is refused); 1 moves them to host memory and
+    back, and the sync writes them there. On one H200 (docs/BENCHMARKS.md, "One H200, ninth run"),
+    3B: level 2's steps took 36% less time than level 1's (sleep 0.07 s instead of 4.1-4.3, sync
+    0.07-0.08 s instead of 4.7-4.8); 7B: level 1's host copy did not fit next to the offloaded
+    optimizer, level 2 ran."""
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:

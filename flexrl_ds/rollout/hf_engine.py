@@ -41,7 +41,9 @@ class HFRolloutEngine:
                  kv_cache: str = "dynamic", sleep_level: int = 1):
         """pad_prompts: batch different prompts together, left-padded (else one call per prompt);
         model: an HF model already built from `model_dir`'s config (e.g. random weights made on the GPU
-        by a benchmark) instead of loading the directory's weights; kv_cache, sleep_level: `HFOptions`."""
+        by a benchmark) instead of loading the directory's weights; kv_cache, sleep_level: `HFOptions`
+        (sleep_level 1 unless given: an engine built directly keeps its weights over a sleep; the
+        trainer passes its config's, 2 by default, and syncs after every sleep)."""
         HFOptions(kv_cache=kv_cache, sleep_level=sleep_level)  # the config's checks, for engines built without one
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences: must be at least 1, got {max_batch_sequences}")

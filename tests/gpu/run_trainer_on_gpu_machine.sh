@@ -15,8 +15,8 @@
 #     GPU (G/2 policy ranks, the rest engines) and the channel is NCCL.
 #   HF_KV_CACHE=static: the hf backend's KV cache allocated once per call (`flexrl.rollout.hf.kv_cache`;
 #     default dynamic).
-#   HF_SLEEP_LEVEL=2: the hf engine frees its weights while asleep instead of moving them to host
-#     memory (`flexrl.rollout.hf.sleep_level`; the sync after each update rewrites them all).
+#   HF_SLEEP_LEVEL=1: the hf engine moves its weights to host memory while asleep instead of freeing
+#     them (`flexrl.rollout.hf.sleep_level`, default 2: the sync after each update rewrites them all).
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
@@ -84,7 +84,7 @@ if backend == "vllm":
     config["flexrl"]["rollout"]["vllm"] = vllm
 else:
     config["flexrl"]["rollout"]["hf"] = {"kv_cache": os.environ.get("HF_KV_CACHE", "dynamic"),
-                                         "sleep_level": int(os.environ.get("HF_SLEEP_LEVEL", "1"))}
+                                         "sleep_level": int(os.environ.get("HF_SLEEP_LEVEL", "2"))}
 if colocate == "0" and gpus >= 2:  # whole GPUs: the weight channel is NCCL
     config["flexrl"]["trainer"].update(colocate=False, num_policy_ranks=gpus // 2, num_gpus_per_rank=1)
     config["flexrl"]["rollout"].update(num_engines=gpus - gpus // 2, num_gpus_per_engine=1, num_cpus_per_engine=2)

@@ -127,12 +127,13 @@ def test_engine_generates_with_the_current_weights(run_a):
         assert max(s["logprob_diff"] for s in samples) < 1e-4
 
 
-def test_engines_that_drop_their_weights_while_asleep_sample_with_the_synced_ones(run_a, assets):
-    """flexrl.rollout.hf.sleep_level 2: the colocated engines free their weights at every sleep, so
-    the trainer syncs before step 0 and after every update; step 0 samples run A's responses, and
-    every step's engine log-probs equal the trainer's."""
-    out = assets / "run_dropping"
-    assert run_train(assets, out, 2, rollout={"hf": {"sleep_level": 2}}) == 0
+def test_engines_that_keep_their_weights_while_asleep_sample_as_those_that_drop_them(run_a, assets):
+    """Run A's colocated engines free their weights at every sleep (flexrl.rollout.hf.sleep_level 2,
+    the default), so the trainer syncs before step 0 and after every update; at sleep_level 1 they
+    keep them in host memory and start from the model directory's. Step 0 samples run A's
+    responses, and every step's engine log-probs equal the trainer's."""
+    out = assets / "run_keeping"
+    assert run_train(assets, out, 2, rollout={"hf": {"sleep_level": 1}}) == 0
     assert [s["response_ids"] for s in rollouts(out, 0)] == [s["response_ids"] for s in rollouts(run_a, 0)]
     for row in rows(out):
         assert row["rollout_logprob_diff"] < 1e-4, (row["step"], row["rollout_logprob_diff"])

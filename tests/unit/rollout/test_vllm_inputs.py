@@ -196,9 +196,9 @@ def test_weight_names_land_where_the_checkpoint_names_do(tmp_path):
 
 
 def test_engine_options_by_backend():
-    assert RolloutConfig(backend="hf").engine_options() == {"kv_cache": "dynamic", "sleep_level": 1}
-    assert RolloutConfig(backend="hf", hf=HFOptions(kv_cache="static", sleep_level=2)).engine_options() == \
-        {"kv_cache": "static", "sleep_level": 2}
+    assert RolloutConfig(backend="hf").engine_options() == {"kv_cache": "dynamic", "sleep_level": 2}
+    assert RolloutConfig(backend="hf", hf=HFOptions(kv_cache="static", sleep_level=1)).engine_options() == \
+        {"kv_cache": "static", "sleep_level": 1}
     with pytest.raises(ValueError, match=re.escape("flexrl.rollout.hf.kv_cache: dynamic | static, got 'paged'")):
         HFOptions(kv_cache="paged")
     with pytest.raises(ValueError, match=re.escape("flexrl.rollout.hf.sleep_level: 1 or 2, got 0")):
@@ -221,8 +221,8 @@ def test_engines_that_start_without_the_policy_weights_are_synced_first():
     assert not needs(True) and not needs(False)
     assert needs(True, load_format="dummy") and needs(False, load_format="dummy")
     assert needs(True, sleep_level=2) and not needs(False, sleep_level=2)
-    assert not RolloutConfig(backend="hf").engines_start_without_policy_weights(True)
-    hf_dropping = RolloutConfig(backend="hf", hf=HFOptions(sleep_level=2))
+    assert not RolloutConfig(backend="hf", hf=HFOptions(sleep_level=1)).engines_start_without_policy_weights(True)
+    hf_dropping = RolloutConfig(backend="hf")  # sleep_level 2 by default
     assert hf_dropping.engines_start_without_policy_weights(True)
     assert not hf_dropping.engines_start_without_policy_weights(False)  # separate engines do not sleep
 
