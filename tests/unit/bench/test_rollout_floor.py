@@ -1,5 +1,7 @@
 """The rollout floor's counts against a real model: its weights, its KV cache, torch's FLOP counter."""
 
+import inspect
+
 import pytest
 import torch
 import transformers
@@ -57,7 +59,9 @@ def test_prefill_flops_are_the_counted_ones_less_the_masked_half_of_attention(mo
 def test_decode_step_flops_are_the_counted_ones(model, position):
     with torch.no_grad():
         cache = model(torch.arange(position)[None], use_cache=True).past_key_values
-    counted = _counted_flops(lambda: model(torch.tensor([[3]]), past_key_values=cache, use_cache=True))
+    # transformers 5.24 names the forward's cache argument `cache` (`past_key_values` is deprecated there)
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    counted = _counted_flops(lambda: model(torch.tensor([[3]]), **{keyword: cache}, use_cache=True))
     assert counted == decode_step_flops(_shape(model), position)
 
 
