@@ -4,7 +4,8 @@
 # RAY_ADDRESS names the cluster's job server (e.g. http://head:8265). Without it, a local Ray head
 # bound to 127.0.0.1 is started first and stopped after. The job's entrypoint runs in this folder on
 # the head node with this checkout's Python (PYTHON to override), so relative paths resolve as here;
-# on a remote cluster the paths must exist on the head node.
+# on a remote cluster the paths must exist on the head node. SIGTERM or ^C stops the local head (and
+# the job with it); a job on RAY_ADDRESS's cluster keeps running, and the launcher says how to stop it.
 set -euo pipefail
 if [ $# -lt 1 ]; then echo "usage: $0 CONFIG [flexrl train args]" >&2; exit 2; fi
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -58,7 +59,20 @@ for attempt in $(seq 1 90); do
   fi
   sleep 2
 done
-"$ray_bin" job logs --address "$RAY_ADDRESS" --follow "$job" || true
+# The log follower runs in the background so that a signal is handled at once (bash runs a trap only
+# after its foreground command ends): the local head stops with this script, a cluster's job keeps running.
+"$ray_bin" job logs --address "$RAY_ADDRESS" --follow "$job" &
+follower=$!
+on_signal() {
+  kill "$follower" 2>/dev/null || true
+  if [ -z "${head_pid:-}" ]; then
+    echo "[train_ray_job] interrupted: job $job keeps running on $RAY_ADDRESS (stop it: $ray_bin job stop --address $RAY_ADDRESS $job)" >&2
+  fi
+  exit "$1"
+}
+trap 'on_signal 143' TERM
+trap 'on_signal 130' INT
+wait "$follower" || true
 status=$("$ray_bin" job status --address "$RAY_ADDRESS" "$job" 2>&1 \
   | grep -oiE "succeeded|failed|stopped|running|pending" | tail -1 | tr '[:lower:]' '[:upper:]')
 echo "[train_ray_job] job $job: ${status:-unknown}"

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -51,29 +52,39 @@ def launch(script: str, assets: Path, out: Path, *first: str, config: Path | Non
     return run_as_group(command, env, timeout=900)
 
 
-def run_as_group(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+def run_as_group(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Run a launcher in a process group of its own and stop the whole group however the test ends
     (a timeout, pytest-timeout's alarm, ^C): SIGTERM first, which the launcher traps to stop its Ray
-    head, then SIGKILL. A plain subprocess.run kills only bash and leaves the head holding its ports."""
+    head, then SIGKILL. A plain subprocess.run kills only bash and leaves the head holding its ports.
+    A timeout fails the test with the launcher's output."""
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_group(process)
+        stdout, stderr = process.communicate(timeout=60)
+        pytest.fail(f"{command[1]} ran past {timeout} s; its output:\n{stdout[-3000:]}\n{stderr[-3000:]}")
     finally:
         stop_group(process)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def stop_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to every process of the launcher's group, SIGKILL to what is left after `grace_s`."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
             return  # nothing of the group is left
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            process.poll()  # reaps the leader (bash) once it exits
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
 
 
 def check_run(result: subprocess.CompletedProcess, out: Path, steps: int = 1) -> tuple[list[dict], list[dict]]:
