@@ -128,7 +128,8 @@ class RolloutEngine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Free what the engine can while another model uses the device (weights come back on wake)."""
+        """Free what the engine can while another model uses the device. Depending on the engine's
+        sleep level its weights come back on wake, or must be written by a weight sync first."""
         ...
 
     def wake(self) -> None:

@@ -38,12 +38,11 @@ class HFRolloutEngine:
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
                  max_batch_sequences: int = 64, pad_prompts: bool = True, model: torch.nn.Module | None = None,
-                 kv_cache: str = "dynamic", sleep_level: int = 1):
+                 kv_cache: str = HFOptions.kv_cache, sleep_level: int = HFOptions.sleep_level):
         """pad_prompts: batch different prompts together, left-padded (else one call per prompt);
         model: an HF model already built from `model_dir`'s config (e.g. random weights made on the GPU
         by a benchmark) instead of loading the directory's weights; kv_cache, sleep_level: `HFOptions`
-        (sleep_level 1 unless given: an engine built directly keeps its weights over a sleep; the
-        trainer passes its config's, 2 by default, and syncs after every sleep)."""
+        (sleep_level 2, the default, needs a full weight sync between a sleep and the next wake)."""
         HFOptions(kv_cache=kv_cache, sleep_level=sleep_level)  # the config's checks, for engines built without one
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences: must be at least 1, got {max_batch_sequences}")

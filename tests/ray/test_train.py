@@ -130,7 +130,7 @@ def test_engine_generates_with_the_current_weights(run_a):
 def test_engines_that_keep_their_weights_while_asleep_sample_as_those_that_drop_them(run_a, assets):
     """Run A's colocated engines free their weights at every sleep (flexrl.rollout.hf.sleep_level 2,
     the default), so the trainer syncs before step 0 and after every update; at sleep_level 1 they
-    keep them in host memory and start from the model directory's. Step 0 samples run A's
+    keep them (in host memory on a GPU) and start from the model directory's. Step 0 samples run A's
     responses, and every step's engine log-probs equal the trainer's."""
     out = assets / "run_keeping"
     assert run_train(assets, out, 2, rollout={"hf": {"sleep_level": 1}}) == 0
