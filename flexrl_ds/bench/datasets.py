@@ -201,11 +201,12 @@ def write_video(path: str | Path, num_frames: int, width: int, height: int, fps:
     except Exception:  # ImportError, or RuntimeError when FFmpeg's libraries are missing
         _write_video_opencv(path, frames, fps)
         return
-    # A constant quantiser, not x264's default CRF rate control: with CRF the same frames encoded
-    # twice gave different bytes now and then on a loaded machine (even with one thread), so two
-    # datasets of one seed differed; with a constant QP they are byte-identical (docs/BENCHMARKS.md).
+    # A constant quantiser and one encoder thread: the same frames encoded twice gave different bytes
+    # now and then with x264's default CRF rate control (even with one thread) and with a constant
+    # QP on x264's default threads, so two datasets of one seed differed; with both they are
+    # byte-identical (docs/BENCHMARKS.md, "The README's main job").
     VideoEncoder(frames, frame_rate=fps).to_file(str(path), codec="libx264", pixel_format="yuv420p",
-                                                 preset="veryfast", extra_options={"qp": 23})
+                                                 preset="veryfast", extra_options={"qp": 23, "threads": 1})
 
 
 def _write_video_opencv(path: str | Path, frames_NCHW: torch.Tensor, fps: float) -> None:
