@@ -130,10 +130,11 @@ def test_the_run_configs_kv_cache_reaches_the_hosts_engine(rollout_assets):
     from flexrl_ds.rollout.config import RolloutConfig
     from flexrl_ds.trainer.rollout_host import RolloutHost
 
-    config = from_dict(RolloutConfig, json.loads('{"backend": "hf", "hf": {"kv_cache": "static", "sleep_level": 2}}'),
+    # both values differ from the defaults (dynamic, 2), so an ignored setting fails here
+    config = from_dict(RolloutConfig, json.loads('{"backend": "hf", "hf": {"kv_cache": "static", "sleep_level": 1}}'),
                        "flexrl.rollout")
     host = RolloutHost("hf", rollout_assets["vl"], pixels=None, device="cpu", engine_options=config.engine_options())
-    assert (host.engine.kv_cache, host.engine.sleep_level) == ("static", 2)
+    assert (host.engine.kv_cache, host.engine.sleep_level) == ("static", 1)
 
 
 def test_a_sleep_at_level_2_frees_the_weights_and_a_full_sync_brings_back_the_same_samples(
