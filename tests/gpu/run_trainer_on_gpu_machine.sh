@@ -9,6 +9,8 @@
 #     more than the machine's 125 GiB), DeepSpeed's CPUAdam stepping there
 #     (JIT-compiled on first use) and the vLLM engine dropping its weights while asleep (sleep_level 2:
 #     the sync rewrites them).
+#   OFFLOAD_RATIO=r: with SHAPE=7b, the share of the optimizer offloaded (default 0.7; lower keeps
+#     more of it on the GPU, stepped there).
 #   COLOCATE=0: rollout engines in Ray actors of their own: the separate-engine path, its weights over
 #     the weight channel. On one GPU the engine shares it with the policy rank (0.5 GPU each) and the
 #     channel shares each bucket in place (CUDA IPC). On G >= 2 GPUs every rank and engine has a whole
@@ -73,10 +75,11 @@ config["flexrl"]["sp"].update(p_max=1)
 config["flexrl"]["rollout"].update(max_response_length=128, backend=backend)
 vllm = {"gpu_memory_utilization": 0.3, "max_model_len": 8192}  # media per prompt: sized from the data
 if shape == "7b":
-    # 70% of the optimizer (fp32 master weights, moments, gradients) in host memory, stepped by
-    # DeepSpeed's CPUAdam (JIT-built there); the rest on the GPU
+    # OFFLOAD_RATIO (default 70%) of the optimizer (fp32 master weights, moments, gradients) in host
+    # memory, stepped by DeepSpeed's CPUAdam (JIT-built there); the rest on the GPU
     config["optimizer"]["params"].pop("torch_adam")
-    config["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False, "ratio": 0.7},
+    config["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False,
+                                                         "ratio": float(os.environ.get("OFFLOAD_RATIO", "0.7"))},
                                        sub_group_size=100_000_000)
     vllm["sleep_level"] = 2
     config["flexrl"]["trainer"].update(num_cpus_per_rank=10)  # threads for the Adam step on the host
