@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from flexrl_ds.models.flex_model import reference_inputs
-from flexrl_ds.models.loading import load_model
+from flexrl_ds.models.loading import load_model, model_without_weights
 from flexrl_ds.models.processing import EncodedSample, VisionItem
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.device import detect
@@ -38,11 +38,19 @@ class HFRolloutEngine:
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str | torch.device | None = None,
                  max_batch_sequences: int = 64, pad_prompts: bool = True, model: torch.nn.Module | None = None,
-                 kv_cache: str = HFOptions.kv_cache, sleep_level: int = HFOptions.sleep_level):
+                 kv_cache: str = HFOptions.kv_cache, sleep_level: int = HFOptions.sleep_level,
+                 load_weights_at_start: bool = True):
         """pad_prompts: batch different prompts together, left-padded (else one call per prompt);
         model: an HF model already built from `model_dir`'s config (e.g. random weights made on the GPU
         by a benchmark) instead of loading the directory's weights; kv_cache, sleep_level: `HFOptions`
-        (sleep_level 2, the default, needs a full weight sync between a sleep and the next wake)."""
+        (sleep_level 2, the default, needs a full weight sync between a sleep and the next wake);
+        load_weights_at_start: False builds the model from `model_dir`'s config without reading its
+        weights (models/loading.model_without_weights; buffers such as the rotary frequencies are
+        computed as in a normal load): every weight starts as after a sleep at level 2, allocated on
+        the device when `load_weights` writes it, and `wake` / `generate` are refused, naming the
+        weights, until a weight sync has written all of them. The trainer starts its colocated
+        engines so at sleep_level 2 (`RolloutConfig.engine_options`): they would free the
+        directory's weights at their first sleep, and it syncs every weight before step 0."""
         HFOptions(kv_cache=kv_cache, sleep_level=sleep_level)  # the config's checks, for engines built without one
         if max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences: must be at least 1, got {max_batch_sequences}")
@@ -50,25 +58,36 @@ class HFRolloutEngine:
             raise ValueError(f"dtype: {dtype!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir: {model_dir} is not a model directory (no config.json)")
+        if model is not None and not load_weights_at_start:
+            raise ValueError("load_weights_at_start=False builds the model from model_dir's config: pass no model")
         if device is None:
             device = detect().device(0)
         self.device = torch.device(device)
         self.max_batch_sequences = max_batch_sequences
         self.pad_prompts = pad_prompts
         self.kv_cache, self.sleep_level = kv_cache, sleep_level
-        self.model = (load_model(str(model_dir), dtype) if model is None else model).to(self.device)
+        if model is None:
+            build = load_model if load_weights_at_start else model_without_weights
+            model = build(str(model_dir), dtype)
+        self._shapes = {name: parameter.shape for name, parameter in model.named_parameters()}
+        self._dropped: set[str] = set() if load_weights_at_start else set(self._shapes)
+        """Weights freed by a sleep at level 2, or never loaded (`load_weights_at_start` False), and not
+        written since."""
+        self._dropped_by = "a sleep at level 2" if load_weights_at_start else "a start without weights"
+        """What left the weights in `_dropped` unwritten (for the error that names them)."""
+        if not load_weights_at_start:
+            _empty_parameters_on(model, self.device)
+        self.model = model.to(self.device)
         # A clean generation config: no sampling defaults or penalties carried over from the checkpoint.
         self.model.generation_config = transformers.GenerationConfig()
         text_config = self.model.config.get_text_config()
         self.pad_token_id = int(text_config.pad_token_id if text_config.pad_token_id is not None else 0)
         self.is_vision_language = getattr(self.model.config, "vision_config", None) is not None
         self._parameters = dict(self.model.named_parameters())
-        self._shapes = {name: parameter.shape for name, parameter in self._parameters.items()}
-        self._dropped: set[str] = set()
-        """Weights freed by a sleep at level 2 and not written since."""
 
     def generate(self, requests: Sequence[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
         """One result per request, in request order."""
+        self._check_weights_written("generate")
         for request in requests:
             self._check_request(request)
         groups = group_requests(requests, self.max_batch_sequences)
@@ -170,21 +189,36 @@ class HFRolloutEngine:
             for name, parameter in self._parameters.items():
                 parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
                 self._dropped.add(name)
+            self._dropped_by = "a sleep at level 2"
         elif self.device.type != "cpu":
             self.model.to("cpu")
         if self.device.type != "cpu":
             device_mod.release_cached_memory(detect())
 
     def wake(self) -> None:
-        """Bring the weights back to the engine's device; after a level-2 sleep every weight must
-        have been written since (a weight sync), else this raises naming them."""
-        if self._dropped:
-            missing = sorted(self._dropped)
-            raise RuntimeError(f"hf engine: wake after a sleep at level 2 with {len(missing)} weights not written "
-                               f"since (a weight sync must load every one): {', '.join(missing[:5])}"
-                               + (", ..." if len(missing) > 5 else ""))
+        """Bring the weights back to the engine's device; after a level-2 sleep (or a start without
+        weights) every weight must have been written since (a weight sync), else this raises naming them."""
+        self._check_weights_written("wake")
         if self.sleep_level == 1 and self.device.type != "cpu":
             self.model.to(self.device)
+
+    def _check_weights_written(self, action: str) -> None:
+        """Raise naming the weights freed (or never loaded) and not written since, if any."""
+        if self._dropped:
+            missing = sorted(self._dropped)
+            raise RuntimeError(f"hf engine: {action} after {self._dropped_by} with {len(missing)} weights not "
+                               f"written since (a weight sync must load every one): {', '.join(missing[:5])}"
+                               + (", ..." if len(missing) > 5 else ""))
+
+
+def _empty_parameters_on(model: torch.nn.Module, device: torch.device) -> None:
+    """Each parameter (on the meta device: models/loading.model_without_weights) becomes an empty
+    tensor on `device`, as a sleep at level 2 leaves it. The Parameter objects stay the same
+    (`torch.utils.swap_tensors`), so tied weights stay tied."""
+    for parameter in model.parameters():
+        empty = torch.nn.Parameter(torch.empty(0, dtype=parameter.dtype, device=device),
+                                   requires_grad=parameter.requires_grad)
+        torch.utils.swap_tensors(parameter, empty)
 
 
 def _cache_settings(kv_cache: str) -> dict:
