@@ -31,7 +31,9 @@ class HFOptions:
     """While the policy trains (colocated engines), as vLLM's `sleep_level`: 2 frees the engine's
     weights, and the weight sync after the update allocates and writes every one straight on the
     device (waking with a weight not written since is refused); 1 moves them to host memory and
-    back, and the sync writes them there. On one H200 (docs/BENCHMARKS.md, "One H200, ninth run"),
+    back, and the sync writes them there. Colocated engines at level 2 start without reading the
+    model directory's weights (their first sleep would free them; the sync before step 0 writes
+    them: `RolloutConfig.engine_options`). On one H200 (docs/BENCHMARKS.md, "One H200, ninth run"),
     3B: level 2's steps took 36% less time than level 1's (sleep 0.07 s instead of 4.1-4.3, sync
     0.07-0.08 s instead of 4.7-4.8); 7B: level 1's host copy did not fit next to the offloaded
     optimizer, level 2 ran."""
@@ -58,7 +60,9 @@ class VLLMOptions:
     """Skip CUDA graph capture (faster start, slower decoding)."""
     load_format: str = "auto"
     """How the engine first loads the model directory: "auto" (its safetensors) or "dummy" (random
-    weights; the first weight sync brings the policy's)."""
+    weights; the first weight sync brings the policy's). Colocated engines at sleep_level 2 start
+    with "dummy" in place of "auto" (their first sleep drops the weights anyway; the sync before
+    step 0 writes them: `RolloutConfig.engine_options`)."""
     max_model_len: int | None = None
     """Longest prompt + response an engine serves; None: the model config's."""
     sleep_level: int = 1
@@ -133,14 +137,31 @@ class RolloutConfig:
         if self.num_cpus_per_engine <= 0 or self.num_gpus_per_engine < 0:
             raise ValueError("flexrl.rollout.num_cpus_per_engine must be > 0 and num_gpus_per_engine >= 0")
 
-    def engine_options(self) -> dict[str, Any]:
-        """Keyword arguments the chosen backend's engine takes beyond the common ones."""
-        return asdict(self.vllm) if self.backend == "vllm" else asdict(self.hf)
+    def engine_options(self, *, colocated: bool) -> dict[str, Any]:
+        """Keyword arguments the chosen backend's engine takes beyond the common ones, for engines
+        inside the policy ranks (`colocated`) or in actors of their own. Engines that would free
+        their weights at their first sleep (`engines_drop_weights_at_start`) start without reading
+        the model directory's: hf with `load_weights_at_start` False (rollout/hf_engine.py), vllm
+        with `load_format` "dummy" in place of "auto" (random weights, no disk read); the trainer
+        syncs every weight before step 0 in that case (`engines_start_without_policy_weights`)."""
+        skip_weights = self.engines_drop_weights_at_start(colocated)
+        if self.backend == "hf":
+            return {**asdict(self.hf), "load_weights_at_start": not skip_weights}
+        options = asdict(self.vllm)
+        if skip_weights and options["load_format"] == "auto":
+            options["load_format"] = "dummy"
+        return options
+
+    def engines_drop_weights_at_start(self, colocated: bool) -> bool:
+        """Whether the engines free their weights as soon as they start: colocated engines sleep right
+        after starting (the policy trains first), and at sleep_level 2 a sleep frees the weights."""
+        sleep_level = self.hf.sleep_level if self.backend == "hf" else self.vllm.sleep_level
+        return colocated and sleep_level == 2
 
     def engines_start_without_policy_weights(self, colocated: bool) -> bool:
         """Whether the engines' weights differ from the model directory's when step 0 begins, so the
-        trainer must sync before it: vllm with random weights (load_format dummy), or colocated
-        engines at sleep_level 2 (they sleep as soon as they start, which drops their weights)."""
-        if self.backend == "hf":
-            return colocated and self.hf.sleep_level == 2
-        return self.vllm.load_format == "dummy" or (colocated and self.vllm.sleep_level == 2)
+        trainer must sync before it: vllm with random weights (load_format dummy), or engines that
+        free their weights at once (`engines_drop_weights_at_start`: colocated at sleep_level 2; they
+        also start without reading them, `engine_options`)."""
+        random_weights = self.backend == "vllm" and self.vllm.load_format == "dummy"
+        return random_weights or self.engines_drop_weights_at_start(colocated)

@@ -92,7 +92,7 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
         seed=run.flexrl.trainer.seed, rollout_backend=run.flexrl.rollout.backend if colocated else None,
         max_batch_sequences=run.flexrl.rollout.max_batch_sequences,
         activation_checkpointing=run.flexrl.trainer.activation_checkpointing,
-        rollout_options=run.flexrl.rollout.engine_options() if colocated else {})
+        rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {})
 
 
 def train_options(prepared: Prepared, start_step: int, raw_config: dict) -> TrainOptions:
@@ -184,7 +184,7 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
             rollout = SeparateRollout(rollout_config.num_engines, rollout_config.backend, args.model_dir,
                                       controller.pixels, setup.dtype, rollout_config.num_cpus_per_engine,
                                       rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
-                                      trainer.timeout_s, rollout_config.engine_options(),
+                                      trainer.timeout_s, rollout_config.engine_options(colocated=False),
                                       gpus_per_policy_rank=trainer.num_gpus_per_rank, env=worker_env())
         return drive(prepared, controller, policy, rollout, raw_config)
     finally:

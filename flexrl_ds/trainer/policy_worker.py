@@ -78,7 +78,8 @@ class PolicySetup:
     max_batch_sequences: int = 64
     """Sequences per generate call of the colocated engine."""
     rollout_options: dict = field(default_factory=dict)
-    """Backend-specific engine settings (`RolloutConfig.engine_options()`)."""
+    """Backend-specific engine settings (`RolloutConfig.engine_options(colocated=True)`: at sleep_level 2
+    the engine starts without reading the model directory's weights; the first sync writes them)."""
     activation_checkpointing: bool = False
     """`flexrl.trainer.activation_checkpointing`: the policy recomputes layers in backward."""
 

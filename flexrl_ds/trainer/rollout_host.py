@@ -64,7 +64,8 @@ class RolloutHost:
 
     def __init__(self, backend: str, model_dir: str, pixels: Any, dtype: str = "float32", device: Any = None,
                  max_batch_sequences: int = 64, engine_options: dict[str, Any] | None = None):
-        """pixels: the run's `PixelSource` (data_controller.py); engine_options: `RolloutConfig.engine_options()`."""
+        """pixels: the run's `PixelSource` (data_controller.py); engine_options:
+        `RolloutConfig.engine_options(colocated=...)` (inside a policy rank or not)."""
         self.engine = engine_class(backend)(model_dir, dtype=dtype, device=device,
                                             max_batch_sequences=max_batch_sequences, **(engine_options or {}))
         self.pixels = pixels

@@ -133,7 +133,8 @@ def test_the_run_configs_kv_cache_reaches_the_hosts_engine(rollout_assets):
     # both values differ from the defaults (dynamic, 2), so an ignored setting fails here
     config = from_dict(RolloutConfig, json.loads('{"backend": "hf", "hf": {"kv_cache": "static", "sleep_level": 1}}'),
                        "flexrl.rollout")
-    host = RolloutHost("hf", rollout_assets["vl"], pixels=None, device="cpu", engine_options=config.engine_options())
+    host = RolloutHost("hf", rollout_assets["vl"], pixels=None, device="cpu",
+                       engine_options=config.engine_options(colocated=True))
     assert (host.engine.kv_cache, host.engine.sleep_level) == ("static", 1)
 
 

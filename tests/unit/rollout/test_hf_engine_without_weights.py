@@ -12,7 +12,9 @@ import torch
 
 from flexrl_ds.models.loading import load_model
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
+from flexrl_ds.rollout.config import HFOptions, RolloutConfig
 from flexrl_ds.rollout.hf_engine import HFRolloutEngine
+from flexrl_ds.trainer.rollout_host import RolloutHost
 
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, max_new_tokens=6)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
@@ -154,3 +156,15 @@ def test_a_model_and_no_weights_at_start_is_refused(rollout_assets):
         HFRolloutEngine(rollout_assets["q2"], device="cpu", model=load_model(rollout_assets["q2"]),
                         load_weights_at_start=False)
 
+
+def test_a_colocated_host_at_level_2_starts_its_engine_without_weights(rollout_assets):
+    """The run config's default (hf, sleep_level 2) reaches the engine a policy rank's host builds;
+    a separate host, or level 1, loads the directory as before."""
+    def host(colocated: bool, **hf):
+        options = RolloutConfig(backend="hf", hf=HFOptions(**hf)).engine_options(colocated=colocated)
+        return RolloutHost("hf", rollout_assets["q2"], pixels=None, device="cpu", engine_options=options).engine
+
+    colocated = host(True)
+    assert colocated._dropped == set(colocated._shapes) and colocated._shapes
+    for engine in (host(False), host(True, sleep_level=1)):
+        assert not engine._dropped and all(p.numel() > 0 for p in engine.model.parameters())

@@ -196,14 +196,16 @@ def test_weight_names_land_where_the_checkpoint_names_do(tmp_path):
 
 
 def test_engine_options_by_backend():
-    assert RolloutConfig(backend="hf").engine_options() == {"kv_cache": "dynamic", "sleep_level": 2}
-    assert RolloutConfig(backend="hf", hf=HFOptions(kv_cache="static", sleep_level=1)).engine_options() == \
-        {"kv_cache": "static", "sleep_level": 1}
+    assert RolloutConfig(backend="hf").engine_options(colocated=False) == \
+        {"kv_cache": "dynamic", "sleep_level": 2, "load_weights_at_start": True}
+    static_level_1 = RolloutConfig(backend="hf", hf=HFOptions(kv_cache="static", sleep_level=1))
+    assert static_level_1.engine_options(colocated=True) == \
+        {"kv_cache": "static", "sleep_level": 1, "load_weights_at_start": True}
     with pytest.raises(ValueError, match=re.escape("flexrl.rollout.hf.kv_cache: dynamic | static, got 'paged'")):
         HFOptions(kv_cache="paged")
     with pytest.raises(ValueError, match=re.escape("flexrl.rollout.hf.sleep_level: 1 or 2, got 0")):
         HFOptions(sleep_level=0)
-    options = RolloutConfig(backend="vllm", vllm=VLLMOptions(gpu_memory_utilization=0.5)).engine_options()
+    options = RolloutConfig(backend="vllm", vllm=VLLMOptions(gpu_memory_utilization=0.5)).engine_options(colocated=True)
     assert options["gpu_memory_utilization"] == 0.5 and options["sleep_level"] == 1
     for bad, match in (({"gpu_memory_utilization": 0}, "gpu_memory_utilization"), ({"sleep_level": 3}, "sleep_level"),
                        ({"load_format": "pt"}, "load_format"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
@@ -227,6 +229,56 @@ def test_engines_that_start_without_the_policy_weights_are_synced_first():
     assert not hf_dropping.engines_start_without_policy_weights(False)  # separate engines do not sleep
 
 
+def test_engines_that_free_their_weights_at_once_start_without_reading_them():
+    """Only colocated engines at sleep_level 2 free their weights at their first sleep, right after
+    they start: they start without reading the model directory's (hf: load_weights_at_start False;
+    vllm: load_format "dummy" in place of "auto", an explicit "safetensors" kept), and the trainer
+    syncs every weight before step 0 for them. Every other case starts as before."""
+    def vllm_format(colocated, **vllm):
+        config = RolloutConfig(backend="vllm", vllm=VLLMOptions(**vllm))
+        return config.engine_options(colocated=colocated)["load_format"]
+
+    assert vllm_format(True, sleep_level=2) == "dummy"
+    assert vllm_format(True, sleep_level=2, load_format="dummy") == "dummy"
+    assert vllm_format(True, sleep_level=2, load_format="safetensors") == "safetensors"
+    assert vllm_format(True, sleep_level=1) == "auto" and vllm_format(True) == "auto"  # level 1 is vllm's default
+    assert vllm_format(False, sleep_level=2) == "auto" and vllm_format(False, sleep_level=1) == "auto"
+    assert vllm_format(False, sleep_level=2, load_format="dummy") == "dummy"
+
+    def hf_loads(colocated, **hf):
+        options = RolloutConfig(backend="hf", hf=HFOptions(**hf)).engine_options(colocated=colocated)
+        return options["load_weights_at_start"]
+
+    assert not hf_loads(True) and not hf_loads(True, sleep_level=2)  # level 2 is hf's default
+    assert hf_loads(True, sleep_level=1)
+    assert hf_loads(False) and hf_loads(False, sleep_level=1)
+
+    for backend in ("hf", "vllm"):  # an engine started without the directory's weights is always synced first
+        for colocated in (True, False):
+            for sleep_level in (1, 2):
+                for load_format in ("auto", "dummy", "safetensors"):
+                    config = RolloutConfig(backend=backend, hf=HFOptions(sleep_level=sleep_level),
+                                           vllm=VLLMOptions(sleep_level=sleep_level, load_format=load_format))
+                    options = config.engine_options(colocated=colocated)
+                    skipped = not options.get("load_weights_at_start", True) or options.get("load_format") == "dummy"
+                    assert not skipped or config.engines_start_without_policy_weights(colocated), \
+                        (backend, colocated, sleep_level, load_format)
+
+
+def test_every_hf_option_reaches_the_engine():
+    """Each key of the hf backend's engine_options() is a keyword of HFRolloutEngine (splatted into it)."""
+    import inspect
+
+    from flexrl_ds.rollout.hf_engine import HFRolloutEngine
+
+    keywords = set(inspect.signature(HFRolloutEngine.__init__).parameters)
+    for colocated in (True, False):
+        for sleep_level in (1, 2):
+            config = RolloutConfig(backend="hf", hf=HFOptions(sleep_level=sleep_level))
+            options = config.engine_options(colocated=colocated)
+            assert set(options) <= keywords, set(options) - keywords
+
+
 def test_vllm_config_section_reads_from_json():
     from flexrl_ds.common.typed import from_dict
 
@@ -247,4 +299,7 @@ def test_every_vllm_option_reaches_the_engine():
     common = {"self", "model_dir", "dtype", "device", "max_batch_sequences"}
     keywords = {arg.arg for arg in init.args.args + init.args.kwonlyargs} - common
     assert keywords == {f.name for f in dataclasses.fields(VLLMOptions)}
-    assert set(RolloutConfig(backend="vllm").engine_options()) == keywords
+    for colocated in (True, False):
+        for sleep_level in (1, 2):
+            config = RolloutConfig(backend="vllm", vllm=VLLMOptions(sleep_level=sleep_level))
+            assert set(config.engine_options(colocated=colocated)) == keywords

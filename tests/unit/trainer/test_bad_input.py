@@ -228,6 +228,6 @@ def test_vllm_media_limits_come_from_the_data_or_name_the_record():
     text_only = resolve_media_limits(RolloutConfig(backend="vllm"), [Record("t", "q", ())]).vllm
     assert (text_only.max_images_per_prompt, text_only.max_videos_per_prompt) == (1, 1)
     kept = resolve_media_limits(RolloutConfig(backend="vllm", vllm=VLLMOptions(max_images_per_prompt=5)), records)
-    assert kept.vllm.max_images_per_prompt == 5 and kept.engine_options()["max_images_per_prompt"] == 5
+    assert kept.vllm.max_images_per_prompt == 5 and kept.engine_options(colocated=False)["max_images_per_prompt"] == 5
     with pytest.raises(ValueError, match="record 'many': 3 images, more than flexrl.rollout.vllm.max_images_per_prompt = 2"):
         resolve_media_limits(RolloutConfig(backend="vllm", vllm=VLLMOptions(max_images_per_prompt=2)), records)

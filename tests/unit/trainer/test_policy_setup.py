@@ -20,3 +20,25 @@ def test_activation_checkpointing_reaches_the_policy_setup(checkpointing):
         raw["flexrl"]["trainer"]["activation_checkpointing"] = checkpointing
     setup = policy_setup(parse_run_config(raw), "model-dir", pixels=None, colocated=True)
     assert setup.activation_checkpointing is bool(checkpointing)
+
+
+@pytest.mark.parametrize("backend, sleep_level, expected", [
+    ("hf", None, {"load_weights_at_start": False}),  # hf's default level 2
+    ("hf", 1, {"load_weights_at_start": True}),
+    ("vllm", 2, {"load_format": "dummy"}),
+    ("vllm", None, {"load_format": "auto"}),  # vllm's default level 1
+])
+def test_colocated_engines_that_free_their_weights_at_once_start_without_reading_them(backend, sleep_level, expected):
+    """The policy ranks build their colocated engine from PolicySetup.rollout_options: at sleep_level 2
+    (freed at its first sleep) it starts without the model directory's weights, and the trainer
+    syncs every weight before step 0 (launch.drive); ranks without an engine get no options."""
+    raw = json.loads(CONFIG.read_text())
+    raw["flexrl"]["rollout"]["backend"] = backend
+    if sleep_level is not None:
+        raw["flexrl"]["rollout"][backend] = {"sleep_level": sleep_level}
+    run = parse_run_config(raw)
+    options = policy_setup(run, "model-dir", pixels=None, colocated=True).rollout_options
+    assert {key: options[key] for key in expected} == expected
+    if expected in ({"load_weights_at_start": False}, {"load_format": "dummy"}):
+        assert run.flexrl.rollout.engines_start_without_policy_weights(colocated=True)
+    assert policy_setup(run, "model-dir", pixels=None, colocated=False).rollout_options == {}
