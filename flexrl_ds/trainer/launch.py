@@ -144,8 +144,8 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
         controller.skip_steps(start)
     colocated = isinstance(rollout, ColocatedRollout)
     if checkpoint is not None or rollout_config.engines_start_without_policy_weights(colocated):
-        # the engines must start from the policy's weights: a checkpoint's, or the model's over random
-        # or dropped ones
+        # the engines must start from the policy's weights: a checkpoint's, or the model's over random,
+        # dropped or never loaded ones (colocated at sleep_level 2: RolloutConfig.engine_options)
         rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
     trainer_config = prepared.run.flexrl.trainer
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
