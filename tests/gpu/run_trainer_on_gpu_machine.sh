@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GRPO trainer on one GPU (issues 9, 10): a Qwen2.5-VL-shaped model with random bf16 weights, a
 # rollout backend (BACKEND=hf | vllm, default hf) colocated with the ZeRO-3 policy and reference,
-# STEPS steps (default 2) on images and videos.
+# STEPS steps (default 2) on images and videos. The run config is the shape's shipped one-H200 file,
+# ds_configs/grpo_vl{3b,7b}_1xh200.json, with the switches below on top.
 #   SHAPE=3b (default): all ZeRO-3 states on the GPU.
 #   SHAPE=7b: ZeRO-3 with 70% of the optimizer offloaded to host memory (`offload_optimizer.ratio`;
 #     host memory ~ 4 B/param of fp32 gradient buffer for all parameters + ratio x 16 B/param of
@@ -9,8 +10,8 @@
 #     more than the machine's 125 GiB), DeepSpeed's CPUAdam stepping there
 #     (JIT-compiled on first use) and the vLLM engine dropping its weights while asleep (sleep_level 2:
 #     the sync rewrites them).
-#   OFFLOAD_RATIO=r: with SHAPE=7b, the share of the optimizer offloaded (default 0.7; lower keeps
-#     more of it on the GPU, stepped there).
+#   OFFLOAD_RATIO=r: with SHAPE=7b, the share of the optimizer offloaded (default: the file's 0.7;
+#     lower keeps more of it on the GPU, stepped there: docs/BENCHMARKS.md "One H200, tenth run").
 #   COLOCATE=0: rollout engines in Ray actors of their own: the separate-engine path, its weights over
 #     the weight channel. On one GPU the engine shares it with the policy rank (0.5 GPU each) and the
 #     channel shares each bucket in place (CUDA IPC). On G >= 2 GPUs every rank and engine has a whole
@@ -64,28 +65,16 @@ python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" "$(nvidia-smi
 import json, os, sys
 path, backend, shape, colocate, gpus = sys.argv[1:]
 gpus = int(gpus)
-config = json.load(open("ds_configs/grpo_tiny_cpu.json"))
-config["bf16"] = {"enabled": True}
-config["optimizer"]["params"]["lr"] = 1e-6
-config["flexrl"]["trainer"].update(num_policy_ranks=1, num_gpus_per_rank=1, num_cpus_per_rank=4, save_every=0,
-                                   save_rollouts=True, timeout_s=900.0,
+# The shipped one-H200 config of the shape (ds_configs/README.md), with this run's choices on top.
+config = json.load(open(f"ds_configs/grpo_vl{shape}_1xh200.json"))
+config["flexrl"]["trainer"].update(save_every=0,
                                    save_last=os.environ.get("SAVE") == "1",  # the disk holds few checkpoints
                                    activation_checkpointing=os.environ.get("CKPT") == "1")
-config["flexrl"]["sp"].update(p_max=1)
-config["flexrl"]["rollout"].update(max_response_length=128, backend=backend)
-vllm = {"gpu_memory_utilization": 0.3, "max_model_len": 8192}  # media per prompt: sized from the data
-if shape == "7b":
-    # OFFLOAD_RATIO (default 70%) of the optimizer (fp32 master weights, moments, gradients) in host
-    # memory, stepped by DeepSpeed's CPUAdam (JIT-built there); the rest on the GPU
-    config["optimizer"]["params"].pop("torch_adam")
-    config["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False,
-                                                         "ratio": float(os.environ.get("OFFLOAD_RATIO", "0.7"))},
-                                       sub_group_size=100_000_000)
-    vllm["sleep_level"] = 2
-    config["flexrl"]["trainer"].update(num_cpus_per_rank=10)  # threads for the Adam step on the host
-if backend == "vllm":
-    config["flexrl"]["rollout"]["vllm"] = vllm
-else:
+config["flexrl"]["rollout"]["backend"] = backend
+if "OFFLOAD_RATIO" in os.environ:  # 7b: the share of the optimizer stepped on the host by CPUAdam
+    config["zero_optimization"]["offload_optimizer"]["ratio"] = float(os.environ["OFFLOAD_RATIO"])
+if backend == "hf":
+    config["flexrl"]["rollout"].pop("vllm", None)
     config["flexrl"]["rollout"]["hf"] = {"kv_cache": os.environ.get("HF_KV_CACHE", "dynamic"),
                                          "sleep_level": int(os.environ.get("HF_SLEEP_LEVEL", "2"))}
 if colocate == "0" and gpus >= 2:  # whole GPUs: the weight channel is NCCL
@@ -94,8 +83,6 @@ if colocate == "0" and gpus >= 2:  # whole GPUs: the weight channel is NCCL
 elif colocate == "0":
     config["flexrl"]["trainer"].update(colocate=False, num_gpus_per_rank=0.5)
     config["flexrl"]["rollout"].update(num_engines=1, num_gpus_per_engine=0.5, num_cpus_per_engine=2)
-config["flexrl"]["data"]["loader"].update(global_batch=4, num_samples_per_prompt=4)
-config["flexrl"]["data"]["pool"].update(num_actors_per_node=2 if shape == "7b" else 4, num_cpus_per_actor=1.0)
 json.dump(config, open(path, "w"), indent=1)
 PY
 cp "$work/config.json" "$out/config.json"

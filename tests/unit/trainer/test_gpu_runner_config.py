@@ -1,0 +1,80 @@
+"""The GPU trainer runner (tests/gpu/run_trainer_on_gpu_machine.sh) builds its run config from the
+shipped one-H200 files in ds_configs/ and its environment. Its config step runs here on CPU: every
+combination must give a run config that loads, and each switch must land where the runner says."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexrl_ds.config.flexrl_config import load_run_config
+
+ROOT = Path(__file__).resolve().parents[3]
+RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
+
+
+def runner_config_step() -> str:
+    """The Python that the runner feeds to `python3 - "$work/config.json" ...` (its first heredoc
+    after that line)."""
+    text = RUNNER.read_text()
+    match = re.search(r'python3 - "\$work/config\.json".*?<<\'PY\'\n(.*?)\nPY\n', text, re.S)
+    assert match, "the runner's config step was not found"
+    return match.group(1)
+
+
+def build(tmp_path, backend: str, shape: str, colocate: str = "1", gpus: int = 1, **env: str) -> dict:
+    path = tmp_path / f"{shape}_{backend}_{colocate}_{gpus}.json"
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OFFLOAD_RATIO", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL")}
+    subprocess.run([sys.executable, "-c", runner_config_step(), str(path), backend, shape, colocate, str(gpus)],
+                   cwd=ROOT, env={**clean, **env}, check=True)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("shape", ["3b", "7b"])
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_every_backend_and_shape_gives_a_valid_run_config(tmp_path, shape, backend):
+    shipped = json.loads((ROOT / "ds_configs" / f"grpo_vl{shape}_1xh200.json").read_text())
+    raw = build(tmp_path, backend, shape)
+    run = load_run_config(tmp_path / f"{shape}_{backend}_1_1.json")
+    assert run.flexrl.rollout.backend == backend
+    assert run.flexrl.trainer.save_every == 0 and not run.flexrl.trainer.save_last
+    assert run.flexrl.trainer.colocate
+    # apart from the rollout section and the save settings, the shipped file as it is
+    for key in ("optimizer", "zero_optimization", "bf16"):
+        assert raw[key] == shipped[key], key
+    assert raw["flexrl"]["data"] == shipped["flexrl"]["data"]
+    if backend == "hf":
+        assert "vllm" not in raw["flexrl"]["rollout"]
+        assert (run.flexrl.rollout.hf.kv_cache, run.flexrl.rollout.hf.sleep_level) == ("dynamic", 2)
+    else:
+        assert raw["flexrl"]["rollout"]["vllm"] == shipped["flexrl"]["rollout"]["vllm"]
+
+
+def test_the_switches_land_in_the_config(tmp_path):
+    raw = build(tmp_path, "hf", "7b", OFFLOAD_RATIO="0.5", SAVE="1", CKPT="1",
+                HF_KV_CACHE="static", HF_SLEEP_LEVEL="1")
+    assert raw["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
+    trainer = raw["flexrl"]["trainer"]
+    assert trainer["save_last"] and trainer["activation_checkpointing"]
+    assert raw["flexrl"]["rollout"]["hf"] == {"kv_cache": "static", "sleep_level": 1}
+    shipped = json.loads((ROOT / "ds_configs" / "grpo_vl7b_1xh200.json").read_text())
+    assert build(tmp_path, "vllm", "7b")["zero_optimization"] == shipped["zero_optimization"]
+
+
+def test_separate_engines_share_one_gpu_or_take_whole_ones(tmp_path):
+    one = load_run_config_of(build(tmp_path, "vllm", "3b", colocate="0", gpus=1), tmp_path / "one.json")
+    assert not one.flexrl.trainer.colocate
+    assert (one.flexrl.trainer.num_gpus_per_rank, one.flexrl.rollout.num_gpus_per_engine) == (0.5, 0.5)
+    four = load_run_config_of(build(tmp_path, "vllm", "3b", colocate="0", gpus=4), tmp_path / "four.json")
+    assert (four.flexrl.trainer.num_policy_ranks, four.flexrl.rollout.num_engines) == (2, 2)
+    assert (four.flexrl.trainer.num_gpus_per_rank, four.flexrl.rollout.num_gpus_per_engine) == (1, 1)
+
+
+def load_run_config_of(raw: dict, path: Path):
+    path.write_text(json.dumps(raw))
+    return load_run_config(path)
