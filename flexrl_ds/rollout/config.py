@@ -17,6 +17,16 @@ KV_CACHE_MODES = ("dynamic", "static")
 """`HFOptions.kv_cache` values."""
 
 
+SLEEP_LEVELS = (1, 2)
+"""`HFOptions.sleep_level` and `VLLMOptions.sleep_level` values."""
+
+
+def check_sleep_level(backend: str, level: int) -> None:
+    """Refuse a sleep level other than SLEEP_LEVELS, naming the key `flexrl.rollout.<backend>.sleep_level`."""
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"flexrl.rollout.{backend}.sleep_level: 1 or 2, got {level}")
+
+
 @dataclass
 class HFOptions:
     """Settings of the hf backend's engines (section `flexrl.rollout.hf`; rollout/hf_engine.py)."""
@@ -41,8 +51,7 @@ class HFOptions:
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"flexrl.rollout.hf.kv_cache: {' | '.join(KV_CACHE_MODES)}, got {self.kv_cache!r}")
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"flexrl.rollout.hf.sleep_level: 1 or 2, got {self.sleep_level}")
+        check_sleep_level("hf", self.sleep_level)
 
 
 @dataclass
@@ -84,8 +93,7 @@ class VLLMOptions:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"flexrl.rollout.vllm.gpu_memory_utilization: must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"flexrl.rollout.vllm.sleep_level: 1 or 2, got {self.sleep_level}")
+        check_sleep_level("vllm", self.sleep_level)
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"flexrl.rollout.vllm.load_format: auto | dummy | safetensors, got {self.load_format!r}")
         if self.seeding not in SEEDING_MODES:
