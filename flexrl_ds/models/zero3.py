@@ -145,3 +145,51 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
         if grad is not None:
             out[name] = grad.detach().float().cpu().clone()
     return out
+
+
+STATES_ANY_OPTIMIZER = ("lp_params", "lp_grads", "contiguous_grad_buffer")
+"""ZeRO-3 states (DeepSpeed's `OffloadStateTypeEnum` names) that DeepSpeed 0.19 moves to host memory
+whatever the optimizer: the parameter partitions in the training dtype, their gradient partitions and
+the gradient buckets. The fp32 master weights and the optimizer moments move only under its FusedAdam."""
+
+
+class RolloutOffload:
+    """A policy engine's ZeRO-3 states in host memory while a colocated rollout engine generates
+    (`offload`), and back on the device for the next pass (`reload`).
+
+    Whatever DeepSpeed can move is moved:
+    - under DeepSpeed's FusedAdam, every state;
+    - with the optimizer offloaded (`offload_optimizer`), DeepSpeed itself leaves out what it keeps
+      on the host and the gradients: the parameters and the gradient buckets move;
+    - under any other optimizer on the device (torch's AdamW, `"torch_adam": true`), DeepSpeed refuses
+      the fp32 states with an AssertionError; `STATES_ANY_OPTIMIZER` move instead, from then on.
+    An engine that can move nothing (parameters offloaded, or no optimizer) raises on `offload`."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.include: list | None = None
+        """The states asked for: None, every state DeepSpeed allows; else `STATES_ANY_OPTIMIZER`."""
+        self.refusal = ""
+        """Why DeepSpeed refused every state, when it did (its message)."""
+
+    def offload(self) -> tuple[str, ...]:
+        """Move the states to host memory; returns the names of those now there."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+        try:
+            self.engine.offload_states(include=self.include)
+        except AssertionError as error:  # DeepSpeed checks before it moves anything
+            if self.include is not None:
+                raise
+            self.include = [OffloadStateTypeEnum(name) for name in STATES_ANY_OPTIMIZER]
+            self.refusal = str(error)
+            self.engine.offload_states(include=self.include)
+        return self.offloaded()
+
+    def offloaded(self) -> tuple[str, ...]:
+        """Names of the states in host memory now."""
+        return tuple(sorted(state.value for state in self.engine.optimizer.offloaded_states))
+
+    def reload(self) -> None:
+        """Bring every offloaded state back to the device."""
+        self.engine.reload_states()

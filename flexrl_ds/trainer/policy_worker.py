@@ -137,6 +137,10 @@ class PolicyWorker:
         self.policy = self._engine(train=True)
         self.reference = self._engine(train=False) if setup.rl.init_kl_coef > 0 else None
         self.rollout = None
+        self.rollout_offload = zero3.RolloutOffload(self.policy)
+        """The policy's states in host memory while a colocated engine generates (GPU only); None once
+        DeepSpeed refused to move any."""
+        self._offload_reported = False
         if setup.rollout_backend is not None:
             self.rollout = RolloutHost(setup.rollout_backend, setup.model_dir, setup.pixels, setup.dtype,
                                        self.device, setup.max_batch_sequences, setup.rollout_options)
@@ -277,22 +281,28 @@ class PolicyWorker:
             generated = time.perf_counter()
             self.rollout.sleep()
             if offload:
-                self.policy.reload_states()
+                self.rollout_offload.reload()
         output.times_s.update(wake=woken - started, sleep=time.perf_counter() - generated)
         return output
 
     def _offload_states(self) -> bool:
-        """Move the policy's ZeRO-3 states to host memory while the engine generates. DeepSpeed 0.19
-        offloads only with its FusedAdam (not `torch_adam`): otherwise say so once and keep them."""
-        if getattr(self, "_offload_unsupported", False):
+        """Move the policy's ZeRO-3 states to host memory while the engine generates, as many as
+        DeepSpeed moves with this optimizer (`zero3.RolloutOffload`); the first time, say which. An
+        engine whose states cannot move keeps them, said once."""
+        if self.rollout_offload is None:
             return False
         try:
-            self.policy.offload_states()
-            return True
+            moved = self.rollout_offload.offload()
         except (AssertionError, NotImplementedError) as error:
-            self._offload_unsupported = True
+            self.rollout_offload = None
             print(f"rank {self.rank}: ZeRO-3 states stay on the device during rollout ({error})", flush=True)
             return False
+        if not self._offload_reported:
+            self._offload_reported = True
+            refusal = self.rollout_offload.refusal
+            print(f"rank {self.rank}: in host memory during rollout: {', '.join(moved) or 'nothing'}"
+                  + (f" (DeepSpeed keeps the rest: {refusal})" if refusal else ""), flush=True)
+        return True
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> bool:

@@ -10,6 +10,9 @@ the loss, the global gradient norm before clipping, and every parameter after th
 
 The "idle" plan puts a 2-token sequence alone in a degree-4 pack, so ranks 2 and 3 hold no token at
 all but must still join that pack's all-to-alls (before, they skipped them and ranks 0-1 hung).
+
+Also: ZeRO-3 states moved to host memory and back between two steps, as around a colocated rollout
+(`zero3.RolloutOffload`), train exactly as states that stayed in place.
 """
 
 from __future__ import annotations
@@ -248,3 +251,76 @@ def _build_cpu_adam() -> None:
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
     CPUAdamBuilder().load()
+
+
+def rank_steps_around_rollout_offload(model_dir: str, data_path: str, plan_json: dict, values: dict, offload: str,
+                                      move_states: bool):
+    """On every rank: two GRPO steps on one engine; with `move_states`, its ZeRO-3 states go to host
+    memory and back between them (`zero3.RolloutOffload`, as around a colocated rollout). Returns what
+    moved, DeepSpeed's refusal, and (rank 0) the parameters after the second step."""
+    import deepspeed
+    import torch.distributed as dist
+    from zero3_configs import zero3_config
+
+    from flexrl_ds.models import policy_update as pu
+    from flexrl_ds.models.flex_model import build_step_batch, positions_fn
+    from flexrl_ds.models.loading import load_model
+    from flexrl_ds.models.zero3 import RolloutOffload, build_engine
+    from flexrl_ds.planning.plan import parse_plan
+    from flexrl_ds.rl.config import GRPOConfig
+
+    torch.manual_seed(0)
+    plan = parse_plan(plan_json)
+    tree = cached_group_tree(WORLD, plan.p_max)
+    samples = rollouts(model_dir, data_path, with_tiny=False)
+    model = load_model(model_dir)
+    batch = build_step_batch(model.config, plan, samples, tree.local_rank, tree, positions=positions_fn(model))
+    engine = build_engine(model, zero3_config(lr=LR, betas=BETAS, eps=EPS, reduce_bucket_size=4096,
+                                              offload_optimizer=offload), logits_chunk=8)
+    config = GRPOConfig(loss_reduction="token_mean", **RL)
+    denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})
+    moved, states = (), RolloutOffload(engine)
+    for step in range(2):
+        if step == 1 and move_states:
+            moved = states.offload()
+            states.reload()
+            assert states.offloaded() == ()
+        pu.train_step(engine, batch, pu.local_response_values(batch, values["old"]),
+                      pu.local_response_values(batch, values["ref"]),
+                      pu.local_response_values(batch, values["adv"]), config, denoms)
+    out = {"moved": moved, "refusal": states.refusal}
+    params = dict(engine.module.hf_model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        if dist.get_rank() == 0:
+            out["params"] = {name: p.detach().clone() for name, p in params.items()}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu_adam_ratio"])
+def test_states_moved_for_a_rollout_and_back_train_as_if_never_moved(assets, dist_pools, offload):
+    """offload none: torch's AdamW on the device, whose fp32 states DeepSpeed refuses to move, so the
+    parameters and gradients move alone; cpu_adam_ratio: DeepSpeed picks what moves itself. Either way
+    the second step's parameters equal those of an engine that kept its states in place."""
+    from flexrl_ds.models.zero3 import STATES_ANY_OPTIMIZER
+
+    if offload == "cpu_adam_ratio":
+        _build_cpu_adam()
+    model_dir, data_path = assets
+    samples = rollouts(model_dir, data_path, with_tiny=False)
+    plan = make_plan(list(samples), "mixed")
+    values = fixed_values(model_dir, samples)
+    runs = {move: dist_pools(WORLD).run(rank_steps_around_rollout_offload, model_dir, data_path, plan.to_json(),
+                                        values, offload, move, timeout_s=240) for move in (False, True)}
+    moved = runs[True][0]["moved"]
+    assert "lp_params" in moved and all(r["moved"] == moved for r in runs[True])
+    assert not {"optim_states", "hp_params"} & set(moved)
+    if offload == "none":
+        assert set(moved) == set(STATES_ANY_OPTIMIZER)
+        assert "FusedAdam" in runs[True][0]["refusal"]
+    else:
+        assert runs[True][0]["refusal"] == "" and "lp_grads" not in moved  # DeepSpeed leaves them out itself
+    kept, moved_params = runs[False][0]["params"], runs[True][0]["params"]
+    assert set(kept) == set(moved_params)
+    for name, expected in kept.items():
+        torch.testing.assert_close(moved_params[name], expected, atol=0, rtol=0, msg=name)
