@@ -82,6 +82,9 @@ class PolicySetup:
     the engine starts without reading the model directory's weights; the first sync writes them)."""
     activation_checkpointing: bool = False
     """`flexrl.trainer.activation_checkpointing`: the policy recomputes layers in backward."""
+    offload_states_in_rollout: bool = True
+    """`flexrl.trainer.offload_states_in_rollout`: the policy's states wait in host memory while the
+    colocated engine generates (GPU only)."""
 
 
 @dataclass
@@ -137,9 +140,9 @@ class PolicyWorker:
         self.policy = self._engine(train=True)
         self.reference = self._engine(train=False) if setup.rl.init_kl_coef > 0 else None
         self.rollout = None
-        self.rollout_offload = zero3.RolloutOffload(self.policy)
-        """The policy's states in host memory while a colocated engine generates (GPU only); None once
-        DeepSpeed refused to move any."""
+        self.rollout_offload = rollout_offload(self.policy, setup)
+        """The policy's states in host memory while a colocated engine generates (GPU only); None when
+        the run keeps them on the device, or once DeepSpeed refused to move any."""
         self._offload_reported = False
         if setup.rollout_backend is not None:
             self.rollout = RolloutHost(setup.rollout_backend, setup.model_dir, setup.pixels, setup.dtype,
@@ -322,3 +325,9 @@ class PolicyWorker:
     def export_hf(self, out_dir: str) -> bool:
         model_weights.save_hf_export(self.policy.module.hf_model, out_dir, self.setup.model_dir, rank=self.rank)
         return True
+
+
+def rollout_offload(policy_engine, setup: PolicySetup) -> zero3.RolloutOffload | None:
+    """What moves the policy's states out of the way of a colocated engine's rollout; None when
+    `setup.offload_states_in_rollout` keeps them on the device."""
+    return zero3.RolloutOffload(policy_engine) if setup.offload_states_in_rollout else None

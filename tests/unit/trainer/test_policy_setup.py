@@ -22,6 +22,25 @@ def test_activation_checkpointing_reaches_the_policy_setup(checkpointing):
     assert setup.activation_checkpointing is bool(checkpointing)
 
 
+@pytest.mark.parametrize("offload", [None, False, True])
+def test_offload_states_in_rollout_reaches_the_policy_ranks(offload):
+    """The setting reaches PolicySetup, and from it what a rank builds to move its states for a rollout."""
+    from flexrl_ds.models.zero3 import RolloutOffload
+    from flexrl_ds.trainer.policy_worker import rollout_offload
+
+    raw = json.loads(CONFIG.read_text())
+    if offload is not None:
+        raw["flexrl"]["trainer"]["offload_states_in_rollout"] = offload
+    setup = policy_setup(parse_run_config(raw), "model-dir", pixels=None, colocated=True)
+    assert setup.offload_states_in_rollout is (offload is not False)  # default: on
+    engine = object()
+    mover = rollout_offload(engine, setup)
+    if offload is False:
+        assert mover is None
+    else:
+        assert isinstance(mover, RolloutOffload) and mover.engine is engine
+
+
 @pytest.mark.parametrize("backend, sleep_level, expected", [
     ("hf", None, {"load_weights_at_start": False}),  # hf's default level 2
     ("hf", 1, {"load_weights_at_start": True}),
