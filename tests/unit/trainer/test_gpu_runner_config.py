@@ -29,7 +29,7 @@ def runner_config_step() -> str:
 def build(tmp_path, backend: str, shape: str, colocate: str = "1", gpus: int = 1, **env: str) -> dict:
     path = tmp_path / f"{shape}_{backend}_{colocate}_{gpus}.json"
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("OFFLOAD_RATIO", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL")}
+             if k not in ("OFFLOAD_RATIO", "OFFLOAD_IN_ROLLOUT", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL")}
     subprocess.run([sys.executable, "-c", runner_config_step(), str(path), backend, shape, colocate, str(gpus)],
                    cwd=ROOT, env={**clean, **env}, check=True)
     return json.loads(path.read_text())
@@ -57,10 +57,12 @@ def test_every_backend_and_shape_gives_a_valid_run_config(tmp_path, shape, backe
 
 def test_the_switches_land_in_the_config(tmp_path):
     raw = build(tmp_path, "hf", "7b", OFFLOAD_RATIO="0.5", SAVE="1", CKPT="1",
-                HF_KV_CACHE="static", HF_SLEEP_LEVEL="1")
+                HF_KV_CACHE="static", HF_SLEEP_LEVEL="1", OFFLOAD_IN_ROLLOUT="0")
     assert raw["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
     trainer = raw["flexrl"]["trainer"]
     assert trainer["save_last"] and trainer["activation_checkpointing"]
+    assert trainer["offload_states_in_rollout"] is False
+    assert build(tmp_path, "hf", "3b")["flexrl"]["trainer"]["offload_states_in_rollout"] is True
     assert raw["flexrl"]["rollout"]["hf"] == {"kv_cache": "static", "sleep_level": 1}
     shipped = json.loads((ROOT / "ds_configs" / "grpo_vl7b_1xh200.json").read_text())
     assert build(tmp_path, "vllm", "7b")["zero_optimization"] == shipped["zero_optimization"]
