@@ -20,6 +20,8 @@
 #     default dynamic).
 #   HF_SLEEP_LEVEL=1: the hf engine moves its weights to host memory while asleep instead of freeing
 #     them (`flexrl.rollout.hf.sleep_level`, default 2: the sync after each update rewrites them all).
+#   OFFLOAD_PIN=1: with SHAPE=7b, the offloaded optimizer states in pinned host memory
+#     (`offload_optimizer.pin_memory`; default: the file's false).
 #   OFFLOAD_IN_ROLLOUT=0: the policy's ZeRO-3 states stay on the GPU while the colocated engine
 #     generates (`flexrl.trainer.offload_states_in_rollout`; default on: those DeepSpeed can move wait
 #     in host memory).
@@ -77,6 +79,8 @@ config["flexrl"]["trainer"].update(save_every=0,
 config["flexrl"]["rollout"]["backend"] = backend
 if "OFFLOAD_RATIO" in os.environ:  # 7b: the share of the optimizer stepped on the host by CPUAdam
     config["zero_optimization"]["offload_optimizer"]["ratio"] = float(os.environ["OFFLOAD_RATIO"])
+if "OFFLOAD_PIN" in os.environ:  # 7b: pinned host buffers for the offloaded optimizer
+    config["zero_optimization"]["offload_optimizer"]["pin_memory"] = os.environ["OFFLOAD_PIN"] == "1"
 if backend == "hf":
     config["flexrl"]["rollout"].pop("vllm", None)
     config["flexrl"]["rollout"]["hf"] = {"kv_cache": os.environ.get("HF_KV_CACHE", "dynamic"),

@@ -29,7 +29,7 @@ def runner_config_step() -> str:
 def build(tmp_path, backend: str, shape: str, colocate: str = "1", gpus: int = 1, **env: str) -> dict:
     path = tmp_path / f"{shape}_{backend}_{colocate}_{gpus}.json"
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("OFFLOAD_RATIO", "OFFLOAD_IN_ROLLOUT", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL")}
+             if k not in ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL")}
     subprocess.run([sys.executable, "-c", runner_config_step(), str(path), backend, shape, colocate, str(gpus)],
                    cwd=ROOT, env={**clean, **env}, check=True)
     return json.loads(path.read_text())
@@ -57,8 +57,8 @@ def test_every_backend_and_shape_gives_a_valid_run_config(tmp_path, shape, backe
 
 def test_the_switches_land_in_the_config(tmp_path):
     raw = build(tmp_path, "hf", "7b", OFFLOAD_RATIO="0.5", SAVE="1", CKPT="1",
-                HF_KV_CACHE="static", HF_SLEEP_LEVEL="1", OFFLOAD_IN_ROLLOUT="0")
-    assert raw["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
+                HF_KV_CACHE="static", HF_SLEEP_LEVEL="1", OFFLOAD_IN_ROLLOUT="0", OFFLOAD_PIN="1")
+    assert raw["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.5}
     trainer = raw["flexrl"]["trainer"]
     assert trainer["save_last"] and trainer["activation_checkpointing"]
     assert trainer["offload_states_in_rollout"] is False
