@@ -159,11 +159,15 @@ class RolloutOffload:
 
     Whatever DeepSpeed can move is moved:
     - under DeepSpeed's FusedAdam, every state;
-    - with the optimizer offloaded (`offload_optimizer`), DeepSpeed itself leaves out what it keeps
-      on the host and the gradients: the parameters and the gradient buckets move;
+    - with the optimizer offloaded (`offload_optimizer`), DeepSpeed itself leaves out the fp32 master
+      weights, the moments and the gradients, wherever they are (also the share a `ratio` below 1
+      keeps on the device): the parameters and the gradient buckets move;
     - under any other optimizer on the device (torch's AdamW, `"torch_adam": true`), DeepSpeed refuses
-      the fp32 states with an AssertionError; `STATES_ANY_OPTIMIZER` move instead, from then on.
-    An engine that can move nothing (parameters offloaded, or no optimizer) raises on `offload`."""
+      the fp32 states (an AssertionError naming FusedAdam, raised before anything moves);
+      `STATES_ANY_OPTIMIZER` move instead, from then on.
+    `offload` raises where nothing can move: parameters offloaded or no optimizer (DeepSpeed's
+    AssertionError), or frozen parameters (NotImplementedError: DeepSpeed 0.19 would map them into a
+    buffer that holds only the trainable ones). If a move fails part-way, what moved comes back first."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -174,17 +178,29 @@ class RolloutOffload:
 
     def offload(self) -> tuple[str, ...]:
         """Move the states to host memory; returns the names of those now there."""
+        frozen = [name for name, parameter in self.engine.module.named_parameters() if not parameter.requires_grad]
+        if frozen:
+            raise NotImplementedError(f"DeepSpeed 0.19 cannot move the states of a model with frozen parameters "
+                                      f"({len(frozen)}, e.g. {frozen[0]})")
+        try:
+            self._move()
+        except BaseException:
+            if self.offloaded():
+                self.reload()
+            raise
+        return self.offloaded()
+
+    def _move(self) -> None:
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
         try:
             self.engine.offload_states(include=self.include)
-        except AssertionError as error:  # DeepSpeed checks before it moves anything
-            if self.include is not None:
+        except AssertionError as error:
+            if self.include is not None or "FusedAdam" not in str(error) or self.offloaded():
                 raise
             self.include = [OffloadStateTypeEnum(name) for name in STATES_ANY_OPTIMIZER]
             self.refusal = str(error)
             self.engine.offload_states(include=self.include)
-        return self.offloaded()
 
     def offloaded(self) -> tuple[str, ...]:
         """Names of the states in host memory now."""
@@ -193,3 +209,5 @@ class RolloutOffload:
     def reload(self) -> None:
         """Bring every offloaded state back to the device."""
         self.engine.reload_states()
+        if self.offloaded():
+            raise RuntimeError(f"DeepSpeed left states in host memory after reload_states: {self.offloaded()}")

@@ -35,11 +35,12 @@ class TrainerConfig:
     checkpointing, non-reentrant) instead of keeping its activations: one layer's activations live
     at a time, for about a third more compute in the update (long sequences, big models)."""
     offload_states_in_rollout: bool = True
-    """Colocated engines: while the engine generates, the policy's ZeRO-3 states that DeepSpeed can
-    move wait in host memory (models/zero3.py `RolloutOffload`: every state under DeepSpeed's
-    FusedAdam; the parameters, their gradients and the gradient buckets under another optimizer;
-    with the optimizer offloaded, what DeepSpeed leaves out itself). False keeps them on the device:
-    no copies to host memory and back each step, for more device memory in the rollout."""
+    """Colocated engines on GPUs: while the engine generates, the policy's ZeRO-3 states that
+    DeepSpeed can move wait in (pinned) host memory (models/zero3.py `RolloutOffload`): every state
+    under DeepSpeed's FusedAdam; the parameters, their gradients and the gradient buckets under
+    another optimizer on the device; the parameters and the buckets with the optimizer offloaded.
+    False keeps them on the device: no copies to host memory and back around each rollout, at the
+    price of that much device memory in use while the engine generates."""
     weight_sync_bucket_mb: int = 512
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0

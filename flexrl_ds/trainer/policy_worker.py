@@ -275,37 +275,38 @@ class PolicyWorker:
         """Colocated rollout of this rank's share of the step's prompts."""
         assert self.rollout is not None, "generate on a policy rank without a colocated engine"
         started = time.perf_counter()
-        offload = self.device_info.is_gpu and self._offload_states()
-        self.rollout.wake()
-        woken = time.perf_counter()
+        woken = started
         try:
+            if self.device_info.is_gpu:
+                self._offload_states()
+            self.rollout.wake()
+            woken = time.perf_counter()
             output = self.rollout.generate(step, jobs, params)
         finally:
             generated = time.perf_counter()
             self.rollout.sleep()
-            if offload:
+            if self.rollout_offload is not None and self.rollout_offload.offloaded():
                 self.rollout_offload.reload()
         output.times_s.update(wake=woken - started, sleep=time.perf_counter() - generated)
         return output
 
-    def _offload_states(self) -> bool:
+    def _offload_states(self) -> None:
         """Move the policy's ZeRO-3 states to host memory while the engine generates, as many as
         DeepSpeed moves with this optimizer (`zero3.RolloutOffload`); the first time, say which. An
         engine whose states cannot move keeps them, said once."""
         if self.rollout_offload is None:
-            return False
+            return
         try:
             moved = self.rollout_offload.offload()
         except (AssertionError, NotImplementedError) as error:
             self.rollout_offload = None
             print(f"rank {self.rank}: ZeRO-3 states stay on the device during rollout ({error})", flush=True)
-            return False
+            return
         if not self._offload_reported:
             self._offload_reported = True
             refusal = self.rollout_offload.refusal
             print(f"rank {self.rank}: in host memory during rollout: {', '.join(moved) or 'nothing'}"
                   + (f" (DeepSpeed keeps the rest: {refusal})" if refusal else ""), flush=True)
-        return True
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> bool:

@@ -1,0 +1,94 @@
+"""PolicyWorker.generate around a colocated engine: the policy's states leave the device for the
+rollout and come back whatever happens in it. Stand-ins for the engine and for `zero3.RolloutOffload`
+record the order of calls (the real offload: tests/distributed/test_grpo_update.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from flexrl_ds.trainer.policy_worker import PolicyWorker
+
+
+class StandInRollout:
+    def __init__(self, log: list, fails_in: str = ""):
+        self.log, self.fails_in = log, fails_in
+
+    def _call(self, name: str):
+        self.log.append(name)
+        if name == self.fails_in:
+            raise RuntimeError(f"{name} failed")
+
+    def wake(self):
+        self._call("wake")
+
+    def sleep(self):
+        self._call("sleep")
+
+    def generate(self, step, jobs, params):
+        self._call("generate")
+        return SimpleNamespace(times_s={"generate": 0.0})
+
+
+class StandInOffload:
+    def __init__(self, log: list, refuses: bool = False):
+        self.log, self.refuses, self.moved, self.refusal = log, refuses, (), ""
+
+    def offload(self):
+        self.log.append("offload")
+        if self.refuses:
+            raise AssertionError("Moving states across devices is not supported without an optimizer.")
+        self.moved = ("lp_params",)
+        return self.moved
+
+    def offloaded(self):
+        return self.moved
+
+    def reload(self):
+        self.log.append("reload")
+        self.moved = ()
+
+
+def worker(log: list, gpu: bool = True, fails_in: str = "", refuses: bool = False) -> PolicyWorker:
+    """A PolicyWorker with only what `generate` uses (no process group, no DeepSpeed engine)."""
+    stand_in = PolicyWorker.__new__(PolicyWorker)
+    stand_in.rank, stand_in._offload_reported = 0, False
+    stand_in.device_info = SimpleNamespace(is_gpu=gpu)
+    stand_in.rollout = StandInRollout(log, fails_in)
+    stand_in.rollout_offload = StandInOffload(log, refuses)
+    return stand_in
+
+
+def test_states_leave_for_the_rollout_and_come_back(capsys):
+    log: list = []
+    rank = worker(log)
+    output = rank.generate(0, [], None)
+    assert log == ["offload", "wake", "generate", "sleep", "reload"]
+    assert {"wake", "sleep", "generate"} <= set(output.times_s)
+    rank.generate(1, [], None)
+    assert capsys.readouterr().out.count("in host memory during rollout: lp_params") == 1  # said once
+
+
+@pytest.mark.parametrize("fails_in", ["wake", "generate"])
+def test_states_come_back_when_the_rollout_fails(fails_in):
+    log: list = []
+    with pytest.raises(RuntimeError, match=f"{fails_in} failed"):
+        worker(log, fails_in=fails_in).generate(0, [], None)
+    assert log[0] == "offload" and log[-2:] == ["sleep", "reload"]
+
+
+def test_states_that_cannot_move_stay_and_are_not_asked_again(capsys):
+    log: list = []
+    rank = worker(log, refuses=True)
+    rank.generate(0, [], None)
+    rank.generate(1, [], None)
+    assert log == ["offload", "wake", "generate", "sleep", "wake", "generate", "sleep"]
+    assert rank.rollout_offload is None
+    assert capsys.readouterr().out.count("ZeRO-3 states stay on the device during rollout") == 1
+
+
+def test_nothing_moves_on_a_cpu_rank():
+    log: list = []
+    worker(log, gpu=False).generate(0, [], None)
+    assert log == ["wake", "generate", "sleep"]
