@@ -60,6 +60,9 @@ class HFRolloutEngine:
             raise ValueError(f"model_dir: {model_dir} is not a model directory (no config.json)")
         if model is not None and not load_weights_at_start:
             raise ValueError("load_weights_at_start=False builds the model from model_dir's config: pass no model")
+        if sleep_level == 1 and not load_weights_at_start:
+            raise ValueError("load_weights_at_start=False needs sleep_level 2: a weight sync writes the weights "
+                             "on the device, where a sleep at level 1 keeps them in host memory")
         if device is None:
             device = detect().device(0)
         self.device = torch.device(device)

@@ -157,6 +157,13 @@ def test_a_model_and_no_weights_at_start_is_refused(rollout_assets):
                         load_weights_at_start=False)
 
 
+def test_no_weights_at_start_with_sleep_level_1_is_refused(rollout_assets):
+    """Level 1 keeps the weights in host memory while asleep; a start without weights leaves them to a
+    sync that writes them on the device (the trainer asks it only at level 2)."""
+    with pytest.raises(ValueError, match="load_weights_at_start=False needs sleep_level 2"):
+        HFRolloutEngine(rollout_assets["q2"], device="cpu", sleep_level=1, load_weights_at_start=False)
+
+
 def test_a_colocated_host_at_level_2_starts_its_engine_without_weights(rollout_assets):
     """The run config's default (hf, sleep_level 2) reaches the engine a policy rank's host builds;
     a separate host, or level 1, loads the directory as before."""
