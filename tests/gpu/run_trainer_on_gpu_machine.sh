@@ -22,9 +22,9 @@
 #     them (`flexrl.rollout.hf.sleep_level`, default 2: the sync after each update rewrites them all).
 #   OFFLOAD_PIN=1: with SHAPE=7b, the offloaded optimizer states in pinned host memory
 #     (`offload_optimizer.pin_memory`; default: the file's false).
-#   OFFLOAD_IN_ROLLOUT=0: the policy's ZeRO-3 states stay on the GPU while the colocated engine
-#     generates (`flexrl.trainer.offload_states_in_rollout`; default on: those DeepSpeed can move wait
-#     in host memory).
+#   OFFLOAD_IN_ROLLOUT=0|1: whether the policy's ZeRO-3 states that DeepSpeed can move wait in host
+#     memory while the colocated engine generates (`flexrl.trainer.offload_states_in_rollout`;
+#     default: the file's, off at 3B, where the measured runs moved nothing, on at 7B).
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
@@ -74,8 +74,9 @@ gpus = int(gpus)
 config = json.load(open(f"ds_configs/grpo_vl{shape}_1xh200.json"))
 config["flexrl"]["trainer"].update(save_every=0,
                                    save_last=os.environ.get("SAVE") == "1",  # the disk holds few checkpoints
-                                   activation_checkpointing=os.environ.get("CKPT") == "1",
-                                   offload_states_in_rollout=os.environ.get("OFFLOAD_IN_ROLLOUT", "1") == "1")
+                                   activation_checkpointing=os.environ.get("CKPT") == "1")
+if "OFFLOAD_IN_ROLLOUT" in os.environ:  # the policy's states in host memory while the engine generates
+    config["flexrl"]["trainer"]["offload_states_in_rollout"] = os.environ["OFFLOAD_IN_ROLLOUT"] == "1"
 config["flexrl"]["rollout"]["backend"] = backend
 if "OFFLOAD_RATIO" in os.environ:  # 7b: the share of the optimizer stepped on the host by CPUAdam
     config["zero_optimization"]["offload_optimizer"]["ratio"] = float(os.environ["OFFLOAD_RATIO"])

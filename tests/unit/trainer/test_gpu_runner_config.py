@@ -62,7 +62,11 @@ def test_the_switches_land_in_the_config(tmp_path):
     trainer = raw["flexrl"]["trainer"]
     assert trainer["save_last"] and trainer["activation_checkpointing"]
     assert trainer["offload_states_in_rollout"] is False
-    assert build(tmp_path, "hf", "3b")["flexrl"]["trainer"]["offload_states_in_rollout"] is True
+    for shape in ("3b", "7b"):  # unset: the file's setting
+        shipped = json.loads((ROOT / "ds_configs" / f"grpo_vl{shape}_1xh200.json").read_text())
+        assert build(tmp_path, "hf", shape)["flexrl"]["trainer"].get("offload_states_in_rollout") == \
+            shipped["flexrl"]["trainer"].get("offload_states_in_rollout")
+        assert build(tmp_path, "vllm", shape, OFFLOAD_IN_ROLLOUT="1")["flexrl"]["trainer"]["offload_states_in_rollout"]
     assert raw["flexrl"]["rollout"]["hf"] == {"kv_cache": "static", "sleep_level": 1}
     shipped = json.loads((ROOT / "ds_configs" / "grpo_vl7b_1xh200.json").read_text())
     assert build(tmp_path, "vllm", "7b")["zero_optimization"] == shipped["zero_optimization"]
