@@ -3,7 +3,8 @@ torch's AdamW (`torch_adam`, the 3B file's optimizer) DeepSpeed refuses the fp32
 parameters, their gradients and the buckets move instead. Checked on the device, where the CPU test
 (tests/distributed/test_grpo_update.py) cannot see it: the moved states leave the GPU's allocations,
 come back onto it, and the next step equals that of an engine whose states never moved.
-Run by `bash tests/gpu/run_on_gpu_machine.sh` (GPU_TEST_ARGS=tests/gpu/test_rollout_offload_gpu.py)."""
+Run there: `source tests/gpu/gpu_env.sh && python3 -m pytest -q tests/gpu/test_rollout_offload_gpu.py` (DeepSpeed
+from .whl/)."""
 
 from __future__ import annotations
 
