@@ -103,8 +103,22 @@ def fixed_values(model_dir: str, samples: dict) -> dict:
 def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict, reduction: str,
                    offload: str = "none", checkpointing: bool = False):
     """On every rank: ZeRO-3 engine from JSON, one GRPO train_step; rank 0 returns the parameters."""
-    import deepspeed
-    import torch.distributed as dist
+    from flexrl_ds.models import policy_update as pu
+
+    engine, batch, step = _rank_engine(model_dir, data_path, plan_json, values, reduction, offload, checkpointing)
+    runs = _count_layer_runs(engine.module.hf_model)
+    result = step()
+    out = {"metrics": pu.reduce_stats(result.stats), "grad_norm": result.grad_norm,
+           "num_local": batch.layout.num_local_tokens, "num_packs": len(batch.layout.packs),
+           "layer_runs": runs, **_rank0_params(engine)}
+    engine.destroy()
+    return out
+
+
+def _rank_engine(model_dir: str, data_path: str, plan_json: dict, values: dict, reduction: str, offload: str,
+                 checkpointing: bool = False):
+    """This rank's ZeRO-3 engine (the JSON from zero3_configs with the test's hyper-parameters), its
+    StepBatch of the plan, and a function running one GRPO train_step on them."""
     from zero3_configs import zero3_config
 
     from flexrl_ds.models import policy_update as pu
@@ -126,21 +140,26 @@ def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict
                                               gradient_clipping=CLIP, reduce_bucket_size=4096,
                                               offload_optimizer=offload), logits_chunk=8,
                          activation_checkpointing=checkpointing)
-    runs = _count_layer_runs(engine.module.hf_model)
     config = GRPOConfig(loss_reduction=reduction, **RL)
     denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})
-    result = pu.train_step(engine, batch, pu.local_response_values(batch, values["old"]),
-                           pu.local_response_values(batch, values["ref"]),
-                           pu.local_response_values(batch, values["adv"]), config, denoms)
-    out = {"metrics": pu.reduce_stats(result.stats), "grad_norm": result.grad_norm,
-           "num_local": batch.layout.num_local_tokens, "num_packs": len(batch.layout.packs),
-           "layer_runs": runs}
+
+    def step():
+        return pu.train_step(engine, batch, pu.local_response_values(batch, values["old"]),
+                             pu.local_response_values(batch, values["ref"]),
+                             pu.local_response_values(batch, values["adv"]), config, denoms)
+    return engine, batch, step
+
+
+def _rank0_params(engine) -> dict:
+    """{"params": every parameter, gathered} on rank 0; {} elsewhere (the gather is collective)."""
+    import deepspeed
+    import torch.distributed as dist
+
     params = dict(engine.module.hf_model.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())):
         if dist.get_rank() == 0:
-            out["params"] = {name: p.detach().clone() for name, p in params.items()}
-    engine.destroy()
-    return out
+            return {"params": {name: p.detach().clone() for name, p in params.items()}}
+    return {}
 
 
 def _count_layer_runs(hf_model) -> dict[str, dict[str, int]]:
@@ -258,41 +277,17 @@ def rank_steps_around_rollout_offload(model_dir: str, data_path: str, plan_json:
     """On every rank: two GRPO steps on one engine; with `move_states`, its ZeRO-3 states go to host
     memory and back between them (`zero3.RolloutOffload`, as around a colocated rollout). Returns what
     moved, DeepSpeed's refusal, and (rank 0) the parameters after the second step."""
-    import deepspeed
-    import torch.distributed as dist
-    from zero3_configs import zero3_config
+    from flexrl_ds.models.zero3 import RolloutOffload
 
-    from flexrl_ds.models import policy_update as pu
-    from flexrl_ds.models.flex_model import build_step_batch, positions_fn
-    from flexrl_ds.models.loading import load_model
-    from flexrl_ds.models.zero3 import RolloutOffload, build_engine
-    from flexrl_ds.planning.plan import parse_plan
-    from flexrl_ds.rl.config import GRPOConfig
-
-    torch.manual_seed(0)
-    plan = parse_plan(plan_json)
-    tree = cached_group_tree(WORLD, plan.p_max)
-    samples = rollouts(model_dir, data_path, with_tiny=False)
-    model = load_model(model_dir)
-    batch = build_step_batch(model.config, plan, samples, tree.local_rank, tree, positions=positions_fn(model))
-    engine = build_engine(model, zero3_config(lr=LR, betas=BETAS, eps=EPS, reduce_bucket_size=4096,
-                                              offload_optimizer=offload), logits_chunk=8)
-    config = GRPOConfig(loss_reduction="token_mean", **RL)
-    denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})
+    engine, _, step = _rank_engine(model_dir, data_path, plan_json, values, "token_mean", offload)
     moved, states = (), RolloutOffload(engine)
-    for step in range(2):
-        if step == 1 and move_states:
-            moved = states.offload()
-            states.reload()
-            assert states.offloaded() == ()
-        pu.train_step(engine, batch, pu.local_response_values(batch, values["old"]),
-                      pu.local_response_values(batch, values["ref"]),
-                      pu.local_response_values(batch, values["adv"]), config, denoms)
-    out = {"moved": moved, "refusal": states.refusal}
-    params = dict(engine.module.hf_model.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values())):
-        if dist.get_rank() == 0:
-            out["params"] = {name: p.detach().clone() for name, p in params.items()}
+    step()
+    if move_states:
+        moved = states.offload()
+        states.reload()
+        assert states.offloaded() == ()
+    step()
+    out = {"moved": moved, "refusal": states.refusal, **_rank0_params(engine)}
     engine.destroy()
     return out
 

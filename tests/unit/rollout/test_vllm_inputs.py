@@ -207,7 +207,8 @@ def test_engine_options_by_backend():
         HFOptions(sleep_level=0)
     options = RolloutConfig(backend="vllm", vllm=VLLMOptions(gpu_memory_utilization=0.5)).engine_options(colocated=True)
     assert options["gpu_memory_utilization"] == 0.5 and options["sleep_level"] == 1
-    for bad, match in (({"gpu_memory_utilization": 0}, "gpu_memory_utilization"), ({"sleep_level": 3}, re.escape("flexrl.rollout.vllm.sleep_level: 1 or 2, got 3")),
+    for bad, match in (({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+                       ({"sleep_level": 3}, re.escape("flexrl.rollout.vllm.sleep_level: 1 or 2, got 3")),
                        ({"load_format": "pt"}, "load_format"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
                        ({"seeding": True}, "seeding")):
         with pytest.raises(ValueError, match=match):

@@ -15,6 +15,8 @@ from flexrl_ds.config.flexrl_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[3]
 RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
+RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL")
+"""Environment variables the runner's config step reads (cleared, then set by each test)."""
 
 
 def runner_config_step() -> str:
@@ -29,7 +31,7 @@ def runner_config_step() -> str:
 def build(tmp_path, backend: str, shape: str, colocate: str = "1", gpus: int = 1, **env: str) -> dict:
     path = tmp_path / f"{shape}_{backend}_{colocate}_{gpus}.json"
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL")}
+             if k not in RUNNER_SWITCHES}
     subprocess.run([sys.executable, "-c", runner_config_step(), str(path), backend, shape, colocate, str(gpus)],
                    cwd=ROOT, env={**clean, **env}, check=True)
     return json.loads(path.read_text())
