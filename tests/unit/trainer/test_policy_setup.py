@@ -13,12 +13,17 @@ from flexrl_ds.trainer.launch import policy_setup
 CONFIG = Path(__file__).resolve().parents[3] / "ds_configs" / "grpo_tiny_cpu.json"
 
 
+def setup_with_trainer_setting(key: str, value):
+    """The PolicySetup of the tiny config with `flexrl.trainer.<key>` set to value (None: left out)."""
+    raw = json.loads(CONFIG.read_text())
+    if value is not None:
+        raw["flexrl"]["trainer"][key] = value
+    return policy_setup(parse_run_config(raw), "model-dir", pixels=None, colocated=True)
+
+
 @pytest.mark.parametrize("checkpointing", [None, False, True])
 def test_activation_checkpointing_reaches_the_policy_setup(checkpointing):
-    raw = json.loads(CONFIG.read_text())
-    if checkpointing is not None:
-        raw["flexrl"]["trainer"]["activation_checkpointing"] = checkpointing
-    setup = policy_setup(parse_run_config(raw), "model-dir", pixels=None, colocated=True)
+    setup = setup_with_trainer_setting("activation_checkpointing", checkpointing)
     assert setup.activation_checkpointing is bool(checkpointing)
 
 
@@ -28,10 +33,7 @@ def test_offload_states_in_rollout_reaches_the_policy_ranks(offload):
     from flexrl_ds.models.zero3 import RolloutOffload
     from flexrl_ds.trainer.policy_worker import rollout_offload
 
-    raw = json.loads(CONFIG.read_text())
-    if offload is not None:
-        raw["flexrl"]["trainer"]["offload_states_in_rollout"] = offload
-    setup = policy_setup(parse_run_config(raw), "model-dir", pixels=None, colocated=True)
+    setup = setup_with_trainer_setting("offload_states_in_rollout", offload)
     assert setup.offload_states_in_rollout is (offload is not False)  # default: on
     engine = object()
     mover = rollout_offload(engine, setup)
