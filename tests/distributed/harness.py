@@ -152,8 +152,12 @@ class DistPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def start(self) -> None:
+        from flexrl_ds.parallel import device
         from flexrl_ds.runtime.worker_group import open_store
 
+        if self.use_gpu:  # the forkserver preloads deepspeed.comm, which picks its accelerator from the
+            # environment it starts with (tests/conftest.py defaults it to the CPU one)
+            os.environ["DS_ACCELERATOR"] = device.GPU.deepspeed_accelerator
         context = _context()
         self._store = open_store("127.0.0.1", self.world_size, timeout_s=600)
         port = self._store.port

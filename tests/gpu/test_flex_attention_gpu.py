@@ -26,8 +26,6 @@ def gpu_pool():
 
     if device.num_gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    # tests/conftest.py defaults DeepSpeed to the CPU accelerator; the pool's forkserver inherits this.
-    os.environ["DS_ACCELERATOR"] = device.GPU.deepspeed_accelerator
     try:
         import deepspeed  # noqa: F401
         with_deepspeed = True

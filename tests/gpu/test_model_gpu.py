@@ -56,7 +56,6 @@ def gpu_pool():
 
     if device.num_gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    os.environ["DS_ACCELERATOR"] = device.GPU.deepspeed_accelerator
     pool = DistPool(2, with_deepspeed=True, use_gpu=True)
     pool.start()
     yield pool
