@@ -17,6 +17,7 @@ the port between its choice and its bind.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import multiprocessing as mp
 import os
@@ -227,3 +228,21 @@ class RankError(RuntimeError):
     def __init__(self, message: str, errors: dict[int, str]):
         super().__init__(message)
         self.errors = errors
+
+
+@contextlib.contextmanager
+def gpu_pool(world_size: int, with_deepspeed: bool = True):
+    """A started pool of `world_size` ranks with one GPU each (tests/gpu), closed on exit; the test is
+    skipped where the machine has fewer GPUs."""
+    import pytest
+
+    from flexrl_ds.parallel import device
+
+    if device.num_gpus() < world_size:
+        pytest.skip(f"needs {world_size} GPU(s)")
+    pool = DistPool(world_size, with_deepspeed=with_deepspeed, use_gpu=True)
+    pool.start()
+    try:
+        yield pool
+    finally:
+        pool.close()

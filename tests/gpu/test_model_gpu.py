@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 import test_model_zero3 as zero3_case  # noqa: E402  (its rank function and reference, reused)
-from harness import DistPool  # noqa: E402
+from harness import gpu_pool  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.dist, pytest.mark.timeout(400)]
 
@@ -51,15 +51,9 @@ def _dataset(name: str, tmp_root: Path, **kwargs) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpu_pool():
-    from flexrl_ds.parallel import device
-
-    if device.num_gpus() < 2:
-        pytest.skip("needs 2 GPUs")
-    pool = DistPool(2, with_deepspeed=True, use_gpu=True)
-    pool.start()
-    yield pool
-    pool.close()
+def two_gpu_pool():
+    with gpu_pool(2) as pool:
+        yield pool
 
 
 def rank_zero3_step_gpu(*args, **kwargs):
@@ -69,7 +63,7 @@ def rank_zero3_step_gpu(*args, **kwargs):
 
 
 @pytest.mark.parametrize("seed", [0, 1, -1])
-def test_zero3_flex_ulysses_two_gpus_matches_single_process(gpu_pool, tmp_path_factory, seed):
+def test_zero3_flex_ulysses_two_gpus_matches_single_process(two_gpu_pool, tmp_path_factory, seed):
     """seed >= 0: a random plan mixing degrees 2 and 1; seed -1: every token on rank 0 (idle rank 1)."""
     from flexrl_ds.models.sample_data import random_plan_for
     from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
@@ -80,7 +74,7 @@ def test_zero3_flex_ulysses_two_gpus_matches_single_process(gpu_pool, tmp_path_f
     data = str(_dataset("zero3", root, num_records=7, seed=2))
     ref_nll, ref_tokens, ref_grads, lengths = zero3_case._reference(model_dir, data)
     plan = random_plan_for(lengths, 2, p_max=2, seed=seed) if seed >= 0 else zero3_case._all_on_rank_zero(lengths, 2)
-    per_rank = gpu_pool.run(rank_zero3_step_gpu, model_dir, data, plan.to_json(), plan.p_max, timeout_s=300)
+    per_rank = two_gpu_pool.run(rank_zero3_step_gpu, model_dir, data, plan.to_json(), plan.p_max, timeout_s=300)
     assert all(r["num_global"] == ref_tokens for r in per_rank)
     nll = sum(r["nll"] for r in per_rank)
     paths = {p for r in per_rank for p in r["paths"]}

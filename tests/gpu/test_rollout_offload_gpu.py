@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
-from harness import DistPool  # noqa: E402
+from harness import gpu_pool  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -25,14 +25,8 @@ WIDTH, LAYERS = 1024, 8
 
 @pytest.fixture(scope="module")
 def one_gpu_pool():
-    from flexrl_ds.parallel import device
-
-    if device.num_gpus() < 1:
-        pytest.skip("needs a GPU")
-    pool = DistPool(1, with_deepspeed=True, use_gpu=True)
-    pool.start()
-    yield pool
-    pool.close()
+    with gpu_pool(1) as pool:
+        yield pool
 
 
 def rank_two_steps(move_states: bool) -> dict:
