@@ -272,22 +272,28 @@ class PolicyWorker:
         return {"sync_s": time.perf_counter() - started, "bytes": float(sent)}
 
     def generate(self, step: int, jobs: list, params: Any):
-        """Colocated rollout of this rank's share of the step's prompts."""
+        """Colocated rollout of this rank's share of the step's prompts. On a GPU the policy's states
+        leave the device first (`_offload_states`) and torch's cached blocks go back to it: a vLLM
+        engine allocates outside torch's cache, so blocks cached for the update would be lost to it."""
         assert self.rollout is not None, "generate on a policy rank without a colocated engine"
         started = time.perf_counter()
-        woken = started
+        offloaded = started
         try:
             if self.device_info.is_gpu:
                 self._offload_states()
+                device_mod.release_cached_memory(self.device_info)
+            offloaded = time.perf_counter()
             self.rollout.wake()
             woken = time.perf_counter()
             output = self.rollout.generate(step, jobs, params)
         finally:
             generated = time.perf_counter()
             self.rollout.sleep()
+            slept = time.perf_counter()
             if self.rollout_offload is not None and self.rollout_offload.offloaded():
                 self.rollout_offload.reload()
-        output.times_s.update(wake=woken - started, sleep=time.perf_counter() - generated)
+        output.times_s.update(offload=offloaded - started, wake=woken - offloaded, sleep=slept - generated,
+                              reload=time.perf_counter() - slept)
         return output
 
     def _offload_states(self) -> None:

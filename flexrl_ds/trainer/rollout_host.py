@@ -52,11 +52,12 @@ class RolloutOutput:
     """Where the call's seconds went (`ROLLOUT_PARTS`)."""
 
 
-ROLLOUT_PARTS = ("pixels", "generate", "wake", "sleep")
+ROLLOUT_PARTS = ("pixels", "generate", "offload", "wake", "sleep", "reload")
 """Parts of a rollout call, timed apart: "pixels" (the pulls from the preprocessing actors),
-"generate" (the engine's, vision tower included), and for an engine inside a policy rank "wake"
-(the ZeRO-3 states' offload to host memory, then the engine's wake) and "sleep" (the engine's
-sleep, then the states' reload). Building the requests and Ray's transfers are in none of them."""
+"generate" (the engine's, vision tower included), and for an engine inside a policy rank "offload"
+(the ZeRO-3 states to host memory and torch's cached blocks back to the device), "wake" (the
+engine's), "sleep" (the engine's) and "reload" (the states back onto the device). Building the
+requests and Ray's transfers are in none of them."""
 
 
 class RolloutHost:

@@ -1,6 +1,8 @@
 """PolicyWorker.generate around a colocated engine: the policy's states leave the device for the
-rollout and come back whatever happens in it. Stand-ins for the engine and for `zero3.RolloutOffload`
-record the order of calls (the real offload: tests/distributed/test_grpo_update.py)."""
+rollout, torch's cached blocks go back to it before the engine wakes, and the states come back
+whatever happens in the rollout. Stand-ins for the engine, for `zero3.RolloutOffload` and for the
+cache's release record the order of calls (the real offload: tests/distributed/test_grpo_update.py,
+tests/gpu/test_rollout_offload_gpu.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from flexrl_ds.trainer import policy_worker
 from flexrl_ds.trainer.policy_worker import PolicyWorker
+from flexrl_ds.trainer.rollout_host import ROLLOUT_PARTS
 
 
 class StandInRollout:
@@ -50,6 +54,14 @@ class StandInOffload:
         self.moved = ()
 
 
+@pytest.fixture(autouse=True)
+def log_cache_release(monkeypatch):
+    """The log of each test, where the release of torch's cached blocks writes "release"."""
+    log: list = []
+    monkeypatch.setattr(policy_worker.device_mod, "release_cached_memory", lambda info: log.append("release"))
+    return log
+
+
 def worker(log: list, gpu: bool = True, fails_in: str = "", refuses: bool = False) -> PolicyWorker:
     """A PolicyWorker with only what `generate` uses (no process group, no DeepSpeed engine)."""
     stand_in = PolicyWorker.__new__(PolicyWorker)
@@ -60,35 +72,37 @@ def worker(log: list, gpu: bool = True, fails_in: str = "", refuses: bool = Fals
     return stand_in
 
 
-def test_states_leave_for_the_rollout_and_come_back(capsys):
-    log: list = []
+def test_states_leave_for_the_rollout_and_come_back(capsys, log_cache_release):
+    log = log_cache_release
     rank = worker(log)
     output = rank.generate(0, [], None)
-    assert log == ["offload", "wake", "generate", "sleep", "reload"]
-    assert {"wake", "sleep", "generate"} <= set(output.times_s)
+    assert log == ["offload", "release", "wake", "generate", "sleep", "reload"]
+    assert set(output.times_s) == set(ROLLOUT_PARTS) - {"pixels"}  # the stand-in host pulls no pixels
+    assert all(seconds >= 0 for seconds in output.times_s.values())
     rank.generate(1, [], None)
     assert capsys.readouterr().out.count("in host memory during rollout: lp_params") == 1  # said once
 
 
 @pytest.mark.parametrize("fails_in", ["wake", "generate"])
-def test_states_come_back_when_the_rollout_fails(fails_in):
-    log: list = []
+def test_states_come_back_when_the_rollout_fails(fails_in, log_cache_release):
+    log = log_cache_release
     with pytest.raises(RuntimeError, match=f"{fails_in} failed"):
         worker(log, fails_in=fails_in).generate(0, [], None)
     assert log[0] == "offload" and log[-2:] == ["sleep", "reload"]
 
 
-def test_states_that_cannot_move_stay_and_are_not_asked_again(capsys):
-    log: list = []
+def test_states_that_cannot_move_stay_and_are_not_asked_again(capsys, log_cache_release):
+    log = log_cache_release
     rank = worker(log, refuses=True)
     rank.generate(0, [], None)
-    rank.generate(1, [], None)
-    assert log == ["offload", "wake", "generate", "sleep", "wake", "generate", "sleep"]
+    rank.generate(1, [], None)  # the cache still goes back before each wake
+    assert log == ["offload", "release", "wake", "generate", "sleep", "release", "wake", "generate", "sleep"]
     assert rank.rollout_offload is None
     assert capsys.readouterr().out.count("ZeRO-3 states stay on the device during rollout") == 1
 
 
-def test_nothing_moves_on_a_cpu_rank():
-    log: list = []
-    worker(log, gpu=False).generate(0, [], None)
+def test_nothing_moves_on_a_cpu_rank(log_cache_release):
+    log = log_cache_release
+    output = worker(log, gpu=False).generate(0, [], None)
     assert log == ["wake", "generate", "sleep"]
+    assert output.times_s["offload"] >= 0 and output.times_s["reload"] >= 0  # every part, also on a CPU rank
