@@ -40,7 +40,8 @@ class TrainerConfig:
     under DeepSpeed's FusedAdam; the parameters, their gradients and the gradient buckets under
     another optimizer on the device; the parameters and the buckets with the optimizer offloaded.
     False keeps them on the device: no copies to host memory and back around each rollout, at the
-    price of that much device memory in use while the engine generates."""
+    price of that much device memory in use while the engine generates. Either way torch's cached
+    blocks go back to the device before the engine wakes."""
     weight_sync_bucket_mb: int = 512
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0

@@ -24,8 +24,9 @@
 #     (`offload_optimizer.pin_memory`; default: the file's false).
 #   OFFLOAD_IN_ROLLOUT=0|1: whether the policy's ZeRO-3 states that DeepSpeed can move wait in host
 #     memory while the colocated engine generates (`flexrl.trainer.offload_states_in_rollout`;
-#     default: the file's, on at both shapes; at 3B with vLLM it took 34 GiB off the rollout's device
-#     peak for 0.6 s a step: docs/BENCHMARKS.md "One H200, eleventh run").
+#     default: the file's, off at 3B, on at 7B; at 3B with vLLM it took 2.3 GiB off the rollout's device
+#     peak, beyond the 32 GiB that releasing torch's cache before the wake takes, for 0.6-0.7 s a step:
+#     docs/BENCHMARKS.md "One H200, twelfth run").
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
