@@ -11,7 +11,8 @@ all ranks agree without communicating.
 embeds the local tokens, encodes this rank's vision units and routes their embeddings into place,
 runs the HF model on `inputs_embeds` with FlexUlysses attention (the layout travels as the
 `flexrl_step` forward keyword, see flexrl_ds/models/hf_adapter.py) and returns per-token log-probs of
-the targets (and their distributions' entropy when asked), computed `logits_chunk` tokens at a time:
+the targets (and their distributions' entropy when asked) under the logits divided by the sampling
+temperature (the distribution the rollout drew from, before top-k / top-p), computed `logits_chunk` tokens at a time:
 full (tokens, vocab) fp32 logits never exist, with or without grad (each chunk is checkpointed, so
 backward recomputes one chunk's logits at a time).
 
@@ -195,17 +196,23 @@ class TokenOutputs(NamedTuple):
 class FlexUlyssesLM(torch.nn.Module):
     """HF causal LM + FlexUlysses: `forward(batch, with_entropy=False) -> TokenOutputs`."""
 
-    def __init__(self, hf_model, attention=None, vision_group=None, logits_chunk: int = 4096, zero_group=None):
+    def __init__(self, hf_model, attention=None, vision_group=None, logits_chunk: int = 4096, zero_group=None,
+                 temperature: float = 1.0):
         """attention: a FlexUlyssesAttention (default one with overlap). vision_group: the SP domain's
         process group for the vision embedding exchange (`GroupTree.domain_group`; None: the default
         group, which only fits a job of one domain: a mismatch raises at the exchange). logits_chunk:
         tokens per lm_head chunk (bounds the (tokens, vocab) logits memory, with and without grad).
         zero_group: the group over which lm_head's weight is partitioned (ZeRO-3; set by
-        `zero3.build_engine`): every rank of it runs the same number of chunks. None: no such sync."""
+        `zero3.build_engine`): every rank of it runs the same number of chunks. None: no such sync.
+        temperature: the logits are divided by it before the log-softmax (the rollout's sampling
+        temperature, so the log-probs are those of the distribution the samples came from)."""
         super().__init__()
         if logits_chunk < 1:
             raise ValueError(f"logits_chunk: must be at least 1, got {logits_chunk}")
+        if not temperature > 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
         self.logits_chunk = logits_chunk
+        self.temperature = temperature
         self.zero_group = zero_group
         self.hf_model = hf_adapter.use_flex_ulysses(hf_model)
         self.attention = attention if attention is not None else FlexUlyssesAttention()
@@ -269,21 +276,22 @@ class FlexUlyssesLM(torch.nn.Module):
         return logprobs, (torch.cat([ent for _, ent in outs]) if with_entropy else None)
 
     def _chunk(self, hidden, targets, with_entropy: bool):
-        logprobs = torch.log_softmax(self.hf_model.lm_head(hidden).float(), dim=-1)
+        logprobs = torch.log_softmax(self.hf_model.lm_head(hidden).float() / self.temperature, dim=-1)
         target = logprobs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
         if not with_entropy:
             return target, None
         return target, -(logprobs.exp() * logprobs).sum(dim=-1)
 
 
-def reference_logprobs(model, sample) -> torch.Tensor:
+def reference_logprobs(model, sample, temperature: float = 1.0) -> torch.Tensor:
     """Plain single-process HF log-probs of a sample's response tokens (model.forward on
-    `reference_inputs`), on the model's device (the sample's tensors are moved there)."""
+    `reference_inputs`, logits divided by `temperature`), on the model's device (the sample's
+    tensors are moved there)."""
     device = next(model.parameters()).device
     kwargs = {name: value.to(device) for name, value in reference_inputs(model, sample).items()}
     logits = model(**kwargs).logits[0].float()
     targets = kwargs["input_ids"][0, 1:].unsqueeze(1)
-    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, targets).squeeze(1)
+    logprobs = torch.log_softmax(logits[:-1] / temperature, dim=-1).gather(1, targets).squeeze(1)
     return logprobs[sample.response_start - 1:]
 
 

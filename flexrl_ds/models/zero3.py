@@ -66,11 +66,11 @@ def check_ds_config(ds_config: dict[str, Any], world_size: int, train: bool = Tr
 
 
 def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_group=None, train: bool = True,
-                 logits_chunk: int = 4096, activation_checkpointing: bool = False):
+                 logits_chunk: int = 4096, activation_checkpointing: bool = False, temperature: float = 1.0):
     """A DeepSpeed ZeRO-3 engine around `FlexUlyssesLM(hf_model)`, configured by `ds_config` as written.
 
     torch.distributed (and deepspeed.comm) must be initialised. `attention` / `vision_group` /
-    `logits_chunk`: see `FlexUlyssesLM`. `train=False`: the reference model's inference engine.
+    `logits_chunk` / `temperature`: see `FlexUlyssesLM`. `train=False`: the reference model's inference engine.
     `activation_checkpointing`: every decoder and vision layer is recomputed in backward
     (transformers' non-reentrant gradient checkpointing: ZeRO-3 gathers the layer's parameters
     again, and its FlexUlysses all-to-alls run again, in the same order on every rank).
@@ -85,7 +85,8 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
             config.pop(key, None)
     if activation_checkpointing:
         _enable_activation_checkpointing(hf_model)
-    module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk)
+    module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk,
+                           temperature=temperature)
     parameters = [p for p in module.parameters() if p.requires_grad] if train else None
     engine, *_ = deepspeed.initialize(model=module, model_parameters=parameters, config=config)
     module.zero_group = engine.seq_data_parallel_group

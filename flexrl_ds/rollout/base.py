@@ -106,8 +106,11 @@ class RolloutResult:
     response_ids: list[int]
     """Sampled tokens, up to and including the first EOS (nothing after it: no padding)."""
     logprobs: list[float]
-    """Per response token, the model's log-probability of it: log_softmax of the raw logits
-    (temperature 1, before top-k / top-p filtering) at the position that produced it."""
+    """Per response token, the model's log-probability of it at the position that produced it:
+    log_softmax of the logits divided by the sampling temperature (1 for greedy), before top-k /
+    top-p filtering, as the trainer computes them. (vLLM at a temperature other than 1 returns its
+    processed log-probs, which top-k / top-p also renormalise over the tokens they keep:
+    rollout/vllm_inputs.py `logprobs_mode`.)"""
     finish_reason: Literal["stop", "length"]
     """"stop": ended with an EOS; "length": reached max_new_tokens without one."""
 

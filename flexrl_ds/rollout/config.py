@@ -114,7 +114,9 @@ class RolloutConfig:
     max_response_length: int = 1024
     """Most new tokens per response; generation also stops at the tokenizer's EOS."""
     temperature: float = 1.0
-    """Sampling temperature; 0 means greedy decoding."""
+    """Sampling temperature; 0 means greedy decoding (the trainer refuses it: a prompt's samples
+    would all be the same). The trainer's log-probs (policy, reference, old) and the engines' are
+    those of the logits divided by it, the distribution the samples came from (before top-k / top-p)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1.0: off."""
     top_k: int = 0
@@ -151,11 +153,13 @@ class RolloutConfig:
         their weights at their first sleep (`engines_drop_weights_at_start`) start without reading
         the model directory's: hf with `load_weights_at_start` False (rollout/hf_engine.py), vllm
         with `load_format` "dummy" in place of "auto" (random weights, no disk read); the trainer
-        syncs every weight before step 0 in that case (`engines_start_without_policy_weights`)."""
+        syncs every weight before step 0 in that case (`engines_start_without_policy_weights`). vllm
+        engines take their log-probs at the run's temperature (`logprob_temperature`; hf ones at each
+        request's)."""
         skip_weights = self.engines_drop_weights_at_start(colocated)
         if self.backend == "hf":
             return {**asdict(self.hf), "load_weights_at_start": not skip_weights}
-        options = asdict(self.vllm)
+        options = {**asdict(self.vllm), "logprob_temperature": self.temperature if self.temperature > 0 else 1.0}
         if skip_weights and options["load_format"] == "auto":
             options["load_format"] = "dummy"
         return options

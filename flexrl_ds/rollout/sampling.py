@@ -11,7 +11,8 @@ batch (bf16 GEMMs on a GPU pick kernels by shape), a token near a CDF boundary c
 
 `SeededSampler` is a transformers `LogitsProcessor`: it samples the next token itself and returns
 scores that leave only that token finite, so `generate` run greedily (do_sample=False) emits it. It
-also records the model's log-probability of each chosen token under the raw logits.
+also records the model's log-probability of each chosen token under the logits divided by the
+temperature (1 for greedy), before top-k / top-p: what the trainer computes for the same token.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class SeededSampler(LogitsProcessor):
         self.tokens: list[torch.Tensor] = []
         """Per decoding step, (rows,) chosen token ids (also for rows already finished: ignore those)."""
         self.logprobs: list[torch.Tensor] = []
-        """Per decoding step, (rows,) float32 log-probability of the chosen token under the raw logits."""
+        """Per decoding step, (rows,) float32 log-probability of the chosen token (logits / temperature)."""
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         step = len(self.tokens)
@@ -78,7 +79,8 @@ class SeededSampler(LogitsProcessor):
                 self.uniforms = self.uniforms.to(scores.device)
             uniforms = self.uniforms[:, step]
         chosen = sample_tokens(scores, uniforms, self.params)
-        logprobs = torch.log_softmax(scores.float(), dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        temperature = 1.0 if self.params.greedy else self.params.temperature
+        logprobs = torch.log_softmax(scores.float() / temperature, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         self.tokens.append(chosen)
         self.logprobs.append(logprobs)
         forced = torch.full_like(scores, float("-inf"))

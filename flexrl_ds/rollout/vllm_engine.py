@@ -15,8 +15,9 @@ Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.
 is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. the
 same vision grids. Seeding (`VLLMOptions.seeding`): "sample" gives each request its sample's seed,
 so its response depends on that seed, not on the batch; "off" leaves the seeds to vLLM (0.26's
-model runner draws them from numpy's global generator). Log-probs are vLLM's raw
-ones (before temperature and filtering); the trainer's `rollout_logprob_diff` compares them with its own.
+model runner draws them from numpy's global generator). Log-probs are taken at the engine's
+`logprob_temperature` (the run's sampling temperature: vllm_inputs.py `logprobs_mode`); the
+trainer's `rollout_logprob_diff` compares them with its own.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import vllm
 from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
 from flexrl_ds.rollout.config import SEEDING_MODES
-from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt,
-                                           check_expanded_prompt, sampling_kwargs, to_result)
+from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt, check_expanded_prompt,
+                                           check_request_temperature, logprobs_mode, sampling_kwargs, to_result)
 from flexrl_ds.rollout.vllm_workers import EXTENSION as WORKER_EXTENSION
 from flexrl_ds.runtime.weight_channel import ChannelAddress
 
@@ -47,13 +48,13 @@ class VLLMEngine:
                  max_batch_sequences: int = 64, gpu_memory_utilization: float = 0.35,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False, load_format: str = "auto",
                  max_model_len: int | None = None, sleep_level: int = 1, max_images_per_prompt: int = 4,
-                 max_videos_per_prompt: int = 1, seeding: str = "sample"):
+                 max_videos_per_prompt: int = 1, seeding: str = "sample", logprob_temperature: float = 1.0):
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir: {model_dir} is not a model directory (no config.json)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in process: load_weights reaches the model
         if seeding not in SEEDING_MODES:
             raise ValueError(f"seeding: {' | '.join(SEEDING_MODES)}, got {seeding!r}")
-        self.sleep_level, self.seeding = sleep_level, seeding
+        self.sleep_level, self.seeding, self.logprob_temperature = sleep_level, seeding, logprob_temperature
         in_world = torch.distributed.is_available() and torch.distributed.is_initialized()
         if in_world and tensor_parallel_size > 1:
             raise ValueError("vLLM engine: tensor_parallel_size > 1 only for separate engines; inside a "
@@ -65,6 +66,7 @@ class VLLMEngine:
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                 load_format=load_format, max_model_len=max_model_len, max_num_seqs=max_batch_sequences,
                 enable_sleep_mode=True, enable_prefix_caching=True, seed=0,
+                logprobs_mode=logprobs_mode(logprob_temperature),
                 limit_mm_per_prompt={"image": max_images_per_prompt, "video": max_videos_per_prompt},
                 # vLLM's processor cache serves items one by one but calls the processor with the
                 # prompt's whole video_metadata list: with several videos a partial hit would fail.
@@ -82,6 +84,7 @@ class VLLMEngine:
         """One result per request, in request order (see the module docstring)."""
         if self._asleep:
             raise RuntimeError("vLLM engine: generate while asleep (call wake first)")
+        check_request_temperature(params, self.logprob_temperature)
         prompts = self._prompts(requests)
         per_sample = self.seeding == "sample"
         sampling = [vllm.SamplingParams(**sampling_kwargs(params, request.seed if per_sample else None))

@@ -141,7 +141,7 @@ def sampling_kwargs(params: SamplingParams, seed: int | None) -> dict[str, Any]:
     """Keyword arguments of `vllm.SamplingParams` for one sample (seed None: the engine's stream).
 
     Only `params.eos_token_ids` stop a response (ignore_eos: not the tokenizer's own EOS); the sampled
-    token's raw log-probability (before temperature and filtering) is returned with each token."""
+    token's log-probability is returned with each token (of which distribution: `logprobs_mode`)."""
     kwargs: dict[str, Any] = {
         "n": 1, "seed": None if seed is None else int(seed), "max_tokens": params.max_new_tokens, "temperature": params.temperature,
         "top_p": params.top_p, "top_k": params.top_k, "ignore_eos": True,
@@ -151,6 +151,25 @@ def sampling_kwargs(params: SamplingParams, seed: int | None) -> dict[str, Any]:
     if params.suppressed_token_ids:
         kwargs["logit_bias"] = {int(token): LOGIT_BIAS_FLOOR for token in params.suppressed_token_ids}
     return kwargs
+
+
+def logprobs_mode(logprob_temperature: float) -> str:
+    """vLLM's `logprobs_mode` for log-probs taken at `logprob_temperature` (the run's sampling
+    temperature): at 1 its raw log-probs (the logits' log_softmax, before logit_bias, temperature and
+    filtering; what the trainer computes at temperature 1, for any request); otherwise its processed
+    ones, after temperature, which equal the trainer's when top-k and top-p are off and no token is
+    suppressed (with them on, vLLM renormalises over the tokens left)."""
+    if not logprob_temperature > 0:
+        raise ValueError(f"logprob_temperature: must be > 0, got {logprob_temperature}")
+    return "raw_logprobs" if logprob_temperature == 1 else "processed_logprobs"
+
+
+def check_request_temperature(params: SamplingParams, logprob_temperature: float) -> None:
+    """An engine whose log-probs are processed ones (`logprobs_mode`) reports them at the temperature
+    its requests sample with: a request at another one would get log-probs of neither distribution."""
+    if logprob_temperature != 1 and params.temperature != logprob_temperature:
+        raise ValueError(f"vLLM engine: built for log-probs at temperature {logprob_temperature} "
+                         f"(logprob_temperature), asked to sample at {params.temperature}")
 
 
 def to_result(sample_key: str, token_ids: Sequence[int], logprobs: Sequence[Any] | None,

@@ -85,6 +85,9 @@ class PolicySetup:
     offload_states_in_rollout: bool = True
     """`flexrl.trainer.offload_states_in_rollout`: the policy's states wait in host memory while the
     colocated engine generates (GPU only)."""
+    logprob_temperature: float = 1.0
+    """`flexrl.rollout.temperature`: the policy's and the reference's log-probs are those of their logits
+    divided by it, the distribution the rollout samples from (before top-k / top-p)."""
 
 
 @dataclass
@@ -156,7 +159,8 @@ class PolicyWorker:
             model = model.to(self.device)
         return zero3.build_engine(model, self.setup.ds_config, attention=FlexUlyssesAttention(overlap=self.setup.overlap),
                                   vision_group=self.tree.domain_group, train=train,
-                                  activation_checkpointing=train and self.setup.activation_checkpointing)
+                                  activation_checkpointing=train and self.setup.activation_checkpointing,
+                                  temperature=self.setup.logprob_temperature)
 
     # ---- passes -------------------------------------------------------------------------------
     def _batch(self, job: PassJob):

@@ -45,6 +45,10 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
     if rl.advantage_estimator in ("group_norm", "rloo") and loader.num_samples_per_prompt < 2:
         raise ValueError(f"flexrl.rl.advantage_estimator {rl.advantage_estimator!r} needs "
                          f"flexrl.data.loader.num_samples_per_prompt >= 2, got {loader.num_samples_per_prompt}")
+    if flexrl.rollout.temperature == 0:
+        raise ValueError("flexrl.rollout.temperature: 0 (greedy) gives every sample of a prompt the same "
+                         "response, so every advantage would be 0 and no update would follow the reward; "
+                         "training needs a temperature > 0 (1.0 samples the policy itself)")
 
 
 def check_domains(flexrl: Any, num_ranks: int) -> None:

@@ -31,9 +31,9 @@ def test_explicit_positions_are_what_the_model_uses(vl_samples):
     assert not torch.equal(positions[0], positions[1])  # really 3-D
 
 
-def _one_rank_logprobs(model, samples, plan):
+def _one_rank_logprobs(model, samples, plan, temperature: float = 1.0):
     batch = build_step_batch(model.config, plan, samples, 0, positions=positions_fn(model))
-    flex = FlexUlyssesLM(model, logits_chunk=7)  # no-grad path: lm_head in chunks of 7 tokens
+    flex = FlexUlyssesLM(model, logits_chunk=7, temperature=temperature)  # no grad: lm_head in chunks of 7 tokens
     with torch.no_grad():
         logprobs = flex(batch).logprobs
     pieces = {}
@@ -103,6 +103,30 @@ def _reference_with_entropy(model, sample):
     entropy = -(logprobs.exp() * logprobs).sum(-1)
     start = sample.response_start - 1
     return target[start:], entropy[start:]
+
+
+def test_logprobs_at_a_sampling_temperature_are_those_of_hf_logits_over_it(tiny_assets):
+    """The trainer scores responses under the distribution the rollout sampled from: a plain HF
+    forward's logits divided by the temperature; a temperature that is not positive is refused."""
+    model = load_model(tiny_assets["vl"])
+    samples = encode_dataset(tiny_assets["vl"], tiny_assets["data"])
+    temperature = 0.6
+    expected = {}
+    with torch.no_grad():
+        for seq_id, sample in samples.items():
+            logits = model(**reference_inputs(model, sample)).logits[0].float() / temperature
+            targets = sample.input_ids[1:].unsqueeze(1)
+            expected[seq_id] = torch.log_softmax(logits[:-1], dim=-1).gather(1, targets)[:, 0][sample.response_start - 1:]
+            torch.testing.assert_close(reference_logprobs(model, sample, temperature), expected[seq_id])
+    plan = random_plan_for({s: x.length for s, x in samples.items()}, 1, 1, seed=0)
+    got, _ = _one_rank_logprobs(model, samples, plan, temperature)
+    at_one, _ = _one_rank_logprobs(model, samples, plan)
+    for seq_id in samples:
+        torch.testing.assert_close(torch.tensor(got[seq_id]), expected[seq_id], atol=2e-5, rtol=1e-5)
+        assert not torch.allclose(torch.tensor(got[seq_id]), torch.tensor(at_one[seq_id]))
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="temperature: must be > 0"):
+            FlexUlyssesLM(model, temperature=bad)
 
 
 def test_chunked_logprobs_and_entropy_with_grad_equal_hf(tiny_assets):

@@ -99,13 +99,16 @@ def test_eos_stops_and_nothing_follows_it(q2_engine, prompts):
     assert any(len(r.response_ids) > len(stopped[0].response_ids) for r in stopped), "no row outlived row 0"
 
 
-def test_logprobs_equal_a_plain_forward(q2_engine, prompts, hf_model):
-    params = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, max_new_tokens=10)
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_logprobs_equal_a_plain_forward(q2_engine, prompts, hf_model, temperature):
+    """Log-probs of the plain forward's logits over the sampling temperature (1 for greedy), before
+    top-k / top-p: what the trainer computes for the same tokens."""
+    params = SamplingParams(temperature=temperature, top_k=30, top_p=0.9, max_new_tokens=10)
     requests = [RolloutRequest(f"{k}{s}", ids, seed=s) for k, ids in prompts.items() for s in (3, 4)]
     for request, result in zip(requests, q2_engine.generate(requests, params)):
         ids = torch.tensor([request.prompt_ids + result.response_ids])
         with torch.no_grad():
-            logits = hf_model(input_ids=ids).logits[0].float()
+            logits = hf_model(input_ids=ids).logits[0].float() / (temperature or 1.0)
         start = len(request.prompt_ids)
         expected = torch.log_softmax(logits[start - 1:-1], dim=-1).gather(-1, ids[0, start:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-4, rtol=0)

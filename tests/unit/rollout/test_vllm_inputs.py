@@ -24,9 +24,9 @@ from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
 from flexrl_ds.rollout.config import HFOptions, RolloutConfig, VLLMOptions
 from flexrl_ds.rollout.vllm_inputs import (LOGIT_BIAS_FLOOR, PixelGeometry, VisionTokens, build_prompt,
-                                           check_expanded_prompt, collapse_vision_pads, item_media,
-                                           processor_kwargs, sampling_kwargs, to_result, video_metadata,
-                                           vllm_weight_name)
+                                           check_expanded_prompt, check_request_temperature, collapse_vision_pads,
+                                           item_media, logprobs_mode, processor_kwargs, sampling_kwargs, to_result,
+                                           video_metadata, vllm_weight_name)
 
 GEOMETRY = PixelGeometry()
 TOKENS = VisionTokens(image=7, video=8)
@@ -156,6 +156,23 @@ def test_sampling_kwargs():
 class FakeLogprob:
     def __init__(self, value):
         self.logprob = value
+
+
+def test_logprobs_are_taken_at_the_run_temperature():
+    """vllm engines get the run's sampling temperature (1 for greedy runs) for their log-probs: raw
+    ones at 1, processed ones (after temperature) otherwise, and then refuse requests at another one."""
+    for temperature, expected in ((1.0, 1.0), (0.7, 0.7), (0.0, 1.0)):
+        options = RolloutConfig(backend="vllm", temperature=temperature).engine_options(colocated=True)
+        assert options["logprob_temperature"] == expected
+    assert "logprob_temperature" not in RolloutConfig(backend="hf", temperature=0.7).engine_options(colocated=True)
+    assert logprobs_mode(1.0) == "raw_logprobs" and logprobs_mode(0.7) == "processed_logprobs"
+    with pytest.raises(ValueError, match="logprob_temperature: must be > 0"):
+        logprobs_mode(0.0)
+    check_request_temperature(SamplingParams(temperature=0.7), 0.7)
+    for any_temperature in (0.0, 0.7, 1.0):  # raw log-probs: the same whatever the request samples at
+        check_request_temperature(SamplingParams(temperature=any_temperature), 1.0)
+    with pytest.raises(ValueError, match="log-probs at temperature 0.7 .* asked to sample at 1.0"):
+        check_request_temperature(SamplingParams(temperature=1.0), 0.7)
 
 
 def test_to_result():
@@ -299,7 +316,8 @@ def test_every_vllm_option_reaches_the_engine():
     init = next(node for node in engine.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
     common = {"self", "model_dir", "dtype", "device", "max_batch_sequences"}
     keywords = {arg.arg for arg in init.args.args + init.args.kwonlyargs} - common
-    assert keywords == {f.name for f in dataclasses.fields(VLLMOptions)}
+    # logprob_temperature: the run's flexrl.rollout.temperature (test_logprobs_are_taken_at_the_run_temperature)
+    assert keywords == {f.name for f in dataclasses.fields(VLLMOptions)} | {"logprob_temperature"}
     for colocated in (True, False):
         for sleep_level in (1, 2):
             config = RolloutConfig(backend="vllm", vllm=VLLMOptions(sleep_level=sleep_level))

@@ -92,6 +92,13 @@ def test_mini_batches_not_dividing_the_prompts(raw_config, tmp_path, trainer_ass
              "mini_batches_per_step", str(num), str(batch))
 
 
+def test_greedy_rollouts_are_refused_for_training(raw_config, tmp_path, trainer_assets):
+    """Temperature 0 would give every sample of a prompt the same response: no advantage, no learning."""
+    raw_config["flexrl"]["rollout"]["temperature"] = 0.0
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             "flexrl.rollout.temperature", "greedy", "> 0")
+
+
 def test_unknown_reward_name(raw_config, tmp_path, trainer_assets):
     raw_config["flexrl"]["rl"]["reward_fn"] = "no_such_reward"
     _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"], "no_such_reward", "reward_fn")

@@ -63,3 +63,32 @@ def test_colocated_engines_that_free_their_weights_at_once_start_without_reading
     if expected in ({"load_weights_at_start": False}, {"load_format": "dummy"}):
         assert run.flexrl.rollout.engines_start_without_policy_weights(colocated=True)
     assert policy_setup(run, "model-dir", pixels=None, colocated=False).rollout_options == {}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_temperature_reaches_the_policy_log_probs(temperature):
+    """The policy's and the reference's log-probs are taken at the run's sampling temperature
+    (PolicyWorker builds both engines with it: tests/unit/models/test_flex_model.py checks the values)."""
+    raw = json.loads(CONFIG.read_text())
+    raw["flexrl"]["rollout"]["temperature"] = temperature
+    assert policy_setup(parse_run_config(raw), "model-dir", pixels=None, colocated=True).logprob_temperature == temperature
+
+
+def test_policy_worker_builds_both_engines_at_the_sampling_temperature(monkeypatch):
+    """PolicyWorker hands PolicySetup.logprob_temperature to the policy's and the reference's engine
+    (stand-ins for the model loading and DeepSpeed record what it passes)."""
+    from types import SimpleNamespace
+
+    from flexrl_ds.trainer import policy_worker
+
+    built = []
+    monkeypatch.setattr(policy_worker, "load_model", lambda model_dir, dtype: SimpleNamespace(config=None))
+    monkeypatch.setattr(policy_worker.zero3, "build_engine", lambda model, ds_config, **options: built.append(options))
+    raw = json.loads(CONFIG.read_text())
+    raw["flexrl"]["rollout"]["temperature"] = 0.7
+    worker = policy_worker.PolicyWorker.__new__(policy_worker.PolicyWorker)
+    worker.setup = policy_setup(parse_run_config(raw), "model-dir", pixels=None, colocated=True)
+    worker.device, worker.tree = None, SimpleNamespace(domain_group=None)
+    worker._engine(train=True)
+    worker._engine(train=False)
+    assert [options["temperature"] for options in built] == [0.7, 0.7]
