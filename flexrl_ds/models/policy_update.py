@@ -94,7 +94,7 @@ class RankStats:
     kl: float = 0.0
     """Share of the reference KL term (before init_kl_coef)."""
     entropy: float = 0.0
-    """Share of the reduced token entropy (0 unless computed)."""
+    """Share of the reduced token entropy (0 where the forward computed none)."""
     clip_count: float = 0.0
     """Response tokens whose clipped branch was taken."""
     approx_kl_sum: float = 0.0
@@ -124,7 +124,8 @@ def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.
     entropy = torch.zeros((), device=device)
     if outputs.entropy is not None:
         entropy = reduce_masked(rows(outputs.entropy), mask_PL, config.loss_reduction, **reduce_args)
-        loss = loss - config.entropy_coef * entropy
+        if config.entropy_coef > 0:  # otherwise a statistic only: no backward through it
+            loss = loss - config.entropy_coef * entropy
     num_tokens = stats.num_tokens
     summed = RankStats(loss=float(loss.detach()), pg_loss=stats.policy_loss, kl=stats.kl_loss,
                        entropy=float(entropy.detach()), clip_count=stats.clip_fraction * num_tokens,
@@ -168,8 +169,9 @@ class TrainStepResult:
 
 def train_step(engine, batch: StepBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
                advantages: torch.Tensor, config: GRPOConfig, denoms: Denominators) -> TrainStepResult:
-    """Forward (entropy when entropy_coef > 0), GRPO loss, `engine.backward`, `engine.step()`."""
-    outputs = engine(batch, with_entropy=config.entropy_coef > 0)
+    """Forward (with the tokens' entropy: in the loss when entropy_coef > 0, else only logged), GRPO
+    loss, `engine.backward`, `engine.step()`."""
+    outputs = engine(batch, with_entropy=True)
     loss, stats = rank_grpo_loss(outputs, batch, old_logprobs, ref_logprobs, advantages, config, denoms,
                                  data_parallel_size(engine))
     engine.backward(loss)

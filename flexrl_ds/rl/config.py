@@ -35,8 +35,10 @@ class GRPOConfig:
     """Dual-clip constant c > 1: for negative advantages the loss is capped at -c * A; None: off."""
     init_kl_coef: float = 0.01
     """Weight of the KL(policy || reference) term in the loss; 0: no reference log-probs needed."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator (KL_ESTIMATORS); k3 is the usual GRPO choice."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (KL_ESTIMATORS). k3 (the usual GRPO choice) and k2 pull the policy towards
+    the reference; k1's gradient, that of log pi, averages to zero over on-policy samples, so as a loss
+    term it adds noise and no pull (its value is still an unbiased estimate of the KL)."""
     kl_clamp: float | None = 10.0
     """Per-token KL values are clamped to [-kl_clamp, kl_clamp] (as OpenRLHF does); None: no clamp."""
     loss_reduction: Literal["token_mean", "sequence_mean"] = "token_mean"

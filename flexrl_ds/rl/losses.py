@@ -28,6 +28,12 @@ import torch
 
 from flexrl_ds.rl.config import KL_ESTIMATORS, LOSS_REDUCTIONS, GRPOConfig
 
+MAX_LOG_RATIO = 20.0
+"""Bound on a log-ratio before it is exponentiated (the ratio's above, k3's below): exp(20) ~ 5e8 is
+finite in fp32, where exp beyond ~88.7 is inf and its gradient, times the 0 a clip gives it, NaN.
+A token that far from its old or reference log-prob is clipped or clamped anyway; past the bound its
+ratio (or k3 term) stops growing and passes no gradient."""
+
 
 def approx_kl(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str, clamp: float | None = None
@@ -35,7 +41,8 @@ def approx_kl(
     """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs.
 
     With log_ratio = logprobs - ref_logprobs: k1 = log_ratio; k2 = log_ratio**2 / 2;
-    k3 = exp(-log_ratio) - 1 + log_ratio (non-negative, unbiased). `clamp` bounds the values.
+    k3 = exp(-log_ratio) - 1 + log_ratio (non-negative, unbiased; the exponent bounded by
+    MAX_LOG_RATIO). `clamp` bounds the values.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator: {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
@@ -45,7 +52,7 @@ def approx_kl(
     elif estimator == "k2":
         kl = log_ratio.square() / 2
     else:
-        kl = torch.expm1(-log_ratio) + log_ratio
+        kl = torch.expm1(-log_ratio.clamp(min=-MAX_LOG_RATIO)) + log_ratio
     return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
@@ -151,7 +158,7 @@ def grpo_loss(
         for tensor in (logprobs_SL, old_logprobs_SL.detach(), advantages.detach())
     )
     log_ratio_SL = logprobs_SL - old_logprobs_SL
-    ratio_SL = log_ratio_SL.exp()
+    ratio_SL = log_ratio_SL.clamp(max=MAX_LOG_RATIO).exp()
     pg_SL, clip_taken_SL, dual_taken_SL = clipped_surrogate(ratio_SL, advantages, config)
     reduce_args = dict(mask_SL=mask_SL, reduction=config.loss_reduction, denominator=denominator,
                        sequence_num_tokens_S=sequence_num_tokens_S)
@@ -180,7 +187,7 @@ def _stats(policy_loss, kl_loss, log_ratio_SL, clip_taken_SL, dual_taken_SL, mas
             kl_loss=kl_loss.item(),
             clip_fraction=token_mean(clip_taken_SL),
             dual_clip_fraction=token_mean(dual_taken_SL),
-            approx_kl=token_mean(torch.expm1(log_ratio_SL) - log_ratio_SL),
-            mean_ratio=token_mean(log_ratio_SL.exp()),
+            approx_kl=token_mean(torch.expm1(log_ratio_SL.clamp(max=MAX_LOG_RATIO)) - log_ratio_SL),
+            mean_ratio=token_mean(log_ratio_SL.clamp(max=MAX_LOG_RATIO).exp()),
             num_tokens=num_tokens,
         )

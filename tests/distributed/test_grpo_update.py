@@ -100,12 +100,12 @@ def fixed_values(model_dir: str, samples: dict) -> dict:
     return values
 
 
-def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict, reduction: str,
+def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict, rl: dict,
                    offload: str = "none", checkpointing: bool = False):
     """On every rank: ZeRO-3 engine from JSON, one GRPO train_step; rank 0 returns the parameters."""
     from flexrl_ds.models import policy_update as pu
 
-    engine, batch, step = _rank_engine(model_dir, data_path, plan_json, values, reduction, offload, checkpointing)
+    engine, batch, step = _rank_engine(model_dir, data_path, plan_json, values, rl, offload, checkpointing)
     runs = _count_layer_runs(engine.module.hf_model)
     result = step()
     out = {"metrics": pu.reduce_stats(result.stats), "grad_norm": result.grad_norm,
@@ -115,10 +115,11 @@ def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict
     return out
 
 
-def _rank_engine(model_dir: str, data_path: str, plan_json: dict, values: dict, reduction: str, offload: str,
+def _rank_engine(model_dir: str, data_path: str, plan_json: dict, values: dict, rl: dict, offload: str,
                  checkpointing: bool = False):
     """This rank's ZeRO-3 engine (the JSON from zero3_configs with the test's hyper-parameters), its
-    StepBatch of the plan, and a function running one GRPO train_step on them."""
+    StepBatch of the plan, and a function running one GRPO train_step on them (`rl`: GRPOConfig's
+    fields)."""
     from zero3_configs import zero3_config
 
     from flexrl_ds.models import policy_update as pu
@@ -140,7 +141,7 @@ def _rank_engine(model_dir: str, data_path: str, plan_json: dict, values: dict, 
                                               gradient_clipping=CLIP, reduce_bucket_size=4096,
                                               offload_optimizer=offload), logits_chunk=8,
                          activation_checkpointing=checkpointing)
-    config = GRPOConfig(loss_reduction=reduction, **RL)
+    config = GRPOConfig(**rl)
     denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})
 
     def step():
@@ -177,16 +178,17 @@ def _count_layer_runs(hf_model) -> dict[str, dict[str, int]]:
     return runs
 
 
-def reference_step(model_dir: str, samples: dict, values: dict, reduction: str):
-    """Plain HF + a loop over tokens + torch clip/AdamW: (loss, grad norm, parameters after the step)."""
+def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
+    """Plain HF + a loop over tokens + torch clip/AdamW: (loss, grad norm, parameters after the step,
+    entropy reduced as the loss is)."""
     model = _load(model_dir)
-    c = RL
-    per_sequence = []
+    c = rl
+    per_sequence, entropies = [], []
     for seq_id, sample in samples.items():
         logits = model(**_inputs(model, sample)).logits[0].float()
         logp_all = torch.log_softmax(logits[:-1], dim=-1)[sample.response_start - 1:]
         targets = sample.input_ids[sample.response_start:]
-        terms = []
+        terms, entropy_terms = [], []
         for t in range(targets.shape[0]):
             lp = logp_all[t, targets[t]]
             entropy = -(logp_all[t].exp() * logp_all[t]).sum()
@@ -198,17 +200,21 @@ def reference_step(model_dir: str, samples: dict, values: dict, reduction: str):
             log_ratio = lp - values["ref"][seq_id][t]
             kl = (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10.0, 10.0)
             terms.append(pg + c["init_kl_coef"] * kl - c["entropy_coef"] * entropy)
+            entropy_terms.append(float(entropy))
         per_sequence.append(terms)
-    if reduction == "token_mean":
-        loss = sum(t for terms in per_sequence for t in terms) / sum(len(terms) for terms in per_sequence)
-    else:
-        loss = sum(sum(terms) / len(terms) for terms in per_sequence) / len(per_sequence)
+        entropies.append(entropy_terms)
+
+    def reduce(per_token: list) -> float:
+        if c["loss_reduction"] == "token_mean":
+            return sum(t for terms in per_token for t in terms) / sum(len(terms) for terms in per_token)
+        return sum(sum(terms) / len(terms) for terms in per_token) / len(per_token)
+    loss = reduce(per_sequence)
     loss.backward()
     params = [p for p in model.parameters()]
     norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
     torch.nn.utils.clip_grad_norm_(params, CLIP)
     torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY).step()
-    return float(loss.detach()), norm, {name: p.detach() for name, p in model.named_parameters()}
+    return float(loss.detach()), norm, {name: p.detach() for name, p in model.named_parameters()}, reduce(entropies)
 
 
 def _inputs(model, sample):
@@ -224,7 +230,8 @@ def _inputs(model, sample):
 def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kind, reduction, offload, checkpointing):
     """offload: the optimizer offloaded to host memory, all of it under torch's AdamW, or half of it
     under DeepSpeed's CPUAdam (the 7B GPU run's set-up, `offload_optimizer.ratio`). CPUAdam's
-    vectorised arithmetic is not torch's: its parameters are compared to 1% of one step.
+    vectorised arithmetic is not torch's: its parameters are compared to 1% of one step. The idle
+    plans run without the entropy bonus: the entropy is then only logged, and must still be right.
     checkpointing: every decoder and vision layer recomputed in backward (its all-to-alls, and on
     the idle plan the empty ranks' placeholder, run again)."""
     if offload == "cpu_adam_ratio":
@@ -233,9 +240,10 @@ def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kin
     samples = rollouts(model_dir, data_path, with_tiny=kind == "idle")
     plan = make_plan(list(samples), kind)
     values = fixed_values(model_dir, samples)
-    per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, plan.to_json(), values, reduction,
+    rl = {**RL, "loss_reduction": reduction, "entropy_coef": RL["entropy_coef"] if kind == "mixed" else 0.0}
+    per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, plan.to_json(), values, rl,
                                      offload, checkpointing, timeout_s=240)
-    ref_loss, ref_norm, ref_params = reference_step(model_dir, samples, values, reduction)
+    ref_loss, ref_norm, ref_params, ref_entropy = reference_step(model_dir, samples, values, rl)
     if kind == "idle":  # ranks 2, 3: no token, but a member of the degree-4 pack
         assert [(r["num_local"] == 0, r["num_packs"]) for r in per_rank][2:] == [(True, 1), (True, 1)]
     for r in per_rank:  # with checkpointing each layer that ran forward runs again in backward
@@ -247,6 +255,7 @@ def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kin
     assert all(r["metrics"] == metrics for r in per_rank)
     assert metrics["num_tokens"] == sum(x.length - x.response_start for x in samples.values())
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    assert metrics["entropy"] == pytest.approx(ref_entropy, rel=1e-5) and ref_entropy > 0
     assert 0 < metrics["clip_frac"] < 1
     norms = [r["grad_norm"] for r in per_rank]
     assert norms == [norms[0]] * WORLD and norms[0] > CLIP  # clipping is active
@@ -279,7 +288,8 @@ def rank_steps_around_rollout_offload(model_dir: str, data_path: str, plan_json:
     moved, DeepSpeed's refusal, and (rank 0) the parameters after the second step."""
     from flexrl_ds.models.zero3 import RolloutOffload
 
-    engine, _, step = _rank_engine(model_dir, data_path, plan_json, values, "token_mean", offload)
+    engine, _, step = _rank_engine(model_dir, data_path, plan_json, values, {**RL, "loss_reduction": "token_mean"},
+                                   offload)
     moved, states = (), RolloutOffload(engine)
     step()
     if move_states:

@@ -166,6 +166,32 @@ def test_ratio_far_outside_the_clip_range():
     assert math.isclose(stats.mean_ratio, (2 * e3 + 2 / e3) / 4, rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("kl_clamp", [10.0, None])
+def test_log_ratios_past_fp32_exp_range_give_finite_gradients(kl_clamp):
+    """fp32 exp overflows past ~88.7: a token 95 nats below its reference (k3's exp(-log_ratio)) or 99
+    above its old log-prob (the ratio) must not turn the whole gradient into NaN. Those tokens pass no
+    gradient (clipped, clamped or past MAX_LOG_RATIO); the ordinary token's gradient is what it is alone."""
+    config = GRPOConfig(init_kl_coef=0.05, kl_estimator="k3", kl_clamp=kl_clamp, dual_clip=None)
+    old = torch.tensor([[-1.2, -1.0, -100.0]])
+    ref = torch.tensor([[-0.9, -1.0, -1.0]])
+    advantages = torch.tensor([[1.0, 1.0, 1.0]])
+    lp = torch.tensor([[-1.0, -96.0, -1.0]], requires_grad=True)
+    loss, stats = grpo_loss(lp, old, advantages, torch.ones(1, 3, dtype=torch.bool), config, ref_logprobs_SL=ref)
+    loss.backward()
+    assert math.isfinite(loss.item()) and math.isfinite(stats.approx_kl) and math.isfinite(stats.mean_ratio)
+    assert torch.isfinite(lp.grad).all()
+    alone = lp.detach()[:, :1].clone().requires_grad_(True)
+    alone_loss, _ = grpo_loss(alone, old[:, :1], advantages[:, :1], torch.ones(1, 1, dtype=torch.bool), config,
+                              ref_logprobs_SL=ref[:, :1], denominator=3)
+    alone_loss.backward()
+    torch.testing.assert_close(lp.grad[0, 0], alone.grad[0, 0])
+    assert lp.grad[0, 2] == 0  # ratio e^99, positive advantage: the clipped branch
+    # token 1's ratio e^-95 passes a gradient of ~1e-42; its k3 term is clamped (no gradient), or without
+    # a clamp bounded at MAX_LOG_RATIO, leaving only the gradient of its linear term: init_kl_coef / 3
+    expected = 0.0 if kl_clamp is not None else config.init_kl_coef / 3
+    assert float(lp.grad[0, 1]) == pytest.approx(expected, rel=1e-5, abs=1e-30)
+
+
 def test_on_policy_first_step_is_plain_policy_gradient():
     logprobs, _, _, advantages, mask = _random_inputs()
     config = GRPOConfig(init_kl_coef=0.0)
