@@ -265,14 +265,15 @@ class PolicyWorker:
         return self.channel.transport
 
     def send_weights(self, bucket_bytes: int) -> dict[str, float]:
-        """Separate engines: every rank gathers the buckets (collective); rank 0 broadcasts each one
-        over the weight channel as it is gathered (runtime/weight_channel.py)."""
+        """Separate engines: every rank gathers the buckets (collective); rank 0 copies each one and
+        broadcasts it over the weight channel as it is gathered (runtime/weight_channel.py)."""
         started = time.perf_counter()
-        buckets = model_weights.iter_weight_buckets(self.policy.module.hf_model, bucket_bytes, self.device)
+        hf_model = self.policy.module.hf_model
         if self.rank == 0:
-            sent = self.channel.send(buckets)
+            sent = self.channel.send(model_weights.iter_weight_buckets(hf_model, bucket_bytes, self.device))
         else:
-            sent = sum(0 for _ in buckets)
+            model_weights.join_weight_gathers(hf_model, bucket_bytes)
+            sent = 0
         return {"sync_s": time.perf_counter() - started, "bytes": float(sent)}
 
     def generate(self, step: int, jobs: list, params: Any):
@@ -281,24 +282,33 @@ class PolicyWorker:
         engine allocates outside torch's cache, so blocks cached for the update would be lost to it."""
         assert self.rollout is not None, "generate on a policy rank without a colocated engine"
         started = time.perf_counter()
-        offloaded = started
+        offloaded, waking = started, False
         try:
             if self.device_info.is_gpu:
                 self._offload_states()
                 device_mod.release_cached_memory(self.device_info)
-            offloaded = time.perf_counter()
+            offloaded, waking = time.perf_counter(), True
             self.rollout.wake()
             woken = time.perf_counter()
             output = self.rollout.generate(step, jobs, params)
         finally:
             generated = time.perf_counter()
-            self.rollout.sleep()
-            slept = time.perf_counter()
-            if self.rollout_offload is not None and self.rollout_offload.offloaded():
-                self.rollout_offload.reload()
+            slept = self._sleep_and_reload(waking)
         output.times_s.update(offload=offloaded - started, wake=woken - offloaded, sleep=slept - generated,
                               reload=time.perf_counter() - slept)
         return output
+
+    def _sleep_and_reload(self, engine_woke: bool) -> float:
+        """After a rollout, also a failed one: the engine sleeps again if it was asked to wake, then the
+        policy's states come back, also when that sleep fails. Returns when the sleep ended."""
+        try:
+            if engine_woke:
+                self.rollout.sleep()
+        finally:
+            slept = time.perf_counter()
+            if self.rollout_offload is not None and self.rollout_offload.offloaded():
+                self.rollout_offload.reload()
+        return slept
 
     def _offload_states(self) -> None:
         """Move the policy's ZeRO-3 states to host memory while the engine generates, as many as

@@ -36,13 +36,15 @@ class StandInRollout:
 
 
 class StandInOffload:
-    def __init__(self, log: list, refuses: bool = False):
-        self.log, self.refuses, self.moved, self.refusal = log, refuses, (), ""
+    def __init__(self, log: list, refuses: bool = False, fails: bool = False):
+        self.log, self.refuses, self.fails, self.moved, self.refusal = log, refuses, fails, (), ""
 
     def offload(self):
         self.log.append("offload")
         if self.refuses:
             raise AssertionError("Moving states across devices is not supported without an optimizer.")
+        if self.fails:  # e.g. out of pinned host memory: RolloutOffload brings back what moved first
+            raise RuntimeError("offload failed")
         self.moved = ("lp_params",)
         return self.moved
 
@@ -63,12 +65,13 @@ def log_cache_release(monkeypatch):
 
 
 def worker(log: list, gpu: bool = True, fails_in: str = "", refuses: bool = False) -> PolicyWorker:
+    """fails_in: "wake", "generate" or "sleep" (the engine's) or "offload" (the states' move)."""
     """A PolicyWorker with only what `generate` uses (no process group, no DeepSpeed engine)."""
     stand_in = PolicyWorker.__new__(PolicyWorker)
     stand_in.rank, stand_in._offload_reported = 0, False
     stand_in.device_info = SimpleNamespace(is_gpu=gpu)
     stand_in.rollout = StandInRollout(log, fails_in)
-    stand_in.rollout_offload = StandInOffload(log, refuses)
+    stand_in.rollout_offload = StandInOffload(log, refuses, fails=fails_in == "offload")
     return stand_in
 
 
@@ -83,12 +86,21 @@ def test_states_leave_for_the_rollout_and_come_back(capsys, log_cache_release):
     assert capsys.readouterr().out.count("in host memory during rollout: lp_params") == 1  # said once
 
 
-@pytest.mark.parametrize("fails_in", ["wake", "generate"])
+@pytest.mark.parametrize("fails_in", ["wake", "generate", "sleep"])
 def test_states_come_back_when_the_rollout_fails(fails_in, log_cache_release):
     log = log_cache_release
     with pytest.raises(RuntimeError, match=f"{fails_in} failed"):
         worker(log, fails_in=fails_in).generate(0, [], None)
     assert log[0] == "offload" and log[-2:] == ["sleep", "reload"]
+
+
+def test_an_engine_never_woken_is_not_put_to_sleep(log_cache_release):
+    """A failed move (not a refusal) ends the rollout before the wake: a sleep then would only free
+    what the last sync wrote (hf at level 2) or wake vLLM's cache next to the policy's states."""
+    log = log_cache_release
+    with pytest.raises(RuntimeError, match="offload failed"):
+        worker(log, fails_in="offload").generate(0, [], None)
+    assert log == ["offload"]
 
 
 def test_states_that_cannot_move_stay_and_are_not_asked_again(capsys, log_cache_release):
