@@ -64,6 +64,14 @@ def iter_weight_buckets(module: torch.nn.Module, bucket_bytes: int,
         yield _gather(bucket, target)
 
 
+def join_weight_gathers(module: torch.nn.Module, bucket_bytes: int) -> None:
+    """The collective part of `iter_weight_buckets` for a rank that keeps nothing (another rank sends
+    or writes the weights): every bucket is gathered, in the same order, and nothing is copied."""
+    for bucket in group_by_bytes(hf_module(module).named_parameters(), tensor_bytes, bucket_bytes):
+        with _gathered([param for _, param in bucket]):
+            pass
+
+
 def group_by_bytes(named: Iterable[tuple[str, T]], nbytes: Callable[[T], int],
                    bucket_bytes: int) -> Iterator[list[tuple[str, T]]]:
     """`named` in order, cut into buckets: each closes once its `nbytes` reach `bucket_bytes` (the
@@ -102,12 +110,12 @@ def save_hf_export(module: torch.nn.Module, out_dir: str | Path, model_dir: str 
         rank = dist.get_rank() if dist.is_initialized() else 0
     module = hf_module(module)
 
+    if rank != 0:
+        join_weight_gathers(module, bucket_bytes)
+        return
     state = {}
     for bucket in iter_weight_buckets(module, bucket_bytes):
-        if rank == 0:
-            state.update(bucket)
-    if rank != 0:
-        return
+        state.update(bucket)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for path in Path(model_dir).iterdir():

@@ -7,7 +7,8 @@ worker, so a tensor-parallel vLLM engine takes one per shard). A sync sends each
 (models/weights.iter_weight_buckets) as a small header (names, dtypes, shapes, pickled into
 bytes) and one flat byte buffer holding the bucket's tensors at 16-byte aligned offsets; an empty
 header ends the sync. Receivers load the buckets as they arrive, so no process holds more than one
-bucket extra and no weight passes through the Ray object store.
+bucket extra (the sender: the gathered bucket and its packed buffer) and no weight passes through
+the Ray object store.
 
 How the buffer travels (`transport`) is agreed at set-up from where the ranks are: each rank puts
 its GPU's id (parallel/device.physical_device_id) in the store and rank 0 picks (`choose_transport`):
