@@ -3,9 +3,10 @@
 An engine is a plain class (no Ray inside; the trainer wraps it in a thin actor). It receives
 `RolloutRequest`s (prompt token ids with expanded vision pads, the prompt's `VisionItem`s with real
 pixels, a seed per sample) and returns one `RolloutResult` per request, in request order. A sample's
-response depends only on the weights, its prompt, the `SamplingParams` and its seed: not on the other
-requests of the call, their order or the batch it lands in (so a resumed run regenerates the same
-responses).
+draws depend only on its seed, not on the other requests of the call, their order or the batch it
+lands in, so a resumed run regenerates the same responses. (On a GPU the bf16 logits themselves may
+depend on the batch's shape, so a token drawn near a boundary of its distribution can still flip:
+rollout/sampling.py; vLLM with `seeding` "off" draws from its own stream.)
 
 `engine_class(backend)` resolves `ROLLOUT_BACKENDS[backend]` lazily: asking for "hf" never imports
 vLLM, and the vllm backend is only imported where it is asked for.
@@ -95,6 +96,11 @@ class RolloutRequest:
             raise ValueError(f"rollout request {self.sample_key!r}: empty prompt_ids")
         if not 0 <= int(self.seed) <= MAX_SEED:
             raise ValueError(f"rollout request {self.sample_key!r}: seed must be in [0, 2**63), got {self.seed}")
+        for index, item in enumerate(self.items):
+            if item.pixel_values.shape[0] != item.num_patches:
+                raise ValueError(f"rollout request {self.sample_key!r}: {item.kind} {index} has "
+                                 f"{item.pixel_values.shape[0]} pixel rows, its grid {tuple(item.grid_thw)} "
+                                 f"makes {item.num_patches}")
 
 
 @dataclass

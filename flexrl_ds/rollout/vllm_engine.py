@@ -12,8 +12,10 @@ torch.distributed world (a policy rank) vLLM joins that world (`external_launche
 starting its own.
 
 Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.py`); every result
-is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. the
-same vision grids. Seeding (`VLLMOptions.seeding`): "sample" gives each request its sample's seed,
+is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. as many
+vision tokens per item as the trainer's grids (a grid of the same size in another shape, or other
+video timing, would pass this check; the GPU tests compare vLLM's grids and positions, and
+`rollout_logprob_diff` would show it in a run). Seeding (`VLLMOptions.seeding`): "sample" gives each request its sample's seed,
 so its response depends on that seed, not on the batch; "off" leaves the seeds to vLLM (0.26's
 model runner draws them from numpy's global generator). Log-probs are taken at the engine's
 `logprob_temperature` (the run's sampling temperature: vllm_inputs.py `logprobs_mode`); the
@@ -78,6 +80,7 @@ class VLLMEngine:
         self.tokens = VisionTokens(int(getattr(config, "image_token_id", -1)), int(getattr(config, "video_token_id", -1)))
         self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)),
                                                         pin_frame_cap=_processor_knows_frame_cap())
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._asleep: set[str] = set()
 
     def generate(self, requests: Sequence[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
@@ -111,6 +114,9 @@ class VLLMEngine:
         for request in requests:
             if request.items and not self.is_vision_language:
                 raise ValueError(f"rollout request {request.sample_key!r}: has media but the model has no vision tower")
+            if len(request.prompt_ids) >= self.max_model_len:
+                raise ValueError(f"rollout request {request.sample_key!r}: its prompt has {len(request.prompt_ids)} "
+                                 f"tokens, the engine serves {self.max_model_len} (flexrl.rollout.vllm.max_model_len)")
             key = (tuple(request.prompt_ids), tuple(id(item.pixel_values) for item in request.items))
             if key not in built:
                 built[key] = build_prompt(request, self.tokens, self.geometry)

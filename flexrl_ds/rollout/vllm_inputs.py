@@ -195,7 +195,8 @@ def to_result(sample_key: str, token_ids: Sequence[int], logprobs: Sequence[Any]
 
 
 def check_expanded_prompt(request: RolloutRequest, vllm_prompt_ids: Sequence[int]) -> None:
-    """vLLM's prompt after its own vision expansion must be the trainer's `prompt_ids` exactly."""
+    """vLLM's prompt after its own vision expansion must be the trainer's `prompt_ids` exactly: the same
+    number of vision tokens per item (token ids only: not the grids' shapes nor the video timing)."""
     ours, theirs = list(request.prompt_ids), [int(t) for t in vllm_prompt_ids]
     if ours == theirs:
         return

@@ -86,6 +86,10 @@ class RolloutHost:
         for job in jobs:
             if prompt_name(job.key) in withdrawn:
                 continue
+            missing = [index for index in range(len(job.items)) if (job.key, index) not in pixels]
+            if missing:
+                raise RuntimeError(f"step {step}: prompt {prompt_name(job.key)!r}: items {missing} were neither "
+                                   "delivered nor withdrawn by the preprocessing actors")
             items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt)
                      for index, (kind, grid, spgt) in enumerate(job.items)]
             rollout_requests.extend(RolloutRequest(name, list(job.prompt_ids), items, seed) for name, seed in job.samples)

@@ -144,6 +144,9 @@ def test_bad_requests_name_the_sample(q2_engine, prompts, tmp_path):
         RolloutRequest("s2", [], seed=0)
     with pytest.raises(ValueError, match="'s3'.*seed"):
         RolloutRequest("s3", [1], seed=-1)
+    short = VisionItem("video", torch.zeros(15, 1176), (2, 4, 2))
+    with pytest.raises(ValueError, match=r"'s4'.*video 1 has 15 pixel rows, its grid \(2, 4, 2\) makes 16"):
+        RolloutRequest("s4", [1], [item, short], seed=0)
     with pytest.raises(ValueError, match="model_dir"):
         HFRolloutEngine(str(tmp_path))
     with pytest.raises(ValueError, match="dtype"):
