@@ -97,6 +97,8 @@ class RankStats:
     """Share of the reduced token entropy (0 where the forward computed none)."""
     clip_count: float = 0.0
     """Response tokens whose clipped branch was taken."""
+    dual_clip_count: float = 0.0
+    """Response tokens whose loss the dual clip capped."""
     approx_kl_sum: float = 0.0
     """Sum over response tokens of the k3 estimate of KL(old || policy)."""
     num_tokens: float = 0.0
@@ -129,13 +131,14 @@ def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.
     num_tokens = stats.num_tokens
     summed = RankStats(loss=float(loss.detach()), pg_loss=stats.policy_loss, kl=stats.kl_loss,
                        entropy=float(entropy.detach()), clip_count=stats.clip_fraction * num_tokens,
+                       dual_clip_count=stats.dual_clip_fraction * num_tokens,
                        approx_kl_sum=stats.approx_kl * num_tokens, num_tokens=float(num_tokens))
     return loss * dp_world_size + outputs.zero, summed
 
 
 def reduce_stats(stats: RankStats, group=None, device=None) -> dict[str, float]:
     """The step's metrics from every rank's `RankStats` (collective over `group`): loss, pg_loss, kl,
-    entropy, clip_frac, approx_kl, num_tokens. `device`: where the collective runs (the rank's device:
+    entropy, clip_frac, dual_clip_frac, approx_kl, num_tokens. `device`: where the collective runs (the rank's device:
     NCCL reduces device tensors only)."""
     names = [f.name for f in fields(RankStats)]
     values = torch.tensor([getattr(stats, name) for name in names], dtype=torch.float64, device=device)
@@ -144,7 +147,8 @@ def reduce_stats(stats: RankStats, group=None, device=None) -> dict[str, float]:
     total = dict(zip(names, values.tolist()))
     tokens = max(total["num_tokens"], 1.0)
     return {"loss": total["loss"], "pg_loss": total["pg_loss"], "kl": total["kl"], "entropy": total["entropy"],
-            "clip_frac": total["clip_count"] / tokens, "approx_kl": total["approx_kl_sum"] / tokens,
+            "clip_frac": total["clip_count"] / tokens, "dual_clip_frac": total["dual_clip_count"] / tokens,
+            "approx_kl": total["approx_kl_sum"] / tokens,
             "num_tokens": total["num_tokens"]}
 
 

@@ -15,8 +15,9 @@ ADVANTAGE_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """Per-token estimators of KL(policy || reference) from sampled-token log-probs (Schulman's k1/k2/k3)."""
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean")
-"""token_mean: sum over every response token of the step / token count; sequence_mean: mean per
-sequence, then sum / sequence count."""
+"""token_mean: sum over every response token of the mini-batch / token count; sequence_mean: mean per
+sequence, then sum / sequence count (each of the step's `mini_batches_per_step` mini-batches is one
+optimizer step with its own loss; the LR scheduler steps once per mini-batch)."""
 
 
 @dataclass

@@ -87,9 +87,12 @@ class HFRolloutEngine:
         self.pad_token_id = int(text_config.pad_token_id if text_config.pad_token_id is not None else 0)
         self.is_vision_language = getattr(self.model.config, "vision_config", None) is not None
         self._parameters = dict(self.model.named_parameters())
+        self._asleep = False
 
     def generate(self, requests: Sequence[RolloutRequest], params: SamplingParams) -> list[RolloutResult]:
         """One result per request, in request order."""
+        if self._asleep:
+            raise RuntimeError("hf engine: generate while asleep (call wake first)")
         self._check_weights_written("generate")
         for request in requests:
             self._check_request(request)
@@ -188,6 +191,7 @@ class HFRolloutEngine:
         there is nothing to free). Level 2: they are freed wherever they are, and each is allocated
         again when `load_weights` writes it. `load_weights` works while asleep; `generate` needs
         `wake` first."""
+        self._asleep = True
         if self.sleep_level == 2:
             for name, parameter in self._parameters.items():
                 parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
@@ -204,6 +208,7 @@ class HFRolloutEngine:
         self._check_weights_written("wake")
         if self.sleep_level == 1 and self.device.type != "cpu":
             self.model.to(self.device)
+        self._asleep = False
 
     def _check_weights_written(self, action: str) -> None:
         """Raise naming the weights freed (or never loaded) and not written since, if any."""

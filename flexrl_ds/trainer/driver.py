@@ -209,14 +209,14 @@ class GRPOTrainer:
         def token_weighted(key: str) -> float:
             return sum(b[key] * b["num_tokens"] for b in update) / total_tokens
 
-        last = update[-1]
         return {
             "step": step, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(names) > 1 else 0.0,
             "loss": token_weighted("loss"), "pg_loss": token_weighted("pg_loss"), "kl": token_weighted("kl"),
             "entropy": token_weighted("entropy"), "clip_frac": token_weighted("clip_frac"),
-            "approx_kl": token_weighted("approx_kl"),
-            "grad_norm": last["grad_norm"], "response_length_mean": sum(lengths) / len(lengths),
+            "dual_clip_frac": token_weighted("dual_clip_frac"), "approx_kl": token_weighted("approx_kl"),
+            "grad_norm": sum(b["grad_norm"] for b in update) / len(update),  # mean over the mini-batches
+            "response_length_mean": sum(lengths) / len(lengths),
             "clipped_length_ratio": sum(samples.finish_reasons[n] == "length" for n in names) / len(names),
             "zero_variance_groups": reward_info["zero_variance_groups"],
             "num_reward_errors": reward_info["num_reward_errors"], "num_samples": len(names),

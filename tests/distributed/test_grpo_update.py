@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 WORLD = 4
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-2, (0.9, 0.95), 1e-4, 0.01, 0.5
-RL = dict(eps_clip_low=0.2, eps_clip_high=0.28, dual_clip=3.0, init_kl_coef=0.05, kl_estimator="k3",
+RL = dict(eps_clip_low=0.2, eps_clip_high=0.28, dual_clip=1.1,  # 1.1: the dual clip caps some tokens
+          init_kl_coef=0.05, kl_estimator="k3",
           entropy_coef=0.01)
 
 
@@ -180,10 +181,10 @@ def _count_layer_runs(hf_model) -> dict[str, dict[str, int]]:
 
 def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
     """Plain HF + a loop over tokens + torch clip/AdamW: (loss, grad norm, parameters after the step,
-    entropy reduced as the loss is)."""
+    entropy reduced as the loss is, the share of tokens the dual clip capped)."""
     model = _load(model_dir)
     c = rl
-    per_sequence, entropies = [], []
+    per_sequence, entropies, dual_clipped = [], [], []
     for seq_id, sample in samples.items():
         logits = model(**_inputs(model, sample)).logits[0].float()
         logp_all = torch.log_softmax(logits[:-1], dim=-1)[sample.response_start - 1:]
@@ -196,11 +197,12 @@ def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
             adv = values["adv"][seq_id]
             pg = -torch.min(ratio * adv, ratio.clamp(1 - c["eps_clip_low"], 1 + c["eps_clip_high"]) * adv)
             if adv < 0:
+                dual_clipped.append(float(pg) > -c["dual_clip"] * adv)
                 pg = torch.clamp(pg, max=-c["dual_clip"] * adv)
             log_ratio = lp - values["ref"][seq_id][t]
             kl = (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10.0, 10.0)
             terms.append(pg + c["init_kl_coef"] * kl - c["entropy_coef"] * entropy)
-            entropy_terms.append(float(entropy))
+            entropy_terms.append(float(entropy.detach()))
         per_sequence.append(terms)
         entropies.append(entropy_terms)
 
@@ -214,7 +216,9 @@ def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
     norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
     torch.nn.utils.clip_grad_norm_(params, CLIP)
     torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY).step()
-    return float(loss.detach()), norm, {name: p.detach() for name, p in model.named_parameters()}, reduce(entropies)
+    num_tokens = sum(len(terms) for terms in per_sequence)
+    return (float(loss.detach()), norm, {name: p.detach() for name, p in model.named_parameters()}, reduce(entropies),
+            sum(dual_clipped) / num_tokens)
 
 
 def _inputs(model, sample):
@@ -243,7 +247,7 @@ def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kin
     rl = {**RL, "loss_reduction": reduction, "entropy_coef": RL["entropy_coef"] if kind == "mixed" else 0.0}
     per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, plan.to_json(), values, rl,
                                      offload, checkpointing, timeout_s=240)
-    ref_loss, ref_norm, ref_params, ref_entropy = reference_step(model_dir, samples, values, rl)
+    ref_loss, ref_norm, ref_params, ref_entropy, ref_dual_clip_frac = reference_step(model_dir, samples, values, rl)
     if kind == "idle":  # ranks 2, 3: no token, but a member of the degree-4 pack
         assert [(r["num_local"] == 0, r["num_packs"]) for r in per_rank][2:] == [(True, 1), (True, 1)]
     for r in per_rank:  # with checkpointing each layer that ran forward runs again in backward
@@ -256,6 +260,7 @@ def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kin
     assert metrics["num_tokens"] == sum(x.length - x.response_start for x in samples.values())
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
     assert metrics["entropy"] == pytest.approx(ref_entropy, rel=1e-5) and ref_entropy > 0
+    assert metrics["dual_clip_frac"] == pytest.approx(ref_dual_clip_frac, rel=1e-6) and ref_dual_clip_frac > 0
     assert 0 < metrics["clip_frac"] < 1
     norms = [r["grad_norm"] for r in per_rank]
     assert norms == [norms[0]] * WORLD and norms[0] > CLIP  # clipping is active

@@ -94,6 +94,9 @@ def test_it_refuses_to_generate_or_wake_until_every_weight_is_written(rollout_as
     engine.load_weights(named[-1:])
     engine.wake()
     assert engine.generate(request, GREEDY)[0].response_ids
+    engine.sleep()  # level 2: frees the weights again; generate names the sleep, not missing weights
+    with pytest.raises(RuntimeError, match=re.escape("hf engine: generate while asleep (call wake first)")):
+        engine.generate(request, GREEDY)
 
 
 @pytest.mark.parametrize("damage", ["corrupted", "missing"])
