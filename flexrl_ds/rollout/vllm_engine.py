@@ -43,6 +43,12 @@ from flexrl_ds.rollout.vllm_workers import EXTENSION as WORKER_EXTENSION
 from flexrl_ds.runtime.weight_channel import ChannelAddress
 
 
+def _logprobs_kwargs(logprob_temperature: float) -> dict[str, str]:
+    """`logprobs_mode` for `vllm.LLM`, left to vLLM where its default (raw log-probs) is the one asked."""
+    mode = logprobs_mode(logprob_temperature)
+    return {} if mode == "raw_logprobs" else {"logprobs_mode": mode}
+
+
 class VLLMEngine:
     """One vLLM engine holding a full copy of the policy (see the module docstring)."""
 
@@ -68,7 +74,7 @@ class VLLMEngine:
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                 load_format=load_format, max_model_len=max_model_len, max_num_seqs=max_batch_sequences,
                 enable_sleep_mode=True, enable_prefix_caching=True, seed=0,
-                logprobs_mode=logprobs_mode(logprob_temperature),
+                **_logprobs_kwargs(logprob_temperature),
                 limit_mm_per_prompt={"image": max_images_per_prompt, "video": max_videos_per_prompt},
                 # vLLM's processor cache serves items one by one but calls the processor with the
                 # prompt's whole video_metadata list: with several videos a partial hit would fail.

@@ -20,6 +20,9 @@ status=0
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm_engine_gpu.py 2>&1 | grep -v "Loading weights" \
     | grep -v "^INFO\|^WARNING\|^(EngineCore" | tee "$out/vllm_engine_tests.txt" | tail -30 || status=1
+  # an engine of a run at temperature 0.7 (processed log-probs): in a pytest process of its own
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm_temperature_gpu.py 2>&1 | grep -v "Loading weights" \
+    | grep -v "^INFO\|^WARNING\|^(EngineCore" | tee -a "$out/vllm_engine_tests.txt" | tail -8 || status=1
   echo "engine tests done after $(( $(date +%s) - start )) s"
 fi
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ] || [ "${1:-}" = channel ]; then
