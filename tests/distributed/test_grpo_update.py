@@ -197,7 +197,7 @@ def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
             adv = values["adv"][seq_id]
             pg = -torch.min(ratio * adv, ratio.clamp(1 - c["eps_clip_low"], 1 + c["eps_clip_high"]) * adv)
             if adv < 0:
-                dual_clipped.append(float(pg) > -c["dual_clip"] * adv)
+                dual_clipped.append(float(pg.detach()) > -c["dual_clip"] * adv)
                 pg = torch.clamp(pg, max=-c["dual_clip"] * adv)
             log_ratio = lp - values["ref"][seq_id][t]
             kl = (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10.0, 10.0)
