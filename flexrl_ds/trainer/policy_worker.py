@@ -237,12 +237,20 @@ class PolicyWorker:
 
     # ---- weights ------------------------------------------------------------------------------
     def sync_rollout(self, bucket_bytes: int) -> dict[str, float]:
-        """Colocated: every rank gathers the policy's weights in buckets into its own engine."""
-        started, count = time.perf_counter(), 0
+        """Colocated: every rank gathers the policy's weights in buckets into its own engine. A rank
+        whose engine fails to load a bucket still joins the remaining gathers (the other ranks wait on
+        them), then raises: the step fails at once, not at the group's timeout."""
+        started, count, failure = time.perf_counter(), 0, None
         for bucket in model_weights.iter_weight_buckets(self.policy.module.hf_model, bucket_bytes, self.device):
-            if self.rollout is not None:
-                self.rollout.engine.load_weights(bucket)
+            if self.rollout is not None and failure is None:
+                try:
+                    self.rollout.engine.load_weights(bucket)
+                except Exception as error:  # raised below, once every gather has run
+                    failure = error
             count += len(bucket)
+        if failure is not None:
+            raise RuntimeError(f"rank {self.rank}: the rollout engine failed to load the weights "
+                               f"({type(failure).__name__}: {failure})") from failure
         if self.rollout is not None:
             self.rollout.engine.reset_caches()
         return {"sync_s": time.perf_counter() - started, "num_tensors": float(count)}
@@ -266,11 +274,19 @@ class PolicyWorker:
 
     def send_weights(self, bucket_bytes: int) -> dict[str, float]:
         """Separate engines: every rank gathers the buckets (collective); rank 0 copies each one and
-        broadcasts it over the weight channel as it is gathered (runtime/weight_channel.py)."""
+        broadcasts it over the weight channel as it is gathered (runtime/weight_channel.py). If the
+        channel fails, rank 0 still joins the remaining gathers before it raises, so the other policy
+        ranks do not wait for the group's timeout (the engines wait for the channel's)."""
         started = time.perf_counter()
         hf_model = self.policy.module.hf_model
         if self.rank == 0:
-            sent = self.channel.send(model_weights.iter_weight_buckets(hf_model, bucket_bytes, self.device))
+            buckets = model_weights.iter_weight_buckets(hf_model, bucket_bytes, self.device)
+            try:
+                sent = self.channel.send(buckets)
+            except Exception:
+                for _ in buckets:  # the gathers the other ranks are in
+                    pass
+                raise
         else:
             model_weights.join_weight_gathers(hf_model, bucket_bytes)
             sent = 0
