@@ -144,7 +144,7 @@ def test_engine_generates_with_shadowloader_grids(engine, assets):
     assert {r.sample_key: r.response_ids for r in first} == {r.sample_key: r.response_ids for r in again}
 
 
-def _hf_logprobs(model_dir, requests, results):
+def _hf_logprobs(model_dir, requests, results, temperature: float = 1.0):
     from flexrl_ds.models.flex_model import reference_logprobs
     from flexrl_ds.models.loading import load_model
     from flexrl_ds.models.processing import EncodedSample
@@ -153,7 +153,8 @@ def _hf_logprobs(model_dir, requests, results):
     with torch.no_grad():
         return [reference_logprobs(model, EncodedSample(request.sample_key,
                                                         torch.tensor(request.prompt_ids + result.response_ids),
-                                                        len(request.prompt_ids), list(request.items))).cpu()
+                                                        len(request.prompt_ids), list(request.items)),
+                                   temperature).cpu()
                 for request, result in zip(requests, results)]
 
 

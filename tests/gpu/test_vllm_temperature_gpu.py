@@ -17,23 +17,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_vllm_engine_gpu import _requests, assets  # noqa: E402,F401  (assets: the module's fixture)
+from test_vllm_engine_gpu import _hf_logprobs, _requests, assets  # noqa: E402,F401  (assets: the module's fixture)
 
 TEMPERATURE = 0.7
 
 
 def _hf_logprobs_at(model_dir, requests, results, temperature: float) -> torch.Tensor:
-    from flexrl_ds.models.flex_model import reference_logprobs
-    from flexrl_ds.models.loading import load_model
-    from flexrl_ds.models.processing import EncodedSample
-
-    model = load_model(model_dir).cuda()
-    with torch.no_grad():
-        return torch.cat([reference_logprobs(model, EncodedSample(request.sample_key,
-                                                                  torch.tensor(request.prompt_ids + result.response_ids),
-                                                                  len(request.prompt_ids), list(request.items)),
-                                             temperature).cpu()
-                          for request, result in zip(requests, results)])
+    return torch.cat(_hf_logprobs(model_dir, requests, results, temperature))
 
 
 def test_logprobs_at_the_run_temperature_are_those_of_hf_logits_over_it(assets):  # noqa: F811
