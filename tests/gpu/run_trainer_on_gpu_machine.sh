@@ -24,9 +24,10 @@
 #     (`offload_optimizer.pin_memory`; default: the file's false).
 #   OFFLOAD_IN_ROLLOUT=0|1: whether the policy's ZeRO-3 states that DeepSpeed can move wait in host
 #     memory while the colocated engine generates (`flexrl.trainer.offload_states_in_rollout`;
-#     default: the file's, off at 3B, on at 7B; at 3B with vLLM it took 2.3 GiB off the rollout's device
-#     peak, beyond the 32 GiB that releasing torch's cache before the wake takes, for 0.6-0.7 s a step:
-#     docs/BENCHMARKS.md "One H200, twelfth run").
+#     default: the file's, off at 3B and 7B; at 3B with vLLM it took 2.3 GiB off the rollout's device
+#     peak, beyond the 32 GiB that releasing torch's cache before the wake takes, for 0.6-0.7 s a step;
+#     at 7B it left the step's device peak unchanged and took host memory from 98 to 114 GiB:
+#     docs/BENCHMARKS.md "One H200, twelfth run" and "thirteenth run").
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
