@@ -147,6 +147,21 @@ class RolloutConfig:
         if self.num_cpus_per_engine <= 0 or self.num_gpus_per_engine < 0:
             raise ValueError("flexrl.rollout.num_cpus_per_engine must be > 0 and num_gpus_per_engine >= 0")
 
+    def logprob_diff_caveat(self) -> str | None:
+        """Why this run's `rollout_logprob_diff` will not be near zero even with the engines' weights
+        right, or None. A vllm engine at a temperature other than 1 returns vLLM's processed log-probs
+        (vllm_inputs.logprobs_mode): after top-k / top-p, renormalised over the tokens they keep. The
+        trainer's (and the hf engine's) are those before the filter, what the loss needs."""
+        filtered = self.top_k > 0 or self.top_p < 1
+        if self.backend != "vllm" or self.temperature in (0, 1) or not filtered:
+            return None
+        return (f"flexrl.rollout: the vllm engines sample at temperature {self.temperature} with top_k "
+                f"{self.top_k} and top_p {self.top_p}, and their log-probs are taken after that filter, "
+                "renormalised over the tokens it keeps; the trainer's are taken before it. So "
+                "rollout_logprob_diff includes the log of the probability mass the filter keeps and does "
+                "not check the engines' weights in this run (the loss uses the trainer's log-probs only). "
+                "At temperature 1, or without top_k / top_p, it does.")
+
     def engine_options(self, *, colocated: bool) -> dict[str, Any]:
         """Keyword arguments the chosen backend's engine takes beyond the common ones, for engines
         inside the policy ranks (`colocated`) or in actors of their own. Engines that would free

@@ -75,6 +75,8 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     data_config = run.flexrl.data.with_processor_dir(args.model_dir)
     records = usable_records(read_dataset(args.data_path, data_config.media_root), args.data_path)
     run.flexrl.rollout = resolve_media_limits(run.flexrl.rollout, records)  # the engines are built from it
+    if caveat := run.flexrl.rollout.logprob_diff_caveat():
+        print(caveat, flush=True)
     encoder = SampleEncoder(args.model_dir)
     reward_fn = load_reward_fn(run.flexrl.rl.reward_fn, base_dir=str(Path(args.config_path).resolve().parent))
     max_steps = args.max_steps if args.max_steps is not None else trainer.max_steps

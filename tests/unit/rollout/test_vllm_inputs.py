@@ -175,6 +175,18 @@ def test_logprobs_are_taken_at_the_run_temperature():
         check_request_temperature(SamplingParams(temperature=1.0), 0.7)
 
 
+def test_the_logprob_diff_caveat_names_runs_where_vllm_filters_before_its_logprobs():
+    """Only a vllm run at a temperature other than 0 and 1 with top-k or top-p on gets processed
+    log-probs after the filter (logprobs_mode), so only there is rollout_logprob_diff no weight check."""
+    caveat = RolloutConfig(backend="vllm", temperature=0.7, top_p=0.9).logprob_diff_caveat()
+    assert caveat and "temperature 0.7" in caveat and "top_p 0.9" in caveat
+    assert RolloutConfig(backend="vllm", temperature=0.7, top_k=20).logprob_diff_caveat()
+    for quiet in (RolloutConfig(backend="vllm", temperature=1.0, top_p=0.9),   # raw log-probs
+                  RolloutConfig(backend="vllm", temperature=0.7),               # no filter
+                  RolloutConfig(backend="hf", temperature=0.7, top_k=20)):      # hf: before the filter
+        assert quiet.logprob_diff_caveat() is None
+
+
 def test_to_result():
     params = SamplingParams(eos_token_ids=(2,))
     logprobs = [{4: FakeLogprob(-0.5)}, {2: FakeLogprob(-1.0)}, {9: FakeLogprob(-2.0)}]
