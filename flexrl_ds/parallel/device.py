@@ -8,11 +8,12 @@ backend and accelerator names anywhere else in the package.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -105,45 +106,70 @@ class DeviceUsageMonitor:
     """Peak memory in use on this process's GPU as the driver counts it (total - free, like
     nvidia-smi: every allocator on the device, e.g. a vLLM engine's pool while it is awake, which
     torch's `max_memory_allocated` may keep counting after the engine has slept), sampled every
-    `interval_s` on a daemon thread. Inert on CPU (peak 0)."""
+    `interval_s` on a daemon thread. Inert on CPU (peak 0). Besides the peak since `reset`, it keeps
+    one since `start_window` (a part of a phase: a colocated engine's awake time), read by `end_window`.
+    used_bytes: what is in use, in place of the GPU's count (tests); poll: sample on a thread."""
 
-    def __init__(self, info: DeviceInfo, interval_s: float = 0.05):
+    def __init__(self, info: DeviceInfo, interval_s: float = 0.05,
+                 used_bytes: Callable[[], int] | None = None, poll: bool = True):
         self._lock = threading.Lock()
         self._peak = 0
-        self._generation = 0
-        self._device = torch.cuda.current_device() if info.is_gpu else None
-        self._thread = None
-        if self._device is not None:
-            self._thread = threading.Thread(target=self._poll, args=(interval_s,), daemon=True,
-                                            name="device-usage-monitor")
-            self._thread.start()
-
-    def _used(self) -> int:
-        free, total = torch.cuda.mem_get_info(self._device)
-        return total - free
+        self._window_peak: int | None = None
+        self._resets = 0
+        self._windows = 0
+        if used_bytes is None and info.is_gpu:
+            used_bytes = functools.partial(_device_bytes_in_use, torch.cuda.current_device())
+        self._used = used_bytes
+        """None: inert (a CPU rank)."""
+        if self._used is not None and poll:
+            threading.Thread(target=self._poll, args=(interval_s,), daemon=True, name="device-usage-monitor").start()
 
     def _poll(self, interval_s: float) -> None:
         while True:  # a daemon thread: it ends with the process
             time.sleep(interval_s)
-            generation = self._generation
-            used = self._used()
-            with self._lock:
-                if generation == self._generation:  # a sample taken before a reset belongs to the old peak
-                    self._peak = max(self._peak, used)
+            self.sample()
+
+    def sample(self) -> None:
+        """Count what is in use now into the peaks (the thread's sample)."""
+        if self._used is None:
+            return
+        resets, windows = self._resets, self._windows
+        used = self._used()
+        with self._lock:  # a sample taken before a reset (or a window's start) belongs to the old peak
+            if resets == self._resets:
+                self._peak = max(self._peak, used)
+            if windows == self._windows and self._window_peak is not None:
+                self._window_peak = max(self._window_peak, used)
 
     def reset(self) -> None:
         """Start a new peak from what is in use now."""
-        if self._device is not None:
+        if self._used is not None:
             with self._lock:
-                self._generation += 1
+                self._resets += 1
                 self._peak = self._used()
 
-    def peak_bytes(self) -> int:
-        if self._device is not None:
-            used = self._used()
+    def start_window(self) -> None:
+        """Start a second peak from what is in use now (the phase's goes on)."""
+        if self._used is not None:
             with self._lock:
-                self._peak = max(self._peak, used)
+                self._windows += 1
+                self._window_peak = self._used()
+
+    def end_window(self) -> int:
+        """The peak since `start_window` (0 on CPU, or without a window), and stop keeping it."""
+        self.sample()
+        with self._lock:
+            peak, self._window_peak = self._window_peak, None
+        return 0 if peak is None else peak
+
+    def peak_bytes(self) -> int:
+        self.sample()
         return self._peak
+
+
+def _device_bytes_in_use(device: int) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
 
 
 def release_cached_memory(info: DeviceInfo) -> None:

@@ -128,14 +128,16 @@ class GRPOTrainer:
     # ---- phases -------------------------------------------------------------------------------
     def _rollout(self, step: int, prompts: list, info: dict[str, Any]) -> StepSamples:
         """The step's samples; `info` gets the metrics of the phase: where its time went
-        (`rollout_time_s`, `ROLLOUT_PARTS`) and the pixels the hosts pulled (`rollout_pixel_mb`)."""
+        (`rollout_time_s`, `ROLLOUT_PARTS`), the pixels the hosts pulled (`rollout_pixel_mb`) and, for
+        engines inside policy ranks on GPUs, the device's peak while they were awake (`rollout_engine_peak_gb`)."""
         jobs = [PromptJob(p.key, tuple(p.prompt_ids),
                           tuple((i.kind, tuple(i.grid_thw), float(i.second_per_grid_t)) for i in p.items),
                           tuple((name, sample_seed(self.o.seed, parse_sample_name(name))) for name in p.sample_names))
                 for p in prompts]
         output = self.rollout.generate(step, jobs, self.o.sampling)
         results, withdrawn = output.results, output.withdrawn
-        info.update(rollout_time_s=output.times_s, rollout_pixel_mb=output.pixel_bytes / 2**20)
+        info.update(rollout_time_s=output.times_s, rollout_pixel_mb=output.pixel_bytes / 2**20,
+                    rollout_engine_peak_gb=output.engine_peak_bytes / 2**30)
         kept = [p for p in prompts if p.name not in withdrawn]
         samples = StepSamples(kept, {r.sample_key: list(r.response_ids) for r in results},
                               {r.sample_key: list(r.logprobs) for r in results},

@@ -128,6 +128,9 @@ def plot_metrics(rows: list[dict], path: Path) -> None:
     if memory:
         for phase in ("rollout", "inference", "update", "sync"):
             axes[4].plot(steps, [r.get("peak_device_used_gb", {}).get(phase, 0.0) for r in rows], marker="o", label=phase)
+        if any(r.get("rollout_engine_peak_gb") for r in rows):  # colocated engines: wake to end of generation
+            axes[4].plot(steps, [r.get("rollout_engine_peak_gb", 0.0) for r in rows], linestyle="--",
+                         marker="x", label="engine awake")
         axes[4].legend(fontsize=7)
         axes[4].set_title("peak device memory in use (GiB)")
     for axis in axes:

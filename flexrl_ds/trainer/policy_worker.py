@@ -295,7 +295,8 @@ class PolicyWorker:
     def generate(self, step: int, jobs: list, params: Any):
         """Colocated rollout of this rank's share of the step's prompts. On a GPU the policy's states
         leave the device first (`_offload_states`) and torch's cached blocks go back to it: a vLLM
-        engine allocates outside torch's cache, so blocks cached for the update would be lost to it."""
+        engine allocates outside torch's cache, so blocks cached for the update would be lost to it.
+        The output's `engine_peak_bytes` is the device's peak from the wake to the end of generation."""
         assert self.rollout is not None, "generate on a policy rank without a colocated engine"
         started = time.perf_counter()
         offloaded, waking = started, False
@@ -304,9 +305,11 @@ class PolicyWorker:
                 self._offload_states()
                 device_mod.release_cached_memory(self.device_info)
             offloaded, waking = time.perf_counter(), True
+            self.device_usage.start_window()
             self.rollout.wake()
             woken = time.perf_counter()
             output = self.rollout.generate(step, jobs, params)
+            output.engine_peak_bytes = self.device_usage.end_window()
         finally:
             generated = time.perf_counter()
             slept = self._sleep_and_reload(waking)

@@ -28,6 +28,7 @@ def merge_outputs(outputs: Sequence[RolloutOutput]) -> RolloutOutput:
         merged.results.extend(output.results)
         merged.withdrawn.update(output.withdrawn)
         merged.pixel_bytes += output.pixel_bytes
+        merged.engine_peak_bytes = max(merged.engine_peak_bytes, output.engine_peak_bytes)
         for part, seconds in output.times_s.items():
             merged.times_s[part] = max(seconds, merged.times_s.get(part, 0.0))
     return merged

@@ -50,6 +50,9 @@ class RolloutOutput:
     """Pixel bytes the host pulled from the preprocessing actors."""
     times_s: dict[str, float] = field(default_factory=dict)
     """Where the call's seconds went (`ROLLOUT_PARTS`)."""
+    engine_peak_bytes: int = 0
+    """An engine inside a policy rank on a GPU: the most memory in use on that GPU from the engine's
+    wake to the end of its generation (every allocator, sampled); 0 elsewhere."""
 
 
 ROLLOUT_PARTS = ("pixels", "generate", "offload", "wake", "sleep", "reload")

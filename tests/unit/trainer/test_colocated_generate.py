@@ -15,6 +15,12 @@ from flexrl_ds.trainer.policy_worker import PolicyWorker
 from flexrl_ds.trainer.rollout_host import ROLLOUT_PARTS
 
 
+GIB = 2**30
+DEVICE_IN_USE = {"offload": 60 * GIB, "release": 40 * GIB, "wake": 70 * GIB, "generate": 85 * GIB,
+                 "sleep": 45 * GIB, "reload": 65 * GIB}
+"""Bytes in use on the stand-in device after each call; before the first: 100 GiB (the sync's level)."""
+
+
 class StandInRollout:
     def __init__(self, log: list, fails_in: str = ""):
         self.log, self.fails_in = log, fails_in
@@ -23,6 +29,7 @@ class StandInRollout:
         self.log.append(name)
         if name == self.fails_in:
             raise RuntimeError(f"{name} failed")
+        self.usage.sample()  # the monitor's thread, sampling while generation runs
 
     def wake(self):
         self._call("wake")
@@ -72,16 +79,24 @@ def worker(log: list, gpu: bool = True, fails_in: str = "", refuses: bool = Fals
     stand_in.device_info = SimpleNamespace(is_gpu=gpu)
     stand_in.rollout = StandInRollout(log, fails_in)
     stand_in.rollout_offload = StandInOffload(log, refuses, fails=fails_in == "offload")
+    in_use = lambda: DEVICE_IN_USE.get(log[-1], 0) if log else 100 * GIB  # noqa: E731
+    stand_in.device_usage = policy_worker.device_mod.DeviceUsageMonitor(
+        SimpleNamespace(is_gpu=False), used_bytes=in_use if gpu else None, poll=False)
+    stand_in.rollout.usage = stand_in.device_usage
     return stand_in
 
 
 def test_states_leave_for_the_rollout_and_come_back(capsys, log_cache_release):
     log = log_cache_release
     rank = worker(log)
+    rank.device_usage.reset()  # the driver's, before the phase
     output = rank.generate(0, [], None)
     assert log == ["offload", "release", "wake", "generate", "sleep", "reload"]
     assert set(output.times_s) == set(ROLLOUT_PARTS) - {"pixels"}  # the stand-in host pulls no pixels
     assert all(seconds >= 0 for seconds in output.times_s.values())
+    # the device's peak from the wake to the end of generation: not the offload's 60 or the reload's 65
+    assert output.engine_peak_bytes == 85 * GIB
+    assert rank.device_usage.peak_bytes() == 100 * GIB  # the phase's peak, started before the window
     rank.generate(1, [], None)
     assert capsys.readouterr().out.count("in host memory during rollout: lp_params") == 1  # said once
 
@@ -117,4 +132,5 @@ def test_nothing_moves_on_a_cpu_rank(log_cache_release):
     log = log_cache_release
     output = worker(log, gpu=False).generate(0, [], None)
     assert log == ["wake", "generate", "sleep"]
+    assert output.engine_peak_bytes == 0
     assert output.times_s["offload"] >= 0 and output.times_s["reload"] >= 0  # every part, also on a CPU rank
