@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="flexrl_ds: load-balanced GRPO training of vision-language models.",
     )
     commands = parser.add_subparsers(dest="command", metavar="<command>")
-    bench_parser = commands.add_parser("bench", help="benchmarks (planner, sp, loader)")
+    bench_parser = commands.add_parser("bench", help="benchmarks (planner, sp, loader, probe, vision, rollout, channel)")
     bench = bench_parser.add_subparsers(dest="bench_command", metavar="<benchmark>")
     bench_parser.set_defaults(func=lambda args: _missing_subcommand(bench_parser))
     for module_name in COMMAND_MODULES:

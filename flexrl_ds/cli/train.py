@@ -15,12 +15,14 @@ def register(commands, bench) -> None:
         description="Runs GRPO steps configured by a DeepSpeed JSON with a 'flexrl' section. Without RAY_ADDRESS "
                     "a local Ray is started; under `ray job submit` the job joins that cluster. With --spmd "
                     "(scripts/train_deepspeed.sh) the launcher's processes are the policy ranks and rank 0 drives. "
-                    "Outputs under --out: metrics.jsonl, tensorboard/, plans/, rollouts/, checkpoints/, hf/.",
+                    "Outputs under --out: metrics.jsonl, metrics.png, tensorboard/, plans/, rollouts/ (with "
+                    "flexrl.trainer.save_rollouts), checkpoints/, hf/. An --out holding another run's steps is "
+                    "refused unless --resume continues it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     train.add_argument("--config", required=True, help="DeepSpeed JSON with a 'flexrl' section (ds_configs/)")
     train.add_argument("--model", required=True, help="HF model directory the policy starts from")
-    train.add_argument("--data", required=True, help="dataset (.jsonl / .parquet, data-format.md)")
+    train.add_argument("--data", required=True, help="dataset (.jsonl / .parquet; fields: docs/DATA_FORMAT.md)")
     train.add_argument("--out", required=True, help="output directory")
     train.add_argument("--max-steps", type=int, default=None, help="GRPO steps in all (default flexrl.trainer.max_steps)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")

@@ -148,6 +148,20 @@ class MediaConfig:
             raise
 
 
+def replaced_by_processor(config: MediaConfig, model_dir: str | Path) -> list[str]:
+    """Lines naming the pixel settings set in `config` (away from the class defaults) that
+    `with_processor_dir(model_dir)` replaces with other values from the model's processor files."""
+    defaults = type(config)()
+    lines = []
+    for name, value in processor_settings(model_dir).items():
+        mine = getattr(config, name)
+        if mine != getattr(defaults, name) and mine != value:
+            lines.append(f"flexrl.data.{name} = {mine!r} is replaced by the model's processor setting {value!r} "
+                         f"({model_dir}): the engines and the trainer see the pixels the model's processor "
+                         "makes; change them in its processor files")
+    return lines
+
+
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"flexrl.data.{name}: {value!r} is not one of {', '.join(allowed)}")

@@ -3,7 +3,7 @@
 Public API (stable; the executor calls it once per step and SP domain):
 
     result = plan_step(workload, world_size, cost_model, sp_config)   # -> PlanResult
-    result.plan        # Plan: packs on aligned blocks + HSF rank_order (plan-schema.md)
+    result.plan        # Plan: packs on aligned blocks + HSF rank_order (docs/PLAN_SCHEMA.md)
     result.workload    # the workload actually planned (after oversize drop/truncate)
     result.dropped / result.truncated / result.metrics
 
@@ -152,7 +152,8 @@ def apply_oversize(workload: Workload, sp: SPConfig, max_degree: int
         elif sp.oversize == "error":
             raise ValueError(
                 f"sequence {seq.id!r}: {seq.tokens} tokens cannot fit on {max_degree} ranks under "
-                f"max_tokens_per_rank={cap} (set oversize to drop or truncate)")
+                f"max_tokens_per_rank={cap} (raise flexrl.sp.max_tokens_per_rank or p_max; the planning "
+                "tools can also drop or truncate it: flexrl.sp.oversize)")
         elif sp.oversize == "drop":
             dropped.append(seq.id)
         else:

@@ -17,7 +17,8 @@ process loads it again from the spec (the module name is not importable elsewher
 only the samples that fail score 0. Returned values are checked: a result of the wrong length makes
 every sample of that call score 0; a value that is not a real number, or is NaN or infinite, makes
 its sample score 0. Every such sample is reported in `RewardBatch.errors` with the reason, and the
-run goes on.
+run goes on, unless every sample of a step failed: the trainer then stops (driver.py `_reward`),
+naming where the function raised (`RewardBatch.raised_at`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import importlib.util
 import inspect
 import math
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +119,12 @@ class RewardBatch:
     """sample id -> why its reward failed (the exception, or the bad returned value)."""
     batch_error: str | None = None
     """The error of the whole-batch call when it raised and the samples were scored one by one."""
+    raised_at: str | None = None
+    """Where the call of the first sample that failed by raising raised (file:line in function, the
+    innermost frame); None if none did."""
+
+    def all_failed(self) -> bool:
+        return bool(self.scores) and len(self.errors) == len(self.scores)
 
     def messages(self) -> list[str]:
         """One line per failed sample, for logs."""
@@ -125,6 +133,11 @@ class RewardBatch:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def _raised_at(error: BaseException) -> str | None:
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
 
 
 def _as_score(value: object) -> float | str:
@@ -162,10 +175,11 @@ def _validated(result: object, ids: list[str]) -> tuple[list[float], dict[str, s
 
 
 def _call(reward_fn: RewardFn, responses: list[str], records: list[dict], ids: list[str]):
+    """((scores, errors), None, None) or (None, the error, where it was raised)."""
     try:
-        return _validated(reward_fn(list(responses), list(records)), ids), None
+        return _validated(reward_fn(list(responses), list(records)), ids), None, None
     except Exception as error:  # a user's reward function may raise anything: report, never crash
-        return None, _describe(error)
+        return None, _describe(error), _raised_at(error)
 
 
 def score_batch(reward_fn: RewardFn, responses: Sequence[str], records: Sequence[dict],
@@ -180,16 +194,17 @@ def score_batch(reward_fn: RewardFn, responses: Sequence[str], records: Sequence
         raise ValueError(f"score_batch: sample ids are not unique: {sorted({i for i in ids if ids.count(i) > 1})}")
     if not ids:
         return RewardBatch(scores=[])
-    whole, batch_error = _call(reward_fn, list(responses), list(records), ids)
+    whole, batch_error, _ = _call(reward_fn, list(responses), list(records), ids)
     if whole is not None:
         return RewardBatch(scores=whole[0], errors=whole[1])
-    scores, errors = [], {}
+    scores, errors, raised_at = [], {}, None
     for response, record, sample_id in zip(responses, records, ids):
-        single, error = _call(reward_fn, [response], [record], [sample_id])
+        single, error, where = _call(reward_fn, [response], [record], [sample_id])
         if single is None:
             scores.append(0.0)
             errors[sample_id] = error
+            raised_at = raised_at or where
         else:
             scores.extend(single[0])
             errors.update(single[1])
-    return RewardBatch(scores=scores, errors=errors, batch_error=batch_error)
+    return RewardBatch(scores=scores, errors=errors, batch_error=batch_error, raised_at=raised_at)

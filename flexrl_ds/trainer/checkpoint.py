@@ -49,6 +49,22 @@ def read_trainer_state(directory: Path) -> dict[str, Any]:
     return json.loads((directory / STATE_FILE).read_text())
 
 
+def check_out_dir(out_dir: Path, resume: bool) -> None:
+    """A run without --resume starts in a folder that holds no other run's steps: it would rewrite
+    metrics.jsonl over them and leave their checkpoints, which a later --resume would continue from."""
+    if resume:
+        return
+    metrics = out_dir / "metrics.jsonl"
+    checkpoints = out_dir / "checkpoints"
+    held = [metrics.name] if metrics.is_file() and metrics.stat().st_size else []
+    if checkpoints.is_dir():
+        held += sorted(f"checkpoints/{path.name}" for path in checkpoints.glob("step_*"))
+    if held:
+        shown = ", ".join(held[:4]) + (" ..." if len(held) > 4 else "")
+        raise ValueError(f"--out {out_dir} already holds a run ({shown}): pass --resume to continue it, "
+                         "or choose another --out (or remove that one)")
+
+
 def latest_checkpoint(out_dir: Path) -> Path | None:
     """The complete checkpoint of the highest step under OUT/checkpoints, or None."""
     root = out_dir / "checkpoints"

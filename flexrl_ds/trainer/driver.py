@@ -1,7 +1,7 @@
 """The GRPO driver: one step = data → rollout → reward → plan → log-probs → advantages → update → sync.
 
-`GRPOTrainer(run, options, policy, rollout, controller)` runs the loop of trainer.md with the
-groups it is given (trainer/launch.py builds them: Ray actors under `flexrl train`, the launcher's
+`GRPOTrainer(run, options, policy, rollout, controller)` runs the GRPO step loop
+(docs/ARCHITECTURE.md "One GRPO step, end to end") with the groups it is given (trainer/launch.py builds them: Ray actors under `flexrl train`, the launcher's
 processes under `deepspeed --hostfile`). Per step it moves token ids, lengths, rewards and plans —
 never pixels: the rollout hosts and the policy ranks pull their own from the preprocessing actors.
 
@@ -91,6 +91,7 @@ class GRPOTrainer:
         started = time.perf_counter()
         cstep = self._timed(times, "data", self.controller.next_step)
         assert cstep.step == step, (cstep.step, step)
+        bad_records = report_bad_records(step, cstep.report, trained_on=len(cstep.prompts))
         prompts = encode_prompts(self.encoder, cstep)
         peaks: dict[str, dict[str, float]] = {}  # phase -> peak memory on the policy ranks' devices
         rollout_info: dict[str, Any] = {}
@@ -104,7 +105,7 @@ class GRPOTrainer:
         times["step"] = time.perf_counter() - started
         gaps = logprob_gaps(samples, inference["old"])
         metrics = self._metrics(step, samples, reward_info, inference, update, times, gaps)
-        metrics.update(rollout_info)
+        metrics.update(rollout_info, num_bad_records=bad_records)
         metrics.update(_phase_peaks(peaks))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
@@ -138,6 +139,8 @@ class GRPOTrainer:
         results, withdrawn = output.results, output.withdrawn
         info.update(rollout_time_s=output.times_s, rollout_pixel_mb=output.pixel_bytes / 2**20,
                     rollout_engine_peak_gb=output.engine_peak_bytes / 2**30)
+        for name, reason in withdrawn.items():
+            print(f"data: step {step}: prompt {name!r} withdrawn after hand-out, not trained on: {reason}", flush=True)
         kept = [p for p in prompts if p.name not in withdrawn]
         samples = StepSamples(kept, {r.sample_key: list(r.response_ids) for r in results},
                               {r.sample_key: list(r.logprobs) for r in results},
@@ -153,6 +156,12 @@ class GRPOTrainer:
         scored = score_batch(self.reward_fn, texts, records, names)
         for message in scored.messages():
             print(f"reward: {message}", flush=True)
+        if scored.all_failed():
+            first = next(iter(scored.errors))
+            where = f" (raised at {scored.raised_at})" if scored.raised_at else ""
+            raise RuntimeError(f"reward: flexrl.rl.reward_fn {self.o.rl.reward_fn!r} failed on all {len(names)} "
+                               f"samples of the step, e.g. {first!r}: {scored.errors[first]}{where}; stopping "
+                               "rather than training on zero rewards")
         samples.rewards = dict(zip(names, scored.scores))
         n = len(samples.prompts[0].sample_names)
         rewards = torch.tensor([samples.rewards[name] for name in names], dtype=torch.float64)
@@ -258,6 +267,23 @@ def _degrees(results) -> dict[str, int]:
         for degree, count in result.metrics.degree_histogram.items():
             total[degree] = total.get(degree, 0) + count
     return {str(k): v for k, v in sorted(total.items())}
+
+
+def report_bad_records(step: int, report: dict[str, Any], trained_on: int) -> int:
+    """Say what the step's bad records did (`LoaderStep.report`: one line each, with its reason, and
+    whether a good record stood in); raise when no prompt of the step is left. Returns their number."""
+    bad = report.get("bad_records", [])
+    replacements = report.get("replacements", {})
+    for record in bad:
+        fate = (f"record {replacements[record['id']]!r} stands in" if record["id"] in replacements
+                else "skipped: the step trains on fewer prompts")
+        print(f"data: step {step}: bad record {record['id']!r} ({record['stage']}): {record['reason']}; {fate}",
+              flush=True)
+    if not trained_on:
+        reasons = "; ".join(f"{r['id']!r}: {r['reason']}" for r in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        raise RuntimeError(f"step {step}: every record drawn for it was bad ({reasons}); "
+                           "`flexrl inspect-data` checks the whole dataset")
+    return len(bad)
 
 
 PEAK_KEYS = ("peak_memory_gb", "peak_device_used_gb")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import ray
 import torch.distributed as dist
 import transformers
 
+from flexrl_ds.media.config import replaced_by_processor
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.launch import init_distributed
@@ -32,12 +34,12 @@ from flexrl_ds.rollout.base import SamplingParams
 from flexrl_ds.runtime.data_controller import DataController, usable_records
 from flexrl_ds.runtime.ray_session import connect_ray
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
-from flexrl_ds.trainer.checkpoint import latest_checkpoint, read_trainer_state
+from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_trainer_state
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
-from flexrl_ds.trainer.validation import check_run, model_dtype, resolve_media_limits
+from flexrl_ds.trainer.validation import check_run, ignored_settings, model_dtype, resolve_media_limits
 
 
 @dataclass
@@ -72,11 +74,17 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     trainer = run.flexrl.trainer
     num_ranks = num_ranks or trainer.num_policy_ranks
     check_run(run, args.model_dir, num_ranks)
+    check_out_dir(Path(args.out_dir), args.resume)
     data_config = run.flexrl.data.with_processor_dir(args.model_dir)
     records = usable_records(read_dataset(args.data_path, data_config.media_root), args.data_path)
+    if data_config.loader.global_batch > len(records):
+        raise ValueError(f"flexrl.data.loader.global_batch: {data_config.loader.global_batch} prompts a step, "
+                         f"more than the {len(records)} rows of {args.data_path}")
     run.flexrl.rollout = resolve_media_limits(run.flexrl.rollout, records)  # the engines are built from it
-    if caveat := run.flexrl.rollout.logprob_diff_caveat():
-        print(caveat, flush=True)
+    notes = replaced_by_processor(run.flexrl.data, args.model_dir) + ignored_settings(run.flexrl)
+    for note in notes + [run.flexrl.rollout.logprob_diff_caveat() or ""]:
+        if note:
+            print(note, flush=True)
     encoder = SampleEncoder(args.model_dir)
     reward_fn = load_reward_fn(run.flexrl.rl.reward_fn, base_dir=str(Path(args.config_path).resolve().parent))
     max_steps = args.max_steps if args.max_steps is not None else trainer.max_steps
@@ -150,7 +158,9 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
     if checkpoint is not None or rollout_config.engines_start_without_policy_weights(colocated):
         # the engines must start from the policy's weights: a checkpoint's, or the model's over random,
         # dropped or never loaded ones (colocated at sleep_level 2: RolloutConfig.engine_options)
-        rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
+        seconds = rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
+        print(f"flexrl train: rollout engines given the policy's weights before step {start} in {seconds:.1f} s",
+              flush=True)
     trainer_config = prepared.run.flexrl.trainer
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
                   tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
@@ -161,6 +171,13 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
         log.close()
     print(f"flexrl train: done; metrics in {Path(prepared.args.out_dir) / 'metrics.jsonl'}", flush=True)
     return 0
+
+
+def _progress(what: str, since: float) -> float:
+    """Say what is ready and how long it took; returns now (the next part's start)."""
+    now = time.perf_counter()
+    print(f"flexrl train: {what} in {now - since:.1f} s", flush=True)
+    return now
 
 
 def ray_cpus(run: Any, num_ranks: int) -> int:
@@ -174,14 +191,19 @@ def ray_cpus(run: Any, num_ranks: int) -> int:
 def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
     prepared = prepare(run, args)
     trainer, rollout_config = run.flexrl.trainer, run.flexrl.rollout
+    clock = time.perf_counter()
     started = connect_ray(ray_cpus(run, prepared.num_ranks))
+    clock = _progress(f"Ray {'started' if started else 'joined'}", clock)
     controller = policy = rollout = None
     try:
         controller = DataController(prepared.records, prepared.data_config, trainer.timeout_s)
+        clock = _progress(f"data loader ready over {len(prepared.records)} records", clock)
         setup = policy_setup(run, args.model_dir, controller.pixels, colocated=trainer.colocate)
         policy = RayWorkerGroup(PolicyWorker, prepared.num_ranks, {"setup": setup}, trainer.num_cpus_per_rank,
                                 trainer.num_gpus_per_rank, name="policy", timeout_s=trainer.timeout_s,
                                 env=worker_env())
+        clock = _progress(f"{prepared.num_ranks} policy ranks ready (models loaded, DeepSpeed engines built"
+                          f"{', rollout engines inside' if trainer.colocate else ''})", clock)
         if trainer.colocate:
             rollout = ColocatedRollout(policy)
         else:

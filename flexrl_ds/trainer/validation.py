@@ -3,9 +3,10 @@
 `check_run(run, model_dir, num_ranks)` raises ValueError for: a missing model directory, an
 inconsistent config (batch not divisible over the ranks, SP domains that do not divide the ranks,
 p_max over the SP domain, a mini-batch with fewer samples than domains, mini-batches that
-do not divide the prompts, a GRPO estimator that needs n >= 2 with n = 1, a DeepSpeed setting the
-trainer owns, a tensor-parallel engine that is colocated or not one GPU per shard) and a vllm
-backend on a machine without GPUs. `launch.prepare` then loads the reward
+do not divide the prompts, a group size n of 1 (every advantage would be 0), `flexrl.sp.oversize`
+other than error, a DeepSpeed setting the trainer owns, a tensor-parallel engine that is colocated
+or not one GPU per shard) and a vllm backend on a machine without GPUs. `ignored_settings` names
+the engine settings a colocated run does not use (printed, not refused). `launch.prepare` then loads the reward
 (an unknown name, a missing file or function fails there) and reads the dataset
 (`data_controller.usable_records`), still before any worker starts.
 """
@@ -42,9 +43,14 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
         raise ValueError(f"flexrl.rl.mini_batches_per_step {rl.mini_batches_per_step} does not divide "
                          f"flexrl.data.loader.global_batch {loader.global_batch} (mini-batches hold whole prompt groups)")
     check_domains(flexrl, num_ranks)
-    if rl.advantage_estimator in ("group_norm", "rloo") and loader.num_samples_per_prompt < 2:
+    if loader.num_samples_per_prompt < 2:  # every estimator compares a sample with its group's others
         raise ValueError(f"flexrl.rl.advantage_estimator {rl.advantage_estimator!r} needs "
-                         f"flexrl.data.loader.num_samples_per_prompt >= 2, got {loader.num_samples_per_prompt}")
+                         f"flexrl.data.loader.num_samples_per_prompt >= 2, got {loader.num_samples_per_prompt}: "
+                         "a prompt's only sample has advantage 0, so only the KL term would train")
+    if flexrl.sp.oversize != "error":
+        raise ValueError(f"flexrl.sp.oversize: {flexrl.sp.oversize!r} is for the planning tools; `flexrl train` "
+                         "trains every sample, so it takes 'error' (a sample over flexrl.sp.max_tokens_per_rank "
+                         "x p_max stops the run, named)")
     if flexrl.rollout.temperature == 0:
         raise ValueError("flexrl.rollout.temperature: 0 (greedy) gives every sample of a prompt the same "
                          "response, so every advantage would be 0 and no update would follow the reward; "
@@ -81,6 +87,20 @@ def check_engine_placement(flexrl: Any) -> None:
         raise ValueError(f"flexrl.rollout.num_gpus_per_engine: a tensor-parallel engine takes one whole GPU "
                          f"per shard, so it must equal flexrl.rollout.vllm.tensor_parallel_size ({size}); "
                          f"got {rollout.num_gpus_per_engine}")
+
+
+SEPARATE_ENGINE_SETTINGS = ("num_engines", "num_cpus_per_engine", "num_gpus_per_engine")
+"""`flexrl.rollout` keys only separate engines use (colocated: one engine inside each policy rank)."""
+
+
+def ignored_settings(flexrl: Any) -> list[str]:
+    """Lines naming the `flexrl.rollout` settings set away from their defaults that this run ignores."""
+    if not flexrl.trainer.colocate:
+        return []
+    defaults = type(flexrl.rollout)()
+    changed = [name for name in SEPARATE_ENGINE_SETTINGS if getattr(flexrl.rollout, name) != getattr(defaults, name)]
+    return [f"flexrl.rollout.{name} = {getattr(flexrl.rollout, name)} is ignored: flexrl.trainer.colocate is true, "
+            "so each policy rank holds one engine" for name in changed]
 
 
 def check_run(run: Any, model_dir: str, num_ranks: int) -> None:

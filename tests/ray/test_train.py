@@ -82,6 +82,7 @@ def test_outputs_and_metrics(run_a):
         assert all(0 <= seconds <= row["time_s"]["rollout"] for seconds in parts.values())
         assert row["rollout_pixel_mb"] >= 0
         assert row["rollout_engine_peak_gb"] == 0  # measured on GPUs only
+        assert row["num_bad_records"] == 0  # the generated dataset's records are all good
     assert any(row["rollout_pixel_mb"] > 0 for row in metrics)  # the video-heavy data's media reached the hosts
     assert (run_a / "checkpoints" / "step_1" / "trainer_state.json").exists()
     assert (run_a / "checkpoints" / "step_2" / "trainer_state.json").exists()

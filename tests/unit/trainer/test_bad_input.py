@@ -99,6 +99,69 @@ def test_greedy_rollouts_are_refused_for_training(raw_config, tmp_path, trainer_
              "flexrl.rollout.temperature", "greedy", "> 0")
 
 
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo"])
+def test_groups_of_one_sample_are_refused_for_every_estimator(raw_config, tmp_path, trainer_assets, estimator):
+    """A prompt's only sample has advantage 0 under every estimator: only the KL term would train."""
+    raw_config["flexrl"]["rl"]["advantage_estimator"] = estimator
+    loader = raw_config["flexrl"]["data"]["loader"]
+    loader["num_samples_per_prompt"], loader["global_batch"] = 1, 4
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             f"advantage_estimator {estimator!r} needs", "num_samples_per_prompt >= 2, got 1")
+
+
+@pytest.mark.parametrize("oversize", ["drop", "truncate"])
+def test_oversize_other_than_error_is_refused_for_training(raw_config, tmp_path, trainer_assets, oversize):
+    raw_config["flexrl"]["sp"]["oversize"] = oversize
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             f"flexrl.sp.oversize: {oversize!r} is for the planning tools", "'error'")
+
+
+def test_a_global_batch_over_the_dataset_is_refused(raw_config, tmp_path, trainer_assets):
+    rows = sum(1 for line in Path(trainer_assets["data"]).read_text().splitlines() if line.strip())
+    raw_config["flexrl"]["data"]["loader"]["global_batch"] = rows * 2
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             f"flexrl.data.loader.global_batch: {rows * 2} prompts a step", f"the {rows} rows of")
+
+
+def test_an_out_dir_holding_a_run_needs_resume(raw_config, tmp_path, trainer_assets):
+    """Without --resume a run would rewrite metrics.jsonl over another run's steps and leave its
+    checkpoints for a later --resume; an empty or new folder is fine."""
+    model, data = trainer_assets["model"], trainer_assets["data"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")  # a run that stopped before its first step: nothing to keep
+    _prepare(raw_config, tmp_path, model, data)
+    (out / "checkpoints" / "step_1").mkdir(parents=True)
+    _refused(raw_config, tmp_path, model, data, f"--out {out} already holds a run (checkpoints/step_1)", "--resume")
+    config_path = tmp_path / "run.json"
+    prepare(parse_run_config(raw_config, source=str(config_path)),
+            TrainArgs(str(config_path), model, data, str(out), resume=True))  # continuing it is fine
+
+
+def test_engine_settings_a_colocated_run_ignores_are_named(raw_config, capsys, tmp_path, trainer_assets):
+    raw_config["flexrl"]["trainer"]["colocate"] = True
+    raw_config["flexrl"]["rollout"]["num_engines"] = 3
+    _prepare(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"])
+    out = capsys.readouterr().out
+    assert "flexrl.rollout.num_engines = 3 is ignored: flexrl.trainer.colocate is true" in out
+    assert "num_gpus_per_engine" not in out  # left at its default: nothing to say
+
+
+def test_pixel_settings_the_models_processor_replaces_are_named(raw_config, capsys, tmp_path, trainer_assets):
+    from flexrl_ds.media.processor_files import processor_settings
+
+    model = trainer_assets["model"]
+    own = processor_settings(model)["image_max_pixels"]
+    raw_config["flexrl"]["data"]["image_max_pixels"] = own // 4
+    prepared = _prepare(raw_config, tmp_path, model, trainer_assets["data"])
+    assert prepared.data_config.image_max_pixels == own  # the model's processor decides
+    assert f"flexrl.data.image_max_pixels = {own // 4} is replaced by the model's processor setting {own}" in \
+        capsys.readouterr().out
+    raw_config["flexrl"]["data"]["image_max_pixels"] = own  # the same value: nothing to say
+    _prepare(raw_config, tmp_path, model, trainer_assets["data"])
+    assert "is replaced" not in capsys.readouterr().out
+
+
 def test_unknown_reward_name(raw_config, tmp_path, trainer_assets):
     raw_config["flexrl"]["rl"]["reward_fn"] = "no_such_reward"
     _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"], "no_such_reward", "reward_fn")
