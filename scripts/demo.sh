@@ -11,7 +11,7 @@
 #           with FlexUlysses degrees 1-4, a reference model, HF-generate rollouts colocated in the
 #           ranks, ShadowLoader preprocessing actors on a local Ray; 50 GRPO steps, a checkpoint and
 #           an HF export every 10.
-# Outputs: runs/demo/ (metrics.jsonl, metrics.png, tensorboard/, rollouts/, plans/, checkpoints/, hf/).
+# Outputs: runs/demo/run/ (metrics.jsonl, metrics.png, tensorboard/, rollouts/, plans/, checkpoints/, hf/).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

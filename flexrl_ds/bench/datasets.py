@@ -1,7 +1,7 @@
 """Seeded generator of real multimodal datasets (media files + train.jsonl) for tests, demos and
 loader benchmarks: `flexrl make-dataset`.
 
-Records follow the three public workload profiles of docs (workloads.md), scaled down so that media
+Records follow the three public workload profiles (bench/workloads.py), scaled down so that media
 are small and fast to encode: `image` (Geo3K-like geometry diagrams, PNG or JPEG, 1 in 10 records
 has two), `short_video` (NExTQA-like clips) and `long_video` (LongVILA-like, longer and wider).
 Videos are H.264 MP4 written by torchcodec's `VideoEncoder`: a moving shape over a drifting

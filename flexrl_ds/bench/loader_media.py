@@ -1,7 +1,7 @@
 """Small real-media datasets for ShadowLoader tests and `flexrl bench loader`.
 
 `write_media_dataset(out_dir, ...)` writes PNG images, H.264 MP4 videos (torchcodec's encoder) and
-`train.jsonl` in the data-format.md layout. Content is seeded noise over moving gradients, so
+`train.jsonl` in the docs/DATA_FORMAT.md layout. Content is seeded noise over moving gradients, so
 decoding does real work and every frame differs. `flexrl make-dataset` (the data subsystem's
 generator, following the workload profiles) is the richer tool; this one exists so loader tests
 do not depend on it and can make a few tiny files quickly.

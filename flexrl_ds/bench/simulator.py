@@ -2,7 +2,7 @@
 
 For each seed one step (`gbs` prompts × `n_samples`) of a mix is generated and planned by every
 method; the table reports the mean over seeds of each metric, the plot the per-rank loads of the
-first seed. Nothing runs on devices: loads are the cost model's (plan-schema.md).
+first seed. Nothing runs on devices: loads are the cost model's (docs/PLAN_SCHEMA.md).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class SPBenchConfig:
     short_max: int = 3000
     """Longest short sequence."""
     workload: str | None = None
-    """A workload JSON (plan-schema.md) to use instead of the generated skewed batch."""
+    """A workload JSON (docs/PLAN_SCHEMA.md) to use instead of the generated skewed batch."""
     p_max: int = 8
     """Largest FlexUlysses degree (clamped to the world size)."""
     fixed_degree: int = 2

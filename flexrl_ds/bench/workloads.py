@@ -1,4 +1,4 @@
-"""Seeded synthetic GRPO workloads shaped like the FlexRL paper's data mix (workloads.md).
+"""Seeded synthetic GRPO workloads shaped like the FlexRL paper's data mixes.
 
 Three profiles model Geo3K images, NExTQA short videos and LongVILA-Reason long videos; a mix
 samples profiles by weight. A step of `B` prompts with `n` samples gives `B·n` sequences; samples

@@ -30,7 +30,7 @@ def register(commands, bench) -> None:
     logprobs.add_argument("--data", required=True, help="records (.jsonl or .parquet) with a 'response' field")
     logprobs.add_argument("--nproc", type=int, default=1, help="processes (gloo on CPU, NCCL on GPU)")
     logprobs.add_argument("--p-max", type=int, default=None, help="largest Ulysses degree (default: nproc)")
-    logprobs.add_argument("--plan-out", default=None, help="write the plan used (plan-schema.md format)")
+    logprobs.add_argument("--plan-out", default=None, help="write the plan used (docs/PLAN_SCHEMA.md format)")
     logprobs.add_argument("--plan", default=None,
                           help="use this plan file instead of planning (its sequences must be the record ids)")
     logprobs.add_argument("--out", required=True, help="output .jsonl")

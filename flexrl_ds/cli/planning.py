@@ -6,7 +6,7 @@ import argparse
 
 
 def register(commands, bench) -> None:
-    make = commands.add_parser("make-workload", help="generate a seeded GRPO workload file (workloads.md mixes)")
+    make = commands.add_parser("make-workload", help="generate a seeded GRPO workload file (mixes: flexrl_ds/bench/workloads.py)")
     make.add_argument("--mix", required=True, help="image-heavy | video-heavy | only-video")
     make.add_argument("--num", type=int, required=True, help="number of sequences")
     make.add_argument("--seed", type=int, default=0)
@@ -15,7 +15,7 @@ def register(commands, bench) -> None:
     make.set_defaults(func=lambda args: _commands().make_workload_command(args))
 
     plan = commands.add_parser("plan", help="plan one step: degrees, groups, packs, HSF order")
-    plan.add_argument("--workload", required=True, help="workload JSON (plan-schema.md)")
+    plan.add_argument("--workload", required=True, help="workload JSON (docs/PLAN_SCHEMA.md)")
     plan.add_argument("--world-size", type=int, required=True, help="ranks of the SP domain")
     _add_sp_options(plan)
     plan.add_argument("--out", help="write the plan JSON here")

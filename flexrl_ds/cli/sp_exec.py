@@ -16,7 +16,7 @@ def register(commands, bench) -> None:
     sp.add_argument("--long", default="49152", help="long sequence lengths, comma-separated (default 49152)")
     sp.add_argument("--num-short", type=int, default=24, help="short sequences (default 24)")
     sp.add_argument("--short-range", default="600,3000", help="short sequence length range MIN,MAX")
-    sp.add_argument("--workload", help="workload JSON (plan-schema.md) instead of the generated batch")
+    sp.add_argument("--workload", help="workload JSON (docs/PLAN_SCHEMA.md) instead of the generated batch")
     sp.add_argument("--p-max", type=int, default=8, help="largest FlexUlysses degree (clamped to the world)")
     sp.add_argument("--fixed-degree", type=int, default=2, help="degree of the fixed-SP baseline")
     sp.add_argument("--systems", default="flex,bucketing,fixed", help="comma-separated subset")

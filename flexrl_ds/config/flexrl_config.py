@@ -3,8 +3,11 @@
 A run config is an ordinary DeepSpeed JSON file (ZeRO-3 etc.) with one extra top-level key,
 `"flexrl"`, holding the sections below. `load_run_config(path)` splits the two: the DeepSpeed part
 goes to `deepspeed.initialize` untouched, the `flexrl` part is validated here. Every section and
-field is optional; defaults are those documented per field. Unknown keys and wrongly typed values
-fail with a `ValueError` naming the dotted key.
+field is optional when loading; defaults are those documented per field. Unknown keys and wrongly
+typed values fail with a `ValueError` naming the dotted key. `flexrl train` checks more across
+sections before it starts (trainer/validation.py), e.g. `sp.p_max` at most the SP domain's ranks and
+`data.loader.num_samples_per_prompt` at least 2 (the GRPO group); the defaults (p_max 8 over 2
+ranks, 1 sample per prompt) do not pass them.
 """
 
 from __future__ import annotations

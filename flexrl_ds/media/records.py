@@ -1,4 +1,4 @@
-"""Reading JSONL / Parquet datasets into validated `Record`s (format: data-format.md).
+"""Reading JSONL / Parquet datasets into validated `Record`s (format: docs/DATA_FORMAT.md).
 
 `read_dataset(path)` returns one entry per row, in file order: a `Record`, or a `BadRecord` naming
 the row and the problem (unparseable line, missing/ill-typed field, marker count mismatch, a media

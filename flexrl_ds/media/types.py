@@ -42,7 +42,7 @@ class MediaItem:
 
 @dataclass(frozen=True)
 class Record:
-    """One validated dataset row (data-format.md)."""
+    """One validated dataset row (docs/DATA_FORMAT.md)."""
 
     id: str
     """Unique record id."""
@@ -171,7 +171,7 @@ class SampleMeta:
         return shapes
 
     def workload_entry(self, text_tokens: int) -> dict[str, Any]:
-        """This sample as a planner workload sequence (plan-schema.md): `tokens` = the given text
+        """This sample as a planner workload sequence (docs/PLAN_SCHEMA.md): `tokens` = the given text
         tokens (prompt text + response) + vision tokens."""
         return {"id": self.id, "tokens": text_tokens + self.vision_tokens, "vision_tokens": self.vision_tokens,
                 "images": self.num_images, "frames": self.num_frames}

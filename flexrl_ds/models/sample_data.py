@@ -2,7 +2,7 @@
 
 `write_scoring_dataset(folder)` writes random PNG images, short H.264 MP4 videos (torchcodec's
 encoder; skipped when `with_video` is False or no encoder is available) and `samples.jsonl` in the
-data-format.md layout with a `response` field. `random_plan_for` makes a valid FlexUlysses plan over
+docs/DATA_FORMAT.md layout with a `response` field. `random_plan_for` makes a valid FlexUlysses plan over
 given sequences with mixed degrees (every rank gets work), for tests that want degree variety the
 planner would not pick for tiny inputs.
 """

@@ -1,7 +1,7 @@
 """Nested sequence-parallel group tree: one process group per aligned power-of-two block.
 
 FlexUlysses gives each pack of sequences its own Ulysses degree `d` and runs it on the aligned block
-of ranks `[k*d, (k+1)*d)` of an SP domain (plan-schema.md). Any two such blocks are disjoint or
+of ranks `[k*d, (k+1)*d)` of an SP domain (docs/PLAN_SCHEMA.md). Any two such blocks are disjoint or
 nested, which is what makes the Highest-Sharding-First order deadlock free. torch.distributed needs
 every subgroup created once, by every rank of the world, in the same order; `GroupTree.create` does
 exactly that at start-up and then answers `group_for(degree, first_rank)` without collectives.

@@ -1,7 +1,7 @@
 """Cost model of one sequence for FlexUlysses planning (pure: no torch, no distributed runtime).
 
 For a sequence of `L` tokens sharded over `d` ranks, each rank's LLM work is `(L² + c·L) / d`
-(plan-schema.md): `L²` is causal attention, `c·L` the linear layers, with `c = P / h`, `P` the
+(docs/PLAN_SCHEMA.md): `L²` is causal attention, `c·L` the linear layers, with `c = P / h`, `P` the
 parameters of one decoder layer (q/k/v/o projections + gated MLP) and `h` the hidden size.
 Activation memory is proportional to the tokens a rank holds (`L / d`); the vision tower's cost to
 the patches it encodes (4 patches per merged vision token for a 2×2 spatial merge).

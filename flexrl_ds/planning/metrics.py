@@ -1,4 +1,4 @@
-"""Balance metrics of a plan (plan-schema.md "Metrics"); pure, numpy only.
+"""Balance metrics of a plan (docs/PLAN_SCHEMA.md "Metrics"); pure, numpy only.
 
 Per rank, a sequence of `L` tokens in a pack of degree `d` contributes `L²·h_r/H` attention (h_r of
 the model's H query heads on that rank, as the executor splits them; `L²/d` without head counts),

@@ -1,6 +1,6 @@
 """Workload and plan files: the contract between planner, executor, benchmarks and outside checkers.
 
-Formats are exactly those of `shared/design/plan-schema.md` (unknown fields are ignored on read).
+Formats are exactly those of `docs/PLAN_SCHEMA.md` (unknown fields are ignored on read).
 Pure module: no torch, no torch.distributed, no Ray.
 """
 
@@ -169,7 +169,7 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def validate_plan(plan: Plan, workload: Workload | Iterable[str] | None = None) -> None:
-    """Check every invariant of plan-schema.md; raise ValueError naming the first violation.
+    """Check every invariant of docs/PLAN_SCHEMA.md; raise ValueError naming the first violation.
 
     Deadlock freedom of `rank_order` beyond the HSF rules is checked by the schedule simulator.
     """

@@ -46,7 +46,8 @@ class GRPOConfig:
     """How per-token losses become the step loss (LOSS_REDUCTIONS)."""
     reward_fn: str = "accuracy"
     """The reward: a built-in name (flexrl_ds/rl/rewards.py, REWARDS) or "path/to/file.py:function", a
-    function (responses: list[str], records: list[dict]) -> list[float], one float per response."""
+    function (responses: list[str], records: list[dict]) -> list[float], one float per response.
+    `flexrl train` takes a relative path against the run config file's folder (rl/reward_fn.py)."""
     mini_batches_per_step: int = 1
     """Optimizer steps per GRPO step; the step's samples are split into this many mini-batches, each
     planned with FlexUlysses."""

@@ -4,7 +4,7 @@
 (`flexrl.rl.reward_fn`, see `reward_fn.py`): `(responses: list[str], records: list[dict]) -> list[float]`.
 
 **accuracy** (the rule reward). A record's `data_source` picks the per-sample function
-(data-format.md); sources not registered in `REWARD_FUNCTIONS` use `"default"`. The final answer of a
+(docs/DATA_FORMAT.md); sources not registered in `REWARD_FUNCTIONS` use `"default"`. The final answer of a
 response is the content of its last `<answer>...</answer>` tag, else of its last `\\boxed{...}`
 (nested braces allowed), else None (reward 0). Both sides are normalised (`normalize_answer`:
 lower-cased, surrounding `$`, trailing periods and outer spaces removed, whitespace runs collapsed),

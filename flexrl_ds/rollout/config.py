@@ -68,10 +68,13 @@ class VLLMOptions:
     enforce_eager: bool = False
     """Skip CUDA graph capture (faster start, slower decoding)."""
     load_format: str = "auto"
-    """How the engine first loads the model directory: "auto" (its safetensors) or "dummy" (random
-    weights; the first weight sync brings the policy's). Colocated engines at sleep_level 2 start
-    with "dummy" in place of "auto" (their first sleep drops the weights anyway; the sync before
-    step 0 writes them: `RolloutConfig.engine_options`)."""
+    """How the engine first loads the model directory, as vLLM's `load_format`:
+    - "auto": the directory's safetensors files, else its PyTorch .bin files (vLLM's default);
+    - "safetensors": read the safetensors files;
+    - "dummy": random weights, no disk read; the trainer syncs the policy's before step 0.
+    Engines that drop their weights at start (colocated at sleep_level 2,
+    `RolloutConfig.engines_drop_weights_at_start`) get "dummy" in place of "auto" only
+    (`RolloutConfig.engine_options`); "safetensors" is kept and still read."""
     max_model_len: int | None = None
     """Longest prompt + response an engine serves; None: the model config's."""
     sleep_level: int = 1
@@ -110,13 +113,16 @@ class RolloutConfig:
     backend: Literal["hf", "vllm"] = "hf"
     """Rollout engine implementation (BACKEND_NAMES)."""
     num_engines: int = 1
-    """Rollout engines (each a Ray actor holding a full copy of the policy's weights)."""
+    """Rollout engines, each a Ray actor holding a full copy of the policy's weights. Used only with
+    `flexrl.trainer.colocate` false; colocated, each policy rank holds one engine."""
     max_response_length: int = 1024
     """Most new tokens per response; generation also stops at the tokenizer's EOS."""
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy decoding (the trainer refuses it: a prompt's samples
-    would all be the same). The trainer's log-probs (policy, reference, old) and the engines' are
-    those of the logits divided by it, the distribution the samples came from (before top-k / top-p)."""
+    would all be the same). The trainer's log-probs (policy, reference, old) and the hf engine's are
+    those of the logits divided by it, before top-k / top-p. A vllm engine's are the same at
+    temperature 1; at another temperature they are vLLM's processed ones, taken after top-k / top-p
+    and renormalised over the tokens kept (`logprob_diff_caveat`)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1.0: off."""
     top_k: int = 0
@@ -124,9 +130,11 @@ class RolloutConfig:
     max_batch_sequences: int = 64
     """Most sequences one engine generates in one batched call."""
     num_cpus_per_engine: float = 1.0
-    """Ray CPUs reserved per engine (fractions allowed)."""
+    """Ray CPUs reserved per engine (fractions allowed). Used only with `flexrl.trainer.colocate`
+    false."""
     num_gpus_per_engine: float = 0.0
-    """Ray GPUs reserved per engine (0 on CPU machines; fractions allowed when colocated)."""
+    """Ray GPUs reserved per engine (0 on CPU machines). Used only with `flexrl.trainer.colocate`
+    false; a fraction lets separate engines share a GPU with a policy rank."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """Engine settings of the vllm backend (ignored by hf)."""
     hf: HFOptions = field(default_factory=HFOptions)
@@ -160,7 +168,9 @@ class RolloutConfig:
                 "renormalised over the tokens it keeps; the trainer's are taken before it. So "
                 "rollout_logprob_diff includes the log of the probability mass the filter keeps and does "
                 "not check the engines' weights in this run (the loss uses the trainer's log-probs only). "
-                "At temperature 1, or without top_k / top_p, it does.")
+                "At temperature 1, or without top_k / top_p, it does (without them, up to a small gap: "
+                "vLLM's processed log-probs also renormalise over the tokens the trainer suppresses, "
+                "the vision token ids sent as logit_bias).")
 
     def engine_options(self, *, colocated: bool) -> dict[str, Any]:
         """Keyword arguments the chosen backend's engine takes beyond the common ones, for engines

@@ -14,7 +14,7 @@ model adapter:
 - `build_rank_layout` validates the WHOLE plan (not only this rank's part) before any collective, so
   every rank of the domain reaches the same verdict from the same plan and all fail together.
 
-Plan ranks are SP-domain-local ranks (plan-schema.md); `GroupTree.local_rank` gives this process's.
+Plan ranks are SP-domain-local ranks (docs/PLAN_SCHEMA.md); `GroupTree.local_rank` gives this process's.
 """
 
 from __future__ import annotations

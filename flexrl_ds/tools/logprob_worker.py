@@ -41,7 +41,7 @@ class LogprobJob:
     model_dir: str
     dtype: str
     plan_json: dict
-    """The step's plan (plan-schema.md object)."""
+    """The step's plan (docs/PLAN_SCHEMA.md object)."""
     samples: dict[str, Any]
     """EncodedSample per sequence id (with a `pixels` source, vision items hold placeholders)."""
     timeout_s: float = 600.0

@@ -71,7 +71,7 @@ class LogprobsConfig:
     p_max: int | None = None
     """Largest Ulysses degree; None: num_procs."""
     plan_out: str | None = None
-    """If set, the plan used is written here (plan-schema.md)."""
+    """If set, the plan used is written here (docs/PLAN_SCHEMA.md)."""
     dtype: str = "float32"
     """Model dtype."""
     timeout_s: float = 600.0

@@ -10,22 +10,28 @@ class TrainerConfig:
     """Where the GRPO workers run and what the run keeps (section `flexrl.trainer`)."""
 
     num_policy_ranks: int = 2
-    """Policy (and reference) ranks: one DeepSpeed ZeRO-3 engine each; the FlexUlysses world size."""
+    """Policy (and reference) ranks: one DeepSpeed ZeRO-3 engine each; the FlexUlysses world size.
+    Ignored under `flexrl train --spmd`: there every launched process is a rank."""
     seed: int = 0
     """Seed of the run: model init of nothing (weights come from --model), sampling per (step, prompt,
     sample), and every other random choice."""
     max_steps: int = 1
     """GRPO steps to run (the CLI's --max-steps overrides)."""
     save_every: int = 0
-    """Write a checkpoint and an HF export every N steps; 0: only after the last step."""
+    """Write a checkpoint and an HF export every N steps; 0: none on a schedule (only the one after
+    the last step, when `save_last` is true)."""
     save_last: bool = True
     """Also write one after the last step (false: a measurement run, e.g. a 7B policy whose
     optimizer states would take ~100 GB of disk)."""
     save_rollouts: bool = False
     """Write rollouts/step_N.jsonl (ids, tokens, text, reward, advantage per sample)."""
     colocate: bool = True
-    """Policy, reference and rollout engines share the same devices, each offloaded or asleep while
-    another runs; false: rollout engines get devices of their own."""
+    """True: one rollout engine inside each policy rank, on the rank's device, asleep while the
+    policy trains. The reference model is not moved; on GPUs the policy's ZeRO-3 states go to host
+    memory during the rollout only with `offload_states_in_rollout`. False: `flexrl.rollout.num_engines`
+    engines in Ray actors of their own, with the CPUs and GPUs `flexrl.rollout.num_*_per_engine`
+    reserve (a fraction of a GPU may share one with a policy rank). Ignored under `flexrl train
+    --spmd`, where the engines are always inside the ranks."""
     num_cpus_per_rank: float = 1.0
     """Ray CPUs reserved per policy rank (fractions allowed)."""
     num_gpus_per_rank: float = 0.0

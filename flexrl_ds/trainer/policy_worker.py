@@ -97,7 +97,7 @@ class PassJob:
     step: int
     """Loader step (where the pixels live)."""
     plans_json: list[dict]
-    """The pass's plans (plan-schema.md), one per SP domain: domain d runs plans_json[d] over its
+    """The pass's plans (docs/PLAN_SCHEMA.md), one per SP domain: domain d runs plans_json[d] over its
     share of `samples` (the sequences of that plan)."""
     samples: dict[str, Any]
     """EncodedSample per sample name, of EVERY domain (the loss denominators cover them all);

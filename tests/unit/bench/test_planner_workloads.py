@@ -1,4 +1,4 @@
-"""Workload generator: Qwen2.5-VL token arithmetic and the mixes of workloads.md."""
+"""Workload generator: Qwen2.5-VL token arithmetic and the mixes of bench/workloads.py."""
 
 from __future__ import annotations
 

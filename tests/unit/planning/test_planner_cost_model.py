@@ -11,7 +11,7 @@ from flexrl_ds.planning.cost_model import PRESETS, load_cost_model
 
 def test_qwen25_vl_7b_c_matches_plan_schema():
     cost = load_cost_model("qwen2.5-vl-7b")
-    # plan-schema.md: c ≈ 65,000 for h=3584, 28 heads, 4 KV heads, MLP 18944.
+    # docs/PLAN_SCHEMA.md: c ≈ 65,000 for h=3584, 28 heads, 4 KV heads, MLP 18944.
     h, kv_dim, mlp = 3584, 4 * 128, 18944
     per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * mlp
     assert cost.c == pytest.approx(per_layer / h)
