@@ -88,11 +88,13 @@ class LoaderStep:
     not trained on; their slot stays in `prompts` because the step's shapes were planned."""
     rows: list[int] = field(default_factory=list)
     """Dataset rows the step drew (window, then reserved substitutes): never reserved again for it."""
+    fates: list[str] = field(default_factory=list)
+    """What became of each bad record, aligned with `bad_records` (media/bad_records.py FATE_*)."""
 
     @property
     def bad_report(self) -> StepReport:
         """This step's lists as a `bad_records.StepReport` (shared, not copied)."""
-        return StepReport(self.bad_records, self.replacements, self.withdrawn, self.rows)
+        return StepReport(self.bad_records, self.replacements, self.withdrawn, self.rows, self.fates)
 
     def sample_ids(self) -> list[SampleId]:
         return [SampleId(p.key.step, p.key.slot, k) for p in self.prompts for k in range(self.num_samples_per_prompt)]
@@ -101,7 +103,8 @@ class LoaderStep:
         return {
             "step": self.step, "epoch": self.epoch, "prompts": [p.meta.id for p in self.prompts],
             "num_bad": len(self.bad_records), "replacements": dict(self.replacements),
-            "bad_records": [{"id": b.id, "reason": b.reason, "stage": b.stage} for b in self.bad_records],
+            "bad_records": [{"id": b.id, "reason": b.reason, "stage": b.stage, "fate": fate}
+                            for b, fate in zip(self.bad_records, self.fates)],
             "withdrawn": dict(self.withdrawn),
         }
 
@@ -200,7 +203,7 @@ class StepSource:
             epoch, samples, report = self.policy.compose(index, self.config.global_batch)
         prompts = [StepPrompt(PromptKey(index, slot), sample) for slot, sample in enumerate(samples)]
         return LoaderStep(index, epoch, prompts, self.config.num_samples_per_prompt,
-                          report.bad_records, report.replacements, rows=report.rows)
+                          report.bad_records, report.replacements, rows=report.rows, fates=report.fates)
 
     def settle(self, step: LoaderStep, decode: Callable[[StepPrompt], Any]) -> LoaderStep:
         """Apply the bad-record policy to prompts that fail to decode. `decode(prompt)` returns

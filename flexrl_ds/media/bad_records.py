@@ -138,6 +138,24 @@ class StepReport:
     """Sample id -> reason, for samples withdrawn after the step was handed out."""
     rows: list[int] = field(default_factory=list)
     """Dataset rows the step drew: its window, then every reserved row (never reserved twice)."""
+    fates: list[str] = field(default_factory=list)
+    """What became of each bad record and its slot, aligned with `bad_records` (FATE_*)."""
+
+    def add(self, bad: Any, fate: str) -> int:
+        """Record a bad record and its fate; returns its position (to settle the fate later)."""
+        self.bad_records.append(bad)
+        self.fates.append(fate)
+        return len(self.fates) - 1
+
+
+FATE_SKIPPED = "skipped: the step trains on fewer prompts"
+FATE_NO_SUBSTITUTE = "skipped: no unused record was left to stand in"
+FATE_BAD_SUBSTITUTE = "drawn to stand in for another bad record, not used"
+FATE_WITHDRAWN = "withdrawn after the step was handed out: not trained on"
+
+
+def fate_replaced(substitute_id: str) -> str:
+    return f"record {substitute_id!r} stands in"
 
 
 class BadRecordPolicy:
@@ -167,7 +185,7 @@ class BadRecordPolicy:
         `<original>-><substitute>`) or None (slot dropped); ValueError under `error`.
         `failed_id`: the sample id of the slot when a sample fails after composition (decode)."""
         original = original_id(failed_id if failed_id is not None else bad.id)
-        report.bad_records.append(bad)
+        position = report.add(bad, FATE_SKIPPED)
         report.replacements.pop(original, None)
         self.counts.num_bad += 1
         if self.policy == "error":
@@ -178,8 +196,10 @@ class BadRecordPolicy:
             return None
         substitute = self._draw(report)
         if substitute is None:
+            report.fates[position] = FATE_NO_SUBSTITUTE
             self.counts.num_unreplaced += 1
             return None
+        report.fates[position] = fate_replaced(substitute.id)
         report.replacements[original] = substitute.id
         self.counts.num_replaced += 1
         return replace(substitute, id=f"{original}->{substitute.id}")
@@ -188,7 +208,7 @@ class BadRecordPolicy:
         """A sample of a step already handed out failed to decode: record and count it; under
         `error` raise; else the sample `failed_id` is withdrawn (no substitute under either skip
         or replace: the step's shapes are already planned, a substitute would not fit its slot)."""
-        report.bad_records.append(bad)
+        report.add(bad, FATE_WITHDRAWN)
         self.counts.num_bad += 1
         if self.policy == "error":
             raise ValueError(f"step {step}: record {bad.id!r}: {bad.reason} "
@@ -202,7 +222,7 @@ class BadRecordPolicy:
             (entry,) = self._probe([row])
             if not is_bad(entry):
                 return entry
-            report.bad_records.append(entry)
+            report.add(entry, FATE_BAD_SUBSTITUTE)
             self.counts.num_bad += 1
         return None
 
@@ -222,6 +242,7 @@ def select_steps(entries: Sequence[Entry], policy: str, global_batch: int | None
         _, samples, step_report = chooser.compose(len(steps), global_batch)
         steps.append(samples)
         report.bad_records += step_report.bad_records
+        report.fates += step_report.fates
         report.replacements.update(step_report.replacements)
         report.rows += step_report.rows
     return steps, report, chooser

@@ -120,8 +120,10 @@ class RewardBatch:
     batch_error: str | None = None
     """The error of the whole-batch call when it raised and the samples were scored one by one."""
     raised_at: str | None = None
-    """Where the call of the first sample that failed by raising raised (file:line in function, the
-    innermost frame); None if none did."""
+    """Where the call of the first sample that failed by raising raised (file:line in function: the
+    innermost frame in the reward function's own file, else the innermost); None if none did."""
+    raised_by: str | None = None
+    """That sample's id."""
 
     def all_failed(self) -> bool:
         return bool(self.scores) and len(self.errors) == len(self.scores)
@@ -135,9 +137,12 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _raised_at(error: BaseException) -> str | None:
+def _raised_at(error: BaseException, reward_fn: RewardFn) -> str | None:
     frames = traceback.extract_tb(error.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+    own_file = getattr(getattr(reward_fn, "__code__", None), "co_filename", None)
+    own = [frame for frame in frames if frame.filename == own_file]
+    frame = (own or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else None
 
 
 def _as_score(value: object) -> float | str:
@@ -179,7 +184,7 @@ def _call(reward_fn: RewardFn, responses: list[str], records: list[dict], ids: l
     try:
         return _validated(reward_fn(list(responses), list(records)), ids), None, None
     except Exception as error:  # a user's reward function may raise anything: report, never crash
-        return None, _describe(error), _raised_at(error)
+        return None, _describe(error), _raised_at(error, reward_fn)
 
 
 def score_batch(reward_fn: RewardFn, responses: Sequence[str], records: Sequence[dict],
@@ -197,14 +202,16 @@ def score_batch(reward_fn: RewardFn, responses: Sequence[str], records: Sequence
     whole, batch_error, _ = _call(reward_fn, list(responses), list(records), ids)
     if whole is not None:
         return RewardBatch(scores=whole[0], errors=whole[1])
-    scores, errors, raised_at = [], {}, None
+    scores, errors, raised_at, raised_by = [], {}, None, None
     for response, record, sample_id in zip(responses, records, ids):
         single, error, where = _call(reward_fn, [response], [record], [sample_id])
         if single is None:
             scores.append(0.0)
             errors[sample_id] = error
-            raised_at = raised_at or where
+            if raised_at is None and where is not None:
+                raised_at, raised_by = where, sample_id
         else:
             scores.extend(single[0])
             errors.update(single[1])
-    return RewardBatch(scores=scores, errors=errors, batch_error=batch_error, raised_at=raised_at)
+    return RewardBatch(scores=scores, errors=errors, batch_error=batch_error, raised_at=raised_at,
+                       raised_by=raised_by)

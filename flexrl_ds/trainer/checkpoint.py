@@ -61,8 +61,10 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
         held += sorted(f"checkpoints/{path.name}" for path in checkpoints.glob("step_*"))
     if held:
         shown = ", ".join(held[:4]) + (" ..." if len(held) > 4 else "")
-        raise ValueError(f"--out {out_dir} already holds a run ({shown}): pass --resume to continue it, "
-                         "or choose another --out (or remove that one)")
+        advice = ("pass --resume to continue it" if latest_checkpoint(out_dir) is not None else
+                  "it has no complete checkpoint, so --resume would start over at step 0 in it")
+        raise ValueError(f"--out {out_dir} already holds a run ({shown}): {advice}, or choose another --out "
+                         "(or remove that one)")
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:

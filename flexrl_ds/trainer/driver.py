@@ -157,7 +157,7 @@ class GRPOTrainer:
         for message in scored.messages():
             print(f"reward: {message}", flush=True)
         if scored.all_failed():
-            first = next(iter(scored.errors))
+            first = scored.raised_by or next(iter(scored.errors))
             where = f" (raised at {scored.raised_at})" if scored.raised_at else ""
             raise RuntimeError(f"reward: flexrl.rl.reward_fn {self.o.rl.reward_fn!r} failed on all {len(names)} "
                                f"samples of the step, e.g. {first!r}: {scored.errors[first]}{where}; stopping "
@@ -270,15 +270,12 @@ def _degrees(results) -> dict[str, int]:
 
 
 def report_bad_records(step: int, report: dict[str, Any], trained_on: int) -> int:
-    """Say what the step's bad records did (`LoaderStep.report`: one line each, with its reason, and
-    whether a good record stood in); raise when no prompt of the step is left. Returns their number."""
+    """Say what the step's bad records did (`LoaderStep.report`: one line each, with its reason and
+    its fate, media/bad_records.py FATE_*); raise when no prompt of the step is left. Returns their number."""
     bad = report.get("bad_records", [])
-    replacements = report.get("replacements", {})
     for record in bad:
-        fate = (f"record {replacements[record['id']]!r} stands in" if record["id"] in replacements
-                else "skipped: the step trains on fewer prompts")
-        print(f"data: step {step}: bad record {record['id']!r} ({record['stage']}): {record['reason']}; {fate}",
-              flush=True)
+        print(f"data: step {step}: bad record {record['id']!r} ({record['stage']}): {record['reason']}; "
+              f"{record['fate']}", flush=True)
     if not trained_on:
         reasons = "; ".join(f"{r['id']!r}: {r['reason']}" for r in bad[:5]) + (" ..." if len(bad) > 5 else "")
         raise RuntimeError(f"step {step}: every record drawn for it was bad ({reasons}); "

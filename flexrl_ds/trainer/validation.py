@@ -93,14 +93,23 @@ SEPARATE_ENGINE_SETTINGS = ("num_engines", "num_cpus_per_engine", "num_gpus_per_
 """`flexrl.rollout` keys only separate engines use (colocated: one engine inside each policy rank)."""
 
 
-def ignored_settings(flexrl: Any) -> list[str]:
-    """Lines naming the `flexrl.rollout` settings set away from their defaults that this run ignores."""
-    if not flexrl.trainer.colocate:
+def ignored_settings(flexrl: Any, spmd_world: int | None = None) -> list[str]:
+    """Lines naming the settings this run ignores: the `flexrl.rollout` engine settings set away from
+    their defaults when engines are colocated, and under `--spmd` (`spmd_world`: the launcher's
+    ranks) `flexrl.trainer.colocate` false and `num_policy_ranks`."""
+    trainer, lines = flexrl.trainer, []
+    if spmd_world is not None:
+        if not trainer.colocate:
+            lines.append("flexrl.trainer.colocate = false is ignored under --spmd: the engines run inside the ranks")
+        if trainer.num_policy_ranks != spmd_world:
+            lines.append(f"flexrl.trainer.num_policy_ranks = {trainer.num_policy_ranks} is ignored under --spmd: "
+                         f"the launcher started {spmd_world} ranks")
+    elif not trainer.colocate:
         return []
     defaults = type(flexrl.rollout)()
     changed = [name for name in SEPARATE_ENGINE_SETTINGS if getattr(flexrl.rollout, name) != getattr(defaults, name)]
-    return [f"flexrl.rollout.{name} = {getattr(flexrl.rollout, name)} is ignored: flexrl.trainer.colocate is true, "
-            "so each policy rank holds one engine" for name in changed]
+    return lines + [f"flexrl.rollout.{name} = {getattr(flexrl.rollout, name)} is ignored: each policy rank holds "
+                    "one engine" for name in changed]
 
 
 def check_run(run: Any, model_dir: str, num_ranks: int) -> None:

@@ -104,6 +104,7 @@ cp "$work/config.json" "$out/config.json"
   done ) &
 sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
+rm -rf "$out/run"  # a new run each time (flexrl train refuses an --out holding another run's steps)
 python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m$shape" --data "$work/data-small/train.jsonl" \
   --out "$out/run" --max-steps "$steps" 2>&1 | grep -v "Loading weights" | tail -40
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$out/summary.txt"

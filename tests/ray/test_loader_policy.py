@@ -17,6 +17,7 @@ import ray
 import torch
 from ray_helpers import wait_until_lost
 
+from flexrl_ds.media.bad_records import FATE_WITHDRAWN
 from flexrl_ds.bench.loader_media import MediaDatasetSpec, write_media_dataset
 from flexrl_ds.loader.config import DataConfig, LoaderConfig, PoolConfig
 from flexrl_ds.loader.loader_service import LoaderService, RemoteRepair
@@ -84,6 +85,7 @@ def test_worker_found_decode_failure_after_hand_out_is_withdrawn_by_the_loader(r
         report = ray.get(service.report.remote(step.step))
         assert report["withdrawn"] == out.withdrawn_reasons()
         assert [(b["id"], b["stage"]) for b in report["bad_records"]] == [("image-0000", "materialize")]
+        assert report["bad_records"][0]["fate"] == FATE_WITHDRAWN
         assert report["replacements"] == {}  # no substitute after hand-out, even under replace
         stats = ray.get(service.stats.remote())
         assert (stats["num_withdrawn"], stats["num_bad"]) == (1, 1) and stats["num_rerouted"] >= 1

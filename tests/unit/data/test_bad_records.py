@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from flexrl_ds.media.bad_records import FATE_BAD_SUBSTITUTE, FATE_NO_SUBSTITUTE, FATE_SKIPPED, fate_replaced
 from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.media.dataset import apply_policy, probe_dataset, probe_entries
 from flexrl_ds.media.preprocess import SamplePreprocessor
@@ -104,6 +105,7 @@ def test_skip_policy_keeps_order_and_reports_every_bad_record(mixed_dataset):
         ("b-garbage", "probe"), ("b-count", "read"), ("b-cut", "probe"), ("b-missing", "probe")]
     assert dataset.summary() == "3 good, 4 bad (probe 3, read 1), policy skip"
     assert (dataset.counts.num_bad, dataset.counts.num_skipped) == (4, 4)
+    assert dataset.report.fates == [FATE_SKIPPED] * 4
 
 
 def test_replace_policy_draws_substitutes_from_the_tail_of_the_epoch(mixed_dataset):
@@ -115,6 +117,9 @@ def test_replace_policy_draws_substitutes_from_the_tail_of_the_epoch(mixed_datas
     assert [[meta.id for meta in step] for step in dataset.steps] == [["g0", "b-garbage->g2"], ["g1"]]
     assert dataset.replacements == {"b-garbage": "g2"}
     assert [bad.id for bad in dataset.report.bad_records] == ["b-garbage", "b-missing", "b-count", "b-cut"]
+    # each one's fate: b-garbage's slot went to g2; b-missing and b-cut were drawn for it and for b-count
+    # and are bad themselves; b-count's slot found no substitute
+    assert dataset.report.fates == [fate_replaced("g2"), FATE_BAD_SUBSTITUTE, FATE_NO_SUBSTITUTE, FATE_BAD_SUBSTITUTE]
     counts = dataset.counts
     assert (counts.num_bad, counts.num_replaced, counts.num_unreplaced) == (4, 1, 1)
     replaced = dataset.steps[0][1]

@@ -131,8 +131,13 @@ def test_an_out_dir_holding_a_run_needs_resume(raw_config, tmp_path, trainer_ass
     out.mkdir()
     (out / "metrics.jsonl").write_text("")  # a run that stopped before its first step: nothing to keep
     _prepare(raw_config, tmp_path, model, data)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')  # steps, but no checkpoint to continue from
+    _refused(raw_config, tmp_path, model, data, f"--out {out} already holds a run (metrics.jsonl)",
+             "no complete checkpoint, so --resume would start over at step 0")
     (out / "checkpoints" / "step_1").mkdir(parents=True)
-    _refused(raw_config, tmp_path, model, data, f"--out {out} already holds a run (checkpoints/step_1)", "--resume")
+    (out / "checkpoints" / "step_1" / "trainer_state.json").write_text("{}")
+    _refused(raw_config, tmp_path, model, data,
+             f"--out {out} already holds a run (metrics.jsonl, checkpoints/step_1): pass --resume to continue it")
     config_path = tmp_path / "run.json"
     prepare(parse_run_config(raw_config, source=str(config_path)),
             TrainArgs(str(config_path), model, data, str(out), resume=True))  # continuing it is fine
@@ -143,8 +148,23 @@ def test_engine_settings_a_colocated_run_ignores_are_named(raw_config, capsys, t
     raw_config["flexrl"]["rollout"]["num_engines"] = 3
     _prepare(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"])
     out = capsys.readouterr().out
-    assert "flexrl.rollout.num_engines = 3 is ignored: flexrl.trainer.colocate is true" in out
+    assert "flexrl.rollout.num_engines = 3 is ignored: each policy rank holds one engine" in out
     assert "num_gpus_per_engine" not in out  # left at its default: nothing to say
+    raw_config["flexrl"]["trainer"]["colocate"] = False  # separate engines use it
+    _prepare(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"])
+    assert "is ignored" not in capsys.readouterr().out
+
+
+def test_settings_a_launcher_started_run_ignores_are_named():
+    from flexrl_ds.config.flexrl_config import FlexRLConfig
+    from flexrl_ds.trainer.validation import ignored_settings
+
+    flexrl = FlexRLConfig()
+    flexrl.trainer.colocate, flexrl.trainer.num_policy_ranks, flexrl.rollout.num_engines = False, 2, 3
+    lines = ignored_settings(flexrl, spmd_world=4)
+    assert lines[0].startswith("flexrl.trainer.colocate = false is ignored under --spmd")
+    assert "num_policy_ranks = 2 is ignored under --spmd: the launcher started 4 ranks" in lines[1]
+    assert "flexrl.rollout.num_engines = 3 is ignored" in lines[2] and len(lines) == 3
 
 
 def test_pixel_settings_the_models_processor_replaces_are_named(raw_config, capsys, tmp_path, trainer_assets):

@@ -17,7 +17,7 @@ from flexrl_ds.trainer.rollout_host import ROLLOUT_PARTS
 
 GIB = 2**30
 DEVICE_IN_USE = {"offload": 60 * GIB, "release": 40 * GIB, "wake": 70 * GIB, "generate": 85 * GIB,
-                 "sleep": 45 * GIB, "reload": 65 * GIB}
+                 "sleep": 45 * GIB, "reload": 90 * GIB}
 """Bytes in use on the stand-in device after each call; before the first: 100 GiB (the sync's level)."""
 
 
@@ -48,6 +48,7 @@ class StandInOffload:
 
     def offload(self):
         self.log.append("offload")
+        self.usage.sample()
         if self.refuses:
             raise AssertionError("Moving states across devices is not supported without an optimizer.")
         if self.fails:  # e.g. out of pinned host memory: RolloutOffload brings back what moved first
@@ -60,6 +61,7 @@ class StandInOffload:
 
     def reload(self):
         self.log.append("reload")
+        self.usage.sample()
         self.moved = ()
 
 
@@ -82,7 +84,7 @@ def worker(log: list, gpu: bool = True, fails_in: str = "", refuses: bool = Fals
     in_use = lambda: DEVICE_IN_USE.get(log[-1], 0) if log else 100 * GIB  # noqa: E731
     stand_in.device_usage = policy_worker.device_mod.DeviceUsageMonitor(
         SimpleNamespace(is_gpu=False), used_bytes=in_use if gpu else None, poll=False)
-    stand_in.rollout.usage = stand_in.device_usage
+    stand_in.rollout.usage = stand_in.rollout_offload.usage = stand_in.device_usage
     return stand_in
 
 
@@ -94,7 +96,7 @@ def test_states_leave_for_the_rollout_and_come_back(capsys, log_cache_release):
     assert log == ["offload", "release", "wake", "generate", "sleep", "reload"]
     assert set(output.times_s) == set(ROLLOUT_PARTS) - {"pixels"}  # the stand-in host pulls no pixels
     assert all(seconds >= 0 for seconds in output.times_s.values())
-    # the device's peak from the wake to the end of generation: not the offload's 60 or the reload's 65
+    # the device's peak from the wake to the end of generation: not the offload's 60 or the reload's 90
     assert output.engine_peak_bytes == 85 * GIB
     assert rank.device_usage.peak_bytes() == 100 * GIB  # the phase's peak, started before the window
     rank.generate(1, [], None)

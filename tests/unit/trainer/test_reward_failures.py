@@ -54,3 +54,15 @@ def test_a_step_where_some_samples_failed_goes_on(capsys):
     assert info["num_reward_errors"] == 2
     assert samples.rewards == {"s0k0": 1.0, "s0k1": 1.0, "s1k0": 0.0, "s1k1": 0.0}
     assert capsys.readouterr().out.count("failed, scored 0: KeyError") == 2
+
+
+def test_the_place_named_is_in_the_reward_functions_own_file():
+    """An error raised inside a library the reward calls is located at the reward's own line."""
+    import json
+
+    def score(responses, records):
+        return [json.loads(response) for response in responses]  # "1 2" is no JSON: raises inside json
+
+    own_line = r"raised at .*test_reward_failures.py:\d+ in (score|<listcomp>)\)"  # not json/decoder.py's
+    with pytest.raises(RuntimeError, match=own_line):
+        stand_in_trainer(score)._reward(step_samples())
