@@ -214,6 +214,8 @@ class FlexUlyssesLM(torch.nn.Module):
         self.logits_chunk = logits_chunk
         self.temperature = temperature
         self.zero_group = zero_group
+        self.unread_config_keys: tuple[str, ...] = ()
+        """Keys of the DeepSpeed config DeepSpeed never read (set by `zero3.build_engine`)."""
         self.hf_model = hf_adapter.use_flex_ulysses(hf_model)
         self.attention = attention if attention is not None else FlexUlyssesAttention()
         self.vision_group = vision_group

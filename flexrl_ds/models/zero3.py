@@ -15,6 +15,10 @@ checked first (`check_ds_config`) and rejected with a `ValueError` naming the ke
   inference engine (the reference model): ZeRO-3 partitioned parameters and no optimizer, so the
   `optimizer` and `scheduler` blocks are left out there (the same JSON serves both engines).
 
+DeepSpeed passes over keys it does not know: `build_engine` records the top-level keys DeepSpeed
+asks for while it initialises (`AskedKeys`), and a policy engine's rank 0 names the config's keys it
+never read, with the key it did ask for that a typo was most likely meant as (`unread_keys_note`).
+
 `flex_step_loss` is the plain NLL step loss (all-reduced global token count; scaled by the
 data-parallel world size because DeepSpeed averages gradients over ranks). `full_grads` reads
 ZeRO-3's partitioned gradients back whole.
@@ -23,6 +27,7 @@ ZeRO-3's partitioned gradients back whole.
 from __future__ import annotations
 
 import copy
+import difflib
 from typing import Any
 
 import torch
@@ -32,6 +37,41 @@ from flexrl_ds.models.flex_model import FlexUlyssesLM
 
 INFERENCE_DROPPED_KEYS = ("optimizer", "scheduler")
 """Blocks an inference engine (train=False) does not use."""
+
+
+class AskedKeys(dict):
+    """A DeepSpeed config that records every top-level key read from it, present or not (copies
+    made with `copy.copy`, as DeepSpeed makes, share the record)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: set[str] = set()
+
+    def get(self, key, default=None):
+        self.asked.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.asked.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.asked.add(key)
+        return super().__contains__(key)
+
+
+def unread_keys_note(config: dict[str, Any], asked: set[str]) -> str | None:
+    """A line naming the keys of `config` DeepSpeed never read (no effect on the run), each with the
+    key it asked for that the name is closest to, if any; None when it read them all."""
+    unread = sorted(set(config) - asked)
+    if not unread:
+        return None
+    candidates = sorted(asked - set(config))
+    hints = []
+    for key in unread:
+        match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.8)
+        hints.append(f"{key!r}" + (f" (did you mean {match[0]!r}?)" if match else ""))
+    return f"DeepSpeed config: DeepSpeed did not read {', '.join(hints)}: no effect on this run"
 
 
 def check_ds_config(ds_config: dict[str, Any], world_size: int, train: bool = True) -> None:
@@ -88,8 +128,13 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk,
                            temperature=temperature)
     parameters = [p for p in module.parameters() if p.requires_grad] if train else None
+    config = AskedKeys(config)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=parameters, config=config)
     module.zero_group = engine.seq_data_parallel_group
+    module.unread_config_keys = tuple(sorted(set(config) - config.asked))
+    note = unread_keys_note(config, config.asked)
+    if note and train and dist.get_rank() == 0:  # the reference engine reads the same JSON: said once
+        print(note, flush=True)
     if train:
         engine.train()  # models load in eval mode; transformers recomputes layers only in training mode
     else:

@@ -78,14 +78,15 @@ def rank_zero3_step(model_dir: str, data_path: str, plan_json: dict, p_max: int,
     model = _load(model_dir)
     plan = parse_plan(plan_json)
     batch = build_step_batch(model.config, plan, samples, tree.local_rank, tree, positions=positions_fn(model))
-    # small reduce buckets: many reduce-scatters, so a rank-dependent gradient order would show
-    engine = build_engine(model, zero3_config(reduce_bucket_size=4096))
+    # small reduce buckets: many reduce-scatters, so a rank-dependent gradient order would show; a
+    # misspelt key rides along: DeepSpeed never reads it, and the engine names it
+    engine = build_engine(model, {**zero3_config(reduce_bucket_size=4096), "gradient_clippping": 1e-9})
     loss, local_nll, num_global = flex_step_loss(engine, batch)
     engine.backward(loss)
     grads = full_grads(engine)
     patches = batch.route.patches_per_rank if batch.route is not None else ()
     result = {"nll": float(local_nll), "num_global": num_global, "patches": list(patches),
-              "paths": list(engine.module.attention.last_paths)}
+              "paths": list(engine.module.attention.last_paths), "unread": engine.module.unread_config_keys}
     if dist.get_rank() == 0:
         result["grads"] = grads
     engine.destroy()
@@ -135,6 +136,7 @@ def test_zero3_flex_ulysses_matches_single_process(assets, dist_pools, arch, see
     per_rank = dist_pools(world).run(rank_zero3_step, model_dir, str(data), plan.to_json(), plan.p_max, shared,
                                      timeout_s=240)
     assert all(r["num_global"] == ref_tokens for r in per_rank)
+    assert all(r["unread"] == ("gradient_clippping",) for r in per_rank)  # every other key was read
     assert sum(r["nll"] for r in per_rank) == pytest.approx(ref_nll, rel=1e-5)
     paths = {p for r in per_rank for p in r["paths"]}
     assert seed < 0 or paths & {"flex", "flex-async", "deepspeed"}, json.dumps([r["paths"] for r in per_rank])

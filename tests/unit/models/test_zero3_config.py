@@ -49,3 +49,19 @@ def test_a_complete_config_passes_unchanged():
 def test_trainer_owned_settings_are_rejected_by_name(changes, world, train, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         check_ds_config(_with(**changes), world_size=world, train=train)
+
+
+def test_keys_deepspeed_never_read_are_named_with_the_key_meant():
+    """(DeepSpeed itself reading a config: tests/distributed/test_model_zero3.py.)"""
+    from flexrl_ds.models.zero3 import AskedKeys, unread_keys_note
+
+    config = AskedKeys({"gradient_clippping": 1.0, "bf16": {"enabled": True}, "my_notes": "x"})
+    shallow = copy.copy(config)  # DeepSpeed reads from copies it makes: they share the record
+    shallow.get("bf16")
+    shallow.get("gradient_clipping")
+    assert "steps_per_print" not in shallow
+    assert config.asked == {"bf16", "gradient_clipping", "steps_per_print"}
+    note = unread_keys_note(config, config.asked)
+    assert note == ("DeepSpeed config: DeepSpeed did not read 'gradient_clippping' (did you mean "
+                    "'gradient_clipping'?), 'my_notes': no effect on this run")
+    assert unread_keys_note({"bf16": {}}, {"bf16", "fp16"}) is None
