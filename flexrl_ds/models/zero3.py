@@ -41,11 +41,20 @@ INFERENCE_DROPPED_KEYS = ("optimizer", "scheduler")
 
 class AskedKeys(dict):
     """A DeepSpeed config that records every top-level key read from it, present or not (copies
-    made with `copy.copy`, as DeepSpeed makes, share the record)."""
+    made with `copy.copy`, as DeepSpeed makes, share the record). Pickled as a plain dict: DeepSpeed
+    saves its config into checkpoints, which must load without flexrl_ds."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.asked: set[str] = set()
+
+    def __copy__(self) -> "AskedKeys":
+        copied = AskedKeys(self)
+        copied.asked = self.asked
+        return copied
+
+    def __reduce__(self):
+        return dict, (dict(self),)
 
     def get(self, key, default=None):
         self.asked.add(key)

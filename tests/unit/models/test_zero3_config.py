@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 
@@ -65,3 +66,5 @@ def test_keys_deepspeed_never_read_are_named_with_the_key_meant():
     assert note == ("DeepSpeed config: DeepSpeed did not read 'gradient_clippping' (did you mean "
                     "'gradient_clipping'?), 'my_notes': no effect on this run")
     assert unread_keys_note({"bf16": {}}, {"bf16", "fp16"}) is None
+    saved = pickle.loads(pickle.dumps(config))  # as DeepSpeed's checkpoints hold it
+    assert type(saved) is dict and saved == dict(config)
