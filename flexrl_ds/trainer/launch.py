@@ -138,10 +138,12 @@ def resume_point(prepared: Prepared) -> tuple[Path | None, int]:
         return None, 0
     checkpoint = latest_checkpoint(Path(prepared.args.out_dir))
     if checkpoint is None:
-        print(f"--resume: no checkpoint under {prepared.args.out_dir}/checkpoints; starting at step 0", flush=True)
+        print(f"--resume: no checkpoint under {prepared.args.out_dir}/checkpoints; starting from the first step",
+              flush=True)
         return None, 0
     state = read_trainer_state(checkpoint)
-    print(f"--resume: continuing after step {state['step']} from {checkpoint}", flush=True)
+    print(f"--resume: continuing after step {state['step'] + 1} (files: step_{state['step']}) from {checkpoint}",
+          flush=True)
     return checkpoint, state["step"] + 1
 
 
@@ -149,7 +151,8 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
     """Resume if asked, run the steps, close the log."""
     checkpoint, start = resume_point(prepared)
     if start >= prepared.max_steps:
-        print(f"nothing to do: the checkpoint already reached step {start - 1} of --max-steps {prepared.max_steps}")
+        print(f"nothing to do: the checkpoint is after step {start}/{prepared.max_steps} (files: step_{start - 1}); "
+              "raise --max-steps to train on")
         return 0
     rollout_config = prepared.run.flexrl.rollout
     if checkpoint is not None:
@@ -160,7 +163,7 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
         # the engines must start from the policy's weights: a checkpoint's, or the model's over random,
         # dropped or never loaded ones (colocated at sleep_level 2: RolloutConfig.engine_options)
         seconds = rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
-        print(f"flexrl train: rollout engines given the policy's weights before step {start} in {seconds:.1f} s",
+        print(f"flexrl train: rollout engines given the policy's weights before step {start + 1} in {seconds:.1f} s",
               flush=True)
     trainer_config = prepared.run.flexrl.trainer
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
