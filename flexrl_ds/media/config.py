@@ -12,7 +12,7 @@ ShadowLoader cannot reproduce is a ValueError naming the file and key (`processo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,13 +148,14 @@ class MediaConfig:
             raise
 
 
-def replaced_by_processor(config: MediaConfig, model_dir: str | Path) -> list[str]:
+def replaced_by_processor(config: MediaConfig, resolved: MediaConfig, model_dir: str | Path) -> list[str]:
     """Lines naming the pixel settings set in `config` (away from the class defaults) that
-    `with_processor_dir(model_dir)` replaces with other values from the model's processor files."""
+    `resolved = config.with_processor_dir(model_dir)` holds other values of, from the model's
+    processor files."""
     defaults = type(config)()
     lines = []
-    for name, value in processor_settings(model_dir).items():
-        mine = getattr(config, name)
+    for name in (f.name for f in fields(config)):
+        mine, value = getattr(config, name), getattr(resolved, name)
         if mine != getattr(defaults, name) and mine != value:
             lines.append(f"flexrl.data.{name} = {mine!r} is replaced by the model's processor setting {value!r} "
                          f"({model_dir}): the engines and the trainer see the pixels the model's processor "

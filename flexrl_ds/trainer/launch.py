@@ -81,7 +81,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
         raise ValueError(f"flexrl.data.loader.global_batch: {data_config.loader.global_batch} prompts a step, "
                          f"more than the {len(records)} rows of {args.data_path}")
     run.flexrl.rollout = resolve_media_limits(run.flexrl.rollout, records)  # the engines are built from it
-    notes = replaced_by_processor(run.flexrl.data, args.model_dir) + \
+    notes = replaced_by_processor(run.flexrl.data, data_config, args.model_dir) + \
         ignored_settings(run.flexrl, spmd_world=num_ranks if args.spmd else None)
     for note in notes + [run.flexrl.rollout.logprob_diff_caveat() or ""]:
         if note:
