@@ -28,6 +28,9 @@
 #     peak, beyond the 32 GiB that releasing torch's cache before the wake takes, for 0.6-0.7 s a step;
 #     at 7B it left the step's device peak unchanged and took host memory from 98 to 114 GiB:
 #     docs/BENCHMARKS.md "One H200, twelfth run" and "thirteenth run").
+#   TEMPERATURE=t TOP_P=p TOP_K=k: the rollout's sampling (`flexrl.rollout.temperature/top_p/top_k`;
+#     default: the file's 1.0, 1.0, 0). With vllm at t != 1 and a filter, rollout_logprob_diff measures
+#     the filter too (RolloutConfig.logprob_diff_caveat).
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
@@ -81,6 +84,9 @@ config["flexrl"]["trainer"].update(save_every=0,
 if "OFFLOAD_IN_ROLLOUT" in os.environ:  # the policy's states in host memory while the engine generates
     config["flexrl"]["trainer"]["offload_states_in_rollout"] = os.environ["OFFLOAD_IN_ROLLOUT"] == "1"
 config["flexrl"]["rollout"]["backend"] = backend
+for name, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
+    if name.upper() in os.environ:
+        config["flexrl"]["rollout"][name] = cast(os.environ[name.upper()])
 if "OFFLOAD_RATIO" in os.environ:  # 7b: the share of the optimizer stepped on the host by CPUAdam
     config["zero_optimization"]["offload_optimizer"]["ratio"] = float(os.environ["OFFLOAD_RATIO"])
 if "OFFLOAD_PIN" in os.environ:  # 7b: pinned host buffers for the offloaded optimizer
