@@ -8,9 +8,9 @@
 #           text earns ~0.1; a model that writes the keyword earns 1 — a task a random model can
 #           learn on a CPU in minutes, nothing more;
 #   run:    flexrl train with ds_configs/grpo_tiny_cpu.json: 4 DeepSpeed ZeRO-3 policy ranks (gloo)
-#           with FlexUlysses degrees 1-4, a reference model, HF-generate rollouts colocated in the
-#           ranks, ShadowLoader preprocessing actors on a local Ray; 50 GRPO steps, a checkpoint and
-#           an HF export every 10.
+#           with FlexUlysses degrees up to 4 (the planner chose 1 and 2 in the recorded runs), a
+#           reference model, HF-generate rollouts colocated in the ranks, ShadowLoader preprocessing
+#           actors on a local Ray; 50 GRPO steps, a checkpoint and an HF export every 10.
 # Outputs: runs/demo/run/ (metrics.jsonl, metrics.png, tensorboard/, rollouts/, plans/, checkpoints/, hf/).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
