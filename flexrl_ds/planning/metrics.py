@@ -10,10 +10,13 @@ sharded at `min(p_max, W)`).
 Bounds (what no plan on aligned groups of at most `p = min(p_max, W)` ranks can beat): every
 sequence lies inside one aligned p-block, and the busiest rank of a block carries at least the
 block's total ÷ p, so the busiest rank is at least `partition_bound(values, W/p) / p` — a lower
-bound on the best split of the sequences' values over W/p bins (`partition_bound`). With it:
-`attention_balance_bound = max(mean, max_s L²/p, partition_bound(L², W/p)/p) ÷ mean` and
-`efficiency_bound = lower_bound ÷ max(lower_bound, partition_bound(cost, W/p)/p)` (the best
-efficiency reachable; below 1 where the schema's lower bound is not attainable).
+bound on the best split of the sequences' values over W/p bins (`partition_bound`). It also carries
+at least any one sequence's share on the rank of its group with the most query heads, at the
+degree that makes that share smallest (`busiest_rank_share_floors`; `L²/p` and `cost/p` without
+head counts, more where p does not divide the heads: 28 heads at p = 8 give some rank 4/28, not
+1/8). With them: `attention_balance_bound = max(mean, own attention, partition_bound(L², W/p)/p) ÷
+mean` and `efficiency_bound = lower_bound ÷ max(lower_bound, own cost, partition_bound(cost,
+W/p)/p)` (the best efficiency reachable; below 1 where the schema's lower bound is not attainable).
 """
 
 from __future__ import annotations
@@ -137,6 +140,22 @@ def partition_bound(values: np.ndarray, num_bins: int) -> float:
     return bound
 
 
+def busiest_rank_share_floors(tokens: np.ndarray, c: float, p_max: int, num_heads: int | None,
+                              num_kv_heads: int | None) -> tuple[float, float]:
+    """Attention and cost that the busiest rank carries at least, from one sequence alone: at
+    degree d the group's rank with the most query heads does `max(head_shares) · L²` of its
+    attention (+ `c·L/d`), so at best the smallest of those over the degrees d ≤ p_max. Without
+    head counts, `L²/p_max` and `cost/p_max`."""
+    if not len(tokens):
+        return 0.0, 0.0
+    degrees = [1 << k for k in range(int(p_max).bit_length()) if 1 << k <= p_max]
+    busiest = {d: float(head_shares(num_heads, num_kv_heads, d).max()) for d in degrees}
+    attention = tokens * tokens
+    own_attention = np.min([busiest[d] * attention for d in degrees], axis=0)
+    own_cost = np.min([busiest[d] * attention + c * tokens / d for d in degrees], axis=0)
+    return float(own_attention.max()), float(own_cost.max())
+
+
 def _ratio(loads: np.ndarray) -> float:
     mean = float(loads.mean())
     return float(loads.max()) / mean if mean > 0 else 1.0
@@ -160,9 +179,9 @@ def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
     lower_bound = max(float(cost.sum()) / world_size, float(cost.max()) / p_eff)
     num_blocks = world_size // p_eff
     mean_attention = float(attention.sum()) / world_size
-    attention_floor = max(mean_attention, float(attention.max()) / p_eff,
-                          partition_bound(attention, num_blocks) / p_eff)
-    cost_floor = max(lower_bound, partition_bound(cost, num_blocks) / p_eff)
+    own_attention, own_cost = busiest_rank_share_floors(tokens, c, p_eff, num_heads, num_kv_heads)
+    attention_floor = max(mean_attention, own_attention, partition_bound(attention, num_blocks) / p_eff)
+    cost_floor = max(lower_bound, own_cost, partition_bound(cost, num_blocks) / p_eff)
     factor = {int(d): kv_traffic_factor(num_heads, num_kv_heads, int(d)) for d in np.unique(degrees)}
     volume = float((tokens * (degrees - 1) / degrees * np.array([factor[d] for d in degrees.tolist()])).sum())
     fixed = float(tokens.sum()) * (p_eff - 1) / p_eff * kv_traffic_factor(num_heads, num_kv_heads, p_eff)

@@ -84,9 +84,26 @@ def test_bounds_hold_for_every_method():
         assert metrics.efficiency <= metrics.efficiency_bound + 1e-9
 
 
+@pytest.mark.parametrize("p_max", [4, 8, 16])
+@pytest.mark.parametrize("tokens", [3_000, 30_000, 90_000])
+def test_one_sequence_bound_is_the_best_fixed_degree(tokens, p_max):
+    """One sequence alone: the best plan is fixed SP at one degree d ≤ p_max, so the efficiency bound
+    is the best of those plans, under the executor's head split (28 heads: at d = 8 some rank holds
+    4/28 of the attention, not 1/8) — neither lower (a bound no plan reaches) nor higher."""
+    workload = Workload((SequenceSpec(id="long", tokens=tokens),))
+    sp = SPConfig(p_max=p_max)
+    degrees = [d for d in (1, 2, 4, 8, 16) if d <= p_max]
+    best = min(fixed_sp(workload, 32, COST, d, p_max).metrics.max_rank_cost for d in degrees)
+    metrics = plan_step(workload, 32, COST, sp).metrics
+    assert metrics.efficiency_bound == pytest.approx(metrics.lower_bound / best, rel=1e-9)
+    assert metrics.efficiency <= metrics.efficiency_bound + 1e-9
+    # below 1 exactly where p_max does not divide the query heads (28: at p_max 8 and 16)
+    assert (metrics.efficiency_bound < 1 - 1e-9) == (COST.num_heads % p_max != 0)
+
+
 def test_video_heavy_64_on_128_ranks_seed_2_cannot_reach_097():
     """The one grid cell under 0.97: 40 long videos on 16 aligned 8-rank blocks — some block holds
-    3 of the 33 longest, so no plan reaches 0.97 (the bound assumes an even head split). Under the
+    3 of the 33 longest, so no plan reaches 0.97 (even with every block's heads split evenly). Under the
     executor's split (28 heads: 4 or 3 per rank at degree 8) the planner reaches 0.898 against
     fixed SP=8's 0.829; a wider cap (p ≤ 16: 2 heads or 1 per rank, the 1-head ranks taking more
     short work) gets 0.95."""
