@@ -299,17 +299,18 @@ def test_separate_engine_workers_receive_over_the_weight_channel(engine, assets)
     assert gaps["a"] < 1e-2 and gaps["a"] * 10 < gaps["b"]
 
 
-def _gpu_sender(model_dir: str, ports, results) -> None:
-    """Policy rank 0 in a process of its own on the engine's GPU: sends the model's GPU buckets."""
+def _gpu_sender(model_dir: str, ports, results, gpu: int = 0, size: int = 2) -> None:
+    """Policy rank 0 in a process of its own on GPU `gpu` (0: the engine's), in a channel of `size`
+    ranks: sends the model's GPU buckets."""
     try:
         from flexrl_ds.bench.channel_bench import join_channel
         from flexrl_ds.models.loading import load_model
         from flexrl_ds.models.weights import iter_weight_buckets
 
-        torch.cuda.set_device(0)
-        model = load_model(model_dir).to("cuda")
-        channel = join_channel(0, 2, ports, use_gpu=True, timeout_s=120.0)  # hands the engine its port
-        sent = channel.send(iter_weight_buckets(model, 1 << 20, "cuda"))
+        torch.cuda.set_device(gpu)
+        model = load_model(model_dir).to(f"cuda:{gpu}")
+        channel = join_channel(0, size, ports, use_gpu=True, timeout_s=120.0)  # hands the engine its port
+        sent = channel.send(iter_weight_buckets(model, 1 << 20, f"cuda:{gpu}"))
         results.put((channel.transport, sent))
     except Exception:  # noqa: BLE001 - reported by the test
         import traceback
