@@ -6,6 +6,8 @@ processes under `deepspeed --hostfile`). Per step it moves token ids, lengths, r
 never pixels: the rollout hosts and the policy ranks pull their own from the preprocessing actors.
 
 1. data: the next step's prompts from the ShadowLoader (metadata; the look-ahead decodes meanwhile);
+   under `flexrl.sp.max_tokens_per_rank`, prompts whose samples could outgrow a sequence's share
+   are set aside before the rollout, each said with its reason (`num_prompts_too_long`);
 2. rollout: n samples per prompt, each seeded by (seed, step, slot, k) (trainer/samples.py);
 3. reward: the configured reward over the responses' text and their records (rl/reward_fn.py); a
    reward function that raises scores the affected samples 0, and the run reports them;
@@ -41,7 +43,8 @@ from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PassJob
 from flexrl_ds.trainer.rollout_host import PromptJob
 from flexrl_ds.trainer.samples import (LogprobGaps, StepSamples, encode_prompts, logprob_gaps, media_of,
-                                       parse_sample_name, sample_seed, split_domains, split_mini_batches)
+                                       parse_sample_name, sample_seed, sequence_token_limit, split_domains,
+                                       split_mini_batches, too_long_prompts)
 
 
 @dataclass
@@ -92,7 +95,8 @@ class GRPOTrainer:
         cstep = self._timed(times, "data", self.controller.next_step)
         assert cstep.step == step, (cstep.step, step)
         bad_records = report_bad_records(step, cstep.report, trained_on=len(cstep.prompts))
-        prompts = encode_prompts(self.encoder, cstep)
+        prompts = self._fitting(step, encode_prompts(self.encoder, cstep))
+        too_long = len(cstep.prompts) - len(prompts)
         peaks: dict[str, dict[str, float]] = {}  # phase -> peak memory on the policy ranks' devices
         rollout_info: dict[str, Any] = {}
         samples = self._phase(times, peaks, "rollout", self._rollout, step, prompts, rollout_info)
@@ -105,7 +109,7 @@ class GRPOTrainer:
         times["step"] = time.perf_counter() - started
         gaps = logprob_gaps(samples, inference["old"])
         metrics = self._metrics(step, samples, reward_info, inference, update, times, gaps)
-        metrics.update(rollout_info, num_bad_records=bad_records)
+        metrics.update(rollout_info, num_bad_records=bad_records, num_prompts_too_long=too_long)
         metrics.update(_phase_peaks(peaks))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
@@ -125,6 +129,26 @@ class GRPOTrainer:
         result = self._timed(times, name, function, *args)
         peaks[name] = _max_peaks(self.policy.run("peaks"))
         return result
+
+    def _fitting(self, step: int, prompts: list) -> list:
+        """The prompts whose samples fit a sequence's share under flexrl.sp.max_tokens_per_rank; the
+        others are said, with their record, and left out of the step."""
+        limit = sequence_token_limit(self.o.sp, self.o.cost, self.o.sp.domain_size or self.o.num_ranks)
+        if limit is None:
+            return prompts
+        tokens, degree = limit
+        reasons = too_long_prompts(prompts, self.o.sampling.max_new_tokens, tokens)
+        for prompt in prompts:
+            if prompt.name in reasons:
+                print(f"data: step {step}: prompt {prompt.name!r} (record {prompt.record.id!r}) not rolled out: "
+                      f"{reasons[prompt.name]} (flexrl.sp.max_tokens_per_rank {self.o.sp.max_tokens_per_rank} x "
+                      f"degree {degree}; raise either, or lower flexrl.rollout.max_response_length)", flush=True)
+        kept = [prompt for prompt in prompts if prompt.name not in reasons]
+        if not kept:
+            raise RuntimeError(f"step {step}: every prompt is too long for flexrl.sp.max_tokens_per_rank "
+                               f"{self.o.sp.max_tokens_per_rank} x degree {degree} ({len(prompts)} prompts, "
+                               f"e.g. {next(iter(reasons.values()))})")
+        return kept
 
     # ---- phases -------------------------------------------------------------------------------
     def _rollout(self, step: int, prompts: list, info: dict[str, Any]) -> StepSamples:

@@ -9,6 +9,8 @@
   `encoded()` gives the `EncodedSample`s (prompt + response) the planner and the ranks use.
 - `split_mini_batches` / `split_domains`: a step's samples over its optimizer steps, and a pass's
   samples over the SP domains (data-parallel replicas; each domain gets its own plan).
+- `sequence_token_limit` / `too_long_prompts`: the prompts whose samples could outgrow what the
+  planner may give a sequence under `flexrl.sp.max_tokens_per_rank`, found before the rollout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from flexrl_ds.loader.metastore import PromptKey, SampleId
 from flexrl_ds.models.processing import EncodedSample, VisionItem
+from flexrl_ds.planning.planner import PlannerOptions, allowed_degrees
 from flexrl_ds.runtime.data_controller import ControllerStep, prompt_name, sample_name
 
 
@@ -59,6 +62,23 @@ def encode_prompts(encoder: Any, step: ControllerStep) -> list[PromptInputs]:
         out.append(PromptInputs(prompt.key, name, prompt.record, ids, items,
                                 [sample_name(sample) for sample in step.sample_ids(prompt)]))
     return out
+
+
+def sequence_token_limit(sp: Any, cost: Any, domain_size: int) -> tuple[int, int] | None:
+    """(tokens a sequence may hold, the largest degree the planner may give it) under
+    `sp.max_tokens_per_rank` (`planner.apply_oversize`'s limit); None without that cap."""
+    if sp.max_tokens_per_rank is None:
+        return None
+    largest = allowed_degrees(domain_size, sp, cost, PlannerOptions().head_rule)[-1]
+    return sp.max_tokens_per_rank * largest, largest
+
+
+def too_long_prompts(prompts: Sequence[PromptInputs], max_new_tokens: int, limit: int) -> dict[str, str]:
+    """Prompt name -> why its samples cannot be trained: prompt tokens + the longest response
+    `max_new_tokens` may exceed `limit` (`sequence_token_limit`)."""
+    return {p.name: f"{len(p.prompt_ids)} prompt tokens + up to {max_new_tokens} response tokens may exceed "
+                    f"the {limit} tokens a sequence may hold" for p in prompts
+            if len(p.prompt_ids) + max_new_tokens > limit}
 
 
 def sample_seed(run_seed: int, sample: SampleId) -> int:
