@@ -12,6 +12,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 config=$1; shift
 [ -f "$config" ] || { echo "$0: config $config not found" >&2; exit 2; }
 python=${PYTHON:-$root/.venv/bin/python}
+[ -x "$python" ] || { echo "$0: no Python at $python: run bash scripts/install.sh first, or set PYTHON" >&2; exit 2; }
 ray_bin=${RAY_BIN:-$(dirname "$python")/ray}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 if [ -z "${RAY_ADDRESS:-}" ]; then

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flexrl",
         description="flexrl_ds: load-balanced GRPO training of vision-language models.",
     )
+    # `deepspeed --module flexrl_ds` passes --local_rank=N before the command unless given
+    # --no_local_rank; a rank's place comes from the LOCAL_RANK variable it also sets, so the flag is
+    # accepted and unused.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", metavar="<command>")
     bench_parser = commands.add_parser("bench", help="benchmarks (planner, sp, loader, probe, vision, rollout, channel)")
     bench = bench_parser.add_subparsers(dest="bench_command", metavar="<benchmark>")

@@ -13,7 +13,8 @@ def register(commands, bench) -> None:
         "train",
         help="GRPO training: Ray driver, DeepSpeed ZeRO-3 policy/reference ranks with FlexUlysses, rollouts, rewards",
         description="Runs GRPO steps configured by a DeepSpeed JSON with a 'flexrl' section. Without RAY_ADDRESS "
-                    "a local Ray is started; under `ray job submit` the job joins that cluster. With --spmd "
+                    "a new local Ray is started; with it (a GCS address, host:port) that cluster is joined, as "
+                    "under `ray job submit`. With --spmd "
                     "(scripts/train_deepspeed.sh) the launcher's processes are the policy ranks and rank 0 drives. "
                     "Outputs under --out: metrics.jsonl, metrics.png, tensorboard/, plans/, rollouts/ (with "
                     "flexrl.trainer.save_rollouts), checkpoints/, hf/. An --out holding another run's steps is "

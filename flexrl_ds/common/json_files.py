@@ -11,12 +11,19 @@ from pathlib import Path
 from typing import Any
 
 
+def looked_for(path: str | Path) -> str:
+    """" (looked for /abs/path)" for a relative path, for errors about a missing file: under
+    `ray job submit` or a launcher, relative paths resolve in the job's folder, not the user's."""
+    path = Path(path)
+    return "" if path.is_absolute() else f" (looked for {path.resolve()})"
+
+
 def read_json(path: str | Path, what: str = "file") -> Any:
     """Parse the JSON file at `path`; `what` names it in errors ("config file", "plan", ...)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{path}: {what} not found") from None
+        raise ValueError(f"{path}: {what} not found{looked_for(path)}") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: {what} is not valid JSON ({error})") from None

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from flexrl_ds.common.json_files import looked_for
 from flexrl_ds.media.types import IMAGE, VIDEO, BadRecord, MediaItem, Record
 
 MARKER_PATTERN = re.compile(r"<(image|video)>")
@@ -33,7 +34,7 @@ def read_dataset(path: str | Path, media_root: str | None = None) -> list[Record
     """All rows of a `.jsonl`/`.json` (one object per line) or `.parquet` file, validated."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{path}: dataset file not found")
+        raise ValueError(f"{path}: dataset file not found{looked_for(path)}")
     dataset_dir = path.resolve().parent
     root = Path(media_root).resolve() if media_root else None
     entries: list[Record | BadRecord] = []

@@ -2,8 +2,11 @@
 starts or joins a cluster.
 
 - `connect_ray(num_cpus)`: an already initialised session (tests) is reused; else the cluster of
-  RAY_ADDRESS is joined (as under `ray job submit`); else a local one with `num_cpus` logical CPUs
-  is started. Returns True when it started one (the caller stops it with `ray.shutdown()`).
+  RAY_ADDRESS is joined (as under `ray job submit`, which sets it to the cluster's GCS address);
+  else a new local one with `num_cpus` logical CPUs is started, also where `ray start` left a
+  cluster running on this machine (Ray would join that one, and refuse `num_cpus`). Returns True
+  when it started one (the caller stops it with `ray.shutdown()`).
+- `ray_address()`: RAY_ADDRESS, checked to be one a driver can join (not a job server's URL).
 - `join_ray(address, namespace)`: a second driver process joining a given cluster (a benchmark's
   per-run controller process, a launcher-started rank).
 """
@@ -15,15 +18,30 @@ import os
 import ray
 
 
+def ray_address() -> str | None:
+    """RAY_ADDRESS when set; ValueError where it is a job server's URL, which only `ray job submit`
+    takes (a driver joins a cluster by its GCS address)."""
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address and address.startswith(("http://", "https://")):
+        raise ValueError(f"RAY_ADDRESS={address} is a Ray job server's URL, what `ray job submit` and "
+                         "scripts/train_ray_job.sh take. A process that joins the cluster itself (flexrl "
+                         "train --spmd under deepspeed or torchrun, or flexrl train run directly) needs the "
+                         "cluster's GCS address, host:port (`ray start --head` prints it; port 6379 by "
+                         "default), or no RAY_ADDRESS to start a local Ray")
+    return address
+
+
 def connect_ray(num_cpus: int) -> bool:
     """Join RAY_ADDRESS, reuse an initialised session, or start a local cluster; True if started here."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
+    address = ray_address()
+    if address:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
         return False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
     return True
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flexrl_ds.common.json_files import read_json
+
 STATE_FILE = "trainer_state.json"
 
 
@@ -46,7 +48,13 @@ def write_trainer_state(directory: Path, step: int, loader_steps: int, run_confi
 
 
 def read_trainer_state(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / STATE_FILE).read_text())
+    """The trainer state of a checkpoint; ValueError naming the file if it has no step number."""
+    path = directory / STATE_FILE
+    state = read_json(path, "trainer state")
+    if not isinstance(state, dict) or type(state.get("step")) is not int:
+        raise ValueError(f"{path}: no integer 'step' in it, so {directory.name} cannot be resumed from "
+                         f"(remove {directory} to resume from the checkpoint before it)")
+    return state
 
 
 def check_out_dir(out_dir: Path, resume: bool) -> None:

@@ -32,7 +32,7 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams
 from flexrl_ds.runtime.data_controller import DataController, usable_records
-from flexrl_ds.runtime.ray_session import connect_ray
+from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
 from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_trainer_state
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
@@ -67,13 +67,20 @@ class Prepared:
     reward_fn: Any
     num_ranks: int
     max_steps: int
+    checkpoint: Path | None = None
+    """The checkpoint --resume continues from (None: start at step 0)."""
+    start_step: int = 0
+    """The first step to run (0-based)."""
 
 
 def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared:
     """Validate the config, the model, the reward and the dataset (no Ray, no workers yet)."""
     trainer = run.flexrl.trainer
     num_ranks = num_ranks or trainer.num_policy_ranks
+    for note in ignored_settings(run.flexrl, spmd_world=num_ranks if args.spmd else None):
+        print(note, flush=True)  # first: the checks below judge the run by what replaced them
     check_run(run, args.model_dir, num_ranks)
+    ray_address()
     check_out_dir(Path(args.out_dir), args.resume)
     data_config = run.flexrl.data.with_processor_dir(args.model_dir)
     records = usable_records(read_dataset(args.data_path, data_config.media_root), args.data_path)
@@ -81,8 +88,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
         raise ValueError(f"flexrl.data.loader.global_batch: {data_config.loader.global_batch} prompts a step, "
                          f"more than the {len(records)} rows of {args.data_path}")
     run.flexrl.rollout = resolve_media_limits(run.flexrl.rollout, records)  # the engines are built from it
-    notes = replaced_by_processor(run.flexrl.data, data_config, args.model_dir) + \
-        ignored_settings(run.flexrl, spmd_world=num_ranks if args.spmd else None)
+    notes = replaced_by_processor(run.flexrl.data, data_config, args.model_dir)
     for note in notes + [run.flexrl.rollout.logprob_diff_caveat() or ""]:
         if note:
             print(note, flush=True)
@@ -91,7 +97,8 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     max_steps = args.max_steps if args.max_steps is not None else trainer.max_steps
     if max_steps < 1:
         raise ValueError(f"--max-steps must be at least 1, got {max_steps}")
-    return Prepared(run, args, data_config, records, encoder, reward_fn, num_ranks, max_steps)
+    checkpoint, start_step = resume_point(args)
+    return Prepared(run, args, data_config, records, encoder, reward_fn, num_ranks, max_steps, checkpoint, start_step)
 
 
 def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> PolicySetup:
@@ -132,13 +139,13 @@ def vision_token_ids(model_dir: str) -> list[int]:
     return [int(getattr(config, name)) for name in names if getattr(config, name, None) is not None]
 
 
-def resume_point(prepared: Prepared) -> tuple[Path | None, int]:
+def resume_point(args: TrainArgs) -> tuple[Path | None, int]:
     """(checkpoint to load, first step to run)."""
-    if not prepared.args.resume:
+    if not args.resume:
         return None, 0
-    checkpoint = latest_checkpoint(Path(prepared.args.out_dir))
+    checkpoint = latest_checkpoint(Path(args.out_dir))
     if checkpoint is None:
-        print(f"--resume: no checkpoint under {prepared.args.out_dir}/checkpoints; starting from the first step",
+        print(f"--resume: no checkpoint under {args.out_dir}/checkpoints; starting from the first step",
               flush=True)
         return None, 0
     state = read_trainer_state(checkpoint)
@@ -147,13 +154,19 @@ def resume_point(prepared: Prepared) -> tuple[Path | None, int]:
     return checkpoint, state["step"] + 1
 
 
+def nothing_to_do(prepared: Prepared) -> bool:
+    """True (and says so) when --resume found a checkpoint at or after the last step asked for."""
+    start = prepared.start_step
+    if start < prepared.max_steps:
+        return False
+    print(f"nothing to do: the checkpoint is after step {start}/{prepared.max_steps} (files: step_{start - 1}); "
+          "raise --max-steps to train on", flush=True)
+    return True
+
+
 def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: Any, raw_config: dict) -> int:
     """Resume if asked, run the steps, close the log."""
-    checkpoint, start = resume_point(prepared)
-    if start >= prepared.max_steps:
-        print(f"nothing to do: the checkpoint is after step {start}/{prepared.max_steps} (files: step_{start - 1}); "
-              "raise --max-steps to train on")
-        return 0
+    checkpoint, start = prepared.checkpoint, prepared.start_step
     rollout_config = prepared.run.flexrl.rollout
     if checkpoint is not None:
         policy.run("load_checkpoint", str(checkpoint))
@@ -194,6 +207,8 @@ def ray_cpus(run: Any, num_ranks: int) -> int:
 
 def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
     prepared = prepare(run, args)
+    if nothing_to_do(prepared):
+        return 0
     trainer, rollout_config = run.flexrl.trainer, run.flexrl.rollout
     clock = time.perf_counter()
     started = connect_ray(ray_cpus(run, prepared.num_ranks))
@@ -248,36 +263,58 @@ def _quietly(function) -> None:
         print(f"flexrl train: shutdown step failed: {error}", file=sys.stderr)
 
 
+SPMD_NOTHING_TO_DO = "nothing to do"
+"""What rank 0 tells the other ranks when --resume finds the run already complete."""
+
+
 def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
     """Every process of a launcher (deepspeed --hostfile, torchrun) runs this; rank 0 drives."""
     context = init_distributed(timeout_s=run.flexrl.trainer.timeout_s)
     rank, world = context.launch.rank, context.launch.world_size
-    prepared = controller = None
     shared: list[Any] = [None]
+    driver: tuple | None = None
     if rank == 0:
-        try:
-            prepared = prepare(run, args, num_ranks=world)
-            connect_ray(ray_cpus(run, 0))
-            controller = DataController(prepared.records, prepared.data_config, run.flexrl.trainer.timeout_s)
-            # the rollout section as prepare resolved it (media limits from the data) for every rank
-            shared = [(ray.get_runtime_context().gcs_address, controller.pixels, run.flexrl.rollout)]
-        except Exception as error:
-            shared = [error]
+        shared[0], driver = _spmd_driver_start(run, args, world)
     dist.broadcast_object_list(shared, src=0)
     if isinstance(shared[0], Exception):
         if rank == 0:
             raise shared[0]
         return 2
+    if shared[0] == SPMD_NOTHING_TO_DO:
+        return 0
     address, pixels, run.flexrl.rollout = shared[0]
     if rank != 0:
         ray.init(address=address, namespace=pixels.namespace, log_to_driver=False, configure_logging=False)
     place = WorkerPlace(rank, world, context.launch.master_addr, context.launch.master_port, context.launch.local_rank)
     group = SPMDWorkerGroup(PolicyWorker(place, policy_setup(run, args.model_dir, pixels, colocated=True)), rank, world)
+    dist.barrier()  # every rank has built its models, engines and rollout engine
     if rank != 0:
         group.serve()
         return 0
+    prepared, controller, clock = driver
+    _progress(f"{world} policy ranks ready (models loaded, DeepSpeed engines built, rollout engines inside)", clock)
     try:
         return drive(prepared, controller, group, ColocatedRollout(group), raw_config)
     finally:
         group.shutdown()
         controller.close()
+
+
+def _spmd_driver_start(run: Any, args: TrainArgs, world: int) -> tuple[Any, tuple | None]:
+    """Rank 0 of an SPMD run: the checks, Ray and the data controller, with progress lines. Returns
+    (what the other ranks are told, what rank 0 keeps). Told: (GCS address, pixel source, the rollout
+    section as prepare resolved it: media limits from the data), SPMD_NOTHING_TO_DO, or the exception
+    that stops the run. Kept: (prepared, controller, clock) when the run goes on."""
+    try:
+        prepared = prepare(run, args, num_ranks=world)
+        if nothing_to_do(prepared):
+            return SPMD_NOTHING_TO_DO, None
+        clock = time.perf_counter()
+        started = connect_ray(ray_cpus(run, 0))
+        clock = _progress(f"Ray {'started' if started else 'joined'}", clock)
+        controller = DataController(prepared.records, prepared.data_config, run.flexrl.trainer.timeout_s)
+        clock = _progress(f"data loader ready over {len(prepared.records)} records", clock)
+        told = (ray.get_runtime_context().gcs_address, controller.pixels, run.flexrl.rollout)
+        return told, (prepared, controller, clock)
+    except Exception as error:
+        return error, None

@@ -17,6 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from flexrl_ds.common.json_files import looked_for
 from flexrl_ds.media.types import Record
 from flexrl_ds.models.zero3 import check_ds_config
 from flexrl_ds.parallel import device as device_mod
@@ -25,7 +26,7 @@ from flexrl_ds.parallel import device as device_mod
 def check_model_dir(model_dir: str) -> None:
     path = Path(model_dir)
     if not path.is_dir():
-        raise ValueError(f"--model {model_dir}: no such directory")
+        raise ValueError(f"--model {model_dir}: no such directory{looked_for(path)}")
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {model_dir}: no config.json there (an HF model directory is needed; "
                          "`flexrl make-tiny-model --out DIR` writes a tiny random one)")
@@ -49,8 +50,9 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
                          "a prompt's only sample has advantage 0, so only the KL term would train")
     if flexrl.sp.oversize != "error":
         raise ValueError(f"flexrl.sp.oversize: {flexrl.sp.oversize!r} is for the planning tools; `flexrl train` "
-                         "trains every sample, so it takes 'error' (a sample over flexrl.sp.max_tokens_per_rank "
-                         "x p_max stops the run, named)")
+                         "trains every sample it rolls out, so it takes 'error': it sets aside, before their "
+                         "rollout and named, the prompts whose samples could exceed flexrl.sp.max_tokens_per_rank "
+                         "x the largest degree")
     if flexrl.rollout.temperature == 0:
         raise ValueError("flexrl.rollout.temperature: 0 (greedy) gives every sample of a prompt the same "
                          "response, so every advantage would be 0 and no update would follow the reward; "

@@ -179,6 +179,19 @@ def test_resume_reproduces_the_next_step(run_a, assets):
         torch.testing.assert_close(weights_b[name], weights_a[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_resume_of_a_finished_run_stops_before_any_worker(run_a, assets, capsys):
+    """--resume with a checkpoint at the last step asked for: said at once, and nothing starts or
+    changes (no policy ranks built, metrics.jsonl untouched)."""
+    assert (run_a / "checkpoints" / "step_2").is_dir()  # save_last: the checkpoint of the last step
+    metrics_before = (run_a / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert run_train(assets, run_a, 3, resume=True, save_every=2) == 0
+    printed = capsys.readouterr().out
+    assert "nothing to do: the checkpoint is after step 3/3 (files: step_2)" in printed
+    assert "policy ranks ready" not in printed and "Ray " not in printed
+    assert (run_a / "metrics.jsonl").read_bytes() == metrics_before
+
+
 def test_two_sp_domains_give_the_first_step_of_one_domain(run_a, assets):
     """flexrl.sp.domain_size 2 on 4 ranks: two data-parallel replicas, each with its own plan over
     its share of the samples (ZeRO-3 over all 4 ranks). Step 0 samples the same responses as run A

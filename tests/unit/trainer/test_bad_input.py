@@ -135,12 +135,17 @@ def test_an_out_dir_holding_a_run_needs_resume(raw_config, tmp_path, trainer_ass
     _refused(raw_config, tmp_path, model, data, f"--out {out} already holds a run (metrics.jsonl)",
              "no complete checkpoint, so --resume would start over at step 0")
     (out / "checkpoints" / "step_1").mkdir(parents=True)
-    (out / "checkpoints" / "step_1" / "trainer_state.json").write_text("{}")
+    state = out / "checkpoints" / "step_1" / "trainer_state.json"
+    state.write_text('{"step": 1}')
     _refused(raw_config, tmp_path, model, data,
              f"--out {out} already holds a run (metrics.jsonl, checkpoints/step_1): pass --resume to continue it")
     config_path = tmp_path / "run.json"
-    prepare(parse_run_config(raw_config, source=str(config_path)),
-            TrainArgs(str(config_path), model, data, str(out), resume=True))  # continuing it is fine
+    run = parse_run_config(raw_config, source=str(config_path))
+    prepared = prepare(run, TrainArgs(str(config_path), model, data, str(out), resume=True))  # continuing it is fine
+    assert (prepared.checkpoint, prepared.start_step) == (out / "checkpoints" / "step_1", 2)
+    state.write_text("{}")  # cut short: said with the file, not as a KeyError
+    with pytest.raises(ValueError, match=re.escape(f"{state}: no integer 'step' in it")):
+        prepare(run, TrainArgs(str(config_path), model, data, str(out), resume=True))
 
 
 def test_engine_settings_a_colocated_run_ignores_are_named(raw_config, capsys, tmp_path, trainer_assets):
@@ -165,6 +170,39 @@ def test_settings_a_launcher_started_run_ignores_are_named():
     assert lines[0].startswith("flexrl.trainer.colocate = false is ignored under --spmd")
     assert "num_policy_ranks = 2 is ignored under --spmd: the launcher started 4 ranks" in lines[1]
     assert "flexrl.rollout.num_engines = 3 is ignored" in lines[2] and len(lines) == 3
+
+
+def test_launcher_ranks_are_named_before_the_checks_they_fail(raw_config, capsys, tmp_path, trainer_assets):
+    """Under --spmd the launcher's ranks replace num_policy_ranks: said before a check that fails
+    because of it (a hostfile with 2 slots against p_max 4), so the refusal is understood."""
+    raw_config["flexrl"]["trainer"]["num_policy_ranks"] = 4
+    raw_config["flexrl"]["sp"]["p_max"] = 4
+    config_path = tmp_path / "run.json"
+    config_path.write_text(json.dumps(raw_config))
+    run = parse_run_config(raw_config, source=str(config_path))
+    args = TrainArgs(str(config_path), trainer_assets["model"], trainer_assets["data"], str(tmp_path / "out"), spmd=True)
+    with pytest.raises(ValueError, match="p_max"):
+        prepare(run, args, num_ranks=2)
+    assert "num_policy_ranks = 4 is ignored under --spmd: the launcher started 2 ranks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1:8265", "https://head:8265"])
+def test_a_job_server_url_as_ray_address_is_refused(raw_config, tmp_path, trainer_assets, monkeypatch, address):
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             f"RAY_ADDRESS={address}", "job server", "GCS address")
+
+
+def test_missing_relative_paths_name_where_they_were_looked_for(raw_config, tmp_path, trainer_assets, monkeypatch):
+    """Under `ray job submit` relative paths resolve in the job's folder: the error says which."""
+    monkeypatch.chdir(tmp_path)
+    _refused(raw_config, tmp_path, "no_model_here", trainer_assets["data"],
+             f"(looked for {tmp_path / 'no_model_here'})")
+    _refused(raw_config, tmp_path, trainer_assets["model"], "absent.jsonl", f"(looked for {tmp_path / 'absent.jsonl'})")
+    from flexrl_ds.config.flexrl_config import load_run_config
+
+    with pytest.raises(ValueError, match=re.escape(f"(looked for {tmp_path / 'absent.json'})")):
+        load_run_config("absent.json")
 
 
 def test_pixel_settings_the_models_processor_replaces_are_named(raw_config, capsys, tmp_path, trainer_assets):
