@@ -20,62 +20,10 @@ a real KV cache of a tiny Qwen2.5-VL (tests/unit/bench/test_rollout_floor.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from flexrl_ds.models.flops import DecoderShape, decode_step_flops, prefill_flops
 
-@dataclass(frozen=True)
-class DecoderShape:
-    """The decoder sizes the floor needs (a HF text config's fields)."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_hidden_layers: int
-    intermediate_size: int
-    vocab_size: int
-    head_dim: int
-
-    @classmethod
-    def from_config(cls, text_config: Any) -> "DecoderShape":
-        """From a HF text config (Qwen2 / Qwen2.5-VL's `get_text_config()`)."""
-        heads = int(text_config.num_attention_heads)
-        head_dim = getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads
-        return cls(int(text_config.hidden_size), heads, int(text_config.num_key_value_heads),
-                   int(text_config.num_hidden_layers), int(text_config.intermediate_size),
-                   int(text_config.vocab_size), int(head_dim))
-
-    def layer_matmul_params(self) -> int:
-        """Weights of one decoder layer's matmuls: q, k, v, o and the gated MLP (biases and norms left out)."""
-        query, key_value = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        attention = self.hidden_size * (2 * query + 2 * key_value)
-        return attention + 3 * self.hidden_size * self.intermediate_size
-
-    def lm_head_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def matmul_params(self) -> int:
-        """Every weight a decode step multiplies by: all layers and the LM head."""
-        return self.num_hidden_layers * self.layer_matmul_params() + self.lm_head_params()
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """KV cache of one token over all layers."""
-        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
-
-    def attention_flops_per_key(self) -> int:
-        """QKᵀ and PV for one query and one key, all layers: 2 matmuls × 2 FLOPs × query heads × head_dim."""
-        return self.num_hidden_layers * 4 * self.num_attention_heads * self.head_dim
-
-
-def prefill_flops(shape: DecoderShape, prompt_len: int) -> float:
-    """One prompt's prefill: every token through every layer, causal attention, the LM head once."""
-    layers = 2.0 * shape.num_hidden_layers * shape.layer_matmul_params() * prompt_len
-    attention = shape.attention_flops_per_key() * prompt_len * (prompt_len + 1) / 2
-    return layers + attention + 2.0 * shape.lm_head_params()
-
-
-def decode_step_flops(shape: DecoderShape, position: int) -> float:
-    """One prompt's decode step for the token at `position` (0-based): it attends position + 1 keys."""
-    return 2.0 * shape.matmul_params() + shape.attention_flops_per_key() * (position + 1)
+__all__ = ["DecoderShape", "Peaks", "RolloutFloor", "decode_step_flops", "prefill_flops", "rollout_floor"]
 
 
 @dataclass(frozen=True)

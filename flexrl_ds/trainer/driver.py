@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from flexrl_ds.models.flops import training_forward_flops
 from flexrl_ds.planning.plan import Workload
 from flexrl_ds.planning.planner import plan_step
 from flexrl_ds.rl.advantages import group_advantages
@@ -69,6 +70,10 @@ class TrainOptions:
     num_ranks: int
     bucket_bytes: int
     run_config: dict
+    decoder: Any = None
+    """`models.flops.DecoderShape` of the trained model (for `mfu`)."""
+    peak_flops: float | None = None
+    """The policy ranks' GPU's bf16 dense peak FLOP/s; None (no `mfu`) on CPU or an unknown GPU."""
 
 
 class GRPOTrainer:
@@ -259,7 +264,21 @@ class GRPOTrainer:
             "attention_balance": max(float(r.metrics.attention_balance) for r in inference["plans"]),
             "rollout_logprob_diff": gaps.mean, "rollout_logprob_diff_by_media": gaps.by_media,
             "degrees": _degrees(inference["plans"]),
+            **self._mfu(samples, lengths, times, passes=2 if inference["ref"] else 1),
         }
+
+    def _mfu(self, samples: StepSamples, lengths: list[int], times: dict[str, float], passes: int) -> dict[str, Any]:
+        """{"mfu": {"update": ..., "inference": ...}}: the model FLOPs of the phase (models/flops.py:
+        forward and backward of every sample in the update; `passes` forwards, old policy and
+        reference, in the inference) ÷ (its seconds × ranks × the GPU's bf16 peak); {} without a peak."""
+        if not self.o.peak_flops or self.o.decoder is None:
+            return {}
+        prompt_of = samples.prompt_of()
+        forward = sum(training_forward_flops(self.o.decoder, len(prompt_of[name].prompt_ids) + length)
+                      for name, length in zip(samples.names, lengths))
+        capacity = self.o.num_ranks * self.o.peak_flops
+        return {"mfu": {"update": 3 * forward / (capacity * max(times["update"], 1e-9)),
+                        "inference": passes * forward / (capacity * max(times["inference"], 1e-9))}}
 
     def _save_rollouts(self, step: int, samples: StepSamples, texts: dict[str, str], gaps: LogprobGaps) -> None:
         path = self.paths.rollouts(step)

@@ -25,8 +25,8 @@ import transformers
 
 from flexrl_ds.media.config import replaced_by_processor
 from flexrl_ds.media.records import read_dataset
-from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.launch import init_distributed
+from flexrl_ds.models.flops import DecoderShape, peak_bf16_flops
 from flexrl_ds.models.processing import SampleEncoder
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
@@ -115,21 +115,23 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
         rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {})
 
 
-def train_options(prepared: Prepared, start_step: int, raw_config: dict) -> TrainOptions:
+def train_options(prepared: Prepared, start_step: int, raw_config: dict, device_name: str | None) -> TrainOptions:
+    """`device_name`: the policy ranks' GPU (None on CPU)."""
     run, trainer = prepared.run, prepared.run.flexrl.trainer
     eos = prepared.encoder.tokenizer.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     # On a GPU the shipped calibration matching it (flexrl.sp.calibration "auto") gives the planner
     # its step-time model; elsewhere the FLOP formula.
     cost = load_cost_model(run.flexrl.sp.cost_model or prepared.args.model_dir, run.flexrl.sp.calibration,
-                           device_name=device_mod.accelerator_name())
+                           device_name=device_name)
+    text_config = transformers.AutoConfig.from_pretrained(prepared.args.model_dir).get_text_config()
     return TrainOptions(
         out_dir=Path(prepared.args.out_dir), max_steps=prepared.max_steps, start_step=start_step, seed=trainer.seed,
         save_every=trainer.save_every, save_last=trainer.save_last, save_rollouts=trainer.save_rollouts,
         sampling=SamplingParams.from_config(run.flexrl.rollout, eos_ids, vision_token_ids(prepared.args.model_dir)),
         rl=run.flexrl.rl, sp=run.flexrl.sp,
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
-        run_config=raw_config)
+        run_config=raw_config, decoder=DecoderShape.from_config(text_config), peak_flops=peak_bf16_flops(device_name))
 
 
 def vision_token_ids(model_dir: str) -> list[int]:
@@ -181,7 +183,7 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
     trainer_config = prepared.run.flexrl.trainer
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
                   tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
-    options = train_options(prepared, start, raw_config)
+    options = train_options(prepared, start, raw_config, device_name=policy.run("accelerator_name")[0])
     try:
         GRPOTrainer(options, prepared.encoder, prepared.reward_fn, controller, policy, rollout, log).run()
     finally:

@@ -36,7 +36,8 @@ def progress_line(metrics: dict[str, Any], max_steps: int) -> str:
             f" | loss {metrics['loss']:+.4f} kl {metrics['kl']:.4f} clip {metrics['clip_frac']:.3f}"
             f" | len {metrics['response_length_mean']:.1f} | {times['step']:.1f} s (rollout {times['rollout']:.1f},"
             f" inference {times['inference']:.1f}, update {times['update']:.1f}, sync {times['sync']:.2f})"
-            f" | {metrics['tokens_per_gpu_s']:.0f} tok/GPU/s")
+            f" | {metrics['tokens_per_gpu_s']:.0f} tok/GPU/s"
+            + (f", MFU update {100 * metrics['mfu']['update']:.0f}%" if "mfu" in metrics else ""))
 
 
 class StepLog:

@@ -229,6 +229,10 @@ class PolicyWorker:
         device_mod.reset_peak_memory(self.device_info)
         self.device_usage.reset()
 
+    def accelerator_name(self) -> str | None:
+        """This rank's GPU (e.g. "NVIDIA H200"; picks the calibration and the MFU peak), None on CPU."""
+        return device_mod.accelerator_name()
+
     def peaks(self) -> dict[str, float]:
         """Peak device memory since `reset_peaks` (GiB; 0 on CPU): torch's allocations
         (`peak_memory_gb`) and all memory in use on the device (`peak_device_used_gb`)."""

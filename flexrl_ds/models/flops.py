@@ -1,0 +1,98 @@
+"""FLOPs of a decoder's passes, and the GPUs' peaks they are measured against. Pure.
+
+Counted as PaLM and Megatron count model FLOPs: 2 FLOPs per matmul weight per token (every layer's
+q, k, v, o and gated MLP; the LM head where logits are taken), causal attention 4 · query heads ·
+head_dim FLOPs per (query, key) pair per layer, query i attending i + 1 keys; a backward pass twice
+its forward. Not counted: norms, rotary, softmax, the vision tower, and layers recomputed under
+activation checkpointing (MFU, not HFU).
+
+- `DecoderShape`: the sizes these need, from a HF text config.
+- `prefill_flops` / `decode_step_flops`: a rollout's (bench/rollout_floor.py).
+- `training_forward_flops`: one sequence's forward with logits at every position (the trainer's
+  log-prob passes; ×3 for forward and backward).
+- `peak_bf16_flops`: the datasheet bf16 dense peak of a GPU by name (None where unknown), what MFU
+  divides by (trainer/driver.py `mfu`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The decoder sizes the floor needs (a HF text config's fields)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_hidden_layers: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, text_config: Any) -> "DecoderShape":
+        """From a HF text config (Qwen2 / Qwen2.5-VL's `get_text_config()`)."""
+        heads = int(text_config.num_attention_heads)
+        head_dim = getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads
+        return cls(int(text_config.hidden_size), heads, int(text_config.num_key_value_heads),
+                   int(text_config.num_hidden_layers), int(text_config.intermediate_size),
+                   int(text_config.vocab_size), int(head_dim))
+
+    def layer_matmul_params(self) -> int:
+        """Weights of one decoder layer's matmuls: q, k, v, o and the gated MLP (biases and norms left out)."""
+        query, key_value = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (2 * query + 2 * key_value)
+        return attention + 3 * self.hidden_size * self.intermediate_size
+
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def matmul_params(self) -> int:
+        """Every weight a decode step multiplies by: all layers and the LM head."""
+        return self.num_hidden_layers * self.layer_matmul_params() + self.lm_head_params()
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV cache of one token over all layers."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    def attention_flops_per_key(self) -> int:
+        """QKᵀ and PV for one query and one key, all layers: 2 matmuls × 2 FLOPs × query heads × head_dim."""
+        return self.num_hidden_layers * 4 * self.num_attention_heads * self.head_dim
+
+
+def prefill_flops(shape: DecoderShape, prompt_len: int) -> float:
+    """One prompt's prefill: every token through every layer, causal attention, the LM head once."""
+    layers = 2.0 * shape.num_hidden_layers * shape.layer_matmul_params() * prompt_len
+    attention = shape.attention_flops_per_key() * prompt_len * (prompt_len + 1) / 2
+    return layers + attention + 2.0 * shape.lm_head_params()
+
+
+def decode_step_flops(shape: DecoderShape, position: int) -> float:
+    """One prompt's decode step for the token at `position` (0-based): it attends position + 1 keys."""
+    return 2.0 * shape.matmul_params() + shape.attention_flops_per_key() * (position + 1)
+
+
+def training_forward_flops(shape: DecoderShape, length: int) -> float:
+    """One sequence of `length` tokens through the decoder, logits at every position."""
+    layers = 2.0 * shape.num_hidden_layers * shape.layer_matmul_params() * length
+    attention = shape.attention_flops_per_key() * length * (length + 1) / 2
+    return layers + attention + 2.0 * shape.lm_head_params() * length
+
+
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("GH200", 989.4e12), ("H100", 989.4e12), ("H200", 989.4e12),
+                   ("H800", 989.4e12), ("H20", 148e12), ("B200", 2.25e15), ("B100", 1.75e15),
+                   ("A100", 312e12), ("A800", 312e12), ("L40S", 362.05e12), ("L40", 181.05e12))
+"""Datasheet bf16 dense (no sparsity) FLOP/s by a name fragment, more specific names first."""
+
+
+def peak_bf16_flops(device_name: str | None) -> float | None:
+    """The bf16 dense peak of the GPU named `device_name` (e.g. "NVIDIA H200"); None where unknown."""
+    if not device_name:
+        return None
+    for fragment, flops in PEAK_BF16_FLOPS:
+        if fragment in device_name:
+            return flops
+    return None

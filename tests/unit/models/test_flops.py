@@ -1,0 +1,75 @@
+"""Model FLOPs of the trainer's passes (models/flops.py) against torch's FLOP counter on a tiny
+decoder, and the MFU the driver logs from them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from torch.utils.flop_counter import FlopCounterMode
+
+from flexrl_ds.models.flops import DecoderShape, peak_bf16_flops, training_forward_flops
+from flexrl_ds.trainer.driver import GRPOTrainer
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = transformers.Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                      num_hidden_layers=3, intermediate_size=96, vocab_size=120,
+                                      tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def shape_of(model) -> DecoderShape:
+    return DecoderShape.from_config(model.config)
+
+
+@pytest.mark.parametrize("length", [1, 9, 40])
+def test_forward_flops_are_the_counted_ones_less_the_masked_half_of_attention(model, length):
+    """An eager forward computes every query-key pair (the mask zeroes the later keys afterwards);
+    the model FLOPs count the causal pairs only, and logits at every position."""
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(torch.arange(length)[None])
+    shape = shape_of(model)
+    masked = shape.attention_flops_per_key() * (length * length - length * (length + 1) // 2)
+    assert counter.get_total_flops() == training_forward_flops(shape, length) + masked
+
+
+def test_backward_is_twice_the_forward_for_the_matmuls(model):
+    """What `mfu` charges an update: 3 × the forward (a backward computes the input's and the
+    weights' gradients of every matmul), here on the linear layers alone."""
+    layer = torch.nn.Linear(64, 96, bias=False)
+    x = torch.randn(5, 64, requires_grad=True)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        layer(x).sum().backward()
+    assert counter.get_total_flops() == 3 * 2 * 5 * 64 * 96
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989.4e12), ("NVIDIA H100 80GB HBM3", 989.4e12),
+                                        ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA H20", 148e12), ("NVIDIA GeForce RTX 3090", None), (None, None)])
+def test_peak_by_gpu_name(name, peak):
+    assert peak_bf16_flops(name) == peak
+
+
+def test_mfu_charges_every_sample_by_prompt_plus_response(model):
+    shape = shape_of(model)
+    prompts = [SimpleNamespace(prompt_ids=[1] * 30, sample_names=["a0", "a1"]),
+               SimpleNamespace(prompt_ids=[1] * 7, sample_names=["b0", "b1"])]
+    samples = SimpleNamespace(names=["a0", "a1", "b0", "b1"],
+                              prompt_of=lambda: {n: p for p in prompts for n in p.sample_names})
+    lengths = [5, 0, 12, 3]  # response tokens
+    trainer = GRPOTrainer.__new__(GRPOTrainer)  # only what `_mfu` uses
+    trainer.o = SimpleNamespace(decoder=shape, peak_flops=1e9, num_ranks=4)
+    times = {"update": 2.0, "inference": 0.5}
+    forward = sum(training_forward_flops(shape, n) for n in (35, 30, 19, 10))
+    mfu = trainer._mfu(samples, lengths, times, passes=2)["mfu"]
+    assert mfu["update"] == pytest.approx(3 * forward / (4 * 1e9 * 2.0))
+    assert mfu["inference"] == pytest.approx(2 * forward / (4 * 1e9 * 0.5))
+    trainer.o.peak_flops = None  # CPU or an unknown GPU: no MFU
+    assert trainer._mfu(samples, lengths, times, passes=2) == {}
