@@ -318,20 +318,24 @@ def _gpu_sender(model_dir: str, ports, results, gpu: int = 0, size: int = 2) -> 
         results.put(("error", traceback.format_exc()))
 
 
-def test_separate_engine_sharing_the_gpu_receives_buckets_in_place(engine, assets):
-    """(g) a separate engine on policy rank 0's GPU: the channel agrees on sharing each bucket in
-    place (CUDA IPC) and the engine's worker loads model b's weights ((f) left a's) from the sender's memory."""
+def sync_from_gpu_sender(engine, model_dir, gpu: int = 0) -> tuple[int, str, int]:
+    """Send `model_dir`'s weights from a policy-rank-0 process on GPU `gpu` (`_gpu_sender`) to the
+    engine's workers over a weight channel that may use GPUs; (tensors loaded, transport agreed,
+    bytes sent)."""
     import multiprocessing
 
-    from flexrl_ds.runtime.weight_channel import SAME_GPU, ChannelAddress
+    from flexrl_ds.runtime.weight_channel import ChannelAddress
 
+    size = 1 + engine.channel_ranks
     context = multiprocessing.get_context("spawn")
     ports, results = context.Queue(), context.Queue()
-    sender = context.Process(target=_gpu_sender, args=(str(assets["b"]), ports, results), daemon=True)
+    sender = context.Process(target=_gpu_sender, args=(str(model_dir), ports, results, gpu, size), daemon=True)
     sender.start()
     try:
         port = ports.get(timeout=180)
-        engine.join_weight_channel(ChannelAddress("127.0.0.1", port, 2, timeout_s=120.0, use_gpu=True), 1)
+        for _ in range(size - 2):  # the sender hands its port once per receiver rank; the engine joins them all
+            assert ports.get(timeout=10) == port
+        engine.join_weight_channel(ChannelAddress("127.0.0.1", port, size, timeout_s=120.0, use_gpu=True), 1)
         loaded = engine.receive_weights()
         transport, sent = results.get(timeout=120)
     finally:
@@ -339,6 +343,15 @@ def test_separate_engine_sharing_the_gpu_receives_buckets_in_place(engine, asset
         if sender.is_alive():
             sender.terminate()
     engine.reset_caches()
+    return loaded, transport, sent
+
+
+def test_separate_engine_sharing_the_gpu_receives_buckets_in_place(engine, assets):
+    """(g) a separate engine on policy rank 0's GPU: the channel agrees on sharing each bucket in
+    place (CUDA IPC) and the engine's worker loads model b's weights ((f) left a's) from the sender's memory."""
+    from flexrl_ds.runtime.weight_channel import SAME_GPU
+
+    loaded, transport, sent = sync_from_gpu_sender(engine, assets["b"])
     assert transport == SAME_GPU, sent
     gaps = logprob_gaps(engine, assets, seed=6)
     print(f"\nshared in place on one GPU ({loaded} tensors, {sent / 2**20:.1f} MiB): mean |vLLM - HF| "

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 
-from test_vllm_engine_gpu import _gpu_sender, assets, logprob_gaps, sync_over_weight_channel  # noqa: E402,F401  (fixture)
+from test_vllm_engine_gpu import assets, logprob_gaps, sync_from_gpu_sender, sync_over_weight_channel  # noqa: E402,F401  (fixture)
 
 
 def test_tensor_parallel_engine_workers_each_receive_the_weights(assets):  # noqa: F811
@@ -30,36 +30,13 @@ def test_tensor_parallel_engine_workers_each_receive_the_weights(assets):  # noq
           f"against a {before['a']:.2e} -> {after['a']:.2e}, against b {before['b']:.2e} -> {after['b']:.2e}")
     assert before["a"] < 1e-2 and after["b"] < 1e-2 and after["b"] * 10 < after["a"]
     if torch.cuda.device_count() >= 3:
-        transport, sent = nccl_sync_from_third_gpu(engine, assets["a"])
+        from flexrl_ds.runtime.weight_channel import BETWEEN_GPUS
+
+        loaded, transport, sent = sync_from_gpu_sender(engine, assets["a"], gpu=2)  # the shards are on GPUs 0 and 1
+        assert loaded > 0 and transport == BETWEEN_GPUS, sent
         again = logprob_gaps(engine, assets, seed=5)
-        print(f"tensor parallel 2, over NCCL from GPU 2 ({transport}, {sent / 2**20:.1f} MiB): mean |vLLM - HF| "
+        print(f"tensor parallel 2, over NCCL from GPU 2 ({loaded} tensors, {sent / 2**20:.1f} MiB): mean |vLLM - HF| "
               f"against a {again['a']:.2e}, against b {again['b']:.2e}")
         assert again["a"] < 1e-2 and again["a"] * 10 < again["b"]
     else:
         print("NCCL to a tensor-parallel engine: skipped, needs a third GPU for the sender")
-
-
-def nccl_sync_from_third_gpu(engine, model_dir) -> tuple[str, int]:
-    """Send `model_dir`'s weights from a policy-rank-0 process on GPU 2 to the engine's two workers
-    (GPUs 0 and 1) over the channel; (transport agreed, bytes sent). It must be NCCL."""
-    import multiprocessing
-
-    from flexrl_ds.runtime.weight_channel import BETWEEN_GPUS, ChannelAddress
-
-    context = multiprocessing.get_context("spawn")
-    ports, results = context.Queue(), context.Queue()
-    sender = context.Process(target=_gpu_sender, args=(str(model_dir), ports, results, 2, 3), daemon=True)
-    sender.start()
-    try:
-        port = ports.get(timeout=180)
-        assert ports.get(timeout=10) == port  # the sender hands it once per receiver rank: both workers'
-        engine.join_weight_channel(ChannelAddress("127.0.0.1", port, 3, timeout_s=120.0, use_gpu=True), 1)
-        assert engine.receive_weights() > 0
-        transport, sent = results.get(timeout=120)
-    finally:
-        sender.join(timeout=60)
-        if sender.is_alive():
-            sender.terminate()
-    engine.reset_caches()
-    assert transport == BETWEEN_GPUS, sent
-    return transport, sent

@@ -11,13 +11,9 @@ from flexrl_ds.bench.rollout_floor import (DecoderShape, Peaks, decode_step_flop
                                            rollout_floor)
 
 
-@pytest.fixture(scope="module")
-def model():
-    config = transformers.Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-                                      num_hidden_layers=3, intermediate_size=96, vocab_size=120,
-                                      tie_word_embeddings=False, attn_implementation="eager")
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(config).eval()
+@pytest.fixture
+def model(tiny_decoder):
+    return tiny_decoder
 
 
 def _shape(model) -> DecoderShape:

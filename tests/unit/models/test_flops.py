@@ -7,20 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
 from flexrl_ds.models.flops import DecoderShape, peak_bf16_flops, training_forward_flops
 from flexrl_ds.trainer.driver import GRPOTrainer
 
 
-@pytest.fixture(scope="module")
-def model():
-    config = transformers.Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-                                      num_hidden_layers=3, intermediate_size=96, vocab_size=120,
-                                      tie_word_embeddings=False, attn_implementation="eager")
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(config).eval()
+@pytest.fixture
+def model(tiny_decoder):
+    return tiny_decoder
 
 
 def shape_of(model) -> DecoderShape:
