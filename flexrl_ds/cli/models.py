@@ -49,7 +49,9 @@ def register(commands, bench) -> None:
                           help="Ray CPUs reserved per preprocessing actor (shadow; default: flexrl.data.pool)")
     logprobs.add_argument("--config", default=None,
                           help="DeepSpeed JSON whose flexrl.data section configures the shadow loader "
-                               "(pool, bad-record policy, media root, video backend); geometry comes from --model")
+                               "(pool, bad-record policy, media root, video backend; geometry comes from --model) "
+                               "and whose flexrl.sp section the planner (token cap, packing, cost model, "
+                               "calibration, oversize; p_max from --p-max / --nproc)")
     logprobs.set_defaults(func=_logprobs)
 
     vision = bench.add_parser("vision", help="vision-tower patches per rank: sequence owner vs pack group vs domain")

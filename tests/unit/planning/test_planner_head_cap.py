@@ -69,3 +69,14 @@ def test_logprobs_plans_a_tiny_10_head_model_on_32_processes(tmp_path):
     lengths = {k: s.length for k, s in samples.items()}
     for rank in range(32):
         build_rank_layout(plan, lengths, rank, num_heads=10, num_kv_heads=2)
+
+
+def test_logprobs_names_the_sp_settings_it_does_not_use():
+    from flexrl_ds.planning.config import SPConfig
+    from flexrl_ds.tools.logprobs import unused_sp_settings
+
+    assert unused_sp_settings(SPConfig(p_max=4), 4) == []  # the defaults, p_max as given: nothing to say
+    lines = unused_sp_settings(SPConfig(p_max=8, domain_size=8, overlap=False, max_tokens_per_rank=100), 4)
+    assert lines[0] == "flexrl.sp.p_max = 8 is replaced: --p-max / --nproc give 4"
+    assert lines[1].startswith("flexrl.sp.domain_size = 8 is not used") and "overlap = false" in lines[2]
+    assert len(lines) == 3  # max_tokens_per_rank is used by the planner
