@@ -15,7 +15,8 @@ from flexrl_ds.config.flexrl_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[3]
 RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
-RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL")
+RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
+                   "TEMPERATURE", "TOP_P", "TOP_K")
 """Environment variables the runner's config step reads (cleared, then set by each test)."""
 
 
@@ -72,6 +73,16 @@ def test_the_switches_land_in_the_config(tmp_path):
     assert raw["flexrl"]["rollout"]["hf"] == {"kv_cache": "static", "sleep_level": 1}
     shipped = json.loads((ROOT / "ds_configs" / "grpo_vl7b_1xh200.json").read_text())
     assert build(tmp_path, "vllm", "7b")["zero_optimization"] == shipped["zero_optimization"]
+
+
+def test_the_sampling_switches_land_in_the_rollout_section(tmp_path):
+    raw = build(tmp_path, "vllm", "3b", TEMPERATURE="0.7", TOP_P="0.9", TOP_K="50")
+    run = load_run_config_of(raw, tmp_path / "sampling.json")
+    assert (run.flexrl.rollout.temperature, run.flexrl.rollout.top_p, run.flexrl.rollout.top_k) == (0.7, 0.9, 50)
+    assert run.flexrl.rollout.logprob_diff_caveat() is not None  # what the run prints at start
+    shipped = json.loads((ROOT / "ds_configs" / "grpo_vl3b_1xh200.json").read_text())["flexrl"]["rollout"]
+    unset = build(tmp_path, "vllm", "3b")["flexrl"]["rollout"]
+    assert [unset[k] for k in ("temperature", "top_p", "top_k")] == [shipped[k] for k in ("temperature", "top_p", "top_k")]
 
 
 def test_separate_engines_share_one_gpu_or_take_whole_ones(tmp_path):
