@@ -144,11 +144,12 @@ def busiest_rank_share_floors(tokens: np.ndarray, c: float, p_max: int, num_head
                               num_kv_heads: int | None) -> tuple[float, float]:
     """Attention and cost that the busiest rank carries at least, from one sequence alone: at
     degree d the group's rank with the most query heads does `max(head_shares) · L²` of its
-    attention (+ `c·L/d`), so at best the smallest of those over the degrees d ≤ p_max. Without
-    head counts, `L²/p_max` and `cost/p_max`."""
+    attention (+ `c·L/d`), so at best the smallest of those over the degrees d ≤ p_max (and ≤ the
+    query heads: every rank of a group holds one). Without head counts, `L²/p_max` and `cost/p_max`."""
     if not len(tokens):
         return 0.0, 0.0
-    degrees = [1 << k for k in range(int(p_max).bit_length()) if 1 << k <= p_max]
+    largest = min(p_max, num_heads) if num_heads else p_max
+    degrees = [1 << k for k in range(int(largest).bit_length()) if 1 << k <= largest]
     busiest = {d: float(head_shares(num_heads, num_kv_heads, d).max()) for d in degrees}
     attention = tokens * tokens
     own_attention = np.min([busiest[d] * attention for d in degrees], axis=0)
