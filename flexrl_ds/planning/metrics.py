@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from flexrl_ds.planning.heads import heads_per_rank, kv_heads_held
+from flexrl_ds.planning.heads import heads_per_rank, kv_heads_held, max_degree_for_heads
 from flexrl_ds.planning.plan import Plan
 from flexrl_ds.planning.step_time import plan_step_time
 
@@ -176,7 +176,7 @@ def compute_metrics(tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
     rank_attention = rank_head_sums(attention, degrees, starts, world_size, num_heads, num_kv_heads)
     rank_cost = rank_attention + rank_sums(c * tokens, degrees, starts, world_size)
     rank_tokens = rank_sums(tokens, degrees, starts, world_size)
-    p_eff = min(p_max, world_size)
+    p_eff = min(p_max, world_size, max_degree_for_heads(num_heads) if num_heads else p_max)  # as the planner caps it
     lower_bound = max(float(cost.sum()) / world_size, float(cost.max()) / p_eff)
     num_blocks = world_size // p_eff
     mean_attention = float(attention.sum()) / world_size

@@ -123,14 +123,14 @@ def encode_dataset(model_dir: str, data_path: str, response_key: str = "response
 
 def sp_settings(run_config: str | None, p_max: int) -> SPConfig:
     """`flexrl.sp` of `--config` (token cap, packing, cost model, calibration, oversize; defaults
-    without one), with `--p-max` / `--nproc` deciding the largest degree. What this tool does not
-    use is named on stdout (`unused_sp_settings`)."""
+    without one), with `--p-max` / `--nproc` deciding the largest degree and `overlap` on (the
+    executor's). What this tool replaces or does without is named on stdout (`unused_sp_settings`)."""
     if run_config is None:
         return SPConfig(p_max=p_max)
     sp = load_run_config(run_config).flexrl.sp
     for line in unused_sp_settings(sp, p_max):
         print(f"flexrl logprobs: {line} ({run_config})", flush=True)
-    return dataclasses.replace(sp, p_max=p_max)
+    return dataclasses.replace(sp, p_max=p_max, overlap=True)
 
 
 def unused_sp_settings(sp: SPConfig, p_max: int) -> list[str]:
@@ -141,8 +141,8 @@ def unused_sp_settings(sp: SPConfig, p_max: int) -> list[str]:
     if sp.domain_size is not None:
         lines.append(f"flexrl.sp.domain_size = {sp.domain_size} is not used: all processes are one SP domain")
     if not sp.overlap:
-        lines.append("flexrl.sp.overlap = false is not used: the passes overlap their all-to-alls "
-                     "(the log-probs are the same either way)")
+        lines.append("flexrl.sp.overlap = false is replaced: the passes overlap their all-to-alls, and the "
+                     "plan is made for that (the log-probs are the same either way)")
     return lines
 
 

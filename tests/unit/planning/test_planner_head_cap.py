@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import torch
@@ -80,3 +81,22 @@ def test_logprobs_names_the_sp_settings_it_does_not_use():
     assert lines[0] == "flexrl.sp.p_max = 8 is replaced: --p-max / --nproc give 4"
     assert lines[1].startswith("flexrl.sp.domain_size = 8 is not used") and "overlap = false" in lines[2]
     assert len(lines) == 3  # max_tokens_per_rank is used by the planner
+
+
+def test_metrics_of_a_saved_plan_with_p_max_above_the_heads_are_the_planners(tmp_path):
+    """A plan file keeps the p_max asked for (32), above what 28 heads allow (16): its metrics,
+    recomputed from the file, are those the planner reported (they used to fail on the head split)."""
+    from flexrl_ds.bench.workloads import make_workload
+    from flexrl_ds.planning.metrics import plan_metrics
+    from flexrl_ds.planning.plan import load_plan
+
+    cost = load_cost_model("qwen2.5-vl-7b")
+    workload = make_workload("video-heavy", 64, 0)
+    result = plan_step(workload, 32, cost, SPConfig(p_max=32))
+    result.plan.save(tmp_path / "plan.json")
+    saved = load_plan(tmp_path / "plan.json")
+    assert saved.p_max == 32
+    recomputed = plan_metrics(saved, {s.id: s.tokens for s in workload.sequences}, cost.c, cost.num_heads,
+                              cost.num_kv_heads)
+    for key in ("efficiency", "efficiency_bound", "attention_balance", "all_to_all_relative", "max_rank_cost"):
+        assert getattr(recomputed, key) == pytest.approx(getattr(result.metrics, key), rel=1e-12), key
