@@ -141,18 +141,16 @@ class GRPOTrainer:
         limit = sequence_token_limit(self.o.sp, self.o.cost, self.o.sp.domain_size or self.o.num_ranks)
         if limit is None:
             return prompts
-        tokens, degree = limit
-        reasons = too_long_prompts(prompts, self.o.sampling.max_new_tokens, tokens)
+        reasons = too_long_prompts(prompts, self.o.sampling.max_new_tokens, limit.tokens)
+        why = limit.explained(self.o.sp.max_tokens_per_rank)
         for prompt in prompts:
             if prompt.name in reasons:
                 print(f"data: step {step}: prompt {prompt.name!r} (record {prompt.record.id!r}) not rolled out: "
-                      f"{reasons[prompt.name]} (flexrl.sp.max_tokens_per_rank {self.o.sp.max_tokens_per_rank} x "
-                      f"degree {degree}; raise either, or lower flexrl.rollout.max_response_length)", flush=True)
+                      f"{reasons[prompt.name]} ({why})", flush=True)
         kept = [prompt for prompt in prompts if prompt.name not in reasons]
         if not kept:
-            raise RuntimeError(f"step {step}: every prompt is too long for flexrl.sp.max_tokens_per_rank "
-                               f"{self.o.sp.max_tokens_per_rank} x degree {degree} ({len(prompts)} prompts, "
-                               f"e.g. {next(iter(reasons.values()))})")
+            raise RuntimeError(f"step {step}: every prompt is too long ({len(prompts)} prompts, e.g. "
+                               f"{next(iter(reasons.values()))}; {why})")
         return kept
 
     # ---- phases -------------------------------------------------------------------------------
@@ -225,7 +223,11 @@ class GRPOTrainer:
         return {"old": old, "ref": ref, "plans": results}
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
-        batches = split_mini_batches(samples.prompts, samples.names, self.o.rl.mini_batches_per_step)
+        asked = self.o.rl.mini_batches_per_step
+        if len(samples.prompts) < asked:  # prompts set aside or withdrawn: one mini-batch per prompt left
+            print(f"data: step {step}: {len(samples.prompts)} prompts left of the step's, so as many mini-batches "
+                  f"instead of flexrl.rl.mini_batches_per_step = {asked}", flush=True)
+        batches = split_mini_batches(samples.prompts, samples.names, min(asked, len(samples.prompts)))
         per_batch = []
         for index, names in enumerate(batches):
             results, encoded = self._plan(samples, names)

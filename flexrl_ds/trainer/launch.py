@@ -71,6 +71,8 @@ class Prepared:
     """The checkpoint --resume continues from (None: start at step 0)."""
     start_step: int = 0
     """The first step to run (0-based)."""
+    decoder: DecoderShape | None = None
+    """The language model's shape (the `mfu` metric's FLOPs)."""
 
 
 def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared:
@@ -80,7 +82,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     for note in ignored_settings(run.flexrl, spmd_world=num_ranks if args.spmd else None):
         print(note, flush=True)  # first: the checks below judge the run by what replaced them
     check_run(run, args.model_dir, num_ranks)
-    ray_address()
+    ray_address()  # a job server's URL in RAY_ADDRESS is refused here, before anything starts
     check_out_dir(Path(args.out_dir), args.resume)
     data_config = run.flexrl.data.with_processor_dir(args.model_dir)
     records = usable_records(read_dataset(args.data_path, data_config.media_root), args.data_path)
@@ -98,7 +100,9 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     if max_steps < 1:
         raise ValueError(f"--max-steps must be at least 1, got {max_steps}")
     checkpoint, start_step = resume_point(args)
-    return Prepared(run, args, data_config, records, encoder, reward_fn, num_ranks, max_steps, checkpoint, start_step)
+    decoder = DecoderShape.from_config(transformers.AutoConfig.from_pretrained(args.model_dir).get_text_config())
+    return Prepared(run, args, data_config, records, encoder, reward_fn, num_ranks, max_steps, checkpoint, start_step,
+                    decoder)
 
 
 def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> PolicySetup:
@@ -115,7 +119,7 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
         rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {})
 
 
-def train_options(prepared: Prepared, start_step: int, raw_config: dict, device_name: str | None) -> TrainOptions:
+def train_options(prepared: Prepared, raw_config: dict, device_name: str | None) -> TrainOptions:
     """`device_name`: the policy ranks' GPU (None on CPU)."""
     run, trainer = prepared.run, prepared.run.flexrl.trainer
     eos = prepared.encoder.tokenizer.eos_token_id
@@ -124,14 +128,14 @@ def train_options(prepared: Prepared, start_step: int, raw_config: dict, device_
     # its step-time model; elsewhere the FLOP formula.
     cost = load_cost_model(run.flexrl.sp.cost_model or prepared.args.model_dir, run.flexrl.sp.calibration,
                            device_name=device_name)
-    text_config = transformers.AutoConfig.from_pretrained(prepared.args.model_dir).get_text_config()
     return TrainOptions(
-        out_dir=Path(prepared.args.out_dir), max_steps=prepared.max_steps, start_step=start_step, seed=trainer.seed,
+        out_dir=Path(prepared.args.out_dir), max_steps=prepared.max_steps, start_step=prepared.start_step,
+        seed=trainer.seed,
         save_every=trainer.save_every, save_last=trainer.save_last, save_rollouts=trainer.save_rollouts,
         sampling=SamplingParams.from_config(run.flexrl.rollout, eos_ids, vision_token_ids(prepared.args.model_dir)),
         rl=run.flexrl.rl, sp=run.flexrl.sp,
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
-        run_config=raw_config, decoder=DecoderShape.from_config(text_config), peak_flops=peak_bf16_flops(device_name))
+        run_config=raw_config, decoder=prepared.decoder, peak_flops=peak_bf16_flops(device_name))
 
 
 def vision_token_ids(model_dir: str) -> list[int]:
@@ -183,7 +187,7 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
     trainer_config = prepared.run.flexrl.trainer
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
                   tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
-    options = train_options(prepared, start, raw_config, device_name=policy.run("accelerator_name")[0])
+    options = train_options(prepared, raw_config, device_name=policy.run("accelerator_name")[0])
     try:
         GRPOTrainer(options, prepared.encoder, prepared.reward_fn, controller, policy, rollout, log).run()
     finally:

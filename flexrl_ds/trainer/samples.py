@@ -23,7 +23,7 @@ import torch
 
 from flexrl_ds.loader.metastore import PromptKey, SampleId
 from flexrl_ds.models.processing import EncodedSample, VisionItem
-from flexrl_ds.planning.planner import PlannerOptions, allowed_degrees
+from flexrl_ds.planning.planner import PlannerOptions, allowed_degrees, degree_cap
 from flexrl_ds.runtime.data_controller import ControllerStep, prompt_name, sample_name
 
 
@@ -64,13 +64,33 @@ def encode_prompts(encoder: Any, step: ControllerStep) -> list[PromptInputs]:
     return out
 
 
-def sequence_token_limit(sp: Any, cost: Any, domain_size: int) -> tuple[int, int] | None:
-    """(tokens a sequence may hold, the largest degree the planner may give it) under
-    `sp.max_tokens_per_rank` (`planner.apply_oversize`'s limit); None without that cap."""
+@dataclass(frozen=True)
+class SequenceLimit:
+    """What one sequence may hold under `flexrl.sp.max_tokens_per_rank` (`planner.apply_oversize`)."""
+
+    tokens: int
+    """The cap × `degree`."""
+    degree: int
+    """The largest degree the planner may give a sequence."""
+    bound_by: str
+    """What sets `degree`: "p_max", "world_size" (the SP domain), "num_heads" or "head_rule"."""
+
+    def explained(self, cap: int) -> str:
+        """The limit with the settings that make it and the ones a user can change."""
+        lever = {"p_max": "flexrl.sp.p_max", "world_size": "flexrl.sp.domain_size"}.get(self.bound_by)
+        allows = f"that {lever} allows" if lever else "the model's query heads allow"
+        settings = "flexrl.sp.max_tokens_per_rank" + (f" or {lever}" if lever else "")
+        return (f"flexrl.sp.max_tokens_per_rank {cap} x degree {self.degree}, the largest {allows}; raise "
+                f"{settings}, or lower flexrl.rollout.max_response_length")
+
+
+def sequence_token_limit(sp: Any, cost: Any, domain_size: int) -> SequenceLimit | None:
+    """What a sequence may hold under `sp.max_tokens_per_rank`; None without that cap."""
     if sp.max_tokens_per_rank is None:
         return None
-    largest = allowed_degrees(domain_size, sp, cost, PlannerOptions().head_rule)[-1]
-    return sp.max_tokens_per_rank * largest, largest
+    allowed = allowed_degrees(domain_size, sp, cost, PlannerOptions().head_rule)
+    cap = degree_cap(domain_size, sp, cost, allowed)
+    return SequenceLimit(sp.max_tokens_per_rank * allowed[-1], allowed[-1], cap["by"])
 
 
 def too_long_prompts(prompts: Sequence[PromptInputs], max_new_tokens: int, limit: int) -> dict[str, str]:

@@ -21,6 +21,8 @@ from flexrl_ds.common.json_files import looked_for
 from flexrl_ds.media.types import Record
 from flexrl_ds.models.zero3 import check_ds_config
 from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.planning.cost_model import load_cost_model
+from flexrl_ds.trainer.samples import sequence_token_limit
 
 
 def check_model_dir(model_dir: str) -> None:
@@ -122,6 +124,18 @@ def check_run(run: Any, model_dir: str, num_ranks: int) -> None:
     check_engine_placement(run.flexrl)
     if run.flexrl.rollout.backend == "vllm" and not device_mod.detect().is_gpu:
         raise ValueError("flexrl.rollout.backend 'vllm' needs GPUs; this machine has none (use 'hf')")
+    check_sequence_room(run.flexrl, model_dir, num_ranks)
+
+
+def check_sequence_room(flexrl: Any, model_dir: str, num_ranks: int) -> None:
+    """Under `flexrl.sp.max_tokens_per_rank` a sequence holds at most the cap × the largest degree
+    (trainer/samples.py `sequence_token_limit`): refused when the longest response alone fills that,
+    since every prompt would be set aside at every step."""
+    sp, longest = flexrl.sp, flexrl.rollout.max_response_length
+    limit = sequence_token_limit(sp, load_cost_model(sp.cost_model or model_dir, None), sp.domain_size or num_ranks)
+    if limit is not None and longest >= limit.tokens:
+        raise ValueError(f"flexrl.rollout.max_response_length {longest}: a sequence may hold {limit.tokens} tokens "
+                         f"({limit.explained(sp.max_tokens_per_rank)}), so no prompt fits next to the longest response")
 
 
 def resolve_media_limits(rollout: Any, records: list) -> Any:

@@ -46,7 +46,8 @@ def test_backward_is_twice_the_forward_for_the_matmuls(model):
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989.4e12), ("NVIDIA H100 80GB HBM3", 989.4e12),
-                                        ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200 NVL", 835e12),
+                                        ("NVIDIA A100-SXM4-80GB", 312e12),
                                         ("NVIDIA H20", 148e12), ("NVIDIA GeForce RTX 3090", None), (None, None)])
 def test_peak_by_gpu_name(name, peak):
     assert peak_bf16_flops(name) == peak

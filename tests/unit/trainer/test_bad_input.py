@@ -186,6 +186,35 @@ def test_launcher_ranks_are_named_before_the_checks_they_fail(raw_config, capsys
     assert "num_policy_ranks = 4 is ignored under --spmd: the launcher started 2 ranks" in capsys.readouterr().out
 
 
+def test_a_token_cap_leaving_no_room_for_a_prompt_is_refused(raw_config, tmp_path, trainer_assets):
+    """Every prompt would be set aside at every step: said before anything starts."""
+    sp, rollout = raw_config["flexrl"]["sp"], raw_config["flexrl"]["rollout"]
+    sp["max_tokens_per_rank"] = rollout["max_response_length"] // sp["p_max"]  # cap x p_max <= the response
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             f"flexrl.rollout.max_response_length {rollout['max_response_length']}: a sequence may hold",
+             "so no prompt fits next to the longest response")
+    sp["max_tokens_per_rank"] = rollout["max_response_length"]  # room to spare at any degree
+    _prepare(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"])
+
+
+def test_spmd_rank_0_tells_the_ranks_a_finished_run_has_nothing_to_do(raw_config, tmp_path, trainer_assets, capsys):
+    """Under a launcher, a --resume of a finished run ends every rank before Ray or the loader starts."""
+    from flexrl_ds.trainer.checkpoint import write_trainer_state
+    from flexrl_ds.trainer.launch import SPMD_NOTHING_TO_DO, _spmd_driver_start
+
+    out = tmp_path / "out"
+    last = raw_config["flexrl"]["trainer"]["max_steps"] - 1
+    (out / "checkpoints" / f"step_{last}").mkdir(parents=True)
+    write_trainer_state(out / "checkpoints" / f"step_{last}", last, last + 1, raw_config)
+    config_path = tmp_path / "run.json"
+    config_path.write_text(json.dumps(raw_config))
+    run = parse_run_config(raw_config, source=str(config_path))
+    args = TrainArgs(str(config_path), trainer_assets["model"], trainer_assets["data"], str(out), resume=True, spmd=True)
+    told, kept = _spmd_driver_start(run, args, raw_config["flexrl"]["trainer"]["num_policy_ranks"])
+    assert (told, kept) == (SPMD_NOTHING_TO_DO, None)
+    assert "nothing to do" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("address", ["http://127.0.0.1:8265", "https://head:8265"])
 def test_a_job_server_url_as_ray_address_is_refused(raw_config, tmp_path, trainer_assets, monkeypatch, address):
     monkeypatch.setenv("RAY_ADDRESS", address)

@@ -20,10 +20,21 @@ def prompt(name: str, num_tokens: int):
     return SimpleNamespace(name=name, prompt_ids=[7] * num_tokens, record=Record(id=f"rec-{name}", prompt="q", items=()))
 
 
-@pytest.mark.parametrize("p_max, domain, largest", [(8, 8, 8), (4, 16, 4), (32, 32, 16)])
-def test_limit_is_the_cap_times_the_largest_degree_the_planner_may_use(p_max, domain, largest):
-    assert sequence_token_limit(SPConfig(p_max=p_max, max_tokens_per_rank=100), COST, domain) == (100 * largest, largest)
+@pytest.mark.parametrize("p_max, domain, largest, bound_by", [(8, 8, 8, "p_max"), (4, 16, 4, "p_max"),
+                                                               (32, 32, 16, "num_heads")])
+def test_limit_is_the_cap_times_the_largest_degree_the_planner_may_use(p_max, domain, largest, bound_by):
+    limit = sequence_token_limit(SPConfig(p_max=p_max, max_tokens_per_rank=100), COST, domain)
+    assert (limit.tokens, limit.degree, limit.bound_by) == (100 * largest, largest, bound_by)
     assert sequence_token_limit(SPConfig(p_max=p_max), COST, domain) is None
+
+
+def test_the_limit_names_the_settings_a_user_can_change():
+    by_p_max = sequence_token_limit(SPConfig(p_max=4, max_tokens_per_rank=100), COST, 8).explained(100)
+    assert by_p_max == ("flexrl.sp.max_tokens_per_rank 100 x degree 4, the largest that flexrl.sp.p_max allows; "
+                        "raise flexrl.sp.max_tokens_per_rank or flexrl.sp.p_max, or lower "
+                        "flexrl.rollout.max_response_length")
+    by_heads = sequence_token_limit(SPConfig(p_max=32, max_tokens_per_rank=100), COST, 32).explained(100)
+    assert "the largest the model's query heads allow; raise flexrl.sp.max_tokens_per_rank, or lower" in by_heads
 
 
 def test_too_long_counts_the_longest_response():
@@ -47,12 +58,12 @@ def test_a_step_goes_on_without_its_too_long_prompts(capsys):
     out = capsys.readouterr().out
     assert ("data: step 3: prompt 's3p1' (record 'rec-s3p1') not rolled out: 301 prompt tokens + up to 100 "
             "response tokens may exceed the 400 tokens a sequence may hold (flexrl.sp.max_tokens_per_rank 100 x "
-            "degree 4") in out
+            "degree 4, the largest that flexrl.sp.p_max allows") in out
     assert "s3p0" not in out and "s3p2" not in out
     assert stand_in_trainer(cap=None)._fitting(3, prompts) == prompts  # no cap: nothing set aside
 
 
 def test_a_step_with_no_prompt_short_enough_stops():
-    with pytest.raises(RuntimeError, match=r"step 2: every prompt is too long for flexrl.sp.max_tokens_per_rank 10 "
-                                           r"x degree 4 \(2 prompts, e.g. 50 prompt tokens"):
+    with pytest.raises(RuntimeError, match=r"step 2: every prompt is too long \(2 prompts, e.g. 50 prompt tokens .*; "
+                                           r"flexrl.sp.max_tokens_per_rank 10 x degree 4"):
         stand_in_trainer(cap=10)._fitting(2, [prompt("s2p0", 50), prompt("s2p1", 60)])
