@@ -15,13 +15,14 @@ averages gradients over ranks (as `zero3.flex_step_loss` does), and carries the 
 
 `RankStats` are sums over this rank's tokens (shares of the global means, token counts): `reduce_stats`
 all-reduces them into the step's metrics. `train_step` = forward + loss + `engine.backward` +
-`engine.step()`, with the global gradient norm before clipping as DeepSpeed reports it.
+`engine.step()`, with the global gradient norm before clipping as DeepSpeed reports it; a
+mini-batch cut into micro-batches (planning/micro_batches.py) accumulates their gradients first.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -171,14 +172,33 @@ class TrainStepResult:
         return dict(asdict(self.stats), grad_norm=self.grad_norm)
 
 
-def train_step(engine, batch: StepBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
-               advantages: torch.Tensor, config: GRPOConfig, denoms: Denominators) -> TrainStepResult:
-    """Forward (with the tokens' entropy: in the loss when entropy_coef > 0, else only logged), GRPO
-    loss, `engine.backward`, `engine.step()`."""
-    outputs = engine(batch, with_entropy=True)
-    loss, stats = rank_grpo_loss(outputs, batch, old_logprobs, ref_logprobs, advantages, config, denoms,
-                                 data_parallel_size(engine))
-    engine.backward(loss)
+@dataclass
+class UpdateInputs:
+    """One micro-batch of an update: its StepBatch and the (local,) values placed on it
+    (`local_response_values`)."""
+
+    batch: StepBatch
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+    advantages: torch.Tensor
+
+
+def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig,
+               denoms: Denominators) -> TrainStepResult:
+    """Per micro-batch: forward (with the tokens' entropy: in the loss when entropy_coef > 0, else
+    only logged), GRPO loss over the mini-batch's denominators, `engine.backward`; the gradients add
+    up (DeepSpeed's accumulation boundary is set on the last micro-batch only), then one
+    `engine.step()`. The statistics are the micro-batches' sums."""
+    if not micro_batches:
+        raise ValueError("train_step: no micro-batch")
+    total = RankStats()
+    for index, inputs in enumerate(micro_batches):
+        engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
+        outputs = engine(inputs.batch, with_entropy=True)
+        loss, stats = rank_grpo_loss(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
+                                     inputs.advantages, config, denoms, data_parallel_size(engine))
+        engine.backward(loss)
+        total = RankStats(**{f.name: getattr(total, f.name) + getattr(stats, f.name) for f in fields(RankStats)})
     engine.step()
     norm = engine.get_global_grad_norm()
-    return TrainStepResult(stats, float(norm) if norm is not None else float("nan"))
+    return TrainStepResult(total, float(norm) if norm is not None else float("nan"))

@@ -111,6 +111,11 @@ class PlanResult:
 HEAD_RULES = ("uneven", "divisible")
 
 
+class StepOverflowError(ValueError):
+    """The step's sequences do not fit the SP domain together under `max_tokens_per_rank` (each
+    one alone would): fewer of them at a time would (planning/micro_batches.py)."""
+
+
 def allowed_degrees(world_size: int, sp: SPConfig, cost: CostModel, head_rule: str) -> tuple[int, ...]:
     """Powers of two ≤ min(p_max, world_size, query heads), filtered by the head rule; validates
     world_size/p_max. The head cap holds under every rule: each rank of a pack needs one query head
@@ -307,7 +312,7 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
     tokens = np.array([s.tokens for s in planned.sequences], dtype=float)
     token_cap = float(sp.max_tokens_per_rank) if sp.max_tokens_per_rank is not None else float("inf")
     if tokens.sum() > token_cap * world_size:
-        raise ValueError(
+        raise StepOverflowError(
             f"max_tokens_per_rank={sp.max_tokens_per_rank}: the step's {int(tokens.sum())} tokens exceed "
             f"{world_size} ranks × the cap")
     terms = objective_terms(tokens, cost, allowed, sp.overlap)
@@ -316,7 +321,7 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
                                         (cost.num_heads, cost.num_kv_heads), terms)
     except CapacityError as error:
         seq = planned.sequences[error.args[0]]
-        raise ValueError(
+        raise StepOverflowError(
             f"sequence {seq.id!r}: no group of ranks has room for its {seq.tokens} tokens under "
             f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
     packed = step = None

@@ -13,10 +13,13 @@ never pixels: the rollout hosts and the policy ranks pull their own from the pre
    reward function that raises scores the affected samples 0, and the run reports them;
 4. plan: FlexUlysses over prompt + response lengths (planning/planner.py), with `flexrl.sp`; with
    several SP domains (`flexrl.sp.domain_size` < policy ranks) each pass's samples are split over
-   the domains (trainer/samples.split_domains) and every domain gets a plan of its own share;
+   the domains (trainer/samples.split_domains) and every domain gets a plan of its own share; a
+   pass whose samples together overflow `flexrl.sp.max_tokens_per_rank` runs as micro-batches
+   (planning/micro_batches.py; said, and counted in `micro_batches`);
 5. inference: reference and old-policy log-probs, no grad, on the planned layout;
 6. advantages (rl/advantages.py) and the update: `mini_batches_per_step` optimizer steps, each
-   mini-batch planned on its own, loss normalised by the mini-batch's response tokens;
+   mini-batch planned on its own, loss normalised by the mini-batch's response tokens (micro-batches
+   of a cut mini-batch accumulate their gradients into its one optimizer step);
 7. sync: the policy's weights to the rollout engines, gathered from ZeRO-3 in buckets.
 Metrics, rollouts, plans, checkpoints and HF exports go under OUT (trainer/metrics.py, checkpoint.py).
 """
@@ -34,7 +37,7 @@ import torch
 
 from flexrl_ds.models.flops import training_forward_flops
 from flexrl_ds.planning.plan import Workload
-from flexrl_ds.planning.planner import plan_step
+from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.rl.advantages import group_advantages
 from flexrl_ds.rl.reward_fn import score_batch
 from flexrl_ds.runtime.data_controller import record_fields
@@ -198,29 +201,39 @@ class GRPOTrainer:
         return {"texts": dict(zip(names, texts)), "num_reward_errors": len(scored.errors),
                 "zero_variance_groups": float((grouped.amax(1) == grouped.amin(1)).double().mean())}
 
-    def _plan(self, samples: StepSamples, names: list[str]):
-        """One `PlanResult` per SP domain (over its share of `names`), and every name's EncodedSample."""
+    def _plan(self, step: int, samples: StepSamples, names: list[str], what: str):
+        """The pass's micro-batches (one unless the pass overflows flexrl.sp.max_tokens_per_rank:
+        planning/micro_batches.py), each one `PlanResult` per SP domain over its share of `names`;
+        and every name's EncodedSample. `what` names the pass in the line said when it is cut."""
         encoded = samples.encoded(names)
         domain_size = self.o.sp.domain_size or self.o.num_ranks
         shares = split_domains(samples.prompts, names, self.o.num_ranks // domain_size,
                                lambda n: self.o.cost.cost(encoded[n].length))
-        results = [plan_step(Workload(tuple(encoded[n].sequence_spec(n) for n in share)), domain_size,
-                             self.o.cost, self.o.sp) for share in shares]
-        return results, encoded
+        micro_batches = plan_micro_batches([Workload(tuple(encoded[n].sequence_spec(n) for n in share))
+                                            for share in shares], domain_size, self.o.cost, self.o.sp)
+        if len(micro_batches) > 1:
+            tokens = sum(encoded[n].length for n in names)
+            print(f"plan: step {step}: {what}: {len(names)} samples, {tokens} tokens, do not fit one pass under "
+                  f"flexrl.sp.max_tokens_per_rank {self.o.sp.max_tokens_per_rank} x {domain_size} ranks per SP "
+                  f"domain: run as {len(micro_batches)} micro-batches", flush=True)
+        return micro_batches, encoded
 
-    def _save_plans(self, results, step: int, suffix: str = "") -> None:
-        for domain, result in enumerate(results):
-            result.plan.save(self.paths.plan(step, suffix + (f"_d{domain}" if len(results) > 1 else "")))
+    def _save_plans(self, micro_batches, step: int, suffix: str = "") -> None:
+        for index, results in enumerate(micro_batches):
+            part = suffix + (f"_micro{index}" if len(micro_batches) > 1 else "")
+            for domain, result in enumerate(results):
+                result.plan.save(self.paths.plan(step, part + (f"_d{domain}" if len(results) > 1 else "")))
 
     def _inference(self, step: int, samples: StepSamples) -> dict[str, Any]:
-        results, encoded = self._plan(samples, samples.names)
-        self._save_plans(results, step)
-        job = PassJob(step, [r.plan.to_json() for r in results], encoded, samples.prompt_keys())
+        micro_batches, encoded = self._plan(step, samples, samples.names, "old-policy and reference log-probs")
+        self._save_plans(micro_batches, step)
+        job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys())
         old = assemble(encoded, self.policy.run("logprobs", job))
         ref = {}
         if self.o.rl.init_kl_coef > 0:
             ref = assemble(encoded, self.policy.run("logprobs", dataclasses.replace(job, model="reference")))
-        return {"old": old, "ref": ref, "plans": results}
+        return {"old": old, "ref": ref, "plans": [r for results in micro_batches for r in results],
+                "micro_batches": len(micro_batches)}
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         asked = self.o.rl.mini_batches_per_step
@@ -230,14 +243,16 @@ class GRPOTrainer:
         batches = split_mini_batches(samples.prompts, samples.names, min(asked, len(samples.prompts)))
         per_batch = []
         for index, names in enumerate(batches):
-            results, encoded = self._plan(samples, names)
-            if len(batches) > 1:
-                self._save_plans(results, step, f"_mb{index}")
-            job = PassJob(step, [r.plan.to_json() for r in results], encoded, samples.prompt_keys(),
+            micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index} (gradients "
+                                                "accumulated into one optimizer step)")
+            if len(batches) > 1 or len(micro_batches) > 1:
+                self._save_plans(micro_batches, step, f"_mb{index}")
+            job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys(),
                           old_logprobs={n: inference["old"][n] for n in names},
                           ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},
                           advantages={n: samples.advantages[n] for n in names})
-            per_batch.append(self.policy.run("train", job)[0])  # all-reduced: the same on every rank
+            stats = self.policy.run("train", job)[0]  # all-reduced: the same on every rank
+            per_batch.append({**stats, "micro_batches": len(micro_batches)})
         return per_batch
 
     # ---- outputs ------------------------------------------------------------------------------
@@ -266,6 +281,8 @@ class GRPOTrainer:
             "attention_balance": max(float(r.metrics.attention_balance) for r in inference["plans"]),
             "rollout_logprob_diff": gaps.mean, "rollout_logprob_diff_by_media": gaps.by_media,
             "degrees": _degrees(inference["plans"]),
+            "micro_batches": {"inference": inference["micro_batches"],
+                              "update": sum(b["micro_batches"] for b in update)},
             **self._mfu(samples, lengths, times, passes=2 if inference["ref"] else 1),
         }
 
@@ -303,6 +320,11 @@ class GRPOTrainer:
         self.policy.run("export_hf", str(self.paths.hf_export(step)))
         write_trainer_state(directory, step, step + 1, self.o.run_config)
         print(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}", flush=True)
+
+
+def _plans_json(micro_batches) -> list[list[dict]]:
+    """`PassJob.plans_json`: per micro-batch, every SP domain's plan."""
+    return [[result.plan.to_json() for result in results] for results in micro_batches]
 
 
 def _degrees(results) -> dict[str, int]:

@@ -11,7 +11,8 @@ Every method is collective over the group (all ranks are called with the same ar
 - `logprobs(job)`: one no-grad FlexUlysses pass of the policy or the reference over the job's
   plan; returns this rank's pieces {sample: [(first position, log-probs)]};
 - `train(job)`: one mini-batch: FlexUlysses forward with grad, the GRPO loss over this rank's
-  tokens normalised by the mini-batch's global denominator, backward, optimizer step; returns
+  tokens normalised by the mini-batch's global denominator, backward (per micro-batch, where the
+  driver cut the mini-batch under flexrl.sp.max_tokens_per_rank), one optimizer step; returns
   summed statistics (the driver adds them over ranks) and the global grad norm;
 - `sync_rollout` (colocated engines) / `send_weights` (separate engines, over the weight channel
   that `weight_channel_address` + `join_weight_channel` set up): ZeRO-3 parameters gathered in
@@ -96,9 +97,10 @@ class PassJob:
 
     step: int
     """Loader step (where the pixels live)."""
-    plans_json: list[dict]
-    """The pass's plans (docs/PLAN_SCHEMA.md), one per SP domain: domain d runs plans_json[d] over its
-    share of `samples` (the sequences of that plan)."""
+    plans_json: list[list[dict]]
+    """The pass's plans (docs/PLAN_SCHEMA.md): per micro-batch (run one after the other; one, unless
+    the pass overflows flexrl.sp.max_tokens_per_rank: planning/micro_batches.py), one plan per SP
+    domain: domain d runs plans_json[m][d] over its share of `samples` (the sequences of that plan)."""
     samples: dict[str, Any]
     """EncodedSample per sample name, of EVERY domain (the loss denominators cover them all);
     vision items hold placeholders."""
@@ -163,12 +165,13 @@ class PolicyWorker:
                                   temperature=self.setup.logprob_temperature)
 
     # ---- passes -------------------------------------------------------------------------------
-    def _batch(self, job: PassJob):
-        """This rank's StepBatch for the job, with its vision units' pixels pulled."""
-        if len(job.plans_json) != self.tree.topology.num_domains:
-            raise ValueError(f"pass of step {job.step}: {len(job.plans_json)} plans for "
+    def _batch(self, job: PassJob, micro_batch: int):
+        """This rank's StepBatch for one micro-batch of the job, with its vision units' pixels pulled."""
+        plans = job.plans_json[micro_batch]
+        if len(plans) != self.tree.topology.num_domains:
+            raise ValueError(f"pass of step {job.step}: {len(plans)} plans for "
                              f"{self.tree.topology.num_domains} SP domains")
-        plan = parse_plan(job.plans_json[self.tree.domain])
+        plan = parse_plan(plans[self.tree.domain])
         samples = {s: job.samples[s] for pack in plan.packs for s in pack.sequences}
         placement = place_rank(self.hf_config, plan, samples, self.tree.local_rank, self.tree)
         requests = unit_requests(placement.units, job.prompt_keys) if placement.units else []
@@ -196,29 +199,34 @@ class PolicyWorker:
     def logprobs(self, job: PassJob) -> dict[str, list]:
         """This rank's pieces of next-token log-probs (no grad) of the policy or the reference."""
         engine = self.reference if job.model == "reference" else self.policy
-        batch = self._batch(job)
-        with torch.no_grad():
-            logprobs = engine(batch).logprobs
         pieces: dict[str, list] = {}
-        for seq_id, lo, hi, local in batch.layout.segments():
-            pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].float().cpu().tolist()))
+        for micro_batch in range(len(job.plans_json)):
+            batch = self._batch(job, micro_batch)
+            with torch.no_grad():
+                logprobs = engine(batch).logprobs
+            for seq_id, lo, hi, local in batch.layout.segments():
+                pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].float().cpu().tolist()))
         return pieces
 
     def train(self, job: PassJob) -> dict[str, float]:
         """One mini-batch update (models/policy_update.train_step); the mini-batch's statistics
         (all-reduced: the same on every rank) and the global grad norm."""
         started = time.perf_counter()
-        batch = self._batch(job)
-        old = policy_update.local_response_values(batch, job.old_logprobs)
-        ref = policy_update.local_response_values(batch, job.ref_logprobs) if job.ref_logprobs else None
-        advantages = policy_update.local_response_values(batch, job.advantages)
+        micro_batches = [self._update_inputs(job, index) for index in range(len(job.plans_json))]
         everyone = {s: x.length - x.response_start for s, x in job.samples.items()}  # all domains' sequences
-        result = policy_update.train_step(self.policy, batch, old, ref, advantages, self.setup.rl,
+        result = policy_update.train_step(self.policy, micro_batches, self.setup.rl,
                                           policy_update.denominators(everyone))
         stats = policy_update.reduce_stats(result.stats, device=self.device)
         stats["grad_norm"] = result.grad_norm
         stats["update_s"] = time.perf_counter() - started
         return stats
+
+    def _update_inputs(self, job: PassJob, micro_batch: int) -> policy_update.UpdateInputs:
+        batch = self._batch(job, micro_batch)
+        values = policy_update.local_response_values
+        return policy_update.UpdateInputs(batch, values(batch, job.old_logprobs),
+                                          values(batch, job.ref_logprobs) if job.ref_logprobs else None,
+                                          values(batch, job.advantages))
 
     def release_pixels(self) -> None:
         """Drop the step's pulled slices (the driver's end of a step: their object-store buffers go)."""

@@ -66,13 +66,27 @@ def rollouts(model_dir: str, data_path: str, with_tiny: bool) -> dict:
 
 def make_plan(ids: list[str], kind: str):
     """mixed: degrees 4, 2, 2 and 1 on every rank. idle: 'tiny' alone at degree 4, all else on ranks 0-1."""
-    from flexrl_ds.planning.plan import Pack, Plan
-
     ids = sorted(i for i in ids if i != "tiny")
     if kind == "mixed":
         specs = [(4, 0, ids[0:2]), (2, 0, ids[2:4]), (2, 2, ids[4:6])] + [(1, r, ids[6 + r::4]) for r in range(4)]
     else:
         specs = [(4, 0, ["tiny"]), (2, 0, ids[0:4]), (1, 0, ids[4::2]), (1, 1, ids[5::2])]
+    return _plan_of(specs)
+
+
+def make_micro_plans(ids: list[str]):
+    """A mini-batch cut into two micro-batches: the first half of the samples in one degree-4 pack,
+    the rest in degree-2 and degree-1 packs."""
+    ids = sorted(ids)
+    half = len(ids) // 2
+    return [_plan_of([(4, 0, ids[:half])]),
+            _plan_of([(2, 0, ids[half:half + 2]), (1, 2, ids[half + 2::2]), (1, 3, ids[half + 3::2])])]
+
+
+def _plan_of(specs: list[tuple[int, int, list[str]]]):
+    """A plan of packs (degree, first rank, sequences), ranks in HSF order."""
+    from flexrl_ds.planning.plan import Pack, Plan
+
     packs = tuple(Pack(i, d, tuple(range(f, f + d)), tuple(s)) for i, (d, f, s) in enumerate(specs) if s)
     order = {r: tuple(p.id for p in sorted((p for p in packs if r in p.ranks), key=lambda p: (-p.degree, p.id)))
              for r in range(WORLD)}
@@ -101,26 +115,27 @@ def fixed_values(model_dir: str, samples: dict) -> dict:
     return values
 
 
-def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict, values: dict, rl: dict,
+def rank_grpo_step(model_dir: str, data_path: str, plan_json: dict | list[dict], values: dict, rl: dict,
                    offload: str = "none", checkpointing: bool = False):
-    """On every rank: ZeRO-3 engine from JSON, one GRPO train_step; rank 0 returns the parameters."""
+    """On every rank: ZeRO-3 engine from JSON, one GRPO train_step (over the micro-batches of a list
+    of plans); rank 0 returns the parameters."""
     from flexrl_ds.models import policy_update as pu
 
-    engine, batch, step = _rank_engine(model_dir, data_path, plan_json, values, rl, offload, checkpointing)
+    engine, batches, step = _rank_engine(model_dir, data_path, plan_json, values, rl, offload, checkpointing)
     runs = _count_layer_runs(engine.module.hf_model)
     result = step()
     out = {"metrics": pu.reduce_stats(result.stats), "grad_norm": result.grad_norm,
-           "num_local": batch.layout.num_local_tokens, "num_packs": len(batch.layout.packs),
-           "layer_runs": runs, **_rank0_params(engine)}
+           "num_local": sum(b.layout.num_local_tokens for b in batches),
+           "num_packs": sum(len(b.layout.packs) for b in batches), "layer_runs": runs, **_rank0_params(engine)}
     engine.destroy()
     return out
 
 
-def _rank_engine(model_dir: str, data_path: str, plan_json: dict, values: dict, rl: dict, offload: str,
-                 checkpointing: bool = False):
+def _rank_engine(model_dir: str, data_path: str, plan_json: dict | list[dict], values: dict, rl: dict,
+                 offload: str, checkpointing: bool = False):
     """This rank's ZeRO-3 engine (the JSON from zero3_configs with the test's hyper-parameters), its
-    StepBatch of the plan, and a function running one GRPO train_step on them (`rl`: GRPOConfig's
-    fields)."""
+    StepBatch of each plan (one per micro-batch), and a function running one GRPO train_step on them
+    (`rl`: GRPOConfig's fields)."""
     from zero3_configs import zero3_config
 
     from flexrl_ds.models import policy_update as pu
@@ -131,25 +146,28 @@ def _rank_engine(model_dir: str, data_path: str, plan_json: dict, values: dict, 
     from flexrl_ds.rl.config import GRPOConfig
 
     torch.manual_seed(0)
-    plan = parse_plan(plan_json)
-    tree = cached_group_tree(WORLD, plan.p_max)
-    samples = rollouts(model_dir, data_path, with_tiny=any("tiny" in p["sequences"] for p in plan_json["packs"]))
+    plans = [parse_plan(p) for p in (plan_json if isinstance(plan_json, list) else [plan_json])]
+    tree = cached_group_tree(WORLD, plans[0].p_max)
+    samples = rollouts(model_dir, data_path, with_tiny=any("tiny" in p.sequences for plan in plans for p in plan.packs))
     model = load_model(model_dir)  # in eval mode, as the policy worker loads it: the engine must switch
-    placement = place_rank(model.config, plan, samples, tree.local_rank, tree)
-    batch = build_step_batch(model.config, plan, samples, tree.local_rank, positions=positions_fn(model),
-                             placement=placement)
+    batches = []
+    for plan in plans:  # each micro-batch over its own samples, as the policy worker builds them
+        own = {s: samples[s] for pack in plan.packs for s in pack.sequences}
+        placement = place_rank(model.config, plan, own, tree.local_rank, tree)
+        batches.append(build_step_batch(model.config, plan, own, tree.local_rank, positions=positions_fn(model),
+                                        placement=placement))
     engine = build_engine(model, zero3_config(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                               gradient_clipping=CLIP, reduce_bucket_size=4096,
                                               offload_optimizer=offload), logits_chunk=8,
                          activation_checkpointing=checkpointing)
     config = GRPOConfig(**rl)
-    denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})
+    denoms = pu.denominators({s: x.length - x.response_start for s, x in samples.items()})  # the whole mini-batch
 
     def step():
-        return pu.train_step(engine, batch, pu.local_response_values(batch, values["old"]),
-                             pu.local_response_values(batch, values["ref"]),
-                             pu.local_response_values(batch, values["adv"]), config, denoms)
-    return engine, batch, step
+        values_on = pu.local_response_values
+        return pu.train_step(engine, [pu.UpdateInputs(b, values_on(b, values["old"]), values_on(b, values["ref"]),
+                                                      values_on(b, values["adv"])) for b in batches], config, denoms)
+    return engine, batches, step
 
 
 def _rank0_params(engine) -> dict:
@@ -230,28 +248,31 @@ def _inputs(model, sample):
 @pytest.mark.parametrize("kind,reduction,offload,checkpointing", [
     ("mixed", "token_mean", "none", False), ("idle", "sequence_mean", "none", False),
     ("mixed", "token_mean", "torch_adam", False), ("mixed", "token_mean", "cpu_adam_ratio", False),
-    ("mixed", "token_mean", "none", True), ("idle", "sequence_mean", "none", True)])
+    ("mixed", "token_mean", "none", True), ("idle", "sequence_mean", "none", True),
+    ("micro", "token_mean", "none", False), ("micro", "sequence_mean", "torch_adam", False)])
 def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kind, reduction, offload, checkpointing):
     """offload: the optimizer offloaded to host memory, all of it under torch's AdamW, or half of it
     under DeepSpeed's CPUAdam (the 7B GPU run's set-up, `offload_optimizer.ratio`). CPUAdam's
     vectorised arithmetic is not torch's: its parameters are compared to 1% of one step. The idle
     plans run without the entropy bonus: the entropy is then only logged, and must still be right.
     checkpointing: every decoder and vision layer recomputed in backward (its all-to-alls, and on
-    the idle plan the empty ranks' placeholder, run again)."""
+    the idle plan the empty ranks' placeholder, run again). micro: the mini-batch cut into two
+    micro-batches whose gradients accumulate into the one optimizer step (as the trainer runs a
+    mini-batch over flexrl.sp.max_tokens_per_rank): still the single-pass reference's step."""
     if offload == "cpu_adam_ratio":
         _build_cpu_adam()
     model_dir, data_path = assets
     samples = rollouts(model_dir, data_path, with_tiny=kind == "idle")
-    plan = make_plan(list(samples), kind)
+    plans = make_micro_plans(list(samples)) if kind == "micro" else [make_plan(list(samples), kind)]
     values = fixed_values(model_dir, samples)
-    rl = {**RL, "loss_reduction": reduction, "entropy_coef": RL["entropy_coef"] if kind == "mixed" else 0.0}
-    per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, plan.to_json(), values, rl,
+    rl = {**RL, "loss_reduction": reduction, "entropy_coef": 0.0 if kind == "idle" else RL["entropy_coef"]}
+    per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, [p.to_json() for p in plans], values, rl,
                                      offload, checkpointing, timeout_s=240)
     ref_loss, ref_norm, ref_params, ref_entropy, ref_dual_clip_frac = reference_step(model_dir, samples, values, rl)
     if kind == "idle":  # ranks 2, 3: no token, but a member of the degree-4 pack
         assert [(r["num_local"] == 0, r["num_packs"]) for r in per_rank][2:] == [(True, 1), (True, 1)]
     for r in per_rank:  # with checkpointing each layer that ran forward runs again in backward
-        assert r["layer_runs"]["decoder"] == {"forward": 1, "backward": int(checkpointing)}
+        assert r["layer_runs"]["decoder"] == {"forward": len(plans), "backward": len(plans) * checkpointing}
         vision = r["layer_runs"]["vision"]
         assert vision["backward"] == (vision["forward"] if checkpointing else 0)
     assert any(r["layer_runs"]["vision"]["forward"] for r in per_rank)

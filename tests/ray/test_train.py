@@ -208,3 +208,41 @@ def test_two_sp_domains_give_the_first_step_of_one_domain(run_a, assets):
     for key in ("reward_mean", "loss", "pg_loss", "kl", "grad_norm", "response_length_mean", "num_samples"):
         assert row[key] == pytest.approx(row_a[key], rel=1e-5, abs=1e-7), (key, row[key], row_a[key])
     assert row["rollout_logprob_diff"] < 1e-4
+
+
+def test_a_step_over_the_token_cap_runs_in_micro_batches_and_gives_the_uncut_step(run_a, assets, capsys):
+    """flexrl.sp.max_tokens_per_rank low enough that every prompt still fits one sequence's share
+    but the step's samples together overflow the 4 ranks: the log-prob passes and the update run as
+    micro-batches (said, counted, their plans saved), and step 0 equals run A's uncut step 0."""
+    samples = rollouts(run_a, 0)
+    longest = max(len(s["prompt_ids"]) for s in samples) + tiny_config_value("rollout", "max_response_length")
+    cap = 2 * math.ceil(longest / tiny_config_value("sp", "p_max"))
+    step_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    assert step_tokens > 4 * cap  # the precondition: one pass cannot hold the step
+    out = assets / "run_micro"
+    capsys.readouterr()
+    assert run_train(assets, out, 1, sp={"max_tokens_per_rank": cap}) == 0
+    printed = capsys.readouterr().out
+    row, row_a = rows(out)[0], rows(run_a)[0]
+    assert row["num_prompts_too_long"] == 0 and row["num_samples"] == row_a["num_samples"]
+    assert row["micro_batches"]["inference"] > 1 and row["micro_batches"]["update"] > 1
+    assert f"plan: step 0: old-policy and reference log-probs: {len(samples)} samples" in printed
+    assert f"run as {row['micro_batches']['inference']} micro-batches" in printed
+    lengths = {s["sample"]: len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples}
+    planned = []
+    for index in range(row["micro_batches"]["inference"]):  # each plan under the cap, every sample once
+        held = [0.0] * 4
+        for pack in json.loads((out / "plans" / f"step_0_micro{index}.json").read_text())["packs"]:
+            planned += pack["sequences"]
+            for rank in pack["ranks"]:
+                held[rank] += sum(lengths[s] for s in pack["sequences"]) / pack["degree"]
+        assert max(held) <= cap
+    assert sorted(planned) == sorted(lengths)
+    assert [s["response_ids"] for s in rollouts(out, 0)] == [s["response_ids"] for s in samples]
+    for key in ("reward_mean", "loss", "pg_loss", "kl", "entropy", "grad_norm"):
+        assert row[key] == pytest.approx(row_a[key], rel=1e-5, abs=1e-7), (key, row[key], row_a[key])
+    assert row["rollout_logprob_diff"] < 1e-4
+
+
+def tiny_config_value(section: str, key: str):
+    return json.loads((ROOT / "ds_configs" / "grpo_tiny_cpu.json").read_text())["flexrl"][section][key]

@@ -1,0 +1,80 @@
+"""A pass whose sequences together overflow max_tokens_per_rank is cut into the fewest micro-batches
+that plan, every sequence in exactly one, every rank under the cap in each (planning/micro_batches.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.cost_model import load_cost_model
+from flexrl_ds.planning.micro_batches import _plan_cut, contiguous_runs, plan_micro_batches
+from flexrl_ds.planning.plan import SequenceSpec, Workload
+from flexrl_ds.planning.planner import StepOverflowError, plan_step
+
+COST = load_cost_model("qwen2.5-vl-7b")
+
+
+def workload(lengths, prefix="s") -> Workload:
+    return Workload(tuple(SequenceSpec(id=f"{prefix}{i}", tokens=int(n)) for i, n in enumerate(lengths)))
+
+
+def held_tokens(plan, lengths: dict[str, int]) -> np.ndarray:
+    """Tokens each rank holds, from the plan's packs (an even split of each sequence over its pack)."""
+    held = np.zeros(plan.world_size)
+    for pack in plan.packs:
+        for seq_id in pack.sequences:
+            held[list(pack.ranks)] += lengths[seq_id] / pack.degree
+    return held
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_runs_cover_every_sequence_once_in_order_with_balanced_totals(seed):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 1000, size=int(rng.integers(1, 40))).tolist()
+    for num in range(1, len(tokens) + 1):
+        runs = contiguous_runs(tokens, num)
+        assert [i for run in runs for i in run] == list(range(len(tokens)))
+        assert len(runs) == num and all(len(run) > 0 for run in runs)
+        if num * max(tokens) <= sum(tokens):  # room to balance: no run is more than a sequence over the mean
+            assert max(sum(tokens[i] for i in run) for run in runs) <= sum(tokens) / num + max(tokens)
+
+
+def test_more_runs_than_sequences_is_refused():
+    with pytest.raises(ValueError, match="cannot cut 2 sequences into 3"):
+        contiguous_runs([5, 5], 3)
+
+
+def test_without_a_cap_a_pass_is_one_micro_batch_and_the_plain_plan():
+    share = workload([4000, 3000, 900, 800, 120])
+    (only,), = plan_micro_batches([share], 8, COST, SPConfig(p_max=8))
+    assert only.plan.to_json() == plan_step(share, 8, COST, SPConfig(p_max=8)).plan.to_json()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_an_overflowing_pass_is_cut_into_the_fewest_micro_batches_that_fit(seed):
+    rng = np.random.default_rng(seed)
+    sp = SPConfig(p_max=4, max_tokens_per_rank=2000)
+    shares = [workload(rng.integers(200, 8000, size=int(rng.integers(6, 14))), prefix=f"d{d}s") for d in range(2)]
+    with pytest.raises(StepOverflowError):  # as one pass, at least one domain overflows
+        for share in shares:
+            plan_step(share, 8, COST, sp)
+    micro_batches = plan_micro_batches(shares, 8, COST, sp)
+    assert all(len(results) == 2 for results in micro_batches)  # every micro-batch runs on both domains
+    for domain, share in enumerate(shares):
+        lengths = {s.id: s.tokens for s in share.sequences}
+        planned = [x for results in micro_batches for p in results[domain].plan.packs for x in p.sequences]
+        assert sorted(planned) == sorted(lengths)  # every sequence once
+        for results in micro_batches:
+            assert held_tokens(results[domain].plan, lengths).max() <= sp.max_tokens_per_rank + 1e-9
+    fewer = len(micro_batches) - 1
+    if fewer >= 1:  # the fewest: one micro-batch less overflows
+        with pytest.raises(StepOverflowError):
+            _plan_cut(shares, fewer, 8, COST, sp, None)
+
+
+def test_a_domain_with_too_few_sequences_to_cut_is_named():
+    sp = SPConfig(p_max=4, max_tokens_per_rank=1000)
+    shares = [workload([3900] * 6, prefix="a"), workload([3900], prefix="b")]  # 'a' needs 6 passes, 'b' has 1 sequence
+    with pytest.raises(StepOverflowError, match="an SP domain has only 1 sequences"):
+        plan_micro_batches(shares, 4, COST, sp)
