@@ -31,6 +31,10 @@
 #   TEMPERATURE=t TOP_P=p TOP_K=k: the rollout's sampling (`flexrl.rollout.temperature/top_p/top_k`;
 #     default: the file's 1.0, 1.0, 0). With vllm at t != 1 and a filter, rollout_logprob_diff measures
 #     the filter too (RolloutConfig.logprob_diff_caveat).
+#   PROMPTS=n RESPONSE_LENGTH=t: prompts per step (`flexrl.data.loader.global_batch`, each sampled
+#     num_samples_per_prompt times) and `flexrl.rollout.max_response_length` (default: the file's).
+#   MAX_TOKENS_PER_RANK=t: `flexrl.sp.max_tokens_per_rank`; a pass whose samples together hold more
+#     runs as micro-batches (planning/micro_batches.py; `micro_batches` in metrics.jsonl).
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
@@ -87,6 +91,11 @@ config["flexrl"]["rollout"]["backend"] = backend
 for name, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
     if name.upper() in os.environ:
         config["flexrl"]["rollout"][name] = cast(os.environ[name.upper()])
+for variable, section, key in (("PROMPTS", config["flexrl"]["data"]["loader"], "global_batch"),
+                               ("RESPONSE_LENGTH", config["flexrl"]["rollout"], "max_response_length"),
+                               ("MAX_TOKENS_PER_RANK", config["flexrl"]["sp"], "max_tokens_per_rank")):
+    if variable in os.environ:
+        section[key] = int(os.environ[variable])
 if "OFFLOAD_RATIO" in os.environ:  # 7b: the share of the optimizer stepped on the host by CPUAdam
     config["zero_optimization"]["offload_optimizer"]["ratio"] = float(os.environ["OFFLOAD_RATIO"])
 if "OFFLOAD_PIN" in os.environ:  # 7b: pinned host buffers for the offloaded optimizer
