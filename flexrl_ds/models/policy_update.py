@@ -31,6 +31,7 @@ from flexrl_ds.models.flex_model import StepBatch, TokenOutputs
 from flexrl_ds.models.zero3 import data_parallel_size
 from flexrl_ds.rl.config import GRPOConfig
 from flexrl_ds.rl.losses import grpo_loss, reduce_masked
+from flexrl_ds.parallel.profiling import region
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ class RankStats:
     """Sum over response tokens of the k3 estimate of KL(old || policy)."""
     num_tokens: float = 0.0
     """Response tokens on this rank."""
+
+    def __add__(self, other: "RankStats") -> "RankStats":
+        return RankStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(RankStats)})
 
 
 def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.Tensor,
@@ -188,17 +192,26 @@ def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig
     """Per micro-batch: forward (with the tokens' entropy: in the loss when entropy_coef > 0, else
     only logged), GRPO loss over the mini-batch's denominators, `engine.backward`; the gradients add
     up (DeepSpeed's accumulation boundary is set on the last micro-batch only), then one
-    `engine.step()`. The statistics are the micro-batches' sums."""
+    `engine.step()`. The statistics are the micro-batches' sums.
+
+    Every backward must reach every parameter (the forward's zero term and the vision tower's
+    placeholder see to it): with an offloaded optimizer, ZeRO-3 copies a parameter's accumulated
+    gradient to the host only on the boundary's backward. On bf16 engines DeepSpeed adds the
+    micro-batches' gradients in bf16 unless the JSON sets `data_types.grad_accum_dtype` to fp32."""
     if not micro_batches:
         raise ValueError("train_step: no micro-batch")
     total = RankStats()
     for index, inputs in enumerate(micro_batches):
         engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
-        outputs = engine(inputs.batch, with_entropy=True)
-        loss, stats = rank_grpo_loss(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
-                                     inputs.advantages, config, denoms, data_parallel_size(engine))
-        engine.backward(loss)
-        total = RankStats(**{f.name: getattr(total, f.name) + getattr(stats, f.name) for f in fields(RankStats)})
-    engine.step()
+        with region("forward"):
+            outputs = engine(inputs.batch, with_entropy=True)
+        with region("loss"):
+            loss, stats = rank_grpo_loss(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
+                                         inputs.advantages, config, denoms, data_parallel_size(engine))
+        with region("backward"):
+            engine.backward(loss)
+        total = total + stats
+    with region("optimizer_step"):
+        engine.step()
     norm = engine.get_global_grad_norm()
     return TrainStepResult(total, float(norm) if norm is not None else float("nan"))

@@ -54,6 +54,13 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+def profiler_activities() -> list:
+    """What torch.profiler records here: the CPU, and the GPU's kernels where there is one."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu_available() else [])
+
+
 def num_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -18,10 +18,11 @@ class SPConfig:
     H_pack: int | None = None
     """Token budget of one pack of short sequences; None: the planner's default."""
     max_tokens_per_rank: int | None = None
-    """Cap on the tokens one rank holds in a step (activation memory); None: no cap. `flexrl train`
-    sets aside, before their rollout, prompts whose samples could exceed it × the largest degree, and
-    runs a pass whose samples together exceed it × the ranks as micro-batches (gradients accumulated
-    into one optimizer step: planning/micro_batches.py)."""
+    """Cap on the tokens one rank holds in one forward pass (activation memory); None: no cap.
+    `flexrl train` sets aside, before their rollout, prompts whose samples could exceed it × the
+    largest degree, and runs a pass whose samples together exceed it × the ranks as micro-batches
+    (gradients accumulated into one optimizer step: planning/micro_batches.py). The planning tools
+    and `flexrl logprobs` plan one pass and name what overflows."""
     cost_model: str | None = None
     """A preset name (qwen2.5-vl-7b, qwen2.5-vl-32b, mimo-vl-7b) or the path of a HF config.json;
     None: the trained model's own config.json (`flexrl train`), qwen2.5-vl-7b for the planning tools."""

@@ -8,23 +8,25 @@ denominators are the whole mini-batch's, so the gradient is the one of the uncut
 
 `plan_micro_batches(shares, world_size, cost, sp)` takes one workload per SP domain (all domains
 run every micro-batch together: ZeRO-3 gathers parameters over every rank) and returns, per
-micro-batch, one `PlanResult` per domain. k is the fewest that plan: it starts at the tokens'
-lower bound (the largest share ÷ (cap × ranks), rounded up) and grows by one while any domain's
-part overflows (`StepOverflowError`). Each share is cut into k contiguous runs of balanced token
-counts, so a prompt's samples, which sit together, mostly stay in one micro-batch (its media is
-then encoded once per pass).
+micro-batch, one `PlanResult` per domain. Each domain's sequences, in their order (a prompt's
+samples sit together, so its media is mostly encoded once per pass), are filled greedily into
+contiguous runs: a run takes the next sequence while the run stays within cap × ranks and plans
+(`StepOverflowError` otherwise): the fewest contiguous runs, where every part of a run that plans
+plans too. k is the largest number
+of runs over the domains; a domain with fewer splits its largest runs in two (balanced tokens)
+until it has k. Without a cap a pass is one micro-batch, `plan_step`'s plan.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import CostModel
-from flexrl_ds.planning.plan import Workload
+from flexrl_ds.planning.plan import SequenceSpec, Workload
 from flexrl_ds.planning.planner import PlannerOptions, PlanResult, StepOverflowError, plan_step
 
 
@@ -45,37 +47,61 @@ def contiguous_runs(tokens: Sequence[int], num_runs: int) -> list[range]:
     return [range(lo, hi) for lo, hi in zip(cuts, cuts[1:])]
 
 
-def fewest_micro_batches(shares: Sequence[Workload], world_size: int, cap: int | None) -> int:
-    """The tokens' lower bound on the number of micro-batches: every share within cap × ranks."""
-    if cap is None:
-        return 1
-    return max(1, max(math.ceil(sum(s.tokens for s in share.sequences) / (cap * world_size)) for share in shares))
-
-
 def plan_micro_batches(shares: Sequence[Workload], world_size: int, cost: CostModel, sp: SPConfig,
                        options: PlannerOptions | None = None) -> list[list[PlanResult]]:
     """Per micro-batch, one `PlanResult` per SP domain (module docstring). Raises `StepOverflowError`
-    when some domain would need more micro-batches than it has sequences."""
+    when a domain has fewer sequences than the micro-batches another domain needs."""
+    def plan(sequences: tuple[SequenceSpec, ...]) -> PlanResult:
+        return plan_step(Workload(sequences), world_size, cost, sp, options)
+
+    budget = sp.max_tokens_per_rank * world_size if sp.max_tokens_per_rank is not None else math.inf
+    per_domain = [greedy_runs(share.sequences, budget, plan) for share in shares]
+    num_micro_batches = max(len(runs) for runs in per_domain)
     fewest_sequences = min(len(share.sequences) for share in shares)
-    num = fewest_micro_batches(shares, world_size, sp.max_tokens_per_rank)
-    last_error = None
-    while num <= fewest_sequences:
-        try:
-            return _plan_cut(shares, num, world_size, cost, sp, options)
-        except StepOverflowError as error:
-            last_error, num = error, num + 1
-    raise StepOverflowError(
-        f"the pass cannot be cut into enough micro-batches under max_tokens_per_rank={sp.max_tokens_per_rank}: "
-        f"an SP domain has only {fewest_sequences} sequences, fewer than the {num} or more micro-batches the "
-        "pass needs (every domain runs every micro-batch)" + (f"; {last_error}" if last_error else "")) from None
+    if num_micro_batches > fewest_sequences:
+        raise StepOverflowError(
+            f"the pass needs {num_micro_batches} micro-batches under max_tokens_per_rank={sp.max_tokens_per_rank}, "
+            f"but an SP domain has only {fewest_sequences} sequences (every domain runs every micro-batch; "
+            "fewer, larger SP domains, flexrl.sp.domain_size, share the samples more evenly)")
+    planned = [split_runs(runs, num_micro_batches, plan) for runs in per_domain]
+    return [list(results) for results in zip(*planned)]
 
 
-def _plan_cut(shares: Sequence[Workload], num: int, world_size: int, cost: CostModel, sp: SPConfig,
-              options: PlannerOptions | None) -> list[list[PlanResult]]:
-    """Every share cut into `num` contiguous runs, each run planned; micro-batch j is every share's run j."""
-    per_domain = []
-    for share in shares:
-        runs = contiguous_runs([s.tokens for s in share.sequences], num)
-        per_domain.append([plan_step(Workload(share.sequences[run.start:run.stop]), world_size, cost, sp, options)
-                           for run in runs])
-    return [list(plans) for plans in zip(*per_domain)]
+Run = tuple[tuple[SequenceSpec, ...], "PlanResult | None"]
+"""A micro-batch's sequences of one domain, and their plan (None: not planned yet)."""
+
+
+def greedy_runs(sequences: Sequence[SequenceSpec], budget: float, plan: Callable) -> list[Run]:
+    """The fewest contiguous runs, in order, each taking the next sequence while its tokens stay
+    within `budget` and `plan` does not raise `StepOverflowError` (a sequence alone always plans:
+    longer prompts are set aside before the rollout)."""
+    runs: list[Run] = []
+    start = 0
+    while start < len(sequences):
+        stop, total = start, 0
+        while stop < len(sequences) and (stop == start or total + sequences[stop].tokens <= budget):
+            total, stop = total + sequences[stop].tokens, stop + 1
+        while True:
+            try:
+                result = plan(tuple(sequences[start:stop]))
+                break
+            except StepOverflowError:
+                if stop - start == 1:
+                    raise
+                stop -= 1
+        runs.append((tuple(sequences[start:stop]), result))
+        start = stop
+    return runs
+
+
+def split_runs(runs: list[Run], num_runs: int, plan: Callable) -> list[PlanResult]:
+    """`runs` made `num_runs` by cutting the one with the most tokens (of those with two sequences
+    or more) into two balanced halves, again and again; the plan of each run."""
+    runs = list(runs)
+    while len(runs) < num_runs:
+        index = max((i for i, (seqs, _) in enumerate(runs) if len(seqs) > 1),
+                    key=lambda i: sum(s.tokens for s in runs[i][0]))
+        seqs = runs[index][0]
+        halves = contiguous_runs([s.tokens for s in seqs], 2)
+        runs[index:index + 1] = [(seqs[half.start:half.stop], None) for half in halves]
+    return [result if result is not None else plan(seqs) for seqs, result in runs]

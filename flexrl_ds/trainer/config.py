@@ -52,6 +52,11 @@ class TrainerConfig:
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0
     """Collective timeout of the policy group, and the longest wait for one worker call."""
+    profile_step: int | None = None
+    """A step (0-based) whose log-prob, update and sync phases every policy rank profiles with
+    torch.profiler (parallel/profiling.py): OUT/profile/step_N_rank_R.txt, flexrl's regions (batch
+    building with the pixel pulls, forward, loss, backward, optimizer step) and the ops with the most
+    self time, and .json.gz, the trace for Perfetto; None: off."""
     tensorboard: bool = True
     """Also write the step metrics as TensorBoard scalars under OUT/tensorboard (when installed)."""
     wandb_project: str | None = None
@@ -68,5 +73,7 @@ class TrainerConfig:
             raise ValueError("flexrl.trainer.num_cpus_per_rank must be > 0 and num_gpus_per_rank >= 0")
         if self.weight_sync_bucket_mb < 1:
             raise ValueError(f"flexrl.trainer.weight_sync_bucket_mb: must be at least 1, got {self.weight_sync_bucket_mb}")
+        if self.profile_step is not None and self.profile_step < 0:
+            raise ValueError(f"flexrl.trainer.profile_step: must be >= 0, got {self.profile_step}")
         if self.timeout_s <= 0:
             raise ValueError(f"flexrl.trainer.timeout_s: must be positive, got {self.timeout_s}")

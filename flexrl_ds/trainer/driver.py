@@ -77,6 +77,8 @@ class TrainOptions:
     """`models.flops.DecoderShape` of the trained model (for `mfu`)."""
     peak_flops: float | None = None
     """The policy ranks' GPU's bf16 dense peak FLOP/s; None (no `mfu`) on CPU or an unknown GPU."""
+    profile_step: int | None = None
+    """`TrainerConfig.profile_step`."""
 
 
 class GRPOTrainer:
@@ -109,9 +111,16 @@ class GRPOTrainer:
         rollout_info: dict[str, Any] = {}
         samples = self._phase(times, peaks, "rollout", self._rollout, step, prompts, rollout_info)
         reward_info = self._timed(times, "reward", self._reward, samples)
+        profiling = step == self.o.profile_step
+        if profiling:
+            self.policy.run("start_profile")
         inference = self._phase(times, peaks, "inference", self._inference, step, samples)
         update = self._phase(times, peaks, "update", self._update, step, samples, inference)
         times["sync"] = self._phase({}, peaks, "sync", self.rollout.sync, self.policy, self.o.bucket_bytes)
+        if profiling:
+            written = self.policy.run("stop_profile", str(self.paths.out_dir / "profile"), step)
+            print(f"profile: step {step}: log-prob, update and sync phases of each policy rank in {written[0]} "
+                  f"... ({len(written)} ranks; .json.gz beside each: the trace for ui.perfetto.dev)", flush=True)
         self.policy.run("release_pixels")
         self.controller.release(step)
         times["step"] = time.perf_counter() - started

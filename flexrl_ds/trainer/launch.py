@@ -135,7 +135,8 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         sampling=SamplingParams.from_config(run.flexrl.rollout, eos_ids, vision_token_ids(prepared.args.model_dir)),
         rl=run.flexrl.rl, sp=run.flexrl.sp,
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
-        run_config=raw_config, decoder=prepared.decoder, peak_flops=peak_bf16_flops(device_name))
+        run_config=raw_config, decoder=prepared.decoder, peak_flops=peak_bf16_flops(device_name),
+        profile_step=trainer.profile_step)
 
 
 def vision_token_ids(model_dir: str) -> list[int]:

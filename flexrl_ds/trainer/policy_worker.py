@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -42,6 +43,7 @@ from flexrl_ds.models.loading import load_model
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 from flexrl_ds.parallel.launch import ensure_deepspeed_comm
+from flexrl_ds.parallel.profiling import RankProfiler, region
 from flexrl_ds.planning.plan import parse_plan
 from flexrl_ds.runtime.rank_pixels import StepSlices, fetched_items, unit_requests
 from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
@@ -142,6 +144,7 @@ class PolicyWorker:
         self.tree = GroupTree.create(topology, place.rank)
         self.hf_config = None
         self.slices = StepSlices()  # the step's pulled pixels, for its later passes
+        self.profiler = RankProfiler()
         self.policy = self._engine(train=True)
         self.reference = self._engine(train=False) if setup.rl.init_kl_coef > 0 else None
         self.rollout = None
@@ -165,25 +168,29 @@ class PolicyWorker:
                                   temperature=self.setup.logprob_temperature)
 
     # ---- passes -------------------------------------------------------------------------------
-    def _batch(self, job: PassJob, micro_batch: int):
-        """This rank's StepBatch for one micro-batch of the job, with its vision units' pixels pulled."""
-        plans = job.plans_json[micro_batch]
-        if len(plans) != self.tree.topology.num_domains:
-            raise ValueError(f"pass of step {job.step}: {len(plans)} plans for "
-                             f"{self.tree.topology.num_domains} SP domains")
-        plan = parse_plan(plans[self.tree.domain])
-        samples = {s: job.samples[s] for pack in plan.packs for s in pack.sequences}
-        placement = place_rank(self.hf_config, plan, samples, self.tree.local_rank, self.tree)
-        requests = unit_requests(placement.units, job.prompt_keys) if placement.units else []
-        missing = self.slices.missing(job.step, requests)
+    def _batches(self, job: PassJob) -> list:
+        """This rank's StepBatch of each micro-batch of the job, with its vision units' pixels: the
+        slices the step's earlier passes did not pull are pulled at once, while the batches are built."""
+        if any(len(plans) != self.tree.topology.num_domains for plans in job.plans_json):
+            raise ValueError(f"pass of step {job.step}: {[len(p) for p in job.plans_json]} plans per micro-batch "
+                             f"for {self.tree.topology.num_domains} SP domains")
+        parts = []
+        for plans in job.plans_json:
+            plan = parse_plan(plans[self.tree.domain])
+            samples = {s: job.samples[s] for pack in plan.packs for s in pack.sequences}
+            placement = place_rank(self.hf_config, plan, samples, self.tree.local_rank, self.tree)
+            parts.append((plan, samples, placement,
+                          unit_requests(placement.units, job.prompt_keys) if placement.units else []))
+        missing = self.slices.missing(job.step, [r for *_, requests in parts for r in requests])
         materializer = self.setup.pixels.start(job.step, missing) if missing else None
-        batch = build_step_batch(self.policy.module.hf_model, plan, samples, self.tree.local_rank, self.tree,
-                                 placement=placement)
+        batches = [build_step_batch(self.policy.module.hf_model, plan, samples, self.tree.local_rank, self.tree,
+                                    placement=placement) for plan, samples, placement, _ in parts]
         if materializer is not None:
             self._pull(job.step, materializer, missing)
-        if requests:
-            batch.items = fetched_items(job.samples, job.prompt_keys, requests, self.slices.tensors(requests))
-        return batch
+        for batch, (*_, requests) in zip(batches, parts):
+            if requests:
+                batch.items = fetched_items(job.samples, job.prompt_keys, requests, self.slices.tensors(requests))
+        return batches
 
     def _pull(self, step: int, materializer, requests) -> None:
         """Wait for the pulled slices and keep them for the step's later passes."""
@@ -200,9 +207,10 @@ class PolicyWorker:
         """This rank's pieces of next-token log-probs (no grad) of the policy or the reference."""
         engine = self.reference if job.model == "reference" else self.policy
         pieces: dict[str, list] = {}
-        for micro_batch in range(len(job.plans_json)):
-            batch = self._batch(job, micro_batch)
-            with torch.no_grad():
+        with region("build_batches"):
+            batches = self._batches(job)
+        for batch in batches:
+            with torch.no_grad(), region("logprob_forward"):
                 logprobs = engine(batch).logprobs
             for seq_id, lo, hi, local in batch.layout.segments():
                 pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].float().cpu().tolist()))
@@ -212,7 +220,11 @@ class PolicyWorker:
         """One mini-batch update (models/policy_update.train_step); the mini-batch's statistics
         (all-reduced: the same on every rank) and the global grad norm."""
         started = time.perf_counter()
-        micro_batches = [self._update_inputs(job, index) for index in range(len(job.plans_json))]
+        values = policy_update.local_response_values
+        with region("build_batches"):
+            micro_batches = [policy_update.UpdateInputs(batch, values(batch, job.old_logprobs),
+                                                        values(batch, job.ref_logprobs) if job.ref_logprobs else None,
+                                                        values(batch, job.advantages)) for batch in self._batches(job)]
         everyone = {s: x.length - x.response_start for s, x in job.samples.items()}  # all domains' sequences
         result = policy_update.train_step(self.policy, micro_batches, self.setup.rl,
                                           policy_update.denominators(everyone))
@@ -220,13 +232,6 @@ class PolicyWorker:
         stats["grad_norm"] = result.grad_norm
         stats["update_s"] = time.perf_counter() - started
         return stats
-
-    def _update_inputs(self, job: PassJob, micro_batch: int) -> policy_update.UpdateInputs:
-        batch = self._batch(job, micro_batch)
-        values = policy_update.local_response_values
-        return policy_update.UpdateInputs(batch, values(batch, job.old_logprobs),
-                                          values(batch, job.ref_logprobs) if job.ref_logprobs else None,
-                                          values(batch, job.advantages))
 
     def release_pixels(self) -> None:
         """Drop the step's pulled slices (the driver's end of a step: their object-store buffers go)."""
@@ -236,6 +241,14 @@ class PolicyWorker:
         """Start new peaks for `peaks` (the driver calls it before a phase)."""
         device_mod.reset_peak_memory(self.device_info)
         self.device_usage.reset()
+
+    def start_profile(self) -> None:
+        """Profile this rank until `stop_profile` (parallel/profiling.py)."""
+        self.profiler.start()
+
+    def stop_profile(self, directory: str, step: int) -> str:
+        """End the profile; write DIRECTORY/step_N_rank_R.txt and .json.gz; returns the .txt path."""
+        return self.profiler.stop(Path(directory) / f"step_{step}_rank_{self.rank}")
 
     def accelerator_name(self) -> str | None:
         """This rank's GPU (e.g. "NVIDIA H200"; picks the calibration and the MFU peak), None on CPU."""

@@ -35,6 +35,8 @@
 #     num_samples_per_prompt times) and `flexrl.rollout.max_response_length` (default: the file's).
 #   MAX_TOKENS_PER_RANK=t: `flexrl.sp.max_tokens_per_rank`; a pass whose samples together hold more
 #     runs as micro-batches (planning/micro_batches.py; `micro_batches` in metrics.jsonl).
+#   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
+#     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it.
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
@@ -82,6 +84,8 @@ path, backend, shape, colocate, gpus = sys.argv[1:]
 gpus = int(gpus)
 # The shipped one-H200 config of the shape (ds_configs/README.md), with this run's choices on top.
 config = json.load(open(f"ds_configs/grpo_vl{shape}_1xh200.json"))
+if "PROFILE_STEP" in os.environ:  # torch.profiler over that step's log-prob, update and sync phases
+    config["flexrl"]["trainer"]["profile_step"] = int(os.environ["PROFILE_STEP"])
 config["flexrl"]["trainer"].update(save_every=0,
                                    save_last=os.environ.get("SAVE") == "1",  # the disk holds few checkpoints
                                    activation_checkpointing=os.environ.get("CKPT") == "1")

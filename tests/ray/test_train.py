@@ -57,7 +57,7 @@ def run_train(assets: Path, out: Path, max_steps: int, resume: bool = False, sp:
 @pytest.fixture(scope="module")
 def run_a(assets, ray_session):
     out = assets / "run_a"
-    assert run_train(assets, out, 3, save_every=2) == 0
+    assert run_train(assets, out, 3, save_every=2, profile_step=1) == 0
     return out
 
 
@@ -90,6 +90,19 @@ def test_outputs_and_metrics(run_a):
     degrees = {pack["degree"] for step in range(3)
                for pack in json.loads((run_a / "plans" / f"step_{step}.json").read_text())["packs"]}
     assert max(degrees) > 1, f"FlexUlysses used only degree 1: {degrees}"
+    assert all(row["micro_batches"] == {"inference": 1, "update": 1} for row in metrics)  # no token cap: one pass
+
+
+def test_the_profiled_step_names_each_ranks_regions(run_a):
+    """flexrl.trainer.profile_step 1: each of the 4 ranks wrote its profile of step 1 only, with the
+    passes' regions: 2 log-prob forwards (old policy, reference) and one update."""
+    assert sorted(p.name for p in (run_a / "profile").iterdir()) == sorted(
+        f"step_1_rank_{r}{ext}" for r in range(4) for ext in (".txt", ".json.gz"))
+    for rank in range(4):
+        text = (run_a / "profile" / f"step_1_rank_{rank}.txt").read_text()
+        calls = {line.split()[0]: int(line.split()[1]) for line in text.splitlines() if line.startswith("flexrl/")}
+        assert calls["flexrl/logprob_forward"] == 2 and calls["flexrl/build_batches"] == 3
+        assert calls["flexrl/forward"] == calls["flexrl/backward"] == calls["flexrl/optimizer_step"] == 1
 
 
 def test_rewards_and_advantages_recomputed(run_a):

@@ -1,5 +1,6 @@
-"""A pass whose sequences together overflow max_tokens_per_rank is cut into the fewest micro-batches
-that plan, every sequence in exactly one, every rank under the cap in each (planning/micro_batches.py)."""
+"""A pass whose sequences together overflow max_tokens_per_rank is cut into the fewest contiguous
+micro-batches that plan, every sequence in exactly one, every rank under the cap in each
+(planning/micro_batches.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
-from flexrl_ds.planning.micro_batches import _plan_cut, contiguous_runs, plan_micro_batches
+from flexrl_ds.planning.micro_batches import contiguous_runs, plan_micro_batches
 from flexrl_ds.planning.plan import SequenceSpec, Workload
 from flexrl_ds.planning.planner import StepOverflowError, plan_step
 
@@ -51,30 +52,51 @@ def test_without_a_cap_a_pass_is_one_micro_batch_and_the_plain_plan():
     assert only.plan.to_json() == plan_step(share, 8, COST, SPConfig(p_max=8)).plan.to_json()
 
 
+def plans(sequences, sp, world_size=8) -> bool:
+    try:
+        plan_step(Workload(tuple(sequences)), world_size, COST, sp)
+    except StepOverflowError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_an_overflowing_pass_is_cut_into_the_fewest_micro_batches_that_fit(seed):
+def test_an_overflowing_pass_is_cut_into_the_fewest_contiguous_micro_batches_that_fit(seed):
     rng = np.random.default_rng(seed)
     sp = SPConfig(p_max=4, max_tokens_per_rank=2000)
     shares = [workload(rng.integers(200, 8000, size=int(rng.integers(6, 14))), prefix=f"d{d}s") for d in range(2)]
-    with pytest.raises(StepOverflowError):  # as one pass, at least one domain overflows
-        for share in shares:
-            plan_step(share, 8, COST, sp)
+    assert not all(plans(share.sequences, sp) for share in shares)  # as one pass, a domain overflows
     micro_batches = plan_micro_batches(shares, 8, COST, sp)
     assert all(len(results) == 2 for results in micro_batches)  # every micro-batch runs on both domains
+    runs_per_domain = []
     for domain, share in enumerate(shares):
         lengths = {s.id: s.tokens for s in share.sequences}
-        planned = [x for results in micro_batches for p in results[domain].plan.packs for x in p.sequences]
-        assert sorted(planned) == sorted(lengths)  # every sequence once
+        runs = [[x for p in results[domain].plan.packs for x in p.sequences] for results in micro_batches]
+        order = {s.id: i for i, s in enumerate(share.sequences)}
+        runs = [sorted(run, key=order.get) for run in runs]
+        assert [x for run in runs for x in run] == [s.id for s in share.sequences]  # contiguous, every one once
         for results in micro_batches:
             assert held_tokens(results[domain].plan, lengths).max() <= sp.max_tokens_per_rank + 1e-9
-    fewer = len(micro_batches) - 1
-    if fewer >= 1:  # the fewest: one micro-batch less overflows
-        with pytest.raises(StepOverflowError):
-            _plan_cut(shares, fewer, 8, COST, sp, None)
+        runs_per_domain.append(runs)
+    # the fewest: in the domain that needs them all, every run but the last plus the next sequence overflows
+    def full(domain: int) -> bool:
+        by_id = {s.id: s for s in shares[domain].sequences}
+        runs = runs_per_domain[domain]
+        return not any(plans([by_id[x] for x in run + following[:1]], sp) for run, following in zip(runs, runs[1:]))
+    assert full(0) or full(1)
+
+
+def test_a_domain_with_fewer_runs_splits_its_largest_to_match():
+    sp = SPConfig(p_max=4, max_tokens_per_rank=1000)
+    shares = [workload([3900] * 3, prefix="a"), workload([100, 100, 2000, 100], prefix="b")]  # 'a': 3 runs, 'b': 1
+    micro_batches = plan_micro_batches(shares, 4, COST, sp)
+    assert len(micro_batches) == 3
+    b_runs = [[x for p in results[1].plan.packs for x in p.sequences] for results in micro_batches]
+    assert all(b_runs) and sorted(x for run in b_runs for x in run) == ["b0", "b1", "b2", "b3"]
 
 
 def test_a_domain_with_too_few_sequences_to_cut_is_named():
     sp = SPConfig(p_max=4, max_tokens_per_rank=1000)
     shares = [workload([3900] * 6, prefix="a"), workload([3900], prefix="b")]  # 'a' needs 6 passes, 'b' has 1 sequence
-    with pytest.raises(StepOverflowError, match="an SP domain has only 1 sequences"):
+    with pytest.raises(StepOverflowError, match="the pass needs 6 micro-batches .* an SP domain has only 1 sequences"):
         plan_micro_batches(shares, 4, COST, sp)

@@ -16,7 +16,7 @@ from flexrl_ds.config.flexrl_config import load_run_config
 ROOT = Path(__file__).resolve().parents[3]
 RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
 RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
-                   "TEMPERATURE", "TOP_P", "TOP_K", "PROMPTS", "RESPONSE_LENGTH", "MAX_TOKENS_PER_RANK")
+                   "TEMPERATURE", "TOP_P", "TOP_K", "PROMPTS", "RESPONSE_LENGTH", "MAX_TOKENS_PER_RANK", "PROFILE_STEP")
 """Environment variables the runner's config step reads (cleared, then set by each test)."""
 
 
@@ -85,9 +85,11 @@ def test_the_sampling_switches_land_in_the_rollout_section(tmp_path):
     assert [unset[k] for k in ("temperature", "top_p", "top_k")] == [shipped[k] for k in ("temperature", "top_p", "top_k")]
 
 
-def test_the_batch_switches_land_in_the_loader_rollout_and_sp_sections(tmp_path):
+def test_the_batch_and_profile_switches_land_in_their_sections(tmp_path):
     run = load_run_config_of(build(tmp_path, "vllm", "3b", PROMPTS="16", RESPONSE_LENGTH="512",
-                                   MAX_TOKENS_PER_RANK="16384"), tmp_path / "batch.json")
+                                   MAX_TOKENS_PER_RANK="16384", PROFILE_STEP="1"), tmp_path / "batch.json")
+    assert run.flexrl.trainer.profile_step == 1
+    assert build(tmp_path, "vllm", "3b")["flexrl"]["trainer"].get("profile_step") is None
     assert run.flexrl.data.loader.global_batch == 16
     assert run.flexrl.rollout.max_response_length == 512
     assert run.flexrl.sp.max_tokens_per_rank == 16384
