@@ -7,6 +7,9 @@ what runs in between (CPU, and the GPU's kernels where there is one) and write:
   included), then the 40 ops with the most self time on the device (CPU without one);
 - `<stem>.json.gz`: the trace, for Perfetto (ui.perfetto.dev) or chrome://tracing.
 `flexrl.trainer.profile_step` asks every policy rank for one step's log-prob, update and sync phases.
+Tested on CPU only: on one H200 a profiled 3B step (64 samples, 32k tokens, colocated vLLM) did not
+finish in the 100 s its run had left (docs/BENCHMARKS.md "sixteenth run"); whether the profiler is
+slow there or stuck next to the engine is not known yet.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class RankProfiler:
         stem = Path(stem)
         stem.parent.mkdir(parents=True, exist_ok=True)
         text = profile_tables(prof.key_averages(), device=device_mod.gpu_available())
-        (stem.parent / f"{stem.name}.txt").write_text(text)
+        (stem.parent / f"{stem.name}.txt").write_text(text)  # first: the trace of a big step takes longer
         prof.export_chrome_trace(str(stem.parent / f"{stem.name}.json.gz"))
         return str(stem.parent / f"{stem.name}.txt")
 
