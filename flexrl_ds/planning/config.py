@@ -39,6 +39,10 @@ class SPConfig:
     oversize: str = "error"
     """What to do with a sequence that cannot fit at p_max under the token cap: error|drop|truncate."""
 
+    def domain_ranks(self, num_ranks: int) -> int:
+        """Ranks of one SP domain among `num_ranks` policy ranks: `domain_size`, or all of them."""
+        return self.domain_size or num_ranks
+
     def __post_init__(self) -> None:
         if not is_power_of_two(self.p_max):
             raise ValueError(f"flexrl.sp.p_max: {self.p_max} is not a power of two")

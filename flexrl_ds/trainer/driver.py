@@ -150,7 +150,7 @@ class GRPOTrainer:
     def _fitting(self, step: int, prompts: list) -> list:
         """The prompts whose samples fit a sequence's share under flexrl.sp.max_tokens_per_rank; the
         others are said, with their record, and left out of the step."""
-        limit = sequence_token_limit(self.o.sp, self.o.cost, self.o.sp.domain_size or self.o.num_ranks)
+        limit = sequence_token_limit(self.o.sp, self.o.cost, self.o.sp.domain_ranks(self.o.num_ranks))
         if limit is None:
             return prompts
         reasons = too_long_prompts(prompts, self.o.sampling.max_new_tokens, limit.tokens)
@@ -215,7 +215,7 @@ class GRPOTrainer:
         planning/micro_batches.py), each one `PlanResult` per SP domain over its share of `names`;
         and every name's EncodedSample. `what` names the pass in the line said when it is cut."""
         encoded = samples.encoded(names)
-        domain_size = self.o.sp.domain_size or self.o.num_ranks
+        domain_size = self.o.sp.domain_ranks(self.o.num_ranks)
         shares = split_domains(samples.prompts, names, self.o.num_ranks // domain_size,
                                lambda n: self.o.cost.cost(encoded[n].length))
         micro_batches = plan_micro_batches([Workload(tuple(encoded[n].sequence_spec(n) for n in share))

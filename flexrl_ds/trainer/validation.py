@@ -65,7 +65,7 @@ def check_domains(flexrl: Any, num_ranks: int) -> None:
     """SP domains: `flexrl.sp.domain_size` (None: all ranks) divides the policy ranks, holds p_max,
     and every mini-batch has a sample for each domain (each domain plans its own share)."""
     loader, sp = flexrl.data.loader, flexrl.sp
-    domain = sp.domain_size or num_ranks
+    domain = sp.domain_ranks(num_ranks)
     if num_ranks % domain:
         raise ValueError(f"flexrl.sp.domain_size {domain} does not divide flexrl.trainer.num_policy_ranks = "
                          f"{num_ranks}")
@@ -132,7 +132,7 @@ def check_sequence_room(flexrl: Any, model_dir: str, num_ranks: int) -> None:
     (trainer/samples.py `sequence_token_limit`): refused when the longest response alone fills that,
     since every prompt would be set aside at every step."""
     sp, longest = flexrl.sp, flexrl.rollout.max_response_length
-    limit = sequence_token_limit(sp, load_cost_model(sp.cost_model or model_dir, None), sp.domain_size or num_ranks)
+    limit = sequence_token_limit(sp, load_cost_model(sp.cost_model or model_dir, None), sp.domain_ranks(num_ranks))
     if limit is not None and longest >= limit.tokens:
         raise ValueError(f"flexrl.rollout.max_response_length {longest}: a sequence may hold {limit.tokens} tokens "
                          f"({limit.explained(sp.max_tokens_per_rank)}), so no prompt fits next to the longest response")
