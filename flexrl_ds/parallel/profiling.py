@@ -38,14 +38,14 @@ class RankProfiler:
         if self.active is not None:
             raise RuntimeError("a profile is already running on this rank")
         self.active = profile(activities=device_mod.profiler_activities())
-        self.active.__enter__()
+        self.active.start()
 
     def stop(self, stem: str | Path) -> str:
         """End the profile; write `<stem>.txt` and `<stem>.json.gz`; returns the .txt path."""
         if self.active is None:
             raise RuntimeError("no profile is running on this rank")
         prof, self.active = self.active, None
-        prof.__exit__(None, None, None)
+        prof.stop()
         stem = Path(stem)
         stem.parent.mkdir(parents=True, exist_ok=True)
         text = profile_tables(prof.key_averages(), device=device_mod.gpu_available())

@@ -12,9 +12,10 @@ micro-batch, one `PlanResult` per domain. Each domain's sequences, in their orde
 samples sit together, so its media is mostly encoded once per pass), are filled greedily into
 contiguous runs: a run takes the next sequence while the run stays within cap × ranks and plans
 (`StepOverflowError` otherwise): the fewest contiguous runs, where every part of a run that plans
-plans too. k is the largest number
-of runs over the domains; a domain with fewer splits its largest runs in two (balanced tokens)
-until it has k. Without a cap a pass is one micro-batch, `plan_step`'s plan.
+plans too. k is the largest number of runs over the domains. Each domain then takes k runs of
+balanced tokens where all of them plan (no small last micro-batch paying a whole pass's fixed
+costs), else its greedy runs with the largest split in two until there are k. Without a cap a
+pass is one micro-batch, `plan_step`'s plan.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def plan_micro_batches(shares: Sequence[Workload], world_size: int, cost: CostMo
             f"the pass needs {num_micro_batches} micro-batches under max_tokens_per_rank={sp.max_tokens_per_rank}, "
             f"but an SP domain has only {fewest_sequences} sequences (every domain runs every micro-batch; "
             "fewer, larger SP domains, flexrl.sp.domain_size, share the samples more evenly)")
-    planned = [split_runs(runs, num_micro_batches, plan) for runs in per_domain]
+    planned = [balanced_runs(share.sequences, num_micro_batches, plan) or split_runs(runs, num_micro_batches, plan)
+               for share, runs in zip(shares, per_domain)]
     return [list(results) for results in zip(*planned)]
 
 
@@ -92,6 +94,18 @@ def greedy_runs(sequences: Sequence[SequenceSpec], budget: float, plan: Callable
         runs.append((tuple(sequences[start:stop]), result))
         start = stop
     return runs
+
+
+def balanced_runs(sequences: Sequence[SequenceSpec], num_runs: int, plan: Callable) -> list[PlanResult] | None:
+    """The plans of `num_runs` contiguous runs of balanced tokens (`contiguous_runs`); None when
+    one of them overflows, or when there is one run (the greedy run is that plan already)."""
+    if num_runs == 1:
+        return None
+    try:
+        return [plan(tuple(sequences[run.start:run.stop]))
+                for run in contiguous_runs([s.tokens for s in sequences], num_runs)]
+    except StepOverflowError:
+        return None
 
 
 def split_runs(runs: list[Run], num_runs: int, plan: Callable) -> list[PlanResult]:

@@ -91,6 +91,10 @@ class GRPOTrainer:
         self.paths = RunPaths(options.out_dir)
 
     def run(self) -> list[dict[str, Any]]:
+        profiled = self.o.profile_step
+        if profiled is not None and not self.o.start_step <= profiled < self.o.max_steps:
+            print(f"profile: flexrl.trainer.profile_step {profiled} is not one of this run's steps "
+                  f"{self.o.start_step}..{self.o.max_steps - 1}: nothing is profiled", flush=True)
         rows = []
         for step in range(self.o.start_step, self.o.max_steps):
             rows.append(self.train_step(step))
@@ -221,10 +225,10 @@ class GRPOTrainer:
         micro_batches = plan_micro_batches([Workload(tuple(encoded[n].sequence_spec(n) for n in share))
                                             for share in shares], domain_size, self.o.cost, self.o.sp)
         if len(micro_batches) > 1:
-            tokens = sum(encoded[n].length for n in names)
-            print(f"plan: step {step}: {what}: {len(names)} samples, {tokens} tokens, do not fit one pass under "
-                  f"flexrl.sp.max_tokens_per_rank {self.o.sp.max_tokens_per_rank} x {domain_size} ranks per SP "
-                  f"domain: run as {len(micro_batches)} micro-batches", flush=True)
+            largest = max(sum(encoded[n].length for n in share) for share in shares)
+            print(f"plan: step {step}: {what}: {len(names)} samples do not plan in one pass under "
+                  f"flexrl.sp.max_tokens_per_rank {self.o.sp.max_tokens_per_rank} x {domain_size} ranks (the largest "
+                  f"SP domain's share holds {largest} tokens): run as {len(micro_batches)} micro-batches", flush=True)
         return micro_batches, encoded
 
     def _save_plans(self, micro_batches, step: int, suffix: str = "") -> None:
@@ -241,8 +245,8 @@ class GRPOTrainer:
         ref = {}
         if self.o.rl.init_kl_coef > 0:
             ref = assemble(encoded, self.policy.run("logprobs", dataclasses.replace(job, model="reference")))
-        return {"old": old, "ref": ref, "plans": [r for results in micro_batches for r in results],
-                "micro_batches": len(micro_batches)}
+        return {"old": old, "ref": ref, "micro_batches": micro_batches, "encoded": encoded,
+                "plans": [r for results in micro_batches for r in results]}
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         asked = self.o.rl.mini_batches_per_step
@@ -252,10 +256,14 @@ class GRPOTrainer:
         batches = split_mini_batches(samples.prompts, samples.names, min(asked, len(samples.prompts)))
         per_batch = []
         for index, names in enumerate(batches):
-            micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index} (gradients "
-                                                "accumulated into one optimizer step)")
-            if len(batches) > 1 or len(micro_batches) > 1:
+            if len(batches) == 1:  # the whole step, as the log-prob pass planned it
+                micro_batches, encoded = inference["micro_batches"], inference["encoded"]
+            else:
+                micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index}")
                 self._save_plans(micro_batches, step, f"_mb{index}")
+            if len(micro_batches) > 1:
+                print(f"plan: step {step}: update mini-batch {index}: {len(micro_batches)} micro-batches, their "
+                      "gradients accumulated into one optimizer step", flush=True)
             job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys(),
                           old_logprobs={n: inference["old"][n] for n in names},
                           ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},
@@ -290,7 +298,7 @@ class GRPOTrainer:
             "attention_balance": max(float(r.metrics.attention_balance) for r in inference["plans"]),
             "rollout_logprob_diff": gaps.mean, "rollout_logprob_diff_by_media": gaps.by_media,
             "degrees": _degrees(inference["plans"]),
-            "micro_batches": {"inference": inference["micro_batches"],
+            "micro_batches": {"inference": len(inference["micro_batches"]),
                               "update": sum(b["micro_batches"] for b in update)},
             **self._mfu(samples, lengths, times, passes=2 if inference["ref"] else 1),
         }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from brute_force import tokens_per_rank
 
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
@@ -18,15 +19,6 @@ COST = load_cost_model("qwen2.5-vl-7b")
 
 def workload(lengths, prefix="s") -> Workload:
     return Workload(tuple(SequenceSpec(id=f"{prefix}{i}", tokens=int(n)) for i, n in enumerate(lengths)))
-
-
-def held_tokens(plan, lengths: dict[str, int]) -> np.ndarray:
-    """Tokens each rank holds, from the plan's packs (an even split of each sequence over its pack)."""
-    held = np.zeros(plan.world_size)
-    for pack in plan.packs:
-        for seq_id in pack.sequences:
-            held[list(pack.ranks)] += lengths[seq_id] / pack.degree
-    return held
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -70,20 +62,35 @@ def test_an_overflowing_pass_is_cut_into_the_fewest_contiguous_micro_batches_tha
     assert all(len(results) == 2 for results in micro_batches)  # every micro-batch runs on both domains
     runs_per_domain = []
     for domain, share in enumerate(shares):
-        lengths = {s.id: s.tokens for s in share.sequences}
         runs = [[x for p in results[domain].plan.packs for x in p.sequences] for results in micro_batches]
         order = {s.id: i for i, s in enumerate(share.sequences)}
         runs = [sorted(run, key=order.get) for run in runs]
         assert [x for run in runs for x in run] == [s.id for s in share.sequences]  # contiguous, every one once
         for results in micro_batches:
-            assert held_tokens(results[domain].plan, lengths).max() <= sp.max_tokens_per_rank + 1e-9
+            assert tokens_per_rank(results[domain].plan, share).max() <= sp.max_tokens_per_rank + 1e-9
         runs_per_domain.append(runs)
-    # the fewest: in the domain that needs them all, every run but the last plus the next sequence overflows
-    def full(domain: int) -> bool:
-        by_id = {s.id: s for s in shares[domain].sequences}
-        runs = runs_per_domain[domain]
-        return not any(plans([by_id[x] for x in run + following[:1]], sp) for run, following in zip(runs, runs[1:]))
-    assert full(0) or full(1)
+    # the fewest: an exhaustive search over contiguous cuts (each run checked with plan_step) needs as many
+    assert len(micro_batches) == max(fewest_contiguous_runs(share.sequences, sp) for share in shares)
+
+
+def fewest_contiguous_runs(sequences, sp) -> int:
+    """Reference: the fewest runs of consecutive sequences that each plan, by dynamic programming
+    over every cut (no assumption that a part of a run that plans plans too)."""
+    fewest = [0] + [len(sequences) + 1] * len(sequences)  # fewest[i]: runs covering the first i
+    for stop in range(1, len(sequences) + 1):
+        for start in range(stop):
+            if fewest[start] + 1 < fewest[stop] and plans(sequences[start:stop], sp):
+                fewest[stop] = fewest[start] + 1
+    return fewest[-1]
+
+
+def test_micro_batches_are_balanced_where_balanced_runs_plan():
+    """Ten equal sequences, room for three per pass: greedy needs four runs (3, 3, 3, 1); the four
+    micro-batches then hold 2 or 3 sequences each, not a lone last one."""
+    sp = SPConfig(p_max=4, max_tokens_per_rank=800)  # 3,200 tokens a pass on 4 ranks
+    micro_batches = plan_micro_batches([workload([1000] * 10)], 4, COST, sp)
+    sizes = [sum(len(p.sequences) for p in results[0].plan.packs) for results in micro_batches]
+    assert len(sizes) == 4 and sum(sizes) == 10 and set(sizes) <= {2, 3}
 
 
 def test_a_domain_with_fewer_runs_splits_its_largest_to_match():

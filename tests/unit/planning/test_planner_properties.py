@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from brute_force import tokens_per_rank
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,15 +39,6 @@ def planning_cases(draw, max_sequences: int = 40):
     return workload, world_size, SPConfig(p_max=p_max, max_tokens_per_rank=cap, h_pack=h_pack), head_rule
 
 
-def _tokens_per_rank(plan, workload):
-    tokens = {s.id: s.tokens for s in workload.sequences}
-    held = np.zeros(plan.world_size)
-    for pack in plan.packs:
-        for seq_id in pack.sequences:
-            held[list(pack.ranks)] += tokens[seq_id] / pack.degree
-    return held
-
-
 def _check(workload, world_size, sp, head_rule):
     try:
         result = plan_step(workload, world_size, COST, sp, PlannerOptions(head_rule=head_rule))
@@ -58,7 +50,7 @@ def _check(workload, world_size, sp, head_rule):
     validate_plan(plan, workload)  # every sequence exactly once, aligned power-of-two groups, HSF
     assert check_schedule(plan).deadlock_free
     if sp.max_tokens_per_rank is not None:
-        assert _tokens_per_rank(plan, workload).max() <= sp.max_tokens_per_rank + 1e-6
+        assert tokens_per_rank(plan, workload).max() <= sp.max_tokens_per_rank + 1e-6
     if head_rule == "divisible":
         assert all(COST.num_heads % p.degree == 0 for p in plan.packs)
     assert 0 < result.metrics.efficiency <= result.metrics.efficiency_bound + 1e-9 <= 1 + 2e-9

@@ -166,7 +166,8 @@ def test_checkpoint_steps_follow_save_every_and_save_last(save_every, save_last,
     from flexrl_ds.trainer.driver import GRPOTrainer
 
     trainer = object.__new__(GRPOTrainer)  # only the step loop: no workers behind it
-    trainer.o = SimpleNamespace(start_step=0, max_steps=4, save_every=save_every, save_last=save_last)
+    trainer.o = SimpleNamespace(start_step=0, max_steps=4, save_every=save_every, save_last=save_last,
+                                profile_step=None)
     written = []
     trainer.train_step = lambda step: {"step": step}
     trainer.save = written.append
