@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flexrl_ds.planning.cost_model import LayerShapes
+
 
 @dataclass(frozen=True)
 class DecoderShape:
@@ -41,11 +43,15 @@ class DecoderShape:
                    int(text_config.num_hidden_layers), int(text_config.intermediate_size),
                    int(text_config.vocab_size), int(head_dim))
 
+    def layer_shapes(self) -> LayerShapes:
+        """The planner's view of one decoder layer (planning/cost_model.py)."""
+        return LayerShapes(self.hidden_size, self.intermediate_size, self.num_attention_heads,
+                           self.num_key_value_heads, self.head_dim, self.num_hidden_layers)
+
     def layer_matmul_params(self) -> int:
-        """Weights of one decoder layer's matmuls: q, k, v, o and the gated MLP (biases and norms left out)."""
-        query, key_value = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        attention = self.hidden_size * (2 * query + 2 * key_value)
-        return attention + 3 * self.hidden_size * self.intermediate_size
+        """Weights of one decoder layer's matmuls: q, k, v, o and the gated MLP (biases and norms left
+        out), as the planner's cost model counts them."""
+        return self.layer_shapes().params_per_layer()
 
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
