@@ -245,8 +245,7 @@ class GRPOTrainer:
         ref = {}
         if self.o.rl.init_kl_coef > 0:
             ref = assemble(encoded, self.policy.run("logprobs", dataclasses.replace(job, model="reference")))
-        return {"old": old, "ref": ref, "micro_batches": micro_batches, "encoded": encoded,
-                "plans": [r for results in micro_batches for r in results]}
+        return {"old": old, "ref": ref, "micro_batches": micro_batches, "encoded": encoded}
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         asked = self.o.rl.mini_batches_per_step
@@ -279,6 +278,7 @@ class GRPOTrainer:
         lengths = [len(samples.response_ids[n]) for n in names]
         tokens = sum(len(p.prompt_ids) * len(p.sample_names) for p in samples.prompts) + sum(lengths)
         total_tokens = max(sum(b["num_tokens"] for b in update), 1.0)
+        plans = [result for results in inference["micro_batches"] for result in results]  # every domain's
 
         def token_weighted(key: str) -> float:
             return sum(b[key] * b["num_tokens"] for b in update) / total_tokens
@@ -295,9 +295,9 @@ class GRPOTrainer:
             "zero_variance_groups": reward_info["zero_variance_groups"],
             "num_reward_errors": reward_info["num_reward_errors"], "num_samples": len(names),
             "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
-            "attention_balance": max(float(r.metrics.attention_balance) for r in inference["plans"]),
+            "attention_balance": max(float(r.metrics.attention_balance) for r in plans),
             "rollout_logprob_diff": gaps.mean, "rollout_logprob_diff_by_media": gaps.by_media,
-            "degrees": _degrees(inference["plans"]),
+            "degrees": _degrees(plans),
             "micro_batches": {"inference": len(inference["micro_batches"]),
                               "update": sum(b["micro_batches"] for b in update)},
             **self._mfu(samples, lengths, times, passes=2 if inference["ref"] else 1),
