@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flexrl_ds.common import is_power_of_two
 
@@ -23,6 +23,10 @@ class SPConfig:
     largest degree, and runs a pass whose samples together exceed it × the ranks as micro-batches
     (gradients accumulated into one optimizer step: planning/micro_batches.py). The planning tools
     and `flexrl logprobs` plan one pass and name what overflows."""
+    logprob_max_tokens_per_rank: int | None = None
+    """A looser cap for the no-grad log-prob passes (old policy, reference), which keep no layer's
+    activations for a backward: at least `max_tokens_per_rank`, and only with it; None: the same cap
+    (the passes are then planned once for both). With it, fewer log-prob passes are cut."""
     cost_model: str | None = None
     """A preset name (qwen2.5-vl-7b, qwen2.5-vl-32b, mimo-vl-7b) or the path of a HF config.json;
     None: the trained model's own config.json (`flexrl train`), qwen2.5-vl-7b for the planning tools."""
@@ -39,6 +43,10 @@ class SPConfig:
     oversize: str = "error"
     """What to do with a sequence that cannot fit at p_max under the token cap: error|drop|truncate."""
 
+    def for_logprob_passes(self) -> "SPConfig":
+        """These settings with the log-prob passes' cap in `max_tokens_per_rank`."""
+        return replace(self, max_tokens_per_rank=self.logprob_max_tokens_per_rank or self.max_tokens_per_rank)
+
     def domain_ranks(self, num_ranks: int) -> int:
         """Ranks of one SP domain among `num_ranks` policy ranks: `domain_size`, or all of them."""
         return self.domain_size or num_ranks
@@ -46,10 +54,14 @@ class SPConfig:
     def __post_init__(self) -> None:
         if not is_power_of_two(self.p_max):
             raise ValueError(f"flexrl.sp.p_max: {self.p_max} is not a power of two")
-        for name in ("h_pack", "H_pack", "max_tokens_per_rank", "domain_size"):
+        for name in ("h_pack", "H_pack", "max_tokens_per_rank", "logprob_max_tokens_per_rank", "domain_size"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"flexrl.sp.{name}: must be positive, got {value}")
+        looser = self.logprob_max_tokens_per_rank
+        if looser is not None and (self.max_tokens_per_rank is None or looser < self.max_tokens_per_rank):
+            raise ValueError(f"flexrl.sp.logprob_max_tokens_per_rank ({looser}) must be at least "
+                             f"flexrl.sp.max_tokens_per_rank ({self.max_tokens_per_rank}), which it loosens")
         if self.h_pack is not None and self.H_pack is not None and self.h_pack > self.H_pack:
             raise ValueError(f"flexrl.sp.h_pack ({self.h_pack}) exceeds flexrl.sp.H_pack ({self.H_pack})")
         if self.oversize not in ("error", "drop", "truncate"):

@@ -122,15 +122,16 @@ def encode_dataset(model_dir: str, data_path: str, response_key: str = "response
 
 
 def sp_settings(run_config: str | None, p_max: int) -> SPConfig:
-    """`flexrl.sp` of `--config` (token cap, packing, cost model, calibration, oversize; defaults
-    without one), with `--p-max` / `--nproc` deciding the largest degree and `overlap` on (the
-    executor's). What this tool replaces or does without is named on stdout (`unused_sp_settings`)."""
+    """`flexrl.sp` of `--config` (token cap, the log-prob passes' one where set, packing, cost model,
+    calibration, oversize; defaults without one), with `--p-max` / `--nproc` deciding the largest
+    degree and `overlap` on (the executor's). What this tool replaces or does without is named on
+    stdout (`unused_sp_settings`)."""
     if run_config is None:
         return SPConfig(p_max=p_max)
     sp = load_run_config(run_config).flexrl.sp
     for line in unused_sp_settings(sp, p_max):
         print(f"flexrl logprobs: {line} ({run_config})", flush=True)
-    return dataclasses.replace(sp, p_max=p_max, overlap=True)
+    return dataclasses.replace(sp.for_logprob_passes(), p_max=p_max, overlap=True)
 
 
 def unused_sp_settings(sp: SPConfig, p_max: int) -> list[str]:

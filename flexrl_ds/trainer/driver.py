@@ -214,21 +214,22 @@ class GRPOTrainer:
         return {"texts": dict(zip(names, texts)), "num_reward_errors": len(scored.errors),
                 "zero_variance_groups": float((grouped.amax(1) == grouped.amin(1)).double().mean())}
 
-    def _plan(self, step: int, samples: StepSamples, names: list[str], what: str):
-        """The pass's micro-batches (one unless the pass overflows flexrl.sp.max_tokens_per_rank:
+    def _plan(self, step: int, samples: StepSamples, names: list[str], what: str, sp: Any):
+        """The pass's micro-batches (one unless the pass overflows `sp.max_tokens_per_rank`:
         planning/micro_batches.py), each one `PlanResult` per SP domain over its share of `names`;
-        and every name's EncodedSample. `what` names the pass in the line said when it is cut."""
+        and every name's EncodedSample. `what` names the pass and its cap's setting in the line said
+        when it is cut."""
         encoded = samples.encoded(names)
         domain_size = self.o.sp.domain_ranks(self.o.num_ranks)
         shares = split_domains(samples.prompts, names, self.o.num_ranks // domain_size,
                                lambda n: self.o.cost.cost(encoded[n].length))
         micro_batches = plan_micro_batches([Workload(tuple(encoded[n].sequence_spec(n) for n in share))
-                                            for share in shares], domain_size, self.o.cost, self.o.sp)
+                                            for share in shares], domain_size, self.o.cost, sp)
         if len(micro_batches) > 1:
             largest = max(sum(encoded[n].length for n in share) for share in shares)
-            print(f"plan: step {step}: {what}: {len(names)} samples do not plan in one pass under "
-                  f"flexrl.sp.max_tokens_per_rank {self.o.sp.max_tokens_per_rank} x {domain_size} ranks (the largest "
-                  f"SP domain's share holds {largest} tokens): run as {len(micro_batches)} micro-batches", flush=True)
+            print(f"plan: step {step}: {what} {sp.max_tokens_per_rank} x {domain_size} ranks: {len(names)} samples "
+                  f"do not plan in one pass (the largest SP domain's share holds {largest} tokens): run as "
+                  f"{len(micro_batches)} micro-batches", flush=True)
         return micro_batches, encoded
 
     def _save_plans(self, micro_batches, step: int, suffix: str = "") -> None:
@@ -238,7 +239,10 @@ class GRPOTrainer:
                 result.plan.save(self.paths.plan(step, part + (f"_d{domain}" if len(results) > 1 else "")))
 
     def _inference(self, step: int, samples: StepSamples) -> dict[str, Any]:
-        micro_batches, encoded = self._plan(step, samples, samples.names, "old-policy and reference log-probs")
+        looser = self.o.sp.logprob_max_tokens_per_rank is not None
+        cap = "flexrl.sp.logprob_max_tokens_per_rank" if looser else "flexrl.sp.max_tokens_per_rank"
+        micro_batches, encoded = self._plan(step, samples, samples.names, f"old-policy and reference log-probs "
+                                            f"under {cap}", self.o.sp.for_logprob_passes())
         self._save_plans(micro_batches, step)
         job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys())
         old = assemble(encoded, self.policy.run("logprobs", job))
@@ -253,12 +257,13 @@ class GRPOTrainer:
             print(f"data: step {step}: {len(samples.prompts)} prompts left of the step's, so as many mini-batches "
                   f"instead of flexrl.rl.mini_batches_per_step = {asked}", flush=True)
         batches = split_mini_batches(samples.prompts, samples.names, min(asked, len(samples.prompts)))
-        per_batch = []
+        per_batch, same_cap = [], self.o.sp.for_logprob_passes() == self.o.sp
         for index, names in enumerate(batches):
-            if len(batches) == 1:  # the whole step, as the log-prob pass planned it
+            if len(batches) == 1 and same_cap:  # the whole step, as the log-prob pass planned it
                 micro_batches, encoded = inference["micro_batches"], inference["encoded"]
             else:
-                micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index}")
+                micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index} under "
+                                                    "flexrl.sp.max_tokens_per_rank", self.o.sp)
                 self._save_plans(micro_batches, step, f"_mb{index}")
             if len(micro_batches) > 1:
                 print(f"plan: step {step}: update mini-batch {index}: {len(micro_batches)} micro-batches, their "

@@ -35,6 +35,8 @@
 #     num_samples_per_prompt times) and `flexrl.rollout.max_response_length` (default: the file's).
 #   MAX_TOKENS_PER_RANK=t: `flexrl.sp.max_tokens_per_rank`; a pass whose samples together hold more
 #     runs as micro-batches (planning/micro_batches.py; `micro_batches` in metrics.jsonl).
+#     LOGPROB_MAX_TOKENS_PER_RANK=t: a looser cap for the no-grad log-prob passes
+#     (`flexrl.sp.logprob_max_tokens_per_rank`, at least MAX_TOKENS_PER_RANK).
 #   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
 #     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it.
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
@@ -97,7 +99,8 @@ for name, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
         config["flexrl"]["rollout"][name] = cast(os.environ[name.upper()])
 for variable, section, key in (("PROMPTS", config["flexrl"]["data"]["loader"], "global_batch"),
                                ("RESPONSE_LENGTH", config["flexrl"]["rollout"], "max_response_length"),
-                               ("MAX_TOKENS_PER_RANK", config["flexrl"]["sp"], "max_tokens_per_rank")):
+                               ("MAX_TOKENS_PER_RANK", config["flexrl"]["sp"], "max_tokens_per_rank"),
+                               ("LOGPROB_MAX_TOKENS_PER_RANK", config["flexrl"]["sp"], "logprob_max_tokens_per_rank")):
     if variable in os.environ:
         section[key] = int(os.environ[variable])
 if "OFFLOAD_RATIO" in os.environ:  # 7b: the share of the optimizer stepped on the host by CPUAdam

@@ -80,3 +80,14 @@ def test_data_section_is_typed():
     assert run.flexrl.data.video_fps == 1.0
     with pytest.raises(ValueError, match="flexrl.data: unknown key"):
         parse_run_config({"flexrl": {"data": {"video_fpss": 1.0}}})
+
+
+def test_the_log_prob_passes_cap_only_loosens_the_token_cap():
+    from flexrl_ds.planning.config import SPConfig
+
+    loose = SPConfig(max_tokens_per_rank=1000, logprob_max_tokens_per_rank=4000)
+    assert loose.for_logprob_passes().max_tokens_per_rank == 4000 and loose.max_tokens_per_rank == 1000
+    assert SPConfig(max_tokens_per_rank=1000).for_logprob_passes() == SPConfig(max_tokens_per_rank=1000)
+    for bad in ({"max_tokens_per_rank": 1000, "logprob_max_tokens_per_rank": 999}, {"logprob_max_tokens_per_rank": 10}):
+        with pytest.raises(ValueError, match="logprob_max_tokens_per_rank .* must be at least"):
+            SPConfig(**bad)
