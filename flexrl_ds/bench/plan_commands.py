@@ -34,7 +34,7 @@ def _resolve(args):
     for key, value in overrides.items():
         if key != "oversize" and key not in ("cost_model", "calibration") and value <= 0:
             raise ValueError(f"--{key.replace('_', '-')}: must be positive, got {value}")
-    sp = dataclasses.replace(base, **overrides)
+    sp = dataclasses.replace(base, logprob_max_tokens_per_rank=None, **overrides)  # these tools plan under the plain cap
     calibration = None if sp.calibration == "none" else sp.calibration
     device_name = args.device
     if calibration == "auto" and device_name is None:

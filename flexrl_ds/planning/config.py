@@ -26,7 +26,8 @@ class SPConfig:
     logprob_max_tokens_per_rank: int | None = None
     """A looser cap for the no-grad log-prob passes (old policy, reference), which keep no layer's
     activations for a backward: at least `max_tokens_per_rank`, and only with it; None: the same cap
-    (the passes are then planned once for both). With it, fewer log-prob passes are cut."""
+    (the passes are then planned once for both). With it, fewer log-prob passes are cut. `flexrl
+    logprobs` plans under it; the planning tools (`flexrl plan`, `simulate`, `bench planner`) do not."""
     cost_model: str | None = None
     """A preset name (qwen2.5-vl-7b, qwen2.5-vl-32b, mimo-vl-7b) or the path of a HF config.json;
     None: the trained model's own config.json (`flexrl train`), qwen2.5-vl-7b for the planning tools."""
@@ -59,7 +60,10 @@ class SPConfig:
             if value is not None and value <= 0:
                 raise ValueError(f"flexrl.sp.{name}: must be positive, got {value}")
         looser = self.logprob_max_tokens_per_rank
-        if looser is not None and (self.max_tokens_per_rank is None or looser < self.max_tokens_per_rank):
+        if looser is not None and self.max_tokens_per_rank is None:
+            raise ValueError(f"flexrl.sp.logprob_max_tokens_per_rank ({looser}) needs flexrl.sp.max_tokens_per_rank, "
+                             "which it loosens for the log-prob passes")
+        if looser is not None and looser < self.max_tokens_per_rank:
             raise ValueError(f"flexrl.sp.logprob_max_tokens_per_rank ({looser}) must be at least "
                              f"flexrl.sp.max_tokens_per_rank ({self.max_tokens_per_rank}), which it loosens")
         if self.h_pack is not None and self.H_pack is not None and self.h_pack > self.H_pack:

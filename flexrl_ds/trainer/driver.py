@@ -14,8 +14,9 @@ never pixels: the rollout hosts and the policy ranks pull their own from the pre
 4. plan: FlexUlysses over prompt + response lengths (planning/planner.py), with `flexrl.sp`; with
    several SP domains (`flexrl.sp.domain_size` < policy ranks) each pass's samples are split over
    the domains (trainer/samples.split_domains) and every domain gets a plan of its own share; a
-   pass whose samples together overflow `flexrl.sp.max_tokens_per_rank` runs as micro-batches
-   (planning/micro_batches.py; said, and counted in `micro_batches`);
+   pass whose samples together overflow `flexrl.sp.max_tokens_per_rank` (the log-prob passes:
+   `logprob_max_tokens_per_rank` where set) runs as micro-batches (planning/micro_batches.py;
+   said, and counted in `micro_batches`);
 5. inference: reference and old-policy log-probs, no grad, on the planned layout;
 6. advantages (rl/advantages.py) and the update: `mini_batches_per_step` optimizer steps, each
    mini-batch planned on its own, loss normalised by the mini-batch's response tokens (micro-batches
@@ -217,8 +218,7 @@ class GRPOTrainer:
     def _plan(self, step: int, samples: StepSamples, names: list[str], what: str, sp: Any):
         """The pass's micro-batches (one unless the pass overflows `sp.max_tokens_per_rank`:
         planning/micro_batches.py), each one `PlanResult` per SP domain over its share of `names`;
-        and every name's EncodedSample. `what` names the pass and its cap's setting in the line said
-        when it is cut."""
+        and every name's EncodedSample. `what` names the pass in the line said when it is cut."""
         encoded = samples.encoded(names)
         domain_size = self.o.sp.domain_ranks(self.o.num_ranks)
         shares = split_domains(samples.prompts, names, self.o.num_ranks // domain_size,
@@ -227,9 +227,11 @@ class GRPOTrainer:
                                             for share in shares], domain_size, self.o.cost, sp)
         if len(micro_batches) > 1:
             largest = max(sum(encoded[n].length for n in share) for share in shares)
-            print(f"plan: step {step}: {what} {sp.max_tokens_per_rank} x {domain_size} ranks: {len(names)} samples "
-                  f"do not plan in one pass (the largest SP domain's share holds {largest} tokens): run as "
-                  f"{len(micro_batches)} micro-batches", flush=True)
+            setting = "max_tokens_per_rank" if sp.max_tokens_per_rank == self.o.sp.max_tokens_per_rank else \
+                "logprob_max_tokens_per_rank"
+            print(f"plan: step {step}: {what}: {len(names)} samples do not plan in one pass under flexrl.sp.{setting} "
+                  f"{sp.max_tokens_per_rank} x {domain_size} ranks (the largest SP domain's share holds {largest} "
+                  f"tokens): run as {len(micro_batches)} micro-batches", flush=True)
         return micro_batches, encoded
 
     def _save_plans(self, micro_batches, step: int, suffix: str = "") -> None:
@@ -239,10 +241,8 @@ class GRPOTrainer:
                 result.plan.save(self.paths.plan(step, part + (f"_d{domain}" if len(results) > 1 else "")))
 
     def _inference(self, step: int, samples: StepSamples) -> dict[str, Any]:
-        looser = self.o.sp.logprob_max_tokens_per_rank is not None
-        cap = "flexrl.sp.logprob_max_tokens_per_rank" if looser else "flexrl.sp.max_tokens_per_rank"
-        micro_batches, encoded = self._plan(step, samples, samples.names, f"old-policy and reference log-probs "
-                                            f"under {cap}", self.o.sp.for_logprob_passes())
+        micro_batches, encoded = self._plan(step, samples, samples.names, "old-policy and reference log-probs",
+                                            self.o.sp.for_logprob_passes())
         self._save_plans(micro_batches, step)
         job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys())
         old = assemble(encoded, self.policy.run("logprobs", job))
@@ -257,17 +257,18 @@ class GRPOTrainer:
             print(f"data: step {step}: {len(samples.prompts)} prompts left of the step's, so as many mini-batches "
                   f"instead of flexrl.rl.mini_batches_per_step = {asked}", flush=True)
         batches = split_mini_batches(samples.prompts, samples.names, min(asked, len(samples.prompts)))
-        per_batch, same_cap = [], self.o.sp.for_logprob_passes() == self.o.sp
+        per_batch = []
+        same_cap = self.o.sp.for_logprob_passes().max_tokens_per_rank == self.o.sp.max_tokens_per_rank
         for index, names in enumerate(batches):
             if len(batches) == 1 and same_cap:  # the whole step, as the log-prob pass planned it
                 micro_batches, encoded = inference["micro_batches"], inference["encoded"]
+                if len(micro_batches) > 1:
+                    print(f"plan: step {step}: update: the log-prob pass's {len(micro_batches)} micro-batches, "
+                          "their gradients accumulated into one optimizer step", flush=True)
             else:
-                micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index} under "
-                                                    "flexrl.sp.max_tokens_per_rank", self.o.sp)
+                micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index} (gradients "
+                                                    "accumulated into one optimizer step)", self.o.sp)
                 self._save_plans(micro_batches, step, f"_mb{index}")
-            if len(micro_batches) > 1:
-                print(f"plan: step {step}: update mini-batch {index}: {len(micro_batches)} micro-batches, their "
-                      "gradients accumulated into one optimizer step", flush=True)
             job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys(),
                           old_logprobs={n: inference["old"][n] for n in names},
                           ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},

@@ -101,7 +101,7 @@ class PassJob:
     """Loader step (where the pixels live)."""
     plans_json: list[list[dict]]
     """The pass's plans (docs/PLAN_SCHEMA.md): per micro-batch (run one after the other; one, unless
-    the pass overflows flexrl.sp.max_tokens_per_rank: planning/micro_batches.py), one plan per SP
+    the pass overflows its token cap: planning/micro_batches.py), one plan per SP
     domain: domain d runs plans_json[m][d] over its share of `samples` (the sequences of that plan)."""
     samples: dict[str, Any]
     """EncodedSample per sample name, of EVERY domain (the loss denominators cover them all);

@@ -45,6 +45,21 @@ def test_plan_reads_the_config_and_reports_json(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["truncated"] == {"big": 40000}
 
 
+def test_a_cap_raised_on_the_command_line_over_the_configs_log_prob_cap(tmp_path, capsys):
+    """The planning tools plan under the plain cap: a run config's looser log-prob cap neither
+    applies nor stands in the way of a larger --max-tokens-per-rank."""
+    workload_path = tmp_path / "w.json"
+    workload_path.write_text(json.dumps({"sequences": [{"id": "a", "tokens": 6000}, {"id": "b", "tokens": 6000}]}))
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"flexrl": {"sp": {"p_max": 4, "max_tokens_per_rank": 1000,
+                                                    "logprob_max_tokens_per_rank": 4000}}}))
+    base = ["plan", "--workload", str(workload_path), "--world-size", "4", "--config", str(config), "--json"]
+    assert main(base + ["--max-tokens-per-rank", "8000"]) == 0
+    assert json.loads(capsys.readouterr().out)["dropped"] == []
+    assert main(base) == 2  # 12,000 tokens on 4 ranks under the plain cap of 1,000
+    assert "max_tokens_per_rank=1000" in capsys.readouterr().err
+
+
 def test_bad_input_exits_2_naming_the_culprit(tmp_path, capsys):
     workload_path = tmp_path / "w.json"
     workload_path.write_text(json.dumps({"sequences": [{"id": "x", "tokens": 10}, {"id": "x", "tokens": 20}]}))
