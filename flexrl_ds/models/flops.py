@@ -88,7 +88,8 @@ def training_forward_flops(shape: DecoderShape, length: int) -> float:
     return layers + attention + 2.0 * shape.lm_head_params() * length
 
 
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("GH200", 989.4e12), ("H100", 989.4e12), ("H200", 989.4e12),
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("GH200", 989.4e12),
+                   ("H100", 989.4e12), ("H200", 989.4e12),
                    ("H800", 989.4e12), ("H20", 148e12), ("B200", 2.25e15), ("B100", 1.75e15),
                    ("A100", 312e12), ("A800", 312e12), ("L40S", 362.05e12), ("L40", 181.05e12))
 """Datasheet bf16 dense (no sparsity) FLOP/s by a name fragment, more specific names first."""

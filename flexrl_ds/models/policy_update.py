@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from flexrl_ds.models.flex_model import StepBatch, TokenOutputs
 from flexrl_ds.models.zero3 import data_parallel_size
+from flexrl_ds.parallel.profiling import region
 from flexrl_ds.rl.config import GRPOConfig
 from flexrl_ds.rl.losses import grpo_loss, reduce_masked
-from flexrl_ds.parallel.profiling import region
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def busiest_rank_share_floors(tokens: np.ndarray, c: float, p_max: int, num_head
     query heads: every rank of a group holds one). Without head counts, `L²/p_max` and `cost/p_max`."""
     if not len(tokens):
         return 0.0, 0.0
-    largest = min(p_max, num_heads) if num_heads else p_max
+    largest = min(p_max, max_degree_for_heads(num_heads)) if num_heads else p_max  # as compute_metrics caps p
     degrees = [1 << k for k in range(int(largest).bit_length()) if 1 << k <= largest]
     busiest = {d: float(head_shares(num_heads, num_kv_heads, d).max()) for d in degrees}
     attention = tokens * tokens
