@@ -197,7 +197,7 @@ class FlexUlyssesLM(torch.nn.Module):
     """HF causal LM + FlexUlysses: `forward(batch, with_entropy=False) -> TokenOutputs`."""
 
     def __init__(self, hf_model, attention=None, vision_group=None, logits_chunk: int = 4096, zero_group=None,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, vision_attention: str = "varlen"):
         """attention: a FlexUlyssesAttention (default one with overlap). vision_group: the SP domain's
         process group for the vision embedding exchange (`GroupTree.domain_group`; None: the default
         group, which only fits a job of one domain: a mismatch raises at the exchange). logits_chunk:
@@ -205,7 +205,9 @@ class FlexUlyssesLM(torch.nn.Module):
         zero_group: the group over which lm_head's weight is partitioned (ZeRO-3; set by
         `zero3.build_engine`): every rank of it runs the same number of chunks. None: no such sync.
         temperature: the logits are divided by it before the log-softmax (the rollout's sampling
-        temperature, so the log-probs are those of the distribution the samples came from)."""
+        temperature, so the log-probs are those of the distribution the samples came from).
+        vision_attention: the vision tower's, "varlen" (one call per layer) or "sdpa" (transformers'
+        per-window calls); see models/hf_adapter.py."""
         super().__init__()
         if logits_chunk < 1:
             raise ValueError(f"logits_chunk: must be at least 1, got {logits_chunk}")
@@ -216,7 +218,7 @@ class FlexUlyssesLM(torch.nn.Module):
         self.zero_group = zero_group
         self.unread_config_keys: tuple[str, ...] = ()
         """Keys of the DeepSpeed config DeepSpeed never read (set by `zero3.build_engine`)."""
-        self.hf_model = hf_adapter.use_flex_ulysses(hf_model)
+        self.hf_model = hf_adapter.use_flex_ulysses(hf_model, vision_attention)
         self.attention = attention if attention is not None else FlexUlyssesAttention()
         self.vision_group = vision_group
 

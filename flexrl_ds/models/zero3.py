@@ -115,11 +115,12 @@ def check_ds_config(ds_config: dict[str, Any], world_size: int, train: bool = Tr
 
 
 def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_group=None, train: bool = True,
-                 logits_chunk: int = 4096, activation_checkpointing: bool = False, temperature: float = 1.0):
+                 logits_chunk: int = 4096, activation_checkpointing: bool = False, temperature: float = 1.0,
+                 vision_attention: str = "varlen"):
     """A DeepSpeed ZeRO-3 engine around `FlexUlyssesLM(hf_model)`, configured by `ds_config` as written.
 
     torch.distributed (and deepspeed.comm) must be initialised. `attention` / `vision_group` /
-    `logits_chunk` / `temperature`: see `FlexUlyssesLM`. `train=False`: the reference model's inference engine.
+    `logits_chunk` / `temperature` / `vision_attention`: see `FlexUlyssesLM`. `train=False`: the reference model's inference engine.
     `activation_checkpointing`: every decoder and vision layer is recomputed in backward
     (transformers' non-reentrant gradient checkpointing: ZeRO-3 gathers the layer's parameters
     again, and its FlexUlysses all-to-alls run again, in the same order on every rank).
@@ -135,7 +136,7 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     if activation_checkpointing:
         _enable_activation_checkpointing(hf_model)
     module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk,
-                           temperature=temperature)
+                           temperature=temperature, vision_attention=vision_attention)
     parameters = [p for p in module.parameters() if p.requires_grad] if train else None
     config = AskedKeys(config)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=parameters, config=config)

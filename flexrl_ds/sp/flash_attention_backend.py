@@ -11,9 +11,9 @@ def flash_attn_available() -> bool:
     return True
 
 
-def flash_causal_varlen(q, k, v, cu_seqlens_t, max_seqlen: int, scaling: float | None):
-    """Causal varlen attention with flash-attn: q (T, Hq, D), k/v (T, Hk, D), Hq % Hk == 0 (GQA native)."""
+def flash_varlen(q, k, v, cu_seqlens_t, max_seqlen: int, scaling: float | None, causal: bool = True):
+    """Varlen attention with flash-attn: q (T, Hq, D), k/v (T, Hk, D), Hq % Hk == 0 (GQA native)."""
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(q, k, v, cu_seqlens_t, cu_seqlens_t, max_seqlen, max_seqlen,
-                                  softmax_scale=scaling, causal=True)
+                                  softmax_scale=scaling, causal=causal)

@@ -1,16 +1,19 @@
-"""Causal attention over the packed sequences of one pack, on one rank (no communication).
+"""Attention over the packed sequences of one pack, on one rank (no communication).
 
-`causal_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scaling)`: q (T, Hq, D), k/v (T, Hk, D)
+`CausalVarlenAttention()(q, k, v, cu_seqlens, max_seqlen, scaling)`: q (T, Hq, D), k/v (T, Hk, D)
 with Hq a multiple of Hk (query head i uses KV head i // (Hq/Hk)); each sequence [cu[i], cu[i+1])
-attends causally to itself only. Backends, same results:
+attends causally to itself only. The backend functions also take `causal=False` (each sequence
+attends to all of itself: the vision tower's windows, models/hf_adapter.py) and `cu_seqlens` as a
+list or a device tensor. Backends, same results:
 - `flash`: flash-attn varlen (if installed; GPU, fp16/bf16),
 - `torch_varlen`: torch.nn.attention.varlen.varlen_attn (if present; GPU, fp16/bf16),
-- `sdpa`: scaled_dot_product_attention per sequence with a causal mask (everywhere, any dtype).
+- `sdpa`: scaled_dot_product_attention per sequence (everywhere, any dtype; one call per sequence).
 `auto` picks the first that fits the tensors.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable, Sequence
 
@@ -23,17 +26,18 @@ BACKENDS = ("auto", "flash", "torch_varlen", "sdpa")
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def sdpa_causal_varlen(q, k, v, cu_seqlens: Sequence[int], max_seqlen: int, scaling: float | None):
+def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling: float | None, causal: bool = True):
     """Reference backend: SDPA on each sequence (GQA by repeating KV heads)."""
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     repeat = q.shape[1] // k.shape[1]
     outs = []
-    for start, end in zip(cu_seqlens, cu_seqlens[1:]):
+    for start, end in zip(bounds, bounds[1:]):
         q_s = q[start:end].transpose(0, 1).unsqueeze(0)
         k_s = k[start:end].transpose(0, 1).unsqueeze(0)
         v_s = v[start:end].transpose(0, 1).unsqueeze(0)
         if repeat > 1:
             k_s, v_s = k_s.repeat_interleave(repeat, dim=1), v_s.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scaling)
+        out = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=causal, scale=scaling)
         outs.append(out.squeeze(0).transpose(0, 1))
     if not outs:
         return q.new_empty(q.shape)
@@ -48,25 +52,38 @@ def _torch_varlen_fn():
     return varlen_attn
 
 
-def torch_varlen_causal(q, k, v, cu_seqlens: Sequence[int], max_seqlen: int, scaling: float | None):
-    """torch's varlen kernel (causal spelled per torch release: is_causal=True or window (-1, 0))."""
+@functools.lru_cache(maxsize=256)
+def _bounds_on(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A pack's sequence bounds as an int32 tensor on `device`, made once: a fresh host-to-device copy
+    per attention call would wait for the device's queue to drain, every layer."""
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def _bounds_tensor(cu_seqlens, device) -> torch.Tensor:
+    if isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens.to(device=device, dtype=torch.int32)
+    return _bounds_on(tuple(int(b) for b in cu_seqlens), torch.device(device))
+
+
+def torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling: float | None, causal: bool = True):
+    """torch's varlen kernel (causal spelled per torch release: is_causal or window (-1, 0))."""
     varlen_attn = _torch_varlen_fn()
-    cu = torch.tensor(list(cu_seqlens), dtype=torch.int32, device=q.device)
+    cu = _bounds_tensor(cu_seqlens, q.device)
     params = inspect.signature(varlen_attn).parameters
     kwargs = {"scale": scaling}
-    kwargs.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+    kwargs.update({"is_causal": causal} if "is_causal" in params else {"window_size": (-1, 0 if causal else -1)})
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         else:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    return varlen_attn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
 
 
-def _flash(q, k, v, cu_seqlens, max_seqlen, scaling):
-    cu = torch.tensor(list(cu_seqlens), dtype=torch.int32, device=q.device)
-    return flash_attention_backend.flash_causal_varlen(q, k, v, cu, max_seqlen, scaling)
+def flash_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling: float | None, causal: bool = True):
+    cu = _bounds_tensor(cu_seqlens, q.device)
+    return flash_attention_backend.flash_varlen(q, k, v, cu, int(max_seqlen), scaling, causal)
 
 
 def pick_backend(name: str, q) -> Callable:
@@ -75,10 +92,10 @@ def pick_backend(name: str, q) -> Callable:
         raise ValueError(f"local attention: unknown backend {name!r}; one of {', '.join(BACKENDS)}")
     fast_ok = q.device.type != "cpu" and q.dtype in _HALF
     if name == "flash" or (name == "auto" and fast_ok and flash_attention_backend.flash_attn_available()):
-        return _flash
+        return flash_varlen
     if name == "torch_varlen" or (name == "auto" and fast_ok and _torch_varlen_fn() is not None):
-        return torch_varlen_causal
-    return sdpa_causal_varlen
+        return torch_varlen
+    return sdpa_varlen
 
 
 class CausalVarlenAttention:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+VISION_ATTENTION = ("varlen", "sdpa")
+
 
 @dataclass
 class TrainerConfig:
@@ -40,6 +42,10 @@ class TrainerConfig:
     """Recompute each decoder and vision layer in the backward pass (transformers' gradient
     checkpointing, non-reentrant) instead of keeping its activations: one layer's activations live
     at a time, for about a third more compute in the update (long sequences, big models)."""
+    vision_attention: str = "varlen"
+    """The vision tower's attention in the policy and reference passes: "varlen", one varlen kernel
+    call per layer over all of a rank's windows (models/hf_adapter.py; SDPA per window on CPU), or
+    "sdpa", transformers' own per-window SDPA calls (thousands a layer for a step of videos)."""
     offload_states_in_rollout: bool = True
     """Colocated engines on GPUs: while the engine generates, the policy's ZeRO-3 states that
     DeepSpeed can move wait in (pinned) host memory (models/zero3.py `RolloutOffload`): every state
@@ -75,5 +81,8 @@ class TrainerConfig:
             raise ValueError(f"flexrl.trainer.weight_sync_bucket_mb: must be at least 1, got {self.weight_sync_bucket_mb}")
         if self.profile_step is not None and self.profile_step < 0:
             raise ValueError(f"flexrl.trainer.profile_step: must be >= 0, got {self.profile_step}")
+        if self.vision_attention not in VISION_ATTENTION:
+            raise ValueError(f"flexrl.trainer.vision_attention: one of {', '.join(VISION_ATTENTION)}, got "
+                             f"{self.vision_attention!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"flexrl.trainer.timeout_s: must be positive, got {self.timeout_s}")

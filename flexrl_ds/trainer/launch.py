@@ -114,6 +114,7 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
         seed=run.flexrl.trainer.seed, rollout_backend=run.flexrl.rollout.backend if colocated else None,
         max_batch_sequences=run.flexrl.rollout.max_batch_sequences,
         activation_checkpointing=run.flexrl.trainer.activation_checkpointing,
+        vision_attention=run.flexrl.trainer.vision_attention,
         offload_states_in_rollout=run.flexrl.trainer.offload_states_in_rollout,
         logprob_temperature=run.flexrl.rollout.temperature,
         rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {})

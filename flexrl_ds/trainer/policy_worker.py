@@ -85,6 +85,8 @@ class PolicySetup:
     the engine starts without reading the model directory's weights; the first sync writes them)."""
     activation_checkpointing: bool = False
     """`flexrl.trainer.activation_checkpointing`: the policy recomputes layers in backward."""
+    vision_attention: str = "varlen"
+    """`flexrl.trainer.vision_attention`: "varlen" or "sdpa"."""
     offload_states_in_rollout: bool = True
     """`flexrl.trainer.offload_states_in_rollout`: the policy's states wait in host memory while the
     colocated engine generates (GPU only)."""
@@ -165,7 +167,8 @@ class PolicyWorker:
         return zero3.build_engine(model, self.setup.ds_config, attention=FlexUlyssesAttention(overlap=self.setup.overlap),
                                   vision_group=self.tree.domain_group, train=train,
                                   activation_checkpointing=train and self.setup.activation_checkpointing,
-                                  temperature=self.setup.logprob_temperature)
+                                  temperature=self.setup.logprob_temperature,
+                                  vision_attention=self.setup.vision_attention)
 
     # ---- passes -------------------------------------------------------------------------------
     def _batches(self, job: PassJob) -> list:

@@ -16,7 +16,7 @@ from harness import cached_group_tree, worker_state
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.sp.fixed_sp import FixedUlyssesAttention, fixed_sp_plan
 from flexrl_ds.sp.layout import build_rank_layout
-from flexrl_ds.sp.local_attention import CausalVarlenAttention, pick_backend, sdpa_causal_varlen
+from flexrl_ds.sp.local_attention import CausalVarlenAttention, pick_backend, sdpa_varlen
 from flexrl_ds.planning.plan import Pack, Plan, validate_plan
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -78,7 +78,7 @@ def reference(tensors: dict, scaling=None) -> dict:
     result = {}
     for seq_id, t in tensors.items():
         q, k, v = (t[name].clone().requires_grad_(True) for name in ("q", "k", "v"))
-        out = sdpa_causal_varlen(q, k, v, [0, q.shape[0]], q.shape[0], scaling)
+        out = sdpa_varlen(q, k, v, [0, q.shape[0]], q.shape[0], scaling)
         (out * t["w"]).sum().backward()
         result[seq_id] = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     return result

@@ -39,6 +39,8 @@
 #     (`flexrl.sp.logprob_max_tokens_per_rank`, at least MAX_TOKENS_PER_RANK).
 #   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
 #     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it.
+#   VISION_ATTENTION=sdpa: the vision tower's attention as transformers runs it, one SDPA call per
+#     window (`flexrl.trainer.vision_attention`; default varlen: one call per layer).
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
@@ -91,6 +93,8 @@ if "PROFILE_STEP" in os.environ:  # torch.profiler over that step's log-prob, up
 config["flexrl"]["trainer"].update(save_every=0,
                                    save_last=os.environ.get("SAVE") == "1",  # the disk holds few checkpoints
                                    activation_checkpointing=os.environ.get("CKPT") == "1")
+if "VISION_ATTENTION" in os.environ:  # varlen (one call per layer) or sdpa (per window)
+    config["flexrl"]["trainer"]["vision_attention"] = os.environ["VISION_ATTENTION"]
 if "OFFLOAD_IN_ROLLOUT" in os.environ:  # the policy's states in host memory while the engine generates
     config["flexrl"]["trainer"]["offload_states_in_rollout"] = os.environ["OFFLOAD_IN_ROLLOUT"] == "1"
 config["flexrl"]["rollout"]["backend"] = backend

@@ -60,7 +60,7 @@ def test_flex_ulysses_lm_on_one_rank_equals_hf(tiny_assets, arch):
     config = model.config
     assert hf_adapter.text_config(model)._attn_implementation == hf_adapter.ATTENTION_NAME
     if arch == "vl":
-        assert config.vision_config._attn_implementation == "sdpa"
+        assert config.vision_config._attn_implementation == hf_adapter.VISION_ATTENTION_NAME
     assert flex.attention.last_paths == ["local"] * len(plan.packs)
 
 
