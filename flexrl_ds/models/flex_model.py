@@ -36,6 +36,7 @@ from flexrl_ds.models import hf_adapter
 from flexrl_ds.models.positions import local_position_ids, mm_token_type_ids, sequence_positions
 from flexrl_ds.models.vision_balance import (VisionRoute, assign_units, build_route, encode_and_route,
                                              representatives, vision_units)
+from flexrl_ds.parallel.profiling import region
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.sp.layout import RankLayout, build_rank_layout
 
@@ -235,7 +236,8 @@ class FlexUlyssesLM(torch.nn.Module):
             return embeds, zero
         visual = self.hf_model.model.visual
         merge = self.hf_model.config.vision_config.spatial_merge_size
-        rows, zero = encode_and_route(visual, batch.route, batch.items, self.vision_group, merge)
+        with region("vision_tower"):  # its forward; a profile's backward ops are not regions
+            rows, zero = encode_and_route(visual, batch.route, batch.items, self.vision_group, merge)
         index = batch.route.recv_local_index.to(device)
         embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
         return embeds, zero
@@ -247,12 +249,14 @@ class FlexUlyssesLM(torch.nn.Module):
         if idle:  # one placeholder token at position 0 runs every module (ZeRO-3 gathers are collective)
             positions = torch.zeros((*positions.shape[:-1], 1), dtype=torch.long)
         step = hf_adapter.FlexStep(batch.layout, self.attention, idle=idle)
-        hidden = self.hf_model.model(inputs_embeds=embeds.unsqueeze(0), position_ids=positions.to(embeds.device),
-                                     use_cache=False, **{hf_adapter.STEP_KWARG: step}).last_hidden_state[0]
+        with region("decoder"):
+            hidden = self.hf_model.model(inputs_embeds=embeds.unsqueeze(0), position_ids=positions.to(embeds.device),
+                                         use_cache=False, **{hf_adapter.STEP_KWARG: step}).last_hidden_state[0]
         if idle:
             zero = zero + hidden.float().sum() * 0.0
             hidden = hidden[:0]
-        logprobs, entropy = self._token_outputs(hidden, batch.targets.to(hidden.device), with_entropy)
+        with region("lm_head"):
+            logprobs, entropy = self._token_outputs(hidden, batch.targets.to(hidden.device), with_entropy)
         zero = zero + logprobs.sum() * 0.0 + (entropy.sum() * 0.0 if entropy is not None else 0.0)
         return TokenOutputs(logprobs, entropy, zero)
 

@@ -1,6 +1,7 @@
 """Where a policy rank's step time goes: torch.profiler over chosen phases, and flexrl's own regions.
 
-`region(name)` marks a part of a pass ("flexrl/forward", "flexrl/backward", ...) for the profiler;
+`region(name)` marks a part of a pass ("flexrl/forward", "flexrl/backward", ...; inside a forward,
+"flexrl/vision_tower", "flexrl/decoder" and "flexrl/lm_head") for the profiler;
 it costs next to nothing while no profile runs. `RankProfiler.start()` / `.stop(stem)` profile
 what runs in between (CPU, and the GPU's kernels where there is one) and write:
 - `<stem>.txt`: flexrl's regions by total time (what each part of the pass took, its kernels
