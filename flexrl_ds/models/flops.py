@@ -3,13 +3,16 @@
 Counted as PaLM and Megatron count model FLOPs: 2 FLOPs per matmul weight per token (every layer's
 q, k, v, o and gated MLP; the LM head where logits are taken), causal attention 4 · query heads ·
 head_dim FLOPs per (query, key) pair per layer, query i attending i + 1 keys; a backward pass twice
-its forward. Not counted: norms, rotary, softmax, the vision tower, and layers recomputed under
-activation checkpointing (MFU, not HFU).
+its forward. Not counted: norms, rotary, softmax, and layers recomputed under activation
+checkpointing (MFU, not HFU).
 
 - `DecoderShape`: the sizes these need, from a HF text config.
 - `prefill_flops` / `decode_step_flops`: a rollout's (bench/rollout_floor.py).
 - `training_forward_flops`: one sequence's forward with logits at every position (the trainer's
   log-prob passes; ×3 for forward and backward).
+- `VisionShape` / `vision_unit_flops`: a Qwen2.5-VL vision tower's forward over one image or one
+  temporal patch group of a video (the patch embedding, every block's matmuls, attention within
+  the windows or, in the full-attention blocks, over the whole unit, and the patch merger).
 - `peak_bf16_flops`: the datasheet bf16 dense peak of a GPU by name (None where unknown), what MFU
   divides by (trainer/driver.py `mfu`).
 """
@@ -86,6 +89,49 @@ def training_forward_flops(shape: DecoderShape, length: int) -> float:
     layers = 2.0 * shape.num_hidden_layers * shape.layer_matmul_params() * length
     attention = shape.attention_flops_per_key() * length * (length + 1) / 2
     return layers + attention + 2.0 * shape.lm_head_params() * length
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The vision tower sizes `vision_unit_flops` needs (a Qwen2.5-VL vision config's fields)."""
+
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    full_attention_blocks: int
+    patch_dim: int
+    """in_channels × temporal_patch_size × patch_size²: one patch's pixel values."""
+    merge_size: int
+    window_merged: int
+    """Merged tokens along one side of a window (window_size // patch_size // merge_size)."""
+    out_hidden_size: int
+
+    @classmethod
+    def from_config(cls, vision_config: Any) -> "VisionShape":
+        c = vision_config
+        return cls(int(c.hidden_size), int(c.intermediate_size), int(c.depth), len(c.fullatt_block_indexes),
+                   int(c.in_channels) * int(c.temporal_patch_size) * int(c.patch_size) ** 2,
+                   int(c.spatial_merge_size), int(c.window_size) // int(c.spatial_merge_size) // int(c.patch_size),
+                   int(c.out_hidden_size))
+
+
+def _window_sides(merged: int, window: int) -> list[int]:
+    return [min(window, merged - start) for start in range(0, merged, window)]
+
+
+def vision_unit_flops(shape: VisionShape, grid_h: int, grid_w: int) -> float:
+    """Forward FLOPs of one unit of grid_h × grid_w patches (module docstring)."""
+    patches = grid_h * grid_w
+    d, merge = shape.hidden_size, shape.merge_size
+    block_matmuls = 2.0 * patches * (4 * d * d + 3 * d * shape.intermediate_size)
+    window_keys = sum((rows * cols * merge * merge) ** 2
+                      for rows in _window_sides(grid_h // merge, shape.window_merged)
+                      for cols in _window_sides(grid_w // merge, shape.window_merged))
+    windowed = shape.depth - shape.full_attention_blocks
+    attention = 4.0 * d * (windowed * window_keys + shape.full_attention_blocks * patches * patches)
+    merged = patches // (merge * merge)
+    merger = 2.0 * merged * (merge ** 4 * d * d + merge * merge * d * shape.out_hidden_size)
+    return 2.0 * patches * shape.patch_dim * d + shape.depth * block_matmuls + attention + merger
 
 
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("GH200", 989.4e12),

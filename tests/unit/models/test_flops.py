@@ -69,3 +69,24 @@ def test_mfu_charges_every_sample_by_prompt_plus_response(model):
     assert mfu["inference"] == pytest.approx(2 * forward / (4 * 1e9 * 0.5))
     trainer.o.peak_flops = None  # CPU or an unknown GPU: no MFU
     assert trainer._mfu(samples, lengths, times, passes=2) == {}
+
+
+@pytest.mark.parametrize("grid", [(6, 10), (8, 8), (14, 2), (18, 34)])
+def test_vision_unit_flops_are_what_torch_counts_on_the_tower(vl_samples, grid):
+    """The tiny Qwen2.5-VL tower under transformers' eager attention (per window, as matmuls torch's
+    counter sees): every matmul, the patch embedding's convolution and the windows' (and the full
+    blocks' whole-unit) attention."""
+    import copy
+
+    from flexrl_ds.models.flops import VisionShape, vision_unit_flops
+
+    model = copy.deepcopy(vl_samples[0])
+    model.set_attn_implementation({"text_config": "eager", "vision_config": "eager"})
+    config = model.config.vision_config
+    shape = VisionShape.from_config(config)
+    assert shape.window_merged > 1 and shape.full_attention_blocks >= 1  # both kinds of block counted
+    pixels = torch.randn(grid[0] * grid[1], shape.patch_dim)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model.model.visual(pixels, grid_thw=torch.tensor([[1, *grid]]))
+    assert counter.get_total_flops() == vision_unit_flops(shape, *grid)
