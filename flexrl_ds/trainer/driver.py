@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from flexrl_ds.models.flops import training_forward_flops
+from flexrl_ds.models.flops import training_forward_flops, vision_unit_flops
 from flexrl_ds.planning.plan import Workload
 from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.rl.advantages import group_advantages
@@ -76,6 +76,8 @@ class TrainOptions:
     run_config: dict
     decoder: Any = None
     """`models.flops.DecoderShape` of the trained model (for `mfu`)."""
+    vision: Any = None
+    """`models.flops.VisionShape` of its vision tower (for `mfu`); None for a text model."""
     peak_flops: float | None = None
     """The policy ranks' GPU's bf16 dense peak FLOP/s; None (no `mfu`) on CPU or an unknown GPU."""
     profile_step: int | None = None
@@ -306,21 +308,38 @@ class GRPOTrainer:
             "degrees": _degrees(plans),
             "micro_batches": {"inference": len(inference["micro_batches"]),
                               "update": sum(b["micro_batches"] for b in update)},
-            **self._mfu(samples, lengths, times, passes=2 if inference["ref"] else 1),
+            **self._mfu(samples, lengths, times, passes=2 if inference["ref"] else 1,
+                        vision_forward=self._vision_forward_flops(inference["micro_batches"], inference["encoded"])),
         }
 
-    def _mfu(self, samples: StepSamples, lengths: list[int], times: dict[str, float], passes: int) -> dict[str, Any]:
+    def _mfu(self, samples: StepSamples, lengths: list[int], times: dict[str, float], passes: int,
+             vision_forward: float = 0.0) -> dict[str, Any]:
         """{"mfu": {"update": ..., "inference": ...}}: the model FLOPs of the phase (models/flops.py:
         forward and backward of every sample in the update; `passes` forwards, old policy and
-        reference, in the inference) ÷ (its seconds × ranks × the GPU's bf16 peak); {} without a peak."""
+        reference, in the inference), the vision tower's `vision_forward` included likewise,
+        ÷ (its seconds × ranks × the GPU's bf16 peak); {} without a peak."""
         if not self.o.peak_flops or self.o.decoder is None:
             return {}
         prompt_of = samples.prompt_of()
-        forward = sum(training_forward_flops(self.o.decoder, len(prompt_of[name].prompt_ids) + length)
-                      for name, length in zip(samples.names, lengths))
+        forward = vision_forward + sum(training_forward_flops(self.o.decoder, len(prompt_of[name].prompt_ids) + length)
+                                       for name, length in zip(samples.names, lengths))
         capacity = self.o.num_ranks * self.o.peak_flops
         return {"mfu": {"update": 3 * forward / (capacity * max(times["update"], 1e-9)),
                         "inference": passes * forward / (capacity * max(times["inference"], 1e-9))}}
+
+    def _vision_forward_flops(self, micro_batches, encoded: dict[str, Any]) -> float:
+        """The vision tower's forward FLOPs in the log-prob pass: each micro-batch's SP domains encode
+        the media of their sequences, a prompt's shared items once (models/vision_balance.py)."""
+        if self.o.vision is None:
+            return 0.0
+        total = 0.0
+        for result in (r for results in micro_batches for r in results):
+            items = {}
+            for name in (seq for pack in result.plan.packs for seq in pack.sequences):
+                for index, item in enumerate(encoded[name].items):
+                    items[item.share_key or (name, index)] = item.grid_thw
+            total += sum(t * vision_unit_flops(self.o.vision, h, w) for t, h, w in items.values())
+        return total
 
     def _save_rollouts(self, step: int, samples: StepSamples, texts: dict[str, str], gaps: LogprobGaps) -> None:
         path = self.paths.rollouts(step)

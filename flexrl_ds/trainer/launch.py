@@ -26,7 +26,7 @@ import transformers
 from flexrl_ds.media.config import replaced_by_processor
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.parallel.launch import init_distributed
-from flexrl_ds.models.flops import DecoderShape, peak_bf16_flops
+from flexrl_ds.models.flops import DecoderShape, VisionShape, peak_bf16_flops
 from flexrl_ds.models.processing import SampleEncoder
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
@@ -73,6 +73,8 @@ class Prepared:
     """The first step to run (0-based)."""
     decoder: DecoderShape | None = None
     """The language model's shape (the `mfu` metric's FLOPs)."""
+    vision: VisionShape | None = None
+    """Its vision tower's (None for a text model)."""
 
 
 def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared:
@@ -100,9 +102,11 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     if max_steps < 1:
         raise ValueError(f"--max-steps must be at least 1, got {max_steps}")
     checkpoint, start_step = resume_point(args)
-    decoder = DecoderShape.from_config(transformers.AutoConfig.from_pretrained(args.model_dir).get_text_config())
+    model_config = transformers.AutoConfig.from_pretrained(args.model_dir)
+    vision_config = getattr(model_config, "vision_config", None)
     return Prepared(run, args, data_config, records, encoder, reward_fn, num_ranks, max_steps, checkpoint, start_step,
-                    decoder)
+                    DecoderShape.from_config(model_config.get_text_config()),
+                    VisionShape.from_config(vision_config) if vision_config is not None else None)
 
 
 def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> PolicySetup:
@@ -136,7 +140,7 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         sampling=SamplingParams.from_config(run.flexrl.rollout, eos_ids, vision_token_ids(prepared.args.model_dir)),
         rl=run.flexrl.rl, sp=run.flexrl.sp,
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
-        run_config=raw_config, decoder=prepared.decoder, peak_flops=peak_bf16_flops(device_name),
+        run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision, peak_flops=peak_bf16_flops(device_name),
         profile_step=trainer.profile_step)
 
 

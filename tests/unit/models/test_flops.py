@@ -67,6 +67,9 @@ def test_mfu_charges_every_sample_by_prompt_plus_response(model):
     mfu = trainer._mfu(samples, lengths, times, passes=2)["mfu"]
     assert mfu["update"] == pytest.approx(3 * forward / (4 * 1e9 * 2.0))
     assert mfu["inference"] == pytest.approx(2 * forward / (4 * 1e9 * 0.5))
+    with_vision = trainer._mfu(samples, lengths, times, passes=2, vision_forward=7e6)["mfu"]
+    assert with_vision["update"] == pytest.approx(3 * (forward + 7e6) / (4 * 1e9 * 2.0))
+    assert with_vision["inference"] == pytest.approx(2 * (forward + 7e6) / (4 * 1e9 * 0.5))
     trainer.o.peak_flops = None  # CPU or an unknown GPU: no MFU
     assert trainer._mfu(samples, lengths, times, passes=2) == {}
 
@@ -90,3 +93,32 @@ def test_vision_unit_flops_are_what_torch_counts_on_the_tower(vl_samples, grid):
     with torch.no_grad(), counter:
         model.model.visual(pixels, grid_thw=torch.tensor([[1, *grid]]))
     assert counter.get_total_flops() == vision_unit_flops(shape, *grid)
+
+
+def test_mfu_counts_each_encoded_vision_unit_once_per_domain_and_micro_batch(vl_samples):
+    """What the ranks encode (models/vision_balance.py): a prompt's shared items once per SP domain and
+    micro-batch, an item without a share key once per sequence, a video once per temporal group."""
+    from flexrl_ds.models.flops import VisionShape, vision_unit_flops
+
+    shape = VisionShape.from_config(vl_samples[0].config.vision_config)
+    item = lambda key, t, h, w: SimpleNamespace(share_key=key, grid_thw=(t, h, w))  # noqa: E731
+    encoded = {"a0": SimpleNamespace(items=[item("a/0", 2, 4, 6), item("a/1", 1, 8, 8)]),
+               "a1": SimpleNamespace(items=[item("a/0", 2, 4, 6), item("a/1", 1, 8, 8)]),
+               "b0": SimpleNamespace(items=[item(None, 1, 6, 10)]),
+               "b1": SimpleNamespace(items=[item(None, 1, 6, 10)])}
+
+    def result(*names):
+        return SimpleNamespace(plan=SimpleNamespace(packs=[SimpleNamespace(sequences=(name,)) for name in names]))
+
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    trainer.o = SimpleNamespace(vision=shape)
+    unit = lambda h, w: vision_unit_flops(shape, h, w)  # noqa: E731
+    prompt_a, prompt_b = 2 * unit(4, 6) + unit(8, 8), unit(6, 10)
+    one_domain = [[result("a0", "a1", "b0", "b1")]]
+    assert trainer._vision_forward_flops(one_domain, encoded) == pytest.approx(prompt_a + 2 * prompt_b)
+    split = [[result("a0", "b0"), result("a1", "b1")]]  # two domains: each encodes prompt a
+    assert trainer._vision_forward_flops(split, encoded) == pytest.approx(2 * prompt_a + 2 * prompt_b)
+    cut = [[result("a0")], [result("a1", "b0", "b1")]]  # two micro-batches: a again in the second
+    assert trainer._vision_forward_flops(cut, encoded) == pytest.approx(2 * prompt_a + 2 * prompt_b)
+    trainer.o.vision = None  # a text model
+    assert trainer._vision_forward_flops(one_domain, encoded) == 0.0
