@@ -38,7 +38,9 @@
 #     LOGPROB_MAX_TOKENS_PER_RANK=t: a looser cap for the no-grad log-prob passes
 #     (`flexrl.sp.logprob_max_tokens_per_rank`, at least MAX_TOKENS_PER_RANK).
 #   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
-#     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it.
+#     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it, the
+#     table also copied to OUT/profile_step_n_rank_0.txt. Writing them took ~140 s for a 3B step of
+#     64 samples (docs/BENCHMARKS.md "seventeenth run"): give the call that much more.
 #   VISION_ATTENTION=sdpa: the vision tower's attention as transformers runs it, one SDPA call per
 #     window (`flexrl.trainer.vision_attention`; default varlen: one call per layer).
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
@@ -133,6 +135,8 @@ trap 'kill $sampler 2>/dev/null || true' EXIT
 rm -rf "$out/run"  # a new run each time (flexrl train refuses an --out holding another run's steps)
 python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m$shape" --data "$work/data-small/train.jsonl" \
   --out "$out/run" --max-steps "$steps" 2>&1 | grep -v "Loading weights" | tail -40
+# the profile's tables at the top of OUT: the device tool brings back only the first folder levels
+for table in "$out"/run/profile/*.txt; do [ -f "$table" ] && cp "$table" "$out/profile_$(basename "$table")"; done
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$out/summary.txt"
 cat "$out/host_memory.txt" | tee -a "$out/summary.txt"
 echo "total $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
