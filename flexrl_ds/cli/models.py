@@ -54,6 +54,8 @@ def register(commands, bench) -> None:
                                "calibration, oversize; p_max from --p-max / --nproc)")
     logprobs.set_defaults(func=_logprobs)
 
+    _add_bench_update(bench)
+
     vision = bench.add_parser("vision", help="vision-tower patches per rank: sequence owner vs pack group vs domain")
     vision.add_argument("--mix", default="image-heavy")
     vision.add_argument("--gbs", type=int, default=32, help="prompts in the step")
@@ -92,4 +94,33 @@ def _bench_vision(args: argparse.Namespace) -> int:
         print(f"{row.policy:<16}{row.max_patches:>14}{row.mean_patches:>14.0f}{row.balance:>10.3f}")
     if args.plot:
         print(f"plot: {args.plot}")
+    return 0
+
+
+def _add_bench_update(bench) -> None:
+    update = bench.add_parser(
+        "update", help="one policy update's forward+backward: plain transformers vs FlexUlysses vs its ZeRO-3 engine",
+        description="The same samples and weights, timed as plain transformers (one sample at a time), as "
+                    "FlexUlyssesLM on one rank, and in the DeepSpeed ZeRO-3 engine of --config (plus its "
+                    "optimizer step); seconds, model TFLOP/s, MFU on GPUs and each way's loss (flexrl_ds/bench/update_bench.py).")
+    update.add_argument("--model", required=True, help="HF model directory")
+    update.add_argument("--data", required=True, help="records (.jsonl or .parquet): their prompts and media")
+    update.add_argument("--config", required=True, help="run config (DeepSpeed JSON): the engine, and bf16 or not")
+    update.add_argument("--response-length", type=int, default=256, help="random response tokens per sample")
+    update.add_argument("--samples-per-prompt", type=int, default=4, help="samples per prompt, sharing its media")
+    update.add_argument("--max-prompts", type=int, default=None, help="use only the first N records")
+    update.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (best is reported)")
+    update.add_argument("--checkpointing", action="store_true", help="activation checkpointing in all ways")
+    update.add_argument("--seed", type=int, default=0)
+    update.add_argument("--json", default=None, help="write the result here")
+    update.set_defaults(func=_bench_update)
+
+
+def _bench_update(args: argparse.Namespace) -> int:
+    from flexrl_ds.bench.update_bench import UpdateBenchConfig, run_update_bench, write_result  # lazy: torch, DeepSpeed
+
+    config = UpdateBenchConfig(args.model, args.data, args.config, response_length=args.response_length,
+                               samples_per_prompt=args.samples_per_prompt, max_prompts=args.max_prompts,
+                               repeats=args.repeats, activation_checkpointing=args.checkpointing, seed=args.seed)
+    write_result(run_update_bench(config), args.json)
     return 0

@@ -134,7 +134,7 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
         for key in INFERENCE_DROPPED_KEYS:
             config.pop(key, None)
     if activation_checkpointing:
-        _enable_activation_checkpointing(hf_model)
+        enable_activation_checkpointing(hf_model)
     module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk,
                            temperature=temperature, vision_attention=vision_attention)
     parameters = [p for p in module.parameters() if p.requires_grad] if train else None
@@ -152,7 +152,7 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     return engine
 
 
-def _enable_activation_checkpointing(hf_model) -> None:
+def enable_activation_checkpointing(hf_model) -> None:
     """transformers' non-reentrant layer checkpointing (`activation_checkpointing_enable` in newer
     transformers, e.g. 5.24; `gradient_checkpointing_enable` in older ones, e.g. the GPU machine's 5.17)."""
     options = {"use_reentrant": False}

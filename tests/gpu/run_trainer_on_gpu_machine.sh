@@ -46,6 +46,10 @@
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
+#   UPDATE_BENCH=1: instead of training, `flexrl bench update` on the data's 16 prompts x 4 samples with
+#     RESPONSE_LENGTH (default 350) random response tokens (CKPT=1: checkpointed): one update's forward
+#     and backward as plain transformers, as FlexUlyssesLM, and in the run config's ZeRO-3 engine
+#     (OUT/update_bench.txt and .json).
 #   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
 # vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
@@ -126,6 +130,12 @@ elif colocate == "0":
 json.dump(config, open(path, "w"), indent=1)
 PY
 cp "$work/config.json" "$out/config.json"
+if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs FlexUlysses vs its ZeRO-3 engine
+  python3 -m flexrl_ds bench update --model "$work/m$shape" --data "$work/data-small/train.jsonl" --config "$work/config.json" \
+    --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $([ "${CKPT:-0}" = 1 ] && echo --checkpointing) \
+    --json "$out/update_bench.json" 2>&1 | grep "bench update\|Error" | tee "$out/update_bench.txt"
+  exit 0
+fi
 # Peak host memory in use (MemTotal - MemAvailable), sampled every 2 s while the trainer runs.
 ( peak=0; while sleep 2; do used=$(awk '/MemTotal/{t=$2} /MemAvailable/{a=$2} END{print int((t-a)/1048576)}' /proc/meminfo)
   [ "$used" -gt "$peak" ] && peak=$used && echo "peak host memory in use: $peak GiB at $(( $(date +%s) - start )) s" > "$out/host_memory.txt"

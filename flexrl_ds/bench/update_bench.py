@@ -1,0 +1,243 @@
+"""`flexrl bench update`: where a policy update's time goes on one device, against plain transformers.
+
+The same samples (each record's prompt with its media, then `response_length` random response
+tokens; `samples_per_prompt` copies of a prompt share its media, as a GRPO step's samples do), the
+same weights, one forward and backward of the loss -(sum of the response tokens' log-probs) / their
+number, timed four ways (the best of `repeats` after one warm-up each):
+- `hf`: transformers alone, one sample at a time (batch 1, sdpa: its vision tower's windows one by
+  one), the gradients adding up: the baseline;
+- `flexrl`: `FlexUlyssesLM` on one rank (the planner's packs, varlen attention in both towers, a
+  prompt's media encoded once for its samples), no DeepSpeed;
+- `zero3`: the same module in a DeepSpeed ZeRO-3 engine built from the run config's JSON (what
+  the trainer runs), `engine.backward`;
+- `zero3_step`: that engine's optimizer step alone.
+Each reports seconds, model TFLOP/s (models/flops.py: the language model and the vision tower as
+each way encodes it) and, on a GPU with a known peak, MFU; and its loss, the same for the three
+(a check that they compute the same thing, up to the dtype's rounding).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from flexrl_ds.config.flexrl_config import load_run_config
+from flexrl_ds.models import zero3
+from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch, positions_fn, reference_logprobs
+from flexrl_ds.models.flops import DecoderShape, VisionShape, peak_bf16_flops, training_forward_flops, vision_unit_flops
+from flexrl_ds.models.loading import load_model
+from flexrl_ds.models.policy_update import local_response_values
+from flexrl_ds.models.processing import encode_records
+from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.parallel.launch import init_distributed
+from flexrl_ds.tools.logprobs import plan_for_samples
+from flexrl_ds.trainer.validation import model_dtype
+
+WAYS = ("hf", "flexrl", "zero3", "zero3_step")
+
+
+@dataclass(frozen=True)
+class UpdateBenchConfig:
+    model_dir: str
+    data_path: str
+    run_config: str
+    """The run's JSON (its DeepSpeed part builds the engine; bf16 there means a bf16 model)."""
+    response_length: int = 256
+    samples_per_prompt: int = 4
+    max_prompts: int | None = None
+    repeats: int = 3
+    activation_checkpointing: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.response_length < 1 or self.samples_per_prompt < 1 or self.repeats < 1:
+            raise ValueError("--response-length, --samples-per-prompt and --repeats must be at least 1")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError(f"--max-prompts must be at least 1, got {self.max_prompts}")
+
+
+@dataclass
+class UpdateBenchResult:
+    device: str
+    dtype: str
+    num_samples: int
+    tokens: int
+    vision_patches: int
+    """Patches the vision tower encodes once per prompt (flexrl, zero3); hf encodes them per sample."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    tflops: dict[str, float] = field(default_factory=dict)
+    mfu: dict[str, float] = field(default_factory=dict)
+    loss: dict[str, float] = field(default_factory=dict)
+
+
+def bench_samples(config: UpdateBenchConfig, vocab_size: int) -> dict[str, Any]:
+    """EncodedSample per (record, copy): the record's prompt and media, random response tokens."""
+
+    # Every record has a prompt: encoded as the "response" to score, then replaced by random tokens.
+    records = encode_records(config.model_dir, config.data_path, response_key="prompt")
+    generator = torch.Generator().manual_seed(config.seed)
+    samples = {}
+    for record_id, sample in list(records.items())[:config.max_prompts]:
+        items = [dataclasses.replace(item, share_key=f"{record_id}/{k}") for k, item in enumerate(sample.items)]
+        for copy_index in range(config.samples_per_prompt):
+            response = torch.randint(0, vocab_size, (config.response_length,), generator=generator)
+            input_ids = torch.cat([sample.input_ids[:sample.response_start], response])
+            name = f"{record_id}#{copy_index}"
+            samples[name] = dataclasses.replace(sample, id=name, input_ids=input_ids, items=items)
+    return samples
+
+
+def model_flops(model_config: Any, samples: dict[str, Any], shared_media: bool) -> float:
+    """Forward FLOPs of all samples (language model, and the vision tower: each shared item once
+    when `shared_media`, else once per sample)."""
+    decoder = DecoderShape.from_config(model_config.get_text_config())
+    total = sum(training_forward_flops(decoder, sample.length) for sample in samples.values())
+    vision_config = getattr(model_config, "vision_config", None)
+    if vision_config is None:
+        return total
+    vision = VisionShape.from_config(vision_config)
+    items = {(item.share_key if shared_media else (name, k)): item.grid_thw
+             for name, sample in samples.items() for k, item in enumerate(sample.items)}
+    return total + sum(t * vision_unit_flops(vision, h, w) for t, h, w in items.values())
+
+
+def _best_time(info, run: Callable[[], float], repeats: int) -> tuple[float, float]:
+    """(best seconds of `repeats` after a warm-up, the last loss)."""
+    loss, times = run(), []
+    for _ in range(repeats):
+        device_mod.synchronize(info)
+        start = time.perf_counter()
+        loss = run()
+        device_mod.synchronize(info)
+        times.append(time.perf_counter() - start)
+    return min(times), loss
+
+
+def _response_count(samples) -> int:
+    return sum(s.length - s.response_start for s in samples.values())
+
+
+def hf_pass(model, samples: dict[str, Any]) -> Callable[[], float]:
+    """transformers alone: per sample, forward (batch 1), loss, backward."""
+    count = _response_count(samples)
+
+    def run() -> float:
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for sample in samples.values():
+            loss = -reference_logprobs(model, sample).float().sum() / count
+            loss.backward()
+            total += float(loss.detach())
+        return total
+    return run
+
+
+def flexrl_pass(module, batch, samples, backward: Callable, zero_grad: Callable) -> Callable[[], float]:
+    """FlexUlyssesLM on one rank (plain, or inside an engine): forward of the packed batch, loss, backward."""
+
+    mask = local_response_values(batch, {name: 1.0 for name in samples})
+    count = _response_count(samples)
+
+    def run() -> float:
+        zero_grad()
+        outputs = module(batch)
+        loss = -(outputs.logprobs.float() * mask.to(outputs.logprobs.device)).sum() / count + outputs.zero
+        backward(loss)
+        return float(loss.detach())
+    return run
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _one_rank_env() -> dict[str, str]:
+    """A one-process group's launch variables, set where a launcher has not (DeepSpeed reads them)."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(_free_port()))):
+        os.environ.setdefault(name, value)
+    if os.environ["WORLD_SIZE"] != "1":
+        raise ValueError(f"flexrl bench update runs in one process; WORLD_SIZE is {os.environ['WORLD_SIZE']}")
+    return dict(os.environ)
+
+
+def _zero3_times(info, engine, run: Callable[[], float], repeats: int) -> tuple[float, float, float]:
+    """(best forward+backward seconds, best optimizer step seconds, the first loss): each repeat
+    runs both, so that every backward meets a step (ZeRO-3 reduces the gradients at each one)."""
+    first = None
+    passes, steps = [], []
+    for _ in range(repeats + 1):  # the first is the warm-up
+        device_mod.synchronize(info)
+        start = time.perf_counter()
+        loss = run()
+        device_mod.synchronize(info)
+        middle = time.perf_counter()
+        engine.step()
+        device_mod.synchronize(info)
+        passes.append(middle - start)
+        steps.append(time.perf_counter() - middle)
+        first = loss if first is None else first
+    return min(passes[1:]), min(steps[1:]), first
+
+
+def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] = print) -> UpdateBenchResult:
+    """The four ways of the module docstring, in one process (a one-rank process group)."""
+
+    context = init_distributed(_one_rank_env())
+    run = load_run_config(config.run_config)
+    dtype = model_dtype(run.deepspeed)
+    model = load_model(config.model_dir, dtype).to(context.device)
+    samples = bench_samples(config, model.config.get_text_config().vocab_size)
+    result = UpdateBenchResult(device_mod.accelerator_name() or "cpu", dtype, len(samples),
+                               sum(s.length for s in samples.values()),
+                               sum(i.num_patches for i in {it.share_key: it for s in samples.values() for it in s.items}.values()))
+    progress(f"bench update: {result.num_samples} samples, {result.tokens} tokens, {result.vision_patches} vision "
+             f"patches once per prompt, {dtype} on {result.device}")
+    if config.activation_checkpointing:
+        zero3.enable_activation_checkpointing(model)
+    model.train()
+    peak = peak_bf16_flops(device_mod.accelerator_name())
+
+    def record(way: str, seconds: float, loss: float | None, flops: float) -> None:
+        result.seconds[way] = seconds
+        if loss is not None:
+            result.loss[way] = loss
+        result.tflops[way] = flops / seconds / 1e12 if flops else 0.0
+        if peak and flops:
+            result.mfu[way] = flops / seconds / peak
+        progress(f"bench update: {way}: {seconds:.3f} s" + (f", loss {loss:.6f}" if loss is not None else "")
+                 + (f", {result.tflops[way]:.1f} model TFLOP/s" if flops else "")
+                 + (f", MFU {result.mfu[way]:.1%}" if way in result.mfu else ""))
+
+    shared, per_sample = (3 * model_flops(model.config, samples, shared_media=s) for s in (True, False))
+    seconds, loss = _best_time(context.info, hf_pass(model, samples), config.repeats)
+    record("hf", seconds, loss, per_sample)
+    flex = FlexUlyssesLM(model)
+    batch = build_step_batch(model.config, plan_for_samples(config.model_dir, samples, 1, 1), samples, 0,
+                             positions=positions_fn(model))
+    seconds, loss = _best_time(context.info, flexrl_pass(flex, batch, samples, lambda value: value.backward(),
+                                                         lambda: flex.zero_grad(set_to_none=True)), config.repeats)
+    record("flexrl", seconds, loss, shared)
+    model.zero_grad(set_to_none=True)
+    engine = zero3.build_engine(model, copy.deepcopy(run.deepspeed), train=True)
+    seconds, step_seconds, loss = _zero3_times(context.info, engine, flexrl_pass(engine, batch, samples, engine.backward,
+                                                                                   lambda: None), config.repeats)
+    record("zero3", seconds, loss, shared)
+    record("zero3_step", step_seconds, None, 0.0)
+    return result
+
+
+def write_result(result: UpdateBenchResult, path: str | None) -> None:
+    if path:
+        with open(path, "w") as handle:
+            json.dump(dataclasses.asdict(result), handle, indent=1)

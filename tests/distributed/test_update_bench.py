@@ -1,0 +1,63 @@
+"""`flexrl bench update` (flexrl_ds/bench/update_bench.py) in a process of its own: the three ways of
+computing the update's forward and backward give the same loss as a plain per-sample reference
+written here, over the samples the bench says it built."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench_assets(tmp_path_factory):
+    from flexrl_ds.models.sample_data import write_scoring_dataset
+    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+
+    root = tmp_path_factory.mktemp("update_bench")
+    model = make_tiny_model(TinyModelConfig(out_dir=str(root / "model"), seed=5))
+    data = write_scoring_dataset(root / "data", num_records=4, seed=2)
+    return root, str(model), str(data)
+
+
+def _reference_loss(model_dir: str, data: str, response_length: int, copies: int) -> float:
+    """The bench's samples rebuilt (its `bench_samples`), scored by a plain HF forward each."""
+    from flexrl_ds.bench.update_bench import UpdateBenchConfig, bench_samples
+    from flexrl_ds.models.flex_model import reference_logprobs
+    from flexrl_ds.models.loading import load_model
+
+    model = load_model(model_dir)
+    config = UpdateBenchConfig(model_dir, data, "", response_length=response_length, samples_per_prompt=copies)
+    samples = bench_samples(config, model.config.get_text_config().vocab_size)
+    assert len(samples) == 4 * copies and all(s.length - s.response_start == response_length for s in samples.values())
+    with torch.no_grad():
+        logprobs = torch.cat([reference_logprobs(model, s) for s in samples.values()])
+    return float(-logprobs.sum() / logprobs.numel())
+
+
+def test_every_way_computes_the_reference_loss(bench_assets):
+    root, model_dir, data = bench_assets
+    out = root / "result.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(name, None)
+    completed = subprocess.run(
+        [sys.executable, "-m", "flexrl_ds", "bench", "update", "--model", model_dir, "--data", data,
+         "--config", str(ROOT / "ds_configs" / "grpo_tiny_cpu.json"), "--response-length", "12",
+         "--samples-per-prompt", "3", "--repeats", "1", "--checkpointing", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads(out.read_text())
+    expected = _reference_loss(model_dir, data, 12, 3)
+    assert set(result["loss"]) == {"hf", "flexrl", "zero3"} and set(result["seconds"]) == set(result["loss"]) | {"zero3_step"}
+    for way in ("hf", "flexrl", "zero3"):
+        assert result["loss"][way] == pytest.approx(expected, rel=1e-5), way
+        assert result["seconds"][way] > 0 and f"bench update: {way}:" in completed.stdout
+    assert result["num_samples"] == 12 and result["seconds"]["zero3_step"] > 0
