@@ -32,7 +32,8 @@ import torch
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.models import zero3
 from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch, positions_fn, reference_logprobs
-from flexrl_ds.models.flops import DecoderShape, VisionShape, peak_bf16_flops, training_forward_flops, vision_unit_flops
+from flexrl_ds.models.flops import (DecoderShape, VisionShape, encoded_grids, peak_bf16_flops, training_forward_flops,
+                                    vision_flops)
 from flexrl_ds.models.loading import load_model
 from flexrl_ds.models.policy_update import local_response_values
 from flexrl_ds.models.processing import encode_records
@@ -40,8 +41,6 @@ from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.launch import init_distributed
 from flexrl_ds.tools.logprobs import plan_for_samples
 from flexrl_ds.trainer.validation import model_dtype
-
-WAYS = ("hf", "flexrl", "zero3", "zero3_step")
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,6 @@ class UpdateBenchResult:
 
 def bench_samples(config: UpdateBenchConfig, vocab_size: int) -> dict[str, Any]:
     """EncodedSample per (record, copy): the record's prompt and media, random response tokens."""
-
     # Every record has a prompt: encoded as the "response" to score, then replaced by random tokens.
     records = encode_records(config.model_dir, config.data_path, response_key="prompt")
     generator = torch.Generator().manual_seed(config.seed)
@@ -103,21 +101,24 @@ def model_flops(model_config: Any, samples: dict[str, Any], shared_media: bool) 
     vision_config = getattr(model_config, "vision_config", None)
     if vision_config is None:
         return total
-    vision = VisionShape.from_config(vision_config)
-    items = {(item.share_key if shared_media else (name, k)): item.grid_thw
-             for name, sample in samples.items() for k, item in enumerate(sample.items)}
-    return total + sum(t * vision_unit_flops(vision, h, w) for t, h, w in items.values())
+    return total + vision_flops(VisionShape.from_config(vision_config), encoded_grids(samples.items(), shared_media))
+
+
+def _timed(info, work: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds `work` took on the device, what it returned)."""
+    device_mod.synchronize(info)
+    start = time.perf_counter()
+    value = work()
+    device_mod.synchronize(info)
+    return time.perf_counter() - start, value
 
 
 def _best_time(info, run: Callable[[], float], repeats: int) -> tuple[float, float]:
     """(best seconds of `repeats` after a warm-up, the last loss)."""
     loss, times = run(), []
     for _ in range(repeats):
-        device_mod.synchronize(info)
-        start = time.perf_counter()
-        loss = run()
-        device_mod.synchronize(info)
-        times.append(time.perf_counter() - start)
+        seconds, loss = _timed(info, run)
+        times.append(seconds)
     return min(times), loss
 
 
@@ -142,7 +143,6 @@ def hf_pass(model, samples: dict[str, Any]) -> Callable[[], float]:
 
 def flexrl_pass(module, batch, samples, backward: Callable, zero_grad: Callable) -> Callable[[], float]:
     """FlexUlyssesLM on one rank (plain, or inside an engine): forward of the packed batch, loss, backward."""
-
     mask = local_response_values(batch, {name: 1.0 for name in samples})
     count = _response_count(samples)
 
@@ -174,25 +174,17 @@ def _one_rank_env() -> dict[str, str]:
 def _zero3_times(info, engine, run: Callable[[], float], repeats: int) -> tuple[float, float, float]:
     """(best forward+backward seconds, best optimizer step seconds, the first loss): each repeat
     runs both, so that every backward meets a step (ZeRO-3 reduces the gradients at each one)."""
-    first = None
-    passes, steps = [], []
+    passes, steps, losses = [], [], []
     for _ in range(repeats + 1):  # the first is the warm-up
-        device_mod.synchronize(info)
-        start = time.perf_counter()
-        loss = run()
-        device_mod.synchronize(info)
-        middle = time.perf_counter()
-        engine.step()
-        device_mod.synchronize(info)
-        passes.append(middle - start)
-        steps.append(time.perf_counter() - middle)
-        first = loss if first is None else first
-    return min(passes[1:]), min(steps[1:]), first
+        seconds, loss = _timed(info, run)
+        passes.append(seconds)
+        losses.append(loss)
+        steps.append(_timed(info, engine.step)[0])
+    return min(passes[1:]), min(steps[1:]), losses[0]
 
 
 def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] = print) -> UpdateBenchResult:
     """The four ways of the module docstring, in one process (a one-rank process group)."""
-
     context = init_distributed(_one_rank_env())
     run = load_run_config(config.run_config)
     dtype = model_dtype(run.deepspeed)
@@ -200,7 +192,7 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
     samples = bench_samples(config, model.config.get_text_config().vocab_size)
     result = UpdateBenchResult(device_mod.accelerator_name() or "cpu", dtype, len(samples),
                                sum(s.length for s in samples.values()),
-                               sum(i.num_patches for i in {it.share_key: it for s in samples.values() for it in s.items}.values()))
+                               sum(t * h * w for t, h, w in encoded_grids(samples.items())))
     progress(f"bench update: {result.num_samples} samples, {result.tokens} tokens, {result.vision_patches} vision "
              f"patches once per prompt, {dtype} on {result.device}")
     if config.activation_checkpointing:

@@ -12,7 +12,8 @@ checkpointing (MFU, not HFU).
   log-prob passes; ×3 for forward and backward).
 - `VisionShape` / `vision_unit_flops`: a Qwen2.5-VL vision tower's forward over one image or one
   temporal patch group of a video (the patch embedding, every block's matmuls, attention within
-  the windows or, in the full-attention blocks, over the whole unit, and the patch merger).
+  the windows or, in the full-attention blocks, over the whole unit, and the patch merger);
+  `encoded_grids` / `vision_flops`: over the items a pass encodes (shared media once).
 - `peak_bf16_flops`: the datasheet bf16 dense peak of a GPU by name (None where unknown), what MFU
   divides by (trainer/driver.py `mfu`).
 """
@@ -20,7 +21,7 @@ checkpointing (MFU, not HFU).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from flexrl_ds.planning.cost_model import LayerShapes
 
@@ -132,6 +133,21 @@ def vision_unit_flops(shape: VisionShape, grid_h: int, grid_w: int) -> float:
     merged = patches // (merge * merge)
     merger = 2.0 * merged * (merge ** 4 * d * d + merge * merge * d * shape.out_hidden_size)
     return 2.0 * patches * shape.patch_dim * d + shape.depth * block_matmuls + attention + merger
+
+
+def encoded_grids(samples: Iterable[tuple[str, Any]], shared: bool = True) -> list[tuple[int, int, int]]:
+    """grid_thw of each vision item that `(name, sample)` pairs make a pass encode: items with the same
+    `share_key` once when `shared` (models/vision_balance.py), else every sample's own."""
+    grids = {}
+    for name, sample in samples:
+        for index, item in enumerate(sample.items):
+            grids[(item.share_key if shared and item.share_key else (name, index))] = tuple(item.grid_thw)
+    return list(grids.values())
+
+
+def vision_flops(shape: VisionShape, grids: Iterable[tuple[int, int, int]]) -> float:
+    """Forward FLOPs of encoding items of these grid_thw (a video once per temporal group)."""
+    return sum(t * vision_unit_flops(shape, h, w) for t, h, w in grids)
 
 
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("GH200", 989.4e12),

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from flexrl_ds.models.flops import training_forward_flops, vision_unit_flops
+from flexrl_ds.models.flops import encoded_grids, training_forward_flops, vision_flops
 from flexrl_ds.planning.plan import Workload
 from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.rl.advantages import group_advantages
@@ -332,14 +332,9 @@ class GRPOTrainer:
         the media of their sequences, a prompt's shared items once (models/vision_balance.py)."""
         if self.o.vision is None:
             return 0.0
-        total = 0.0
-        for result in (r for results in micro_batches for r in results):
-            items = {}
-            for name in (seq for pack in result.plan.packs for seq in pack.sequences):
-                for index, item in enumerate(encoded[name].items):
-                    items[item.share_key or (name, index)] = item.grid_thw
-            total += sum(t * vision_unit_flops(self.o.vision, h, w) for t, h, w in items.values())
-        return total
+        return sum(vision_flops(self.o.vision, encoded_grids((name, encoded[name]) for pack in result.plan.packs
+                                                             for name in pack.sequences))
+                   for results in micro_batches for result in results)
 
     def _save_rollouts(self, step: int, samples: StepSamples, texts: dict[str, str], gaps: LogprobGaps) -> None:
         path = self.paths.rollouts(step)
