@@ -74,3 +74,11 @@ def test_vision_attention_refuses_calls_without_sequence_bounds_and_unknown_choi
         hf_adapter.varlen_vision_attention(None, query, query, query, None)
     with pytest.raises(ValueError, match="'varlen' or 'sdpa'"):
         hf_adapter.use_flex_ulysses(copy.deepcopy(vl_samples[0]), "flash")
+
+
+@pytest.mark.parametrize("choice, name", [("varlen", hf_adapter.VISION_ATTENTION_NAME), ("sdpa", "sdpa")])
+def test_flex_model_puts_its_vision_tower_on_the_chosen_attention(vl_samples, choice, name):
+    from flexrl_ds.models.flex_model import FlexUlyssesLM
+
+    flex = FlexUlyssesLM(copy.deepcopy(vl_samples[0]), vision_attention=choice)
+    assert flex.hf_model.model.visual.config._attn_implementation == name

@@ -92,3 +92,13 @@ def test_policy_worker_builds_both_engines_at_the_sampling_temperature(monkeypat
     worker._engine(train=True)
     worker._engine(train=False)
     assert [options["temperature"] for options in built] == [0.7, 0.7]
+
+
+@pytest.mark.parametrize("attention", [None, "varlen", "sdpa"])
+def test_vision_attention_reaches_the_policy_setup(attention):
+    assert setup_with_trainer_setting("vision_attention", attention).vision_attention == (attention or "varlen")
+
+
+def test_an_unknown_vision_attention_is_refused():
+    with pytest.raises(ValueError, match="flexrl.trainer.vision_attention: one of varlen, sdpa, got 'flash'"):
+        setup_with_trainer_setting("vision_attention", "flash")
