@@ -32,6 +32,7 @@ import transformers
 
 from flexrl_ds.bench.rollout_floor import DecoderShape, Peaks, rollout_floor
 from flexrl_ds.models.flex_model import reference_logprobs
+from flexrl_ds.models.loading import ordinary_token_bound
 from flexrl_ds.models.processing import EncodedSample
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 from flexrl_ds.models.weights import iter_weight_buckets, tensor_bytes
@@ -134,8 +135,7 @@ def _hf_model(model_dir: Path, device: Any):
 
 def _requests(config: RolloutBenchConfig, hf_config: Any):
     """Random text prompts over the ordinary tokens (below the first special token: no vision pads)."""
-    special = [getattr(hf_config, name, None) for name in ("image_token_id", "video_token_id", "vision_start_token_id")]
-    upper = min([token for token in special if token is not None] or [hf_config.get_text_config().vocab_size])
+    upper = ordinary_token_bound(hf_config)
     generator = torch.Generator().manual_seed(config.seed)
     ids = torch.randint(0, upper, (config.prompts, config.prompt_len), generator=generator)
     return [RolloutRequest(f"p{index}", ids[index].tolist(), [], seed=index) for index in range(config.prompts)]

@@ -6,7 +6,8 @@ same weights, one forward and backward of the loss -(sum of the response tokens'
 number, timed four ways (the best of `repeats` after one warm-up each):
 - `hf`: transformers alone, one sample at a time (batch 1, sdpa: its vision tower's windows one by
   one), the gradients adding up: the baseline;
-- `flexrl`: `FlexUlyssesLM` on one rank (the planner's packs, varlen attention in both towers, a
+- `flexrl`: `FlexUlyssesLM` on one rank (the planner's packs under the run config's `flexrl.sp`,
+  as the trainer plans them, its token cap aside: one pass; varlen attention in both towers; a
   prompt's media encoded once for its samples), no DeepSpeed;
 - `zero3`: the same module in a DeepSpeed ZeRO-3 engine built from the run config's JSON (what
   the trainer runs), `engine.backward`;
@@ -34,13 +35,17 @@ from flexrl_ds.models import zero3
 from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch, positions_fn, reference_logprobs
 from flexrl_ds.models.flops import (DecoderShape, VisionShape, encoded_grids, peak_bf16_flops, training_forward_flops,
                                     vision_flops)
-from flexrl_ds.models.loading import load_model
+from flexrl_ds.models.loading import load_model, ordinary_token_bound
 from flexrl_ds.models.policy_update import local_response_values
 from flexrl_ds.models.processing import encode_records
 from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.parallel.launch import init_distributed
 from flexrl_ds.tools.logprobs import plan_for_samples
 from flexrl_ds.trainer.validation import model_dtype
+
+
+WAYS = ("hf", "flexrl", "zero3")
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,13 @@ class UpdateBenchConfig:
     repeats: int = 3
     activation_checkpointing: bool = False
     seed: int = 0
+    ways: tuple[str, ...] = WAYS
+    """Which of `WAYS` to time (zero3 includes zero3_step)."""
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.ways) - set(WAYS))
+        if unknown or not self.ways:
+            raise ValueError(f"--ways: {', '.join(unknown) or 'none given'}: choose from {', '.join(WAYS)}")
         if self.response_length < 1 or self.samples_per_prompt < 1 or self.repeats < 1:
             raise ValueError("--response-length, --samples-per-prompt and --repeats must be at least 1")
         if self.max_prompts is not None and self.max_prompts < 1:
@@ -71,14 +81,17 @@ class UpdateBenchResult:
     tokens: int
     vision_patches: int
     """Patches the vision tower encodes once per prompt (flexrl, zero3); hf encodes them per sample."""
+    packs: int = 0
+    """Packs of the plan flexrl and zero3 run (each one attention call per layer)."""
     seconds: dict[str, float] = field(default_factory=dict)
     tflops: dict[str, float] = field(default_factory=dict)
     mfu: dict[str, float] = field(default_factory=dict)
     loss: dict[str, float] = field(default_factory=dict)
 
 
-def bench_samples(config: UpdateBenchConfig, vocab_size: int) -> dict[str, Any]:
-    """EncodedSample per (record, copy): the record's prompt and media, random response tokens."""
+def bench_samples(config: UpdateBenchConfig, token_bound: int) -> dict[str, Any]:
+    """EncodedSample per (record, copy): the record's prompt and media, random response tokens below
+    `token_bound` (models.loading.ordinary_token_bound: no vision placeholders among them)."""
     # Every record has a prompt: encoded as the "response" to score, then replaced by random tokens.
     records = encode_records(config.model_dir, config.data_path, response_key="prompt")
     generator = torch.Generator().manual_seed(config.seed)
@@ -86,7 +99,7 @@ def bench_samples(config: UpdateBenchConfig, vocab_size: int) -> dict[str, Any]:
     for record_id, sample in list(records.items())[:config.max_prompts]:
         items = [dataclasses.replace(item, share_key=f"{record_id}/{k}") for k, item in enumerate(sample.items)]
         for copy_index in range(config.samples_per_prompt):
-            response = torch.randint(0, vocab_size, (config.response_length,), generator=generator)
+            response = torch.randint(0, token_bound, (config.response_length,), generator=generator)
             input_ids = torch.cat([sample.input_ids[:sample.response_start], response])
             name = f"{record_id}#{copy_index}"
             samples[name] = dataclasses.replace(sample, id=name, input_ids=input_ids, items=items)
@@ -184,12 +197,12 @@ def _zero3_times(info, engine, run: Callable[[], float], repeats: int) -> tuple[
 
 
 def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] = print) -> UpdateBenchResult:
-    """The four ways of the module docstring, in one process (a one-rank process group)."""
+    """The ways of the module docstring asked in `config.ways`, in one process (a one-rank process group)."""
     context = init_distributed(_one_rank_env())
     run = load_run_config(config.run_config)
     dtype = model_dtype(run.deepspeed)
     model = load_model(config.model_dir, dtype).to(context.device)
-    samples = bench_samples(config, model.config.get_text_config().vocab_size)
+    samples = bench_samples(config, ordinary_token_bound(model.config))
     result = UpdateBenchResult(device_mod.accelerator_name() or "cpu", dtype, len(samples),
                                sum(s.length for s in samples.values()),
                                sum(t * h * w for t, h, w in encoded_grids(samples.items())))
@@ -198,35 +211,56 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
     if config.activation_checkpointing:
         zero3.enable_activation_checkpointing(model)
     model.train()
-    peak = peak_bf16_flops(device_mod.accelerator_name())
+    record = _Recorder(result, progress)
+    shared, per_sample = (3 * model_flops(model.config, samples, shared_media=s) for s in (True, False))
+    if "hf" in config.ways:
+        seconds, loss = _best_time(context.info, hf_pass(model, samples), config.repeats)
+        record("hf", seconds, loss, per_sample)
+    plan = plan_for_samples(config.model_dir, samples, 1, 1, sp=one_pass_sp(run.flexrl.sp))
+    result.packs = len(plan.packs)
+    progress(f"bench update: flexrl and zero3 run {result.packs} packs (flexrl.sp h_pack {run.flexrl.sp.h_pack}, "
+             f"H_pack {run.flexrl.sp.H_pack}; None: the planner's defaults)")
+    batch = build_step_batch(model.config, plan, samples, 0, positions=positions_fn(model))
+    if "flexrl" in config.ways:
+        flex = FlexUlyssesLM(model)
+        seconds, loss = _best_time(context.info, flexrl_pass(flex, batch, samples, lambda value: value.backward(),
+                                                             lambda: flex.zero_grad(set_to_none=True)), config.repeats)
+        record("flexrl", seconds, loss, shared)
+        model.zero_grad(set_to_none=True)
+    if "zero3" in config.ways:
+        engine = zero3.build_engine(model, copy.deepcopy(run.deepspeed), train=True)
+        seconds, step_seconds, loss = _zero3_times(context.info, engine, flexrl_pass(
+            engine, batch, samples, engine.backward, lambda: None), config.repeats)
+        record("zero3", seconds, loss, shared)
+        record("zero3_step", step_seconds, None, 0.0)
+    return result
 
-    def record(way: str, seconds: float, loss: float | None, flops: float) -> None:
+
+class _Recorder:
+    """Writes one way's figures into the result and says them."""
+
+    def __init__(self, result: UpdateBenchResult, progress: Callable[[str], None]):
+        self.result, self.progress = result, progress
+        self.peak = peak_bf16_flops(device_mod.accelerator_name())
+
+    def __call__(self, way: str, seconds: float, loss: float | None, flops: float) -> None:
+        result = self.result
         result.seconds[way] = seconds
         if loss is not None:
             result.loss[way] = loss
         result.tflops[way] = flops / seconds / 1e12 if flops else 0.0
-        if peak and flops:
-            result.mfu[way] = flops / seconds / peak
-        progress(f"bench update: {way}: {seconds:.3f} s" + (f", loss {loss:.6f}" if loss is not None else "")
-                 + (f", {result.tflops[way]:.1f} model TFLOP/s" if flops else "")
-                 + (f", MFU {result.mfu[way]:.1%}" if way in result.mfu else ""))
+        if self.peak and flops:
+            result.mfu[way] = flops / seconds / self.peak
+        self.progress(f"bench update: {way}: {seconds:.3f} s" + (f", loss {loss:.6f}" if loss is not None else "")
+                      + (f", {result.tflops[way]:.1f} model TFLOP/s" if flops else "")
+                      + (f", MFU {result.mfu[way]:.1%}" if way in result.mfu else ""))
 
-    shared, per_sample = (3 * model_flops(model.config, samples, shared_media=s) for s in (True, False))
-    seconds, loss = _best_time(context.info, hf_pass(model, samples), config.repeats)
-    record("hf", seconds, loss, per_sample)
-    flex = FlexUlyssesLM(model)
-    batch = build_step_batch(model.config, plan_for_samples(config.model_dir, samples, 1, 1), samples, 0,
-                             positions=positions_fn(model))
-    seconds, loss = _best_time(context.info, flexrl_pass(flex, batch, samples, lambda value: value.backward(),
-                                                         lambda: flex.zero_grad(set_to_none=True)), config.repeats)
-    record("flexrl", seconds, loss, shared)
-    model.zero_grad(set_to_none=True)
-    engine = zero3.build_engine(model, copy.deepcopy(run.deepspeed), train=True)
-    seconds, step_seconds, loss = _zero3_times(context.info, engine, flexrl_pass(engine, batch, samples, engine.backward,
-                                                                                   lambda: None), config.repeats)
-    record("zero3", seconds, loss, shared)
-    record("zero3_step", step_seconds, None, 0.0)
-    return result
+
+def one_pass_sp(sp: SPConfig) -> SPConfig:
+    """The run's SP settings for one rank and one pass: degree 1, no token cap (the bench times one
+    pass; the trainer would cut a capped one into micro-batches)."""
+    return dataclasses.replace(sp, p_max=1, max_tokens_per_rank=None, logprob_max_tokens_per_rank=None,
+                               domain_size=None)
 
 
 def write_result(result: UpdateBenchResult, path: str | None) -> None:

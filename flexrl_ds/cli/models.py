@@ -111,6 +111,8 @@ def _add_bench_update(bench) -> None:
     update.add_argument("--max-prompts", type=int, default=None, help="use only the first N records")
     update.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (best is reported)")
     update.add_argument("--checkpointing", action="store_true", help="activation checkpointing in all ways")
+    update.add_argument("--ways", default="hf,flexrl,zero3",
+                        help="comma-separated ways to time, of hf, flexrl, zero3 (zero3 includes its optimizer step)")
     update.add_argument("--seed", type=int, default=0)
     update.add_argument("--json", default=None, help="write the result here")
     update.set_defaults(func=_bench_update)
@@ -121,6 +123,7 @@ def _bench_update(args: argparse.Namespace) -> int:
 
     config = UpdateBenchConfig(args.model, args.data, args.config, response_length=args.response_length,
                                samples_per_prompt=args.samples_per_prompt, max_prompts=args.max_prompts,
-                               repeats=args.repeats, activation_checkpointing=args.checkpointing, seed=args.seed)
+                               repeats=args.repeats, activation_checkpointing=args.checkpointing, seed=args.seed,
+                               ways=tuple(way.strip() for way in args.ways.split(",") if way.strip()))
     write_result(run_update_bench(config), args.json)
     return 0

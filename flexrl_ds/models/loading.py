@@ -50,3 +50,11 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def ordinary_token_bound(hf_config) -> int:
+    """Token ids below this are ordinary text: the first vision special token (image/video pad,
+    vision start), or the vocabulary's size where the model has none. Random text for benchmarks
+    is drawn below it, so that it holds no vision placeholders."""
+    special = [getattr(hf_config, name, None) for name in ("image_token_id", "video_token_id", "vision_start_token_id")]
+    return min([token for token in special if token is not None] or [hf_config.get_text_config().vocab_size])

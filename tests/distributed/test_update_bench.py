@@ -31,12 +31,14 @@ def _reference_loss(model_dir: str, data: str, response_length: int, copies: int
     """The bench's samples rebuilt (its `bench_samples`), scored by a plain HF forward each."""
     from flexrl_ds.bench.update_bench import UpdateBenchConfig, bench_samples
     from flexrl_ds.models.flex_model import reference_logprobs
-    from flexrl_ds.models.loading import load_model
+    from flexrl_ds.models.loading import load_model, ordinary_token_bound
 
     model = load_model(model_dir)
     config = UpdateBenchConfig(model_dir, data, "", response_length=response_length, samples_per_prompt=copies)
-    samples = bench_samples(config, model.config.get_text_config().vocab_size)
+    samples = bench_samples(config, ordinary_token_bound(model.config))
     assert len(samples) == 4 * copies and all(s.length - s.response_start == response_length for s in samples.values())
+    vision_tokens = {model.config.image_token_id, model.config.video_token_id, model.config.vision_start_token_id}
+    assert not any(set(s.input_ids[s.response_start:].tolist()) & vision_tokens for s in samples.values())
     with torch.no_grad():
         logprobs = torch.cat([reference_logprobs(model, s) for s in samples.values()])
     return float(-logprobs.sum() / logprobs.numel())
@@ -50,12 +52,12 @@ def test_every_way_computes_the_reference_loss(bench_assets):
         env.pop(name, None)
     completed = subprocess.run(
         [sys.executable, "-m", "flexrl_ds", "bench", "update", "--model", model_dir, "--data", data,
-         "--config", str(ROOT / "ds_configs" / "grpo_tiny_cpu.json"), "--response-length", "12",
+         "--config", str(ROOT / "ds_configs" / "grpo_tiny_cpu.json"), "--response-length", "40",
          "--samples-per-prompt", "3", "--repeats", "1", "--checkpointing", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(out.read_text())
-    expected = _reference_loss(model_dir, data, 12, 3)
+    expected = _reference_loss(model_dir, data, 40, 3)
     assert set(result["loss"]) == {"hf", "flexrl", "zero3"} and set(result["seconds"]) == set(result["loss"]) | {"zero3_step"}
     for way in ("hf", "flexrl", "zero3"):
         assert result["loss"][way] == pytest.approx(expected, rel=1e-5), way

@@ -37,6 +37,8 @@
 #     runs as micro-batches (planning/micro_batches.py; `micro_batches` in metrics.jsonl).
 #     LOGPROB_MAX_TOKENS_PER_RANK=t: a looser cap for the no-grad log-prob passes
 #     (`flexrl.sp.logprob_max_tokens_per_rank`, at least MAX_TOKENS_PER_RANK).
+#   PACK_BELOW=t PACK_BUDGET=t: `flexrl.sp.h_pack` / `H_pack`: sequences under t tokens packed
+#     together, into packs of at most PACK_BUDGET tokens (one attention call per pack and layer).
 #   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
 #     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it, the
 #     table also copied to OUT/profile_step_n_rank_0.txt. Writing them took ~140 s for a 3B step of
@@ -49,7 +51,8 @@
 #   UPDATE_BENCH=1: instead of training, `flexrl bench update` on the data's 16 prompts x 4 samples with
 #     RESPONSE_LENGTH (default 350) random response tokens (CKPT=1: checkpointed): one update's forward
 #     and backward as plain transformers, as FlexUlyssesLM, and in the run config's ZeRO-3 engine
-#     (OUT/update_bench.txt and .json).
+#     (OUT/update_bench.txt and .json; the whole output in OUT/update_bench.log). UPDATE_BENCH_ARGS:
+#     more arguments, e.g. "--ways flexrl,zero3 --repeats 2".
 #   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
 # vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
@@ -110,7 +113,9 @@ for name, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
 for variable, section, key in (("PROMPTS", config["flexrl"]["data"]["loader"], "global_batch"),
                                ("RESPONSE_LENGTH", config["flexrl"]["rollout"], "max_response_length"),
                                ("MAX_TOKENS_PER_RANK", config["flexrl"]["sp"], "max_tokens_per_rank"),
-                               ("LOGPROB_MAX_TOKENS_PER_RANK", config["flexrl"]["sp"], "logprob_max_tokens_per_rank")):
+                               ("LOGPROB_MAX_TOKENS_PER_RANK", config["flexrl"]["sp"], "logprob_max_tokens_per_rank"),
+                               ("PACK_BELOW", config["flexrl"]["sp"], "h_pack"),
+                               ("PACK_BUDGET", config["flexrl"]["sp"], "H_pack")):
     if variable in os.environ:
         section[key] = int(os.environ[variable])
 if "OFFLOAD_RATIO" in os.environ:  # 7b: the share of the optimizer stepped on the host by CPUAdam
@@ -132,8 +137,10 @@ PY
 cp "$work/config.json" "$out/config.json"
 if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs FlexUlysses vs its ZeRO-3 engine
   python3 -m flexrl_ds bench update --model "$work/m$shape" --data "$work/data-small/train.jsonl" --config "$work/config.json" \
-    --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $([ "${CKPT:-0}" = 1 ] && echo --checkpointing) \
-    --json "$out/update_bench.json" 2>&1 | grep "bench update\|Error" | tee "$out/update_bench.txt"
+    --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $([ "${CKPT:-0}" = 1 ] && echo --checkpointing) ${UPDATE_BENCH_ARGS:-} \
+    --json "$out/update_bench.json" > "$out/update_bench.log" 2>&1 || echo "bench update failed: exit $?" >> "$out/update_bench.log"
+  grep "bench update" "$out/update_bench.log" | tee "$out/update_bench.txt"
+  tail -n 15 "$out/update_bench.log"  # the failure, where there is one
   exit 0
 fi
 # Peak host memory in use (MemTotal - MemAvailable), sampled every 2 s while the trainer runs.

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from flexrl_ds.parallel.profiling import RankProfiler, region
+from flexrl_ds.parallel.profiling import RankProfiler, device_kernel_seconds, region, region_table
 
 
 def test_a_profile_names_the_regions_and_writes_a_trace(tmp_path):
@@ -29,6 +29,7 @@ def test_a_profile_names_the_regions_and_writes_a_trace(tmp_path):
     assert rows["flexrl/forward"][0] == "3" and rows["flexrl/backward"][0] == "1"  # calls
     assert float(rows["flexrl/forward"][1]) > 0  # CPU total ms
     assert "aten::mm" in text  # the ops table
+    assert text.startswith("profiled ") and "s of wall time" in text.splitlines()[0]
     trace = json.loads(gzip.open(tmp_path / "profile" / "step_1_rank_0.json.gz").read())
     names = [event.get("name") for event in trace["traceEvents"]]
     assert names.count("flexrl/forward") == 3
@@ -45,3 +46,36 @@ def test_one_profile_at_a_time(tmp_path):
     profiler.start()  # a new one after the first ended
     profiler.stop(tmp_path / "second")
     assert (tmp_path / "second.txt").exists() and not (tmp_path / "never.txt").exists()
+
+
+class _Event:
+    def __init__(self, key, count, cpu_us, device_us, device_type=None, annotation=False):
+        from torch.autograd import DeviceType
+
+        self.key, self.count, self.cpu_time_total, self.device_time_total = key, count, cpu_us, device_us
+        self.self_device_time_total = device_us
+        self.device_type = device_type or DeviceType.CPU
+        self.is_user_annotation = annotation
+
+
+def test_a_region_reported_on_the_cpu_and_on_the_device_is_one_row():
+    from torch.autograd import DeviceType
+
+    events = [_Event("flexrl/decoder", 3, 5_920_900, 1_393_700),  # its CPU range (kernels launched inside)
+              _Event("flexrl/decoder", 3, 0, 5_929_400, DeviceType.CUDA, annotation=True),  # its span on the device
+              _Event("flexrl/loss", 1, 4_100, 200),
+              _Event("aten::mm", 10, 500, 0)]
+    lines = region_table(events, device=True)
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[1:]}
+    assert rows == {"flexrl/decoder": [3, 5920.9, 5929.4], "flexrl/loss": [1, 4.1, 0.2]}
+    assert lines[1].startswith("flexrl/decoder")  # the longest on the device first
+
+
+def test_device_busy_time_counts_kernels_not_regions():
+    from torch.autograd import DeviceType
+
+    events = [_Event("flexrl/decoder", 3, 0, 5_000_000, DeviceType.CUDA, annotation=True),
+              _Event("gemm_kernel", 720, 0, 1_500_000, DeviceType.CUDA),
+              _Event("Memcpy HtoD", 10, 0, 250_000, DeviceType.CUDA),
+              _Event("aten::mm", 720, 300_000, 0)]
+    assert device_kernel_seconds(events) == pytest.approx(1.75)
