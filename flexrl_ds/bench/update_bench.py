@@ -82,7 +82,7 @@ class UpdateBenchResult:
     vision_patches: int
     """Patches the vision tower encodes once per prompt (flexrl, zero3); hf encodes them per sample."""
     packs: int = 0
-    """Packs of the plan flexrl and zero3 run (each one attention call per layer)."""
+    """Packs of the plan flexrl and zero3 run (on one rank all of degree 1: one attention call per layer for all)."""
     seconds: dict[str, float] = field(default_factory=dict)
     tflops: dict[str, float] = field(default_factory=dict)
     mfu: dict[str, float] = field(default_factory=dict)

@@ -2,8 +2,9 @@
 
 On each group (degree, first rank), sequences shorter than `h_pack` tokens are packed together
 (first-fit decreasing) into packs of at most `H_pack` tokens; longer sequences stay alone. One pack
-is one attention call (varlen) and one set of all-to-alls per layer, so packing short sequences cuts
-per-call latency without changing any rank's load.
+of degree > 1 is one attention call (varlen) and one set of all-to-alls per layer, so packing short
+sequences cuts per-call latency without changing any rank's load. (A rank's consecutive degree-1
+packs need no exchange and run as one call: sp/layout.py `attention_units`.)
 
 Defaults (when the config leaves them None): `h_pack = 4096` — below it, attention (L²) is under
 ~6 % of a Qwen2.5-VL-7B sequence's cost (c ≈ 65,000), so a sequence is latency-bound and

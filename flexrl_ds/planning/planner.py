@@ -382,10 +382,11 @@ def fixed_sp_time_floor(tokens: np.ndarray, degree: int, world_size: int, cost: 
                         limits: PackingLimits, groups: np.ndarray | None = None) -> float:
     """A lower bound on the modelled step time of fixed SP at `degree` (sequence i on group
     `groups[i]`; None: any grouping). The busiest rank does at least what a group's most-loaded
-    rank (largest head share) computes — attention × that share, linear ÷ d, one floor per pack,
-    where a group has at least one pack per long sequence and ⌈short tokens ÷ H_pack⌉ of short
-    ones — for the busiest group, or over any grouping the mean over groups (packs summed: at
-    least ⌈all short tokens ÷ H_pack⌉). Exposed all-to-all and c_linear (≥ 0) are left out."""
+    rank (largest head share) computes — attention × that share, linear ÷ d, one floor per
+    attention call, where a group has at least one pack per long sequence and ⌈short tokens ÷
+    H_pack⌉ of short ones (at degree 1, one call for all of a rank's packs: sp/layout.py) — for the
+    busiest group, or over any grouping the mean over groups (packs summed: at least ⌈all short
+    tokens ÷ H_pack⌉). Exposed all-to-all and c_linear (≥ 0) are left out."""
     (a, b, c), (s, _) = cost.step.attention_fit, cost.step.linear_fit
     share = max(heads_per_rank(cost.num_heads, cost.num_kv_heads, degree)) / cost.num_heads
     long = tokens >= limits.h_pack
@@ -393,11 +394,15 @@ def fixed_sp_time_floor(tokens: np.ndarray, degree: int, world_size: int, cost: 
     num_groups = world_size // degree
     if groups is None:
         packs = int(long.sum()) + int(np.ceil(float(tokens[~long].sum()) / limits.H_pack))
-        return cost.step.num_layers * (share * float(attention.sum()) / num_groups + c * packs / num_groups
+        calls = min(packs, num_groups) if degree == 1 else packs
+        return cost.step.num_layers * (share * float(attention.sum()) / num_groups + c * calls / num_groups
                                        + s * float(tokens.sum()) / world_size)
     sums = [np.bincount(groups, weights=w, minlength=num_groups) for w in (attention, tokens, long * 1.0,
                                                                             np.where(long, 0.0, tokens))]
-    work = share * sums[0] + s * sums[1] / degree + c * (sums[2] + np.ceil(sums[3] / limits.H_pack))
+    calls = sums[2] + np.ceil(sums[3] / limits.H_pack)
+    if degree == 1:
+        calls = np.minimum(calls, 1.0)
+    work = share * sums[0] + s * sums[1] / degree + c * calls
     return cost.step.num_layers * float(work.max())
 
 

@@ -3,8 +3,9 @@
 One decoder layer, forward + backward, measured on the real hardware (`flexrl bench sp --calibrate`):
 
 - attention of one pack (one varlen call) holding `h` of the model's `H` query heads:
-  `(h/H)·(a·Σ L² + b·Σ L) + c` seconds — `c` is a per-pack floor (kernel launches, the small-pack
-  regime where a Ulysses SP=2 layer on 512–1K tokens runs at 0.47× one GPU);
+  `(h/H)·(a·Σ L² + b·Σ L) + c` seconds — `c` is a per-call floor (kernel launches, the small-pack
+  regime where a Ulysses SP=2 layer on 512–1K tokens runs at 0.47× one GPU); a rank's consecutive
+  degree-1 packs run as one call (sp/layout.py `attention_units`), so they pay one `c` together;
 - linear layers (projections + MLP) on the rank's `T` local tokens, all packs in one forward:
   `s·T + c_linear`;
 - one pack's all-to-alls on `d` ranks: forward q/k/v (merged) and output, backward the same, so 4
@@ -220,7 +221,11 @@ def _entries_step_time(packs, ranks: np.ndarray, entry: np.ndarray, world_size: 
         on = degree[entry] == d
         table = np.asarray(heads_per_rank(num_heads, num_kv_heads, int(d)), dtype=float) / num_heads
         share[on] = table[ranks[on] - first[entry[on]]]
-    attention = model.attention_s(sum_l2[entry], sum_l[entry], share)
+    local = degree[entry] == 1
+    # A rank's consecutive degree-1 packs run as one attention call (sp/layout.py attention_units):
+    # one per-call floor for the run.
+    joins_run = np.concatenate([[False], local[1:] & local[:-1] & (ranks[1:] == ranks[:-1])])
+    attention = model.attention_s(sum_l2[entry], sum_l[entry], share, packs=np.where(joins_run, 0, 1))
     previous = np.concatenate([[0.0], attention[:-1]])
     previous[np.concatenate([[True], ranks[1:] != ranks[:-1]])] = 0.0  # a rank's first pack hides nothing
     exposed_entry = np.maximum(0.0, comm[entry] - previous) if overlap else comm[entry]

@@ -14,7 +14,8 @@ Contract (for the model adapter):
 
 Per pack, in the plan's Highest-Sharding-First order: sequence-gather / head-scatter all-to-all within
 the pack's group, causal varlen attention over the pack's whole sequences for this rank's heads,
-all-to-all back. With `overlap`, pack j+1's first all-to-all (q, k, v in one collective) is issued
+all-to-all back. A rank's consecutive degree-1 packs exchange nothing and run as one varlen call
+(`RankLayout.attention_units`). With `overlap`, pack j+1's first all-to-all (q, k, v in one collective) is issued
 asynchronously before pack j's attention runs and waited for only when pack j+1 starts. The shape of
 DeepSpeed's `DistributedAttention` (a wrapper given the local attention; groups passed in, here via the
 layout) is kept; see flexrl_ds/sp/all_to_all.py for which exchanges use DeepSpeed's primitives.
@@ -44,35 +45,37 @@ class FlexUlyssesAttention:
         self.overlap = overlap
         self.use_deepspeed = use_deepspeed
         self.last_paths: list[str] = []
-        """Exchange used by each pack in the last call: local | deepspeed | flex | flex-async."""
+        """Exchange used by each of the layout's packs in the last call: local | deepspeed | flex | flex-async."""
 
     def __call__(self, q, k, v, layout: RankLayout, scaling: float | None = None):
         num_heads, num_kv_heads = _check_inputs(q, k, v, layout)
-        packs = layout.packs
+        units = layout.attention_units  # consecutive degree-1 packs joined: one call
+        packs = [pack for pack, _ in units]
         use_ds = self.use_deepspeed and not self.overlap and a2a.deepspeed_exchange_ready()
         self.last_paths = []
         outs = []
-        pending = self._issue(q, k, v, packs[0], use_ds, async_op=False) if packs else None
+        pending = self._issue(q, k, v, units[0], use_ds, async_op=False) if units else None
         for index, pack in enumerate(packs):
             current, pending = pending, None
             if index + 1 < len(packs) and self.overlap:
-                pending = self._issue(q, k, v, packs[index + 1], use_ds, async_op=True)
+                pending = self._issue(q, k, v, units[index + 1], use_ds, async_op=True)
             q_p, k_p, v_p = current.wait()
             heads = _heads_of(pack, num_heads, num_kv_heads)
             out_p = self._attend(q_p, k_p, v_p, pack, heads[pack.rank_in_group], num_heads // num_kv_heads, scaling)
             outs.append(self._back(out_p, pack, heads, use_ds, num_heads, num_kv_heads))
             if index + 1 < len(packs) and not self.overlap:
-                pending = self._issue(q, k, v, packs[index + 1], use_ds, async_op=False)
+                pending = self._issue(q, k, v, units[index + 1], use_ds, async_op=False)
         if not outs:  # a rank without packs: an empty output still connected to q, k, v for autograd
             return q.clone() + (k.sum() + v.sum()) * 0
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # -------------------------------------------------------------------------------------- steps
-    def _issue(self, q, k, v, pack: PackShard, use_ds: bool, async_op: bool):
+    def _issue(self, q, k, v, unit: tuple[PackShard, int], use_ds: bool, async_op: bool):
+        pack, plan_packs = unit
         lo, hi = pack.local_offset, pack.local_offset + pack.num_local_tokens
         q_s, k_s, v_s = q[lo:hi], k[lo:hi], v[lo:hi]
         if pack.degree == 1:
-            self.last_paths.append("local")
+            self.last_paths.extend(["local"] * plan_packs)
             return _Ready((q_s, k_s, v_s))
         if use_ds and a2a.deepspeed_admits(pack.shard_sizes, q.shape[1], k.shape[1]):
             self.last_paths.append("deepspeed")

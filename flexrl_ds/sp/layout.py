@@ -19,7 +19,8 @@ Plan ranks are SP-domain-local ranks (docs/PLAN_SCHEMA.md); `GroupTree.local_ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from flexrl_ds.planning.plan import Plan, validate_plan
@@ -105,6 +106,19 @@ class RankLayout:
     def num_local_tokens(self) -> int:
         return sum(p.num_local_tokens for p in self.packs)
 
+    @functools.cached_property
+    def attention_units(self) -> tuple[tuple[PackShard, int], ...]:
+        """What the attention runs, in order: (pack, how many of `packs` it stands for). A run of
+        consecutive degree-1 packs (HSF order puts them last) becomes one pack: they exchange
+        nothing, so one varlen call over all their sequences does their attention at once."""
+        units: list[tuple[PackShard, int]] = []
+        for pack in self.packs:
+            if units and pack.degree == 1 and units[-1][0].degree == 1:
+                units[-1] = (_joined(units[-1][0], pack), units[-1][1] + 1)
+            else:
+                units.append((pack, 1))
+        return tuple(units)
+
     def segments(self) -> list[tuple[str, int, int, int]]:
         """(sequence id, first position, end position, local index) of every local piece, in order."""
         return [segment for pack in self.packs for segment in pack.segments()]
@@ -129,6 +143,17 @@ class RankLayout:
             shape[dim] = 0
             return reference.new_empty(shape)
         return torch.cat(pieces, dim=dim)
+
+
+def _joined(first: PackShard, second: PackShard) -> PackShard:
+    """Two adjacent degree-1 packs of one rank as one: sequences and bounds concatenated."""
+    if first.local_offset + first.num_local_tokens != second.local_offset:
+        raise ValueError(f"packs {first.pack_id} and {second.pack_id} are not adjacent in the local tokens")
+    total = first.num_tokens + second.num_tokens
+    return replace(first, sequence_ids=first.sequence_ids + second.sequence_ids,
+                   sequence_lengths=first.sequence_lengths + second.sequence_lengths,
+                   cu_seqlens=first.cu_seqlens + tuple(first.num_tokens + b for b in second.cu_seqlens[1:]),
+                   shard_bounds=(0, total))
 
 
 def shard_bounds(num_tokens: int, degree: int) -> tuple[int, ...]:
