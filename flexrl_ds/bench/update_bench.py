@@ -82,7 +82,9 @@ class UpdateBenchResult:
     vision_patches: int
     """Patches the vision tower encodes once per prompt (flexrl, zero3); hf encodes them per sample."""
     packs: int = 0
-    """Packs of the plan flexrl and zero3 run (on one rank all of degree 1: one attention call per layer for all)."""
+    """Packs of the plan flexrl and zero3 run."""
+    attention_calls: int = 0
+    """Their attention calls per decoder layer (one rank: all degree 1, joined into one)."""
     seconds: dict[str, float] = field(default_factory=dict)
     tflops: dict[str, float] = field(default_factory=dict)
     mfu: dict[str, float] = field(default_factory=dict)
@@ -217,10 +219,11 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
         seconds, loss = _best_time(context.info, hf_pass(model, samples), config.repeats)
         record("hf", seconds, loss, per_sample)
     plan = plan_for_samples(config.model_dir, samples, 1, 1, sp=one_pass_sp(run.flexrl.sp))
-    result.packs = len(plan.packs)
-    progress(f"bench update: flexrl and zero3 run {result.packs} packs (flexrl.sp h_pack {run.flexrl.sp.h_pack}, "
-             f"H_pack {run.flexrl.sp.H_pack}; None: the planner's defaults)")
     batch = build_step_batch(model.config, plan, samples, 0, positions=positions_fn(model))
+    result.packs, result.attention_calls = len(plan.packs), len(batch.layout.attention_units)
+    progress(f"bench update: flexrl and zero3 run {result.packs} packs (flexrl.sp h_pack {run.flexrl.sp.h_pack}, "
+             f"H_pack {run.flexrl.sp.H_pack}; None: the planner's defaults) in {result.attention_calls} "
+             "attention call(s) per layer")
     if "flexrl" in config.ways:
         flex = FlexUlyssesLM(model)
         seconds, loss = _best_time(context.info, flexrl_pass(flex, batch, samples, lambda value: value.backward(),

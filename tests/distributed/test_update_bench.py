@@ -63,3 +63,4 @@ def test_every_way_computes_the_reference_loss(bench_assets):
         assert result["loss"][way] == pytest.approx(expected, rel=1e-5), way
         assert result["seconds"][way] > 0 and f"bench update: {way}:" in completed.stdout
     assert result["num_samples"] == 12 and result["seconds"]["zero3_step"] > 0
+    assert result["packs"] > 1 and result["attention_calls"] == 1  # the CPU config's small packs, joined
