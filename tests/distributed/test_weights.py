@@ -29,7 +29,7 @@ def offset(index: int) -> float:
     return 0.001 * (index + 1)
 
 
-def rank_gather_and_export(model_dir: str, out_dir: str):
+def rank_gather_and_export(model_dir: str, out_dir: str, persistence: int = 0):
     import deepspeed
     from zero3_configs import zero3_config
 
@@ -37,9 +37,14 @@ def rank_gather_and_export(model_dir: str, out_dir: str):
     from flexrl_ds.models.weights import iter_weight_buckets, save_hf_export
     from flexrl_ds.models.zero3 import build_engine
 
-    engine = build_engine(load_model(model_dir), zero3_config(), train=False)
+    config = zero3_config()
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+    engine = build_engine(load_model(model_dir), config, train=False)
     params = list(engine.module.hf_model.parameters())
-    assert all(p.numel() == 0 for p in params)  # really partitioned
+    persistent = [bool(getattr(p, "ds_persist", False)) for p in params]
+    # threshold 0: every parameter partitioned; higher: the small ones stay whole once gathered
+    assert all(p.numel() == 0 for p in params)  # really partitioned, until a first use
+    assert not any(persistent) if persistence == 0 else 0 < sum(persistent) < len(params)
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
         with torch.no_grad():
             for index, param in enumerate(params):
@@ -51,7 +56,8 @@ def rank_gather_and_export(model_dir: str, out_dir: str):
     return {"buckets": buckets}
 
 
-def test_bucketed_gather_and_hf_export_round_trip(model_dir, dist_pools, tmp_path):
+@pytest.mark.parametrize("persistence", [0, 2000])
+def test_bucketed_gather_and_hf_export_round_trip(model_dir, dist_pools, tmp_path, persistence):
     import transformers
 
     from flexrl_ds.models.loading import load_model
@@ -59,7 +65,7 @@ def test_bucketed_gather_and_hf_export_round_trip(model_dir, dist_pools, tmp_pat
     original = load_model(model_dir)
     expected = {name: param.detach() + offset(index) for index, (name, param) in enumerate(original.named_parameters())}
     out_dir = tmp_path / "export"
-    per_rank = dist_pools(4).run(rank_gather_and_export, model_dir, str(out_dir), timeout_s=240)
+    per_rank = dist_pools(4).run(rank_gather_and_export, model_dir, str(out_dir), persistence, timeout_s=240)
     largest = max(t.numel() * t.element_size() for t in expected.values())
     for result in per_rank:
         buckets = result["buckets"]

@@ -39,6 +39,8 @@
 #     (`flexrl.sp.logprob_max_tokens_per_rank`, at least MAX_TOKENS_PER_RANK).
 #   PACK_BELOW=t PACK_BUDGET=t: `flexrl.sp.h_pack` / `H_pack`: sequences under t tokens packed
 #     together, into packs of at most PACK_BUDGET tokens (one attention call per pack and layer).
+#   ZERO3_PERSISTENCE=n: `stage3_param_persistence_threshold` (the shipped files: 0, every parameter
+#     gathered at each use; DeepSpeed's default is 100000: norms and biases stay whole).
 #   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
 #     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it, the
 #     table also copied to OUT/profile_step_n_rank_0.txt. Writing them took ~140 s for a 3B step of
@@ -120,6 +122,8 @@ for variable, section, key in (("PROMPTS", config["flexrl"]["data"]["loader"], "
         section[key] = int(os.environ[variable])
 if "OFFLOAD_RATIO" in os.environ:  # 7b: the share of the optimizer stepped on the host by CPUAdam
     config["zero_optimization"]["offload_optimizer"]["ratio"] = float(os.environ["OFFLOAD_RATIO"])
+if "ZERO3_PERSISTENCE" in os.environ:  # parameters under this many elements stay whole on every rank
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = int(os.environ["ZERO3_PERSISTENCE"])
 if "OFFLOAD_PIN" in os.environ:  # 7b: pinned host buffers for the offloaded optimizer
     config["zero_optimization"]["offload_optimizer"]["pin_memory"] = os.environ["OFFLOAD_PIN"] == "1"
 if backend == "hf":
