@@ -185,6 +185,17 @@ def release_cached_memory(info: DeviceInfo) -> None:
         torch.cuda.empty_cache()
 
 
+def allocator_counts(info: DeviceInfo) -> dict[str, int]:
+    """torch's device allocator so far: `alloc_retries`, allocations that found no cached block and
+    retried after freeing the whole cache (each a synchronising release: memory pressure), and
+    `device_mallocs`, its calls to the device's malloc. Zeros on CPU."""
+    if not info.is_gpu:
+        return {"alloc_retries": 0, "device_mallocs": 0}
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": int(stats.get("num_alloc_retries", 0)),
+            "device_mallocs": int(stats.get("num_device_alloc", 0))}
+
+
 def reset_peak_memory(info: DeviceInfo) -> None:
     """Start a new peak for `max_memory_allocated` (no-op on CPU)."""
     if info.is_gpu:

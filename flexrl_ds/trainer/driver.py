@@ -152,6 +152,10 @@ class GRPOTrainer:
         self.policy.run("reset_peaks")
         result = self._timed(times, name, function, *args)
         peaks[name] = _max_peaks(self.policy.run("peaks"))
+        if peaks[name]["alloc_retries"]:
+            print(f"memory: {name}: torch's device allocator found no free cached block "
+                  f"{peaks[name]['alloc_retries']:.0f} time(s) and freed its whole cache to retry (each a "
+                  "synchronising pause; the phase's memory is near the device's limit)", flush=True)
         return result
 
     def _fitting(self, step: int, prompts: list) -> list:
@@ -387,8 +391,9 @@ def report_bad_records(step: int, report: dict[str, Any], trained_on: int) -> in
     return len(bad)
 
 
-PEAK_KEYS = ("peak_memory_gb", "peak_device_used_gb")
-"""What `PolicyWorker.peaks` reports: torch's allocations, and all memory in use on the device."""
+PEAK_KEYS = ("peak_memory_gb", "peak_device_used_gb", "alloc_retries", "device_mallocs")
+"""What `PolicyWorker.peaks` reports: torch's allocations, all memory in use on the device, and
+torch's allocator's retries (the cache freed to make room) and device mallocs in the phase."""
 
 
 def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -397,6 +402,8 @@ def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _phase_peaks(peaks: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}} on the policy ranks' devices:
-    torch's allocations, and all memory in use on the device (a colocated engine's pool included)."""
+    """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}, "alloc_retries": {phase:
+    n}, "device_mallocs": {phase: n}} on the policy ranks' devices (the most of any rank): torch's
+    allocations, all memory in use on the device (a colocated engine's pool included), and torch's
+    allocator's work in the phase."""
     return {key: {phase: values[key] for phase, values in peaks.items()} for key in PEAK_KEYS}

@@ -138,6 +138,7 @@ class PolicyWorker:
         info = self.device_info = device_mod.detect()
         self.device = device_mod.set_local_device(info, place.local_rank)
         self.device_usage = device_mod.DeviceUsageMonitor(info)
+        self.allocator_at_reset = device_mod.allocator_counts(info)
         if not dist.is_initialized():
             join_process_group(place, info.backend, setup.timeout_s)
         ensure_deepspeed_comm(info.backend)
@@ -244,6 +245,7 @@ class PolicyWorker:
         """Start new peaks for `peaks` (the driver calls it before a phase)."""
         device_mod.reset_peak_memory(self.device_info)
         self.device_usage.reset()
+        self.allocator_at_reset = device_mod.allocator_counts(self.device_info)
 
     def start_profile(self) -> None:
         """Profile this rank until `stop_profile` (parallel/profiling.py)."""
@@ -259,9 +261,13 @@ class PolicyWorker:
 
     def peaks(self) -> dict[str, float]:
         """Peak device memory since `reset_peaks` (GiB; 0 on CPU): torch's allocations
-        (`peak_memory_gb`) and all memory in use on the device (`peak_device_used_gb`)."""
+        (`peak_memory_gb`) and all memory in use on the device (`peak_device_used_gb`); and what
+        torch's allocator did since (`alloc_retries`, `device_mallocs`: device.allocator_counts)."""
+        now = device_mod.allocator_counts(self.device_info)
+        before = self.allocator_at_reset
         return {"peak_memory_gb": device_mod.max_memory_allocated(self.device_info) / 2**30,
-                "peak_device_used_gb": self.device_usage.peak_bytes() / 2**30}
+                "peak_device_used_gb": self.device_usage.peak_bytes() / 2**30,
+                **{key: float(now[key] - before[key]) for key in now}}
 
     # ---- weights ------------------------------------------------------------------------------
     def sync_rollout(self, bucket_bytes: int) -> dict[str, float]:

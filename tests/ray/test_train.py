@@ -80,6 +80,8 @@ def test_outputs_and_metrics(run_a):
         parts = row["rollout_time_s"]  # colocated engines: every part, each the slowest rank's
         assert set(parts) == set(ROLLOUT_PARTS)
         assert all(0 <= seconds <= row["time_s"]["rollout"] for seconds in parts.values())
+        for key in ("alloc_retries", "device_mallocs"):  # torch's allocator per phase: nothing on CPU
+            assert row[key] == {phase: 0.0 for phase in ("rollout", "inference", "update", "sync")}, key
         assert row["rollout_pixel_mb"] >= 0
         assert row["rollout_engine_peak_gb"] == 0  # measured on GPUs only
         assert row["num_bad_records"] == 0  # the generated dataset's records are all good

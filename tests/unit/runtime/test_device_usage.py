@@ -59,3 +59,9 @@ def test_inert_on_a_cpu_rank():
     monitor.start_window()
     monitor.sample()
     assert (monitor.end_window(), monitor.peak_bytes()) == (0, 0)
+
+
+def test_allocator_counts_are_zero_on_a_cpu_rank():
+    from flexrl_ds.parallel.device import allocator_counts
+
+    assert allocator_counts(CPU) == {"alloc_retries": 0, "device_mallocs": 0}
