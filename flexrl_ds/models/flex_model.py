@@ -242,7 +242,10 @@ class FlexUlyssesLM(torch.nn.Module):
         embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
         return embeds, zero
 
-    def forward(self, batch: StepBatch, with_entropy: bool = False) -> TokenOutputs:
+    def forward(self, batch: StepBatch, with_entropy: bool = False, entropy_grad: bool = True) -> TokenOutputs:
+        """Target log-probs of the local tokens (and their distributions' entropy with `with_entropy`:
+        differentiable with `entropy_grad`, else a statistic computed without a graph, which spares
+        a backward through the (tokens, vocab) softmax)."""
         embeds, zero = self.embed(batch)
         idle = batch.layout.num_local_tokens == 0
         positions = batch.position_ids
@@ -256,7 +259,7 @@ class FlexUlyssesLM(torch.nn.Module):
             zero = zero + hidden.float().sum() * 0.0
             hidden = hidden[:0]
         with region("lm_head"):
-            logprobs, entropy = self._token_outputs(hidden, batch.targets.to(hidden.device), with_entropy)
+            logprobs, entropy = self._token_outputs(hidden, batch.targets.to(hidden.device), with_entropy, entropy_grad)
         zero = zero + logprobs.sum() * 0.0 + (entropy.sum() * 0.0 if entropy is not None else 0.0)
         return TokenOutputs(logprobs, entropy, zero)
 
@@ -270,25 +273,26 @@ class FlexUlyssesLM(torch.nn.Module):
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.zero_group)
         return int(value.item())
 
-    def _token_outputs(self, hidden, targets, with_entropy: bool):
+    def _token_outputs(self, hidden, targets, with_entropy: bool, entropy_grad: bool = True):
         """Per-token target log-probs (and entropy), `logits_chunk` tokens at a time."""
         size = self.logits_chunk
         outs = []
         for index in range(self.num_chunks(hidden.shape[0], hidden.device)):
             piece = (hidden[index * size:(index + 1) * size], targets[index * size:(index + 1) * size])
             if torch.is_grad_enabled():  # backward recomputes this chunk's logits, one chunk at a time
-                outs.append(checkpoint(self._chunk, *piece, with_entropy, use_reentrant=False))
+                outs.append(checkpoint(self._chunk, *piece, with_entropy, entropy_grad, use_reentrant=False))
             else:
-                outs.append(self._chunk(*piece, with_entropy))
+                outs.append(self._chunk(*piece, with_entropy, entropy_grad))
         logprobs = torch.cat([lp for lp, _ in outs])
         return logprobs, (torch.cat([ent for _, ent in outs]) if with_entropy else None)
 
-    def _chunk(self, hidden, targets, with_entropy: bool):
+    def _chunk(self, hidden, targets, with_entropy: bool, entropy_grad: bool = True):
         logprobs = torch.log_softmax(self.hf_model.lm_head(hidden).float() / self.temperature, dim=-1)
         target = logprobs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
         if not with_entropy:
             return target, None
-        return target, -(logprobs.exp() * logprobs).sum(dim=-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return target, -(logprobs.exp() * logprobs).sum(dim=-1)
 
 
 def reference_logprobs(model, sample, temperature: float = 1.0) -> torch.Tensor:

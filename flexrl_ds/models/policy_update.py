@@ -190,7 +190,7 @@ class UpdateInputs:
 def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig,
                denoms: Denominators) -> TrainStepResult:
     """Per micro-batch: forward (with the tokens' entropy: in the loss when entropy_coef > 0, else
-    only logged), GRPO loss over the mini-batch's denominators, `engine.backward`; the gradients add
+    only logged, computed without a graph), GRPO loss over the mini-batch's denominators, `engine.backward`; the gradients add
     up (DeepSpeed's accumulation boundary is set on the last micro-batch only), then one
     `engine.step()`. The statistics are the micro-batches' sums.
 
@@ -204,7 +204,7 @@ def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig
     for index, inputs in enumerate(micro_batches):
         engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
         with region("forward"):
-            outputs = engine(inputs.batch, with_entropy=True)
+            outputs = engine(inputs.batch, with_entropy=True, entropy_grad=config.entropy_coef > 0)
         with region("loss"):
             loss, stats = rank_grpo_loss(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
                                          inputs.advantages, config, denoms, data_parallel_size(engine))

@@ -162,3 +162,24 @@ def test_chunked_logprobs_and_entropy_with_grad_equal_hf(tiny_assets):
         assert (param.grad is None) == (expected_grad is None), name
         if expected_grad is not None:
             torch.testing.assert_close(param.grad, expected_grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_entropy_as_a_statistic_has_no_graph_and_leaves_the_logprob_gradients(tiny_assets):
+    """entropy_grad=False: the same entropies, no graph through them, and the log-probs' gradients
+    equal those of the differentiable entropy's forward (the entropy's zero term adds nothing)."""
+    samples = encode_dataset(tiny_assets["vl"], tiny_assets["data"])
+    plan = random_plan_for({s: x.length for s, x in samples.items()}, 1, 1, seed=0)
+    grads, entropies = [], []
+    for entropy_grad in (True, False):
+        model = load_model(tiny_assets["vl"])
+        batch = build_step_batch(model.config, plan, samples, 0, positions=positions_fn(model))
+        logprobs, entropy, zero = FlexUlyssesLM(model, logits_chunk=5)(batch, with_entropy=True,
+                                                                       entropy_grad=entropy_grad)
+        assert entropy.requires_grad == entropy_grad
+        (torch.where(batch.response_mask, logprobs, 0.0).sum() + zero).backward()
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+        entropies.append(entropy.detach())
+    torch.testing.assert_close(entropies[0], entropies[1], atol=0, rtol=0)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
