@@ -11,7 +11,12 @@ number, timed four ways (the best of `repeats` after one warm-up each):
   prompt's media encoded once for its samples), no DeepSpeed;
 - `zero3`: the same module in a DeepSpeed ZeRO-3 engine built from the run config's JSON (what
   the trainer runs), `engine.backward`;
-- `zero3_step`: that engine's optimizer step alone.
+- `zero3_step`: that engine's optimizer step alone;
+- `logprob`: that engine's forward without grad, as each of the trainer's inference passes (old
+  policy, reference) runs it (timed before any optimizer step: its loss is comparable too);
+- `grpo`: the trainer's update itself (models/policy_update.train_step: forward with the tokens'
+  entropy, the GRPO loss of the run config's `flexrl.rl` against the engine's own log-probs as the
+  old and reference ones and random advantages, backward, optimizer step).
 Each reports seconds, model TFLOP/s (models/flops.py: the language model and the vision tower as
 each way encodes it) and, on a GPU with a known peak, MFU; and its loss, the same for the three
 (a check that they compute the same thing, up to the dtype's rounding).
@@ -36,7 +41,7 @@ from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch, positio
 from flexrl_ds.models.flops import (DecoderShape, VisionShape, encoded_grids, peak_bf16_flops, training_forward_flops,
                                     vision_flops)
 from flexrl_ds.models.loading import load_model, ordinary_token_bound
-from flexrl_ds.models.policy_update import local_response_values
+from flexrl_ds.models.policy_update import UpdateInputs, denominators, local_response_values, train_step
 from flexrl_ds.models.processing import encode_records
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.planning.config import SPConfig
@@ -45,7 +50,7 @@ from flexrl_ds.tools.logprobs import plan_for_samples
 from flexrl_ds.trainer.validation import model_dtype
 
 
-WAYS = ("hf", "flexrl", "zero3")
+WAYS = ("hf", "flexrl", "zero3", "logprob", "grpo")
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class UpdateBenchConfig:
     activation_checkpointing: bool = False
     seed: int = 0
     ways: tuple[str, ...] = WAYS
-    """Which of `WAYS` to time (zero3 includes zero3_step)."""
+    """Which of `WAYS` to time (zero3 includes zero3_step; zero3, logprob and grpo share one engine)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.ways) - set(WAYS))
@@ -230,13 +235,52 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
                                                              lambda: flex.zero_grad(set_to_none=True)), config.repeats)
         record("flexrl", seconds, loss, shared)
         model.zero_grad(set_to_none=True)
-    if "zero3" in config.ways:
+    if {"zero3", "logprob", "grpo"} & set(config.ways):
         engine = zero3.build_engine(model, copy.deepcopy(run.deepspeed), train=True)
-        seconds, step_seconds, loss = _zero3_times(context.info, engine, flexrl_pass(
-            engine, batch, samples, engine.backward, lambda: None), config.repeats)
-        record("zero3", seconds, loss, shared)
-        record("zero3_step", step_seconds, None, 0.0)
+        _engine_ways(context.info, engine, batch, samples, run.flexrl.rl, config, record, shared / 3)
     return result
+
+
+def _engine_ways(info, engine, batch, samples, rl_config, config: UpdateBenchConfig, record, forward_flops: float):
+    """The ways that run in the ZeRO-3 engine: logprob first (the weights untouched), zero3, grpo."""
+    if "logprob" in config.ways:
+        seconds, loss = _best_time(info, logprob_pass(engine, batch, samples), config.repeats)
+        record("logprob", seconds, loss, forward_flops)
+    if "zero3" in config.ways:
+        seconds, step_seconds, loss = _zero3_times(info, engine, flexrl_pass(
+            engine, batch, samples, engine.backward, lambda: None), config.repeats)
+        record("zero3", seconds, loss, 3 * forward_flops)
+        record("zero3_step", step_seconds, None, 0.0)
+    if "grpo" in config.ways:
+        seconds, _ = _best_time(info, grpo_pass(engine, batch, samples, rl_config, config.seed), config.repeats)
+        record("grpo", seconds, None, 3 * forward_flops)
+
+
+def logprob_pass(engine, batch, samples) -> Callable[[], float]:
+    """The engine's forward without grad; the same loss as the other ways, from its log-probs."""
+    mask = local_response_values(batch, {name: 1.0 for name in samples})
+    count = _response_count(samples)
+
+    def run() -> float:
+        with torch.no_grad():
+            logprobs = engine(batch).logprobs
+        return float(-(logprobs.float() * mask.to(logprobs.device)).sum() / count)
+    return run
+
+
+def grpo_pass(engine, batch, samples, rl_config, seed: int) -> Callable[[], float]:
+    """The trainer's `train_step` on one micro-batch: the engine's current log-probs as old and
+    reference, random advantages per sample (a GRPO step's shape, not its values)."""
+    with torch.no_grad():
+        current = engine(batch).logprobs.float().cpu()
+    generator = torch.Generator().manual_seed(seed)
+    advantages = {name: float(torch.randn((), generator=generator)) for name in samples}
+    inputs = UpdateInputs(batch, current, current, local_response_values(batch, advantages))
+    totals = denominators({n: s.length - s.response_start for n, s in samples.items()})
+
+    def run() -> float:
+        return train_step(engine, [inputs], rl_config, totals).stats.loss
+    return run
 
 
 class _Recorder:
@@ -255,7 +299,7 @@ class _Recorder:
         if self.peak and flops:
             result.mfu[way] = flops / seconds / self.peak
         self.progress(f"bench update: {way}: {seconds:.3f} s" + (f", loss {loss:.6f}" if loss is not None else "")
-                      + (f", {result.tflops[way]:.1f} model TFLOP/s" if flops else "")
+                      + (f", {result.tflops[way]:.3g} model TFLOP/s" if flops else "")
                       + (f", MFU {result.mfu[way]:.1%}" if way in result.mfu else ""))
 
 

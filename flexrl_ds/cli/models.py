@@ -102,7 +102,7 @@ def _add_bench_update(bench) -> None:
         "update", help="one policy update's forward+backward: plain transformers vs FlexUlysses vs its ZeRO-3 engine",
         description="The same samples and weights, timed as plain transformers (one sample at a time), as "
                     "FlexUlyssesLM on one rank, and in the DeepSpeed ZeRO-3 engine of --config (plus its "
-                    "optimizer step); seconds, model TFLOP/s, MFU on GPUs and each way's loss (flexrl_ds/bench/update_bench.py).")
+                    "optimizer step, its no-grad forward, and the trainer's GRPO update step); seconds, model TFLOP/s, MFU on GPUs and each way's loss (flexrl_ds/bench/update_bench.py).")
     update.add_argument("--model", required=True, help="HF model directory")
     update.add_argument("--data", required=True, help="records (.jsonl or .parquet): their prompts and media")
     update.add_argument("--config", required=True, help="run config (DeepSpeed JSON): the engine, and bf16 or not")
@@ -111,8 +111,9 @@ def _add_bench_update(bench) -> None:
     update.add_argument("--max-prompts", type=int, default=None, help="use only the first N records")
     update.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (best is reported)")
     update.add_argument("--checkpointing", action="store_true", help="activation checkpointing in all ways")
-    update.add_argument("--ways", default="hf,flexrl,zero3",
-                        help="comma-separated ways to time, of hf, flexrl, zero3 (zero3 includes its optimizer step)")
+    update.add_argument("--ways", default="hf,flexrl,zero3,logprob,grpo",
+                        help="comma-separated ways to time, of hf, flexrl, zero3 (with its optimizer step), logprob "
+                             "(the engine's no-grad forward) and grpo (the trainer's update step)")
     update.add_argument("--seed", type=int, default=0)
     update.add_argument("--json", default=None, help="write the result here")
     update.set_defaults(func=_bench_update)

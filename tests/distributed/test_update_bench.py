@@ -58,9 +58,10 @@ def test_every_way_computes_the_reference_loss(bench_assets):
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(out.read_text())
     expected = _reference_loss(model_dir, data, 40, 3)
-    assert set(result["loss"]) == {"hf", "flexrl", "zero3"} and set(result["seconds"]) == set(result["loss"]) | {"zero3_step"}
-    for way in ("hf", "flexrl", "zero3"):
+    assert set(result["loss"]) == {"hf", "flexrl", "zero3", "logprob"}
+    assert set(result["seconds"]) == set(result["loss"]) | {"zero3_step", "grpo"}
+    for way in ("hf", "flexrl", "zero3", "logprob"):
         assert result["loss"][way] == pytest.approx(expected, rel=1e-5), way
         assert result["seconds"][way] > 0 and f"bench update: {way}:" in completed.stdout
-    assert result["num_samples"] == 12 and result["seconds"]["zero3_step"] > 0
+    assert result["num_samples"] == 12 and result["seconds"]["zero3_step"] > 0 and result["seconds"]["grpo"] > 0
     assert result["packs"] > 1 and result["attention_calls"] == 1  # the CPU config's small packs, joined
