@@ -18,8 +18,8 @@ number, timed four ways (the best of `repeats` after one warm-up each):
   entropy, the GRPO loss of the run config's `flexrl.rl` against the engine's own log-probs as the
   old and reference ones and random advantages, backward, optimizer step).
 Each reports seconds, model TFLOP/s (models/flops.py: the language model and the vision tower as
-each way encodes it) and, on a GPU with a known peak, MFU; and its loss, the same for the three
-(a check that they compute the same thing, up to the dtype's rounding).
+each way encodes it) and, on a GPU with a known peak, MFU; and, but for grpo, its loss, the same
+for all (a check that they compute the same thing, up to the dtype's rounding).
 """
 
 from __future__ import annotations
