@@ -3,17 +3,18 @@
 The same samples (each record's prompt with its media, then `response_length` random response
 tokens; `samples_per_prompt` copies of a prompt share its media, as a GRPO step's samples do), the
 same weights, one forward and backward of the loss -(sum of the response tokens' log-probs) / their
-number, timed four ways (the best of `repeats` after one warm-up each):
+number, timed in up to six ways (the best of `repeats` after one warm-up each):
 - `hf`: transformers alone, one sample at a time (batch 1, sdpa: its vision tower's windows one by
   one), the gradients adding up: the baseline;
 - `flexrl`: `FlexUlyssesLM` on one rank (the planner's packs under the run config's `flexrl.sp`,
-  as the trainer plans them, its token cap aside: one pass; varlen attention in both towers; a
-  prompt's media encoded once for its samples), no DeepSpeed;
+  cut into micro-batches under its token cap, as the trainer plans them; varlen attention in both
+  towers; a prompt's media encoded once per micro-batch), no DeepSpeed;
 - `zero3`: the same module in a DeepSpeed ZeRO-3 engine built from the run config's JSON (what
   the trainer runs), `engine.backward`;
 - `zero3_step`: that engine's optimizer step alone;
 - `logprob`: that engine's forward without grad, as each of the trainer's inference passes (old
-  policy, reference) runs it (timed before any optimizer step: its loss is comparable too);
+  policy, reference) runs it, in micro-batches under `logprob_max_tokens_per_rank` where set
+  (timed before any optimizer step: its loss is comparable too);
 - `grpo`: the trainer's update itself (models/policy_update.train_step: forward with the tokens'
   entropy, the GRPO loss of the run config's `flexrl.rl` against the engine's own log-probs as the
   old and reference ones and random advantages, backward, optimizer step).
@@ -31,6 +32,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -45,8 +47,10 @@ from flexrl_ds.models.policy_update import UpdateInputs, denominators, local_res
 from flexrl_ds.models.processing import encode_records
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.planning.config import SPConfig
+from flexrl_ds.planning.cost_model import load_cost_model
+from flexrl_ds.planning.micro_batches import plan_micro_batches
+from flexrl_ds.planning.plan import Workload
 from flexrl_ds.parallel.launch import init_distributed
-from flexrl_ds.tools.logprobs import plan_for_samples
 from flexrl_ds.trainer.validation import model_dtype
 
 
@@ -87,9 +91,11 @@ class UpdateBenchResult:
     vision_patches: int
     """Patches the vision tower encodes once per prompt (flexrl, zero3); hf encodes them per sample."""
     packs: int = 0
-    """Packs of the plan flexrl and zero3 run."""
+    """Packs of the update's plans (all micro-batches)."""
     attention_calls: int = 0
-    """Their attention calls per decoder layer (one rank: all degree 1, joined into one)."""
+    """Their attention calls per decoder layer (one rank: all degree 1, one per micro-batch)."""
+    micro_batches: dict[str, int] = field(default_factory=dict)
+    """Micro-batches of the update (flexrl, zero3, grpo) and of the logprob pass, as the trainer cuts them."""
     seconds: dict[str, float] = field(default_factory=dict)
     tflops: dict[str, float] = field(default_factory=dict)
     mfu: dict[str, float] = field(default_factory=dict)
@@ -122,6 +128,15 @@ def model_flops(model_config: Any, samples: dict[str, Any], shared_media: bool) 
     if vision_config is None:
         return total
     return total + vision_flops(VisionShape.from_config(vision_config), encoded_grids(samples.items(), shared_media))
+
+
+def batches_flops(model_config: Any, batches: list, samples: dict[str, Any]) -> float:
+    """Forward FLOPs of the micro-batches: each prompt's media once per micro-batch holding its samples."""
+    total = 0.0
+    for batch in batches:
+        names = {name for pack in batch.layout.packs for name in pack.sequence_ids}
+        total += model_flops(model_config, {name: samples[name] for name in names}, shared_media=True)
+    return total
 
 
 def _timed(info, work: Callable[[], Any]) -> tuple[float, Any]:
@@ -161,17 +176,24 @@ def hf_pass(model, samples: dict[str, Any]) -> Callable[[], float]:
     return run
 
 
-def flexrl_pass(module, batch, samples, backward: Callable, zero_grad: Callable) -> Callable[[], float]:
-    """FlexUlyssesLM on one rank (plain, or inside an engine): forward of the packed batch, loss, backward."""
-    mask = local_response_values(batch, {name: 1.0 for name in samples})
+def flexrl_pass(module, batches, samples, backward: Callable, zero_grad: Callable,
+                boundary: Callable[[bool], None] | None = None) -> Callable[[], float]:
+    """FlexUlyssesLM on one rank (plain, or inside an engine, whose `boundary(is_last)` marks the
+    last micro-batch's backward, as the trainer's does): per micro-batch, forward, loss, backward."""
+    masks = [local_response_values(batch, {name: 1.0 for name in samples}) for batch in batches]
     count = _response_count(samples)
 
     def run() -> float:
         zero_grad()
-        outputs = module(batch)
-        loss = -(outputs.logprobs.float() * mask.to(outputs.logprobs.device)).sum() / count + outputs.zero
-        backward(loss)
-        return float(loss.detach())
+        total = 0.0
+        for index, (batch, mask) in enumerate(zip(batches, masks)):
+            if boundary is not None:
+                boundary(index == len(batches) - 1)
+            outputs = module(batch)
+            loss = -(outputs.logprobs.float() * mask.to(outputs.logprobs.device)).sum() / count + outputs.zero
+            backward(loss)
+            total += float(loss.detach())
+        return total
     return run
 
 
@@ -219,68 +241,96 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
         zero3.enable_activation_checkpointing(model)
     model.train()
     record = _Recorder(result, progress)
-    shared, per_sample = (3 * model_flops(model.config, samples, shared_media=s) for s in (True, False))
     if "hf" in config.ways:
         seconds, loss = _best_time(context.info, hf_pass(model, samples), config.repeats)
-        record("hf", seconds, loss, per_sample)
-    plan = plan_for_samples(config.model_dir, samples, 1, 1, sp=one_pass_sp(run.flexrl.sp))
-    batch = build_step_batch(model.config, plan, samples, 0, positions=positions_fn(model))
-    result.packs, result.attention_calls = len(plan.packs), len(batch.layout.attention_units)
-    progress(f"bench update: flexrl and zero3 run {result.packs} packs (flexrl.sp h_pack {run.flexrl.sp.h_pack}, "
-             f"H_pack {run.flexrl.sp.H_pack}; None: the planner's defaults) in {result.attention_calls} "
-             "attention call(s) per layer")
+        record("hf", seconds, loss, 3 * model_flops(model.config, samples, shared_media=False))
+    batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp))
+    logprob_batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp.for_logprob_passes()))
+    result.micro_batches = {"update": len(batches), "logprob": len(logprob_batches)}
+    result.packs = sum(len(batch.layout.packs) for batch in batches)
+    result.attention_calls = sum(len(batch.layout.attention_units) for batch in batches)
+    progress(f"bench update: flexrl, zero3 and grpo run {len(batches)} micro-batch(es) (flexrl.sp.max_tokens_per_rank "
+             f"{run.flexrl.sp.max_tokens_per_rank}), logprob {len(logprob_batches)}; {result.packs} packs (h_pack "
+             f"{run.flexrl.sp.h_pack}, H_pack {run.flexrl.sp.H_pack}; None: the planner's defaults) in "
+             f"{result.attention_calls} attention call(s) per layer")
+    shared = 3 * batches_flops(model.config, batches, samples)
     if "flexrl" in config.ways:
         flex = FlexUlyssesLM(model)
-        seconds, loss = _best_time(context.info, flexrl_pass(flex, batch, samples, lambda value: value.backward(),
+        seconds, loss = _best_time(context.info, flexrl_pass(flex, batches, samples, lambda value: value.backward(),
                                                              lambda: flex.zero_grad(set_to_none=True)), config.repeats)
         record("flexrl", seconds, loss, shared)
         model.zero_grad(set_to_none=True)
     if {"zero3", "logprob", "grpo"} & set(config.ways):
         engine = zero3.build_engine(model, copy.deepcopy(run.deepspeed), train=True)
-        _engine_ways(context.info, engine, batch, samples, run.flexrl.rl, config, record, shared / 3)
+        _engine_ways(context.info, engine, (batches, logprob_batches), samples, run.flexrl.rl, config, record,
+                     (shared / 3, batches_flops(model.config, logprob_batches, samples)))
     return result
 
 
-def _engine_ways(info, engine, batch, samples, rl_config, config: UpdateBenchConfig, record, forward_flops: float):
-    """The ways that run in the ZeRO-3 engine: logprob first (the weights untouched), zero3, grpo."""
+def _engine_ways(info, engine, both_batches, samples, rl_config, config: UpdateBenchConfig, record,
+                 both_flops: tuple[float, float]):
+    """The ways that run in the ZeRO-3 engine: logprob first (the weights untouched), zero3, grpo.
+    Both pairs: (the update's, the logprob pass's)."""
+    batches, logprob_batches = both_batches
+    forward_flops, logprob_flops = both_flops
     if "logprob" in config.ways:
-        seconds, loss = _best_time(info, logprob_pass(engine, batch, samples), config.repeats)
-        record("logprob", seconds, loss, forward_flops)
+        seconds, loss = _best_time(info, logprob_pass(engine, logprob_batches, samples), config.repeats)
+        record("logprob", seconds, loss, logprob_flops)
     if "zero3" in config.ways:
         seconds, step_seconds, loss = _zero3_times(info, engine, flexrl_pass(
-            engine, batch, samples, engine.backward, lambda: None), config.repeats)
+            engine, batches, samples, engine.backward, lambda: None, engine.set_gradient_accumulation_boundary),
+            config.repeats)
         record("zero3", seconds, loss, 3 * forward_flops)
         record("zero3_step", step_seconds, None, 0.0)
     if "grpo" in config.ways:
-        seconds, _ = _best_time(info, grpo_pass(engine, batch, samples, rl_config, config.seed), config.repeats)
+        seconds, _ = _best_time(info, grpo_pass(engine, batches, samples, rl_config, config.seed), config.repeats)
         record("grpo", seconds, None, 3 * forward_flops)
 
 
-def logprob_pass(engine, batch, samples) -> Callable[[], float]:
-    """The engine's forward without grad; the same loss as the other ways, from its log-probs."""
-    mask = local_response_values(batch, {name: 1.0 for name in samples})
+def logprob_pass(engine, batches, samples) -> Callable[[], float]:
+    """The engine's forward without grad, per micro-batch; the same loss as the other ways."""
+    masks = [local_response_values(batch, {name: 1.0 for name in samples}) for batch in batches]
     count = _response_count(samples)
 
     def run() -> float:
-        with torch.no_grad():
-            logprobs = engine(batch).logprobs
-        return float(-(logprobs.float() * mask.to(logprobs.device)).sum() / count)
+        total = 0.0
+        for batch, mask in zip(batches, masks):
+            with torch.no_grad():
+                logprobs = engine(batch).logprobs
+            total += float(-(logprobs.float() * mask.to(logprobs.device)).sum() / count)
+        return total
     return run
 
 
-def grpo_pass(engine, batch, samples, rl_config, seed: int) -> Callable[[], float]:
-    """The trainer's `train_step` on one micro-batch: the engine's current log-probs as old and
+def grpo_pass(engine, batches, samples, rl_config, seed: int) -> Callable[[], float]:
+    """The trainer's `train_step` over the micro-batches: the engine's current log-probs as old and
     reference, random advantages per sample (a GRPO step's shape, not its values)."""
-    with torch.no_grad():
-        current = engine(batch).logprobs.float().cpu()
     generator = torch.Generator().manual_seed(seed)
     advantages = {name: float(torch.randn((), generator=generator)) for name in samples}
-    inputs = UpdateInputs(batch, current, current, local_response_values(batch, advantages))
+    inputs = []
+    for batch in batches:
+        with torch.no_grad():
+            current = engine(batch).logprobs.float().cpu()
+        inputs.append(UpdateInputs(batch, current, current, local_response_values(batch, advantages)))
     totals = denominators({n: s.length - s.response_start for n, s in samples.items()})
 
     def run() -> float:
-        return train_step(engine, [inputs], rl_config, totals).stats.loss
+        return train_step(engine, inputs, rl_config, totals).stats.loss
     return run
+
+
+def bench_batches(model, model_dir: str, samples: dict[str, Any], sp: SPConfig) -> list:
+    """The StepBatch of each micro-batch the trainer would run these samples as on one rank under
+    `sp` (planning/micro_batches.py: one unless they overflow `sp.max_tokens_per_rank`)."""
+    cost = load_cost_model(sp.cost_model or str(Path(model_dir) / "config.json"), sp.calibration,
+                           device_name=device_mod.accelerator_name())
+    workload = Workload(tuple(sample.sequence_spec(name) for name, sample in samples.items()))
+    batches = []
+    for (result,) in plan_micro_batches([workload], 1, cost, sp):
+        names = [name for pack in result.plan.packs for name in pack.sequences]
+        batches.append(build_step_batch(model.config, result.plan, {n: samples[n] for n in names}, 0,
+                                        positions=positions_fn(model)))
+    return batches
 
 
 class _Recorder:
@@ -303,11 +353,9 @@ class _Recorder:
                       + (f", MFU {result.mfu[way]:.1%}" if way in result.mfu else ""))
 
 
-def one_pass_sp(sp: SPConfig) -> SPConfig:
-    """The run's SP settings for one rank and one pass: degree 1, no token cap (the bench times one
-    pass; the trainer would cut a capped one into micro-batches)."""
-    return dataclasses.replace(sp, p_max=1, max_tokens_per_rank=None, logprob_max_tokens_per_rank=None,
-                               domain_size=None)
+def one_rank_sp(sp: SPConfig) -> SPConfig:
+    """The run's SP settings for one rank (degree 1, one domain); the token caps kept."""
+    return dataclasses.replace(sp, p_max=1, domain_size=None)
 
 
 def write_result(result: UpdateBenchResult, path: str | None) -> None:

@@ -44,24 +44,36 @@ def _reference_loss(model_dir: str, data: str, response_length: int, copies: int
     return float(-logprobs.sum() / logprobs.numel())
 
 
-def test_every_way_computes_the_reference_loss(bench_assets):
-    root, model_dir, data = bench_assets
-    out = root / "result.json"
+def _bench(model_dir: str, data: str, config: Path, out: Path, *extra: str) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(name, None)
     completed = subprocess.run(
         [sys.executable, "-m", "flexrl_ds", "bench", "update", "--model", model_dir, "--data", data,
-         "--config", str(ROOT / "ds_configs" / "grpo_tiny_cpu.json"), "--response-length", "40",
-         "--samples-per-prompt", "3", "--repeats", "1", "--checkpointing", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+         "--config", str(config), "--response-length", "40", "--samples-per-prompt", "3", "--repeats", "1",
+         "--json", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "stdout": completed.stdout}
+
+
+def test_every_way_computes_the_reference_loss(bench_assets):
+    root, model_dir, data = bench_assets
+    result = _bench(model_dir, data, ROOT / "ds_configs" / "grpo_tiny_cpu.json", root / "result.json", "--checkpointing")
     expected = _reference_loss(model_dir, data, 40, 3)
     assert set(result["loss"]) == {"hf", "flexrl", "zero3", "logprob"}
     assert set(result["seconds"]) == set(result["loss"]) | {"zero3_step", "grpo"}
     for way in ("hf", "flexrl", "zero3", "logprob"):
         assert result["loss"][way] == pytest.approx(expected, rel=1e-5), way
-        assert result["seconds"][way] > 0 and f"bench update: {way}:" in completed.stdout
+        assert result["seconds"][way] > 0 and f"bench update: {way}:" in result["stdout"]
     assert result["num_samples"] == 12 and result["seconds"]["zero3_step"] > 0 and result["seconds"]["grpo"] > 0
     assert result["packs"] > 1 and result["attention_calls"] == 1  # the CPU config's small packs, joined
+    assert result["micro_batches"] == {"update": 1, "logprob": 1}
+    # Under a token cap the passes run as the trainer cuts them: the same loss from several micro-batches.
+    config = json.loads((ROOT / "ds_configs" / "grpo_tiny_cpu.json").read_text())
+    config["flexrl"]["sp"].update(max_tokens_per_rank=result["tokens"] // 3, logprob_max_tokens_per_rank=result["tokens"])
+    (root / "capped.json").write_text(json.dumps(config))
+    capped = _bench(model_dir, data, root / "capped.json", root / "capped_result.json", "--ways", "flexrl,zero3,logprob")
+    assert capped["micro_batches"]["update"] >= 3 and capped["micro_batches"]["logprob"] == 1
+    assert capped["attention_calls"] == capped["micro_batches"]["update"]
+    for way in ("flexrl", "zero3", "logprob"):
+        assert capped["loss"][way] == pytest.approx(expected, rel=1e-5), way
