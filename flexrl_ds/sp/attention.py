@@ -51,37 +51,44 @@ class FlexUlyssesAttention:
         num_heads, num_kv_heads = _check_inputs(q, k, v, layout)
         units = layout.attention_units  # consecutive degree-1 packs joined: one call
         packs = [pack for pack, _ in units]
+        # One split into the packs' contiguous token ranges: its backward is one concatenation, where
+        # a slice per pack would make a zero-filled full-size gradient per pack and add them up.
+        sizes = [pack.num_local_tokens for pack in packs]
+        parts = list(zip(q.split(sizes), k.split(sizes), v.split(sizes)))
         use_ds = self.use_deepspeed and not self.overlap and a2a.deepspeed_exchange_ready()
         self.last_paths = []
         outs = []
-        pending = self._issue(q, k, v, units[0], use_ds, async_op=False) if units else None
+        pending = self._issue(parts[0], units[0], num_heads, num_kv_heads, use_ds, async_op=False) if units else None
         for index, pack in enumerate(packs):
             current, pending = pending, None
             if index + 1 < len(packs) and self.overlap:
-                pending = self._issue(q, k, v, units[index + 1], use_ds, async_op=True)
+                pending = self._issue(parts[index + 1], units[index + 1], num_heads, num_kv_heads, use_ds,
+                                      async_op=True)
             q_p, k_p, v_p = current.wait()
             heads = _heads_of(pack, num_heads, num_kv_heads)
             out_p = self._attend(q_p, k_p, v_p, pack, heads[pack.rank_in_group], num_heads // num_kv_heads, scaling)
             outs.append(self._back(out_p, pack, heads, use_ds, num_heads, num_kv_heads))
             if index + 1 < len(packs) and not self.overlap:
-                pending = self._issue(q, k, v, units[index + 1], use_ds, async_op=False)
+                pending = self._issue(parts[index + 1], units[index + 1], num_heads, num_kv_heads, use_ds,
+                                      async_op=False)
         if not outs:  # a rank without packs: an empty output still connected to q, k, v for autograd
             return q.clone() + (k.sum() + v.sum()) * 0
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # -------------------------------------------------------------------------------------- steps
-    def _issue(self, q, k, v, unit: tuple[PackShard, int], use_ds: bool, async_op: bool):
+    def _issue(self, part, unit: tuple[PackShard, int], num_heads: int, num_kv_heads: int, use_ds: bool,
+               async_op: bool):
+        """Start the pack's exchange of its local (q, k, v) `part`; `.wait()` gives the pack's."""
         pack, plan_packs = unit
-        lo, hi = pack.local_offset, pack.local_offset + pack.num_local_tokens
-        q_s, k_s, v_s = q[lo:hi], k[lo:hi], v[lo:hi]
+        q_s, k_s, v_s = part
         if pack.degree == 1:
             self.last_paths.extend(["local"] * plan_packs)
             return _Ready((q_s, k_s, v_s))
-        if use_ds and a2a.deepspeed_admits(pack.shard_sizes, q.shape[1], k.shape[1]):
+        if use_ds and a2a.deepspeed_admits(pack.shard_sizes, num_heads, num_kv_heads):
             self.last_paths.append("deepspeed")
             return _Ready(tuple(a2a.deepspeed_seq_to_heads(t, pack.group) for t in (q_s, k_s, v_s)))
         self.last_paths.append("flex-async" if async_op else "flex")
-        heads = _heads_of(pack, q.shape[1], k.shape[1])
+        heads = _heads_of(pack, num_heads, num_kv_heads)
         return a2a.issue_seq_to_heads(q_s, k_s, v_s, pack.group, pack.shard_sizes, heads,
                                       pack.rank_in_group, async_op)
 
