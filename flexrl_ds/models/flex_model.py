@@ -276,9 +276,14 @@ class FlexUlyssesLM(torch.nn.Module):
     def _token_outputs(self, hidden, targets, with_entropy: bool, entropy_grad: bool = True):
         """Per-token target log-probs (and entropy), `logits_chunk` tokens at a time."""
         size = self.logits_chunk
+        count = self.num_chunks(hidden.shape[0], hidden.device)
+        # split, not a slice per chunk: the backward is one concatenation, not a full-size zero-filled
+        # gradient per chunk; ranks short of the group's chunk count run empty chunks
+        hidden_pieces, target_pieces = list(hidden.split(size)), list(targets.split(size))
+        hidden_pieces += [hidden[:0]] * (count - len(hidden_pieces))
+        target_pieces += [targets[:0]] * (count - len(target_pieces))
         outs = []
-        for index in range(self.num_chunks(hidden.shape[0], hidden.device)):
-            piece = (hidden[index * size:(index + 1) * size], targets[index * size:(index + 1) * size])
+        for piece in zip(hidden_pieces, target_pieces):
             if torch.is_grad_enabled():  # backward recomputes this chunk's logits, one chunk at a time
                 outs.append(checkpoint(self._chunk, *piece, with_entropy, entropy_grad, use_reentrant=False))
             else:
