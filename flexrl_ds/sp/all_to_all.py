@@ -79,8 +79,8 @@ def issue_seq_to_heads(q, k, v, group, shard_sizes: Sequence[int], heads: Sequen
     num_local, head_dim = q.shape[0], q.shape[2]
     assert num_local == shard_sizes[rank_in_group], "shard size differs from the layout"
     chunks = []
-    for part in heads:
-        chunks += [q[:, part.q_start:part.q_end].reshape(-1), k[:, part.kv_start:part.kv_end].reshape(-1),
+    for part, q_part in zip(heads, _query_parts(q, heads)):
+        chunks += [q_part.reshape(-1), k[:, part.kv_start:part.kv_end].reshape(-1),
                    v[:, part.kv_start:part.kv_end].reshape(-1)]
     send = torch.cat(chunks)
     send_splits = [num_local * (p.num_q + 2 * p.num_kv) * head_dim for p in heads]
@@ -101,6 +101,17 @@ def issue_seq_to_heads(q, k, v, group, shard_sizes: Sequence[int], heads: Sequen
 
     holder.post = post
     return holder
+
+
+def _query_parts(q, heads: Sequence[HeadSlice]):
+    """q's head slices of `heads`: one split where they tile the heads in order (its backward is one
+    concatenation; a slice each would zero-fill a q-sized gradient per part), else slices. KV heads
+    may be shared by several ranks' parts, so k and v are always sliced (they are the smaller)."""
+    tiles = heads[0].q_start == 0 and heads[-1].q_end == q.shape[1] and \
+        all(part.q_end == after.q_start for part, after in zip(heads, heads[1:]))
+    if tiles:
+        return q.split([part.num_q for part in heads], dim=1)
+    return [q[:, part.q_start:part.q_end] for part in heads]
 
 
 def heads_to_seq(out, group, shard_sizes: Sequence[int], heads: Sequence[HeadSlice], rank_in_group: int):
