@@ -44,12 +44,19 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling: float | None, cau
     return torch.cat(outs)
 
 
+@functools.lru_cache(maxsize=1)
 def _torch_varlen_fn():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except Exception:
         return None
     return varlen_attn
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_varlen_params() -> frozenset[str]:
+    """The keyword names of torch's varlen_attn (they differ across torch releases), read once."""
+    return frozenset(inspect.signature(_torch_varlen_fn()).parameters)
 
 
 @functools.lru_cache(maxsize=256)
@@ -69,7 +76,7 @@ def torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling: float | None, ca
     """torch's varlen kernel (causal spelled per torch release: is_causal or window (-1, 0))."""
     varlen_attn = _torch_varlen_fn()
     cu = _bounds_tensor(cu_seqlens, q.device)
-    params = inspect.signature(varlen_attn).parameters
+    params = _torch_varlen_params()
     kwargs = {"scale": scaling}
     kwargs.update({"is_causal": causal} if "is_causal" in params else {"window_size": (-1, 0 if causal else -1)})
     if q.shape[1] != k.shape[1]:
