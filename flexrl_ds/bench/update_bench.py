@@ -51,6 +51,7 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.planning.plan import Workload
 from flexrl_ds.parallel.launch import init_distributed
+from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.validation import model_dtype
 
 
@@ -161,15 +162,15 @@ def _response_count(samples) -> int:
     return sum(s.length - s.response_start for s in samples.values())
 
 
-def hf_pass(model, samples: dict[str, Any]) -> Callable[[], float]:
-    """transformers alone: per sample, forward (batch 1), loss, backward."""
+def hf_pass(model, samples: dict[str, Any], temperature: float = 1.0) -> Callable[[], float]:
+    """transformers alone: per sample, forward (batch 1), loss (logits over `temperature`), backward."""
     count = _response_count(samples)
 
     def run() -> float:
         model.zero_grad(set_to_none=True)
         total = 0.0
         for sample in samples.values():
-            loss = -reference_logprobs(model, sample).float().sum() / count
+            loss = -reference_logprobs(model, sample, temperature).float().sum() / count
             loss.backward()
             total += float(loss.detach())
         return total
@@ -242,8 +243,10 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
     model.train()
     record = _Recorder(result, progress)
     if "hf" in config.ways:
-        seconds, loss = _best_time(context.info, hf_pass(model, samples), config.repeats)
+        seconds, loss = _best_time(context.info, hf_pass(model, samples, run.flexrl.rollout.temperature),
+                                   config.repeats)
         record("hf", seconds, loss, 3 * model_flops(model.config, samples, shared_media=False))
+        model.zero_grad(set_to_none=True)  # the next ways start without its gradients
     batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp))
     logprob_batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp.for_logprob_passes()))
     result.micro_batches = {"update": len(batches), "logprob": len(logprob_batches)}
@@ -254,14 +257,16 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
              f"{run.flexrl.sp.h_pack}, H_pack {run.flexrl.sp.H_pack}; None: the planner's defaults) in "
              f"{result.attention_calls} attention call(s) per layer")
     shared = 3 * batches_flops(model.config, batches, samples)
+    module_options = trainer_module_options(run)
     if "flexrl" in config.ways:
-        flex = FlexUlyssesLM(model)
+        flex = FlexUlyssesLM(model, attention=FlexUlyssesAttention(overlap=run.flexrl.sp.overlap), **module_options)
         seconds, loss = _best_time(context.info, flexrl_pass(flex, batches, samples, lambda value: value.backward(),
                                                              lambda: flex.zero_grad(set_to_none=True)), config.repeats)
         record("flexrl", seconds, loss, shared)
         model.zero_grad(set_to_none=True)
     if {"zero3", "logprob", "grpo"} & set(config.ways):
-        engine = zero3.build_engine(model, copy.deepcopy(run.deepspeed), train=True)
+        engine = zero3.build_engine(model, copy.deepcopy(run.deepspeed), train=True,
+                                    attention=FlexUlyssesAttention(overlap=run.flexrl.sp.overlap), **module_options)
         _engine_ways(context.info, engine, (batches, logprob_batches), samples, run.flexrl.rl, config, record,
                      (shared / 3, batches_flops(model.config, logprob_batches, samples)))
     return result
@@ -353,9 +358,16 @@ class _Recorder:
                       + (f", MFU {result.mfu[way]:.1%}" if way in result.mfu else ""))
 
 
+def trainer_module_options(run) -> dict[str, Any]:
+    """The module settings the trainer's policy takes from the run config (trainer/launch.py)."""
+    return {"temperature": run.flexrl.rollout.temperature, "vision_attention": run.flexrl.trainer.vision_attention}
+
+
 def one_rank_sp(sp: SPConfig) -> SPConfig:
-    """The run's SP settings for one rank (degree 1, one domain); the token caps kept."""
-    return dataclasses.replace(sp, p_max=1, domain_size=None)
+    """The run's SP settings for one rank (degree 1, one domain); the token caps kept, and a sample
+    over them an error whatever `oversize` says (dropped or cut samples would make the ways'
+    losses differ; the trainer sets such prompts aside before their rollout)."""
+    return dataclasses.replace(sp, p_max=1, domain_size=None, oversize="error")
 
 
 def write_result(result: UpdateBenchResult, path: str | None) -> None:

@@ -188,7 +188,8 @@ def release_cached_memory(info: DeviceInfo) -> None:
 def allocator_counts(info: DeviceInfo) -> dict[str, int]:
     """torch's device allocator so far: `alloc_retries`, allocations that found no cached block and
     retried after freeing the whole cache (each a synchronising release: memory pressure), and
-    `device_mallocs`, its calls to the device's malloc. Zeros on CPU."""
+    `device_mallocs`, its calls to the device's malloc (also the refills after a deliberate
+    `release_cached_memory`, e.g. before a colocated engine wakes). Zeros on CPU."""
     if not info.is_gpu:
         return {"alloc_retries": 0, "device_mallocs": 0}
     stats = torch.cuda.memory_stats()

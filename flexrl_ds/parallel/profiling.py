@@ -4,9 +4,10 @@
 "flexrl/vision_tower", "flexrl/decoder" and "flexrl/lm_head") for the profiler;
 it costs next to nothing while no profile runs. `RankProfiler.start()` / `.stop(stem)` profile
 what runs in between (CPU, and the GPU's kernels where there is one) and write:
-- `<stem>.txt`: the profiled wall time and, with a GPU, how much of it the device spent in kernels
-  (a low share means the host is the bottleneck: launches, hooks, synchronisations); flexrl's
-  regions by total time (what each part of the pass took, its kernels included); the 40 ops with
+- `<stem>.txt`: the profiled wall time and, with a GPU, how much of it the device was running
+  kernels or copies (a low share means the host is the bottleneck: launches, hooks,
+  synchronisations); flexrl's regions (CPU time; with a GPU the kernels launched inside each and
+  the span they cover on the device); the 40 ops with
   the most self time on the device (CPU without one); with a GPU also the 25 ops with the most
   self time on the CPU;
 - `<stem>.json.gz`: the trace, for Perfetto (ui.perfetto.dev) or chrome://tracing.
@@ -51,20 +52,24 @@ class RankProfiler:
         if self.active is None:
             raise RuntimeError("no profile is running on this rank")
         prof, self.active = self.active, None
+        device_mod.synchronize(device_mod.detect())  # the wall time ends with the device's queue
         wall_seconds = time.perf_counter() - self.started
         prof.stop()
         stem = Path(stem)
         stem.parent.mkdir(parents=True, exist_ok=True)
-        text = profile_tables(prof.key_averages(), device=device_mod.gpu_available(), wall_seconds=wall_seconds)
+        device = device_mod.gpu_available()
+        text = profile_tables(prof.key_averages(), device=device, wall_seconds=wall_seconds,
+                              busy_seconds=device_busy_seconds(prof.events()) if device else None)
         (stem.parent / f"{stem.name}.txt").write_text(text)  # first: the trace of a big step takes longer
         prof.export_chrome_trace(str(stem.parent / f"{stem.name}.json.gz"))
         return str(stem.parent / f"{stem.name}.txt")
 
 
-def profile_tables(averages, device: bool, wall_seconds: float | None = None) -> str:
+def profile_tables(averages, device: bool, wall_seconds: float | None = None,
+                   busy_seconds: float | None = None) -> str:
     """The wall and device-busy times, flexrl's regions by total time, then the ops with the most
     self time (device, else CPU; with a device also by CPU)."""
-    lines = [] if wall_seconds is None else [_busy_line(averages, device, wall_seconds), ""]
+    lines = [] if wall_seconds is None else [_busy_line(wall_seconds, busy_seconds if device else None), ""]
     lines += region_table(averages, device)
     if device:
         lines += ["", averages.table(sort_by="self_device_time_total", row_limit=40),
@@ -75,36 +80,55 @@ def profile_tables(averages, device: bool, wall_seconds: float | None = None) ->
     return "\n".join(lines) + "\n"
 
 
-def device_kernel_seconds(averages) -> float:
-    """Seconds of kernels and copies on the device (user annotations such as flexrl's regions,
-    which the profiler also places on the device's timeline, left out)."""
+def _on_device(event) -> bool:
+    """A kernel or copy on the device (not a CPU op, nor a region's span that the profiler also
+    places on the device's timeline)."""
     from torch.autograd import DeviceType
 
-    return sum(e.self_device_time_total for e in averages
-               if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)) / 1e6
+    return event.device_type != DeviceType.CPU and not getattr(event, "is_user_annotation", False)
 
 
-def _busy_line(averages, device: bool, wall_seconds: float) -> str:
+def device_busy_seconds(events) -> float:
+    """Seconds in which at least one kernel or copy ran on the device: the union of their
+    intervals, so streams running at once (communication beside compute) count once."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if _on_device(e))
+    busy, reached = 0.0, float("-inf")
+    for start, end in spans:
+        if end > reached:
+            busy += end - max(start, reached)
+            reached = end
+    return busy / 1e6
+
+
+def _busy_line(wall_seconds: float, busy_seconds: float | None) -> str:
     line = f"profiled {wall_seconds:.2f} s of wall time"
-    if device:
-        busy = device_kernel_seconds(averages)
-        line += f"; the device ran kernels for {busy:.2f} s of it ({busy / max(wall_seconds, 1e-9):.0%})"
+    if busy_seconds is not None:
+        line += (f"; the device ran kernels or copies during {busy_seconds:.2f} s of it "
+                 f"({busy_seconds / max(wall_seconds, 1e-9):.0%}; the rest it waited for the host)")
     return line
 
 
 def region_table(averages, device: bool) -> list[str]:
-    """One row per flexrl region: calls, CPU total and (with a device) device total. The profiler
-    reports a region twice where there is a device (its CPU range, and its span on the device):
-    the two are merged."""
+    """One row per flexrl region: calls, CPU total and, with a device, the device time of the
+    kernels launched inside it and the span from its first kernel's start to its last one's end
+    (the profiler reports the two as two events: merged here). Kernels well under the span: the
+    device waited for the host inside the region."""
+    from torch.autograd import DeviceType
+
     merged: dict[str, list[float]] = {}
     for event in averages:
         if event.key.startswith(PREFIX):
-            row = merged.setdefault(event.key, [0, 0.0, 0.0])
+            row = merged.setdefault(event.key, [0, 0.0, 0.0, 0.0])
             row[0] = max(row[0], event.count)
-            row[1] = max(row[1], event.cpu_time_total / 1e3)
-            row[2] = max(row[2], event.device_time_total / 1e3)
-    order = sorted(merged.items(), key=lambda item: -(item[1][2] if device else item[1][1]))
-    lines = [f"{'flexrl region':<32} {'calls':>6} {'CPU total ms':>13}" + (f" {'device total ms':>16}" if device else "")]
-    for key, (calls, cpu_ms, device_ms) in order:
-        lines.append(f"{key:<32} {calls:>6} {cpu_ms:>13.1f}" + (f" {device_ms:>16.1f}" if device else ""))
+            if event.device_type != DeviceType.CPU:
+                row[3] = max(row[3], event.device_time_total / 1e3)  # the span on the device's timeline
+            else:
+                row[1] = max(row[1], event.cpu_time_total / 1e3)
+                row[2] = max(row[2], event.device_time_total / 1e3)  # kernels launched inside
+    order = sorted(merged.items(), key=lambda item: -(item[1][3] if device else item[1][1]))
+    header = f"{'flexrl region':<32} {'calls':>6} {'CPU total ms':>13}"
+    lines = [header + (f" {'kernels ms':>12} {'device span ms':>15}" if device else "")]
+    for key, (calls, cpu_ms, kernel_ms, span_ms) in order:
+        line = f"{key:<32} {calls:>6} {cpu_ms:>13.1f}"
+        lines.append(line + (f" {kernel_ms:>12.1f} {span_ms:>15.1f}" if device else ""))
     return lines

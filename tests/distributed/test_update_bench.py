@@ -77,3 +77,21 @@ def test_every_way_computes_the_reference_loss(bench_assets):
     assert capped["attention_calls"] == capped["micro_batches"]["update"]
     for way in ("flexrl", "zero3", "logprob"):
         assert capped["loss"][way] == pytest.approx(expected, rel=1e-5), way
+
+
+def test_a_sample_over_the_cap_is_an_error_even_where_the_run_drops_it(bench_assets):
+    """flexrl.sp.oversize "drop" under a cap the longest sample does not fit: the bench refuses,
+    naming the cap, instead of timing ways that no longer compute the same loss."""
+    from flexrl_ds.bench.update_bench import UpdateBenchConfig, bench_batches, bench_samples, one_rank_sp
+    from flexrl_ds.models.loading import load_model, ordinary_token_bound
+    from flexrl_ds.planning.config import SPConfig
+
+    _, model_dir, data = bench_assets
+    model = load_model(model_dir)
+    samples = bench_samples(UpdateBenchConfig(model_dir, data, "", response_length=8, samples_per_prompt=1),
+                            ordinary_token_bound(model.config))
+    longest = max(sample.length for sample in samples.values())
+    with pytest.raises(ValueError, match=f"max_tokens_per_rank={longest - 1}"):
+        bench_batches(model, model_dir, samples, one_rank_sp(SPConfig(p_max=4, max_tokens_per_rank=longest - 1,
+                                                                      oversize="drop")))
+    assert len(bench_batches(model, model_dir, samples, one_rank_sp(SPConfig(p_max=4)))) == 1

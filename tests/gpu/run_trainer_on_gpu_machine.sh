@@ -145,6 +145,7 @@ if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs
     --json "$out/update_bench.json" > "$out/update_bench.log" 2>&1 || echo "bench update failed: exit $?" >> "$out/update_bench.log"
   grep "bench update" "$out/update_bench.log" | tee "$out/update_bench.txt"
   tail -n 15 "$out/update_bench.log"  # the failure, where there is one
+  grep -q "bench update failed" "$out/update_bench.log" && exit 1
   exit 0
 fi
 # Peak host memory in use (MemTotal - MemAvailable), sampled every 2 s while the trainer runs.

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from flexrl_ds.parallel.profiling import RankProfiler, device_kernel_seconds, region, region_table
+from flexrl_ds.parallel.profiling import RankProfiler, device_busy_seconds, region, region_table
 
 
 def test_a_profile_names_the_regions_and_writes_a_trace(tmp_path):
@@ -49,33 +49,40 @@ def test_one_profile_at_a_time(tmp_path):
 
 
 class _Event:
-    def __init__(self, key, count, cpu_us, device_us, device_type=None, annotation=False):
+    def __init__(self, key, count, cpu_us, device_us, device_type=None, annotation=False, span=(0, 0)):
         from torch.autograd import DeviceType
+        from torch.autograd.profiler_util import Interval
 
         self.key, self.count, self.cpu_time_total, self.device_time_total = key, count, cpu_us, device_us
         self.self_device_time_total = device_us
         self.device_type = device_type or DeviceType.CPU
         self.is_user_annotation = annotation
+        self.time_range = Interval(*span)
 
 
 def test_a_region_reported_on_the_cpu_and_on_the_device_is_one_row():
     from torch.autograd import DeviceType
 
-    events = [_Event("flexrl/decoder", 3, 5_920_900, 1_393_700),  # its CPU range (kernels launched inside)
+    events = [_Event("flexrl/decoder", 3, 5_920_900, 1_393_700, annotation=True),  # CPU range, kernels inside
               _Event("flexrl/decoder", 3, 0, 5_929_400, DeviceType.CUDA, annotation=True),  # its span on the device
-              _Event("flexrl/loss", 1, 4_100, 200),
+              _Event("flexrl/loss", 1, 4_100, 200, annotation=True),
               _Event("aten::mm", 10, 500, 0)]
     lines = region_table(events, device=True)
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[1:]}
-    assert rows == {"flexrl/decoder": [3, 5920.9, 5929.4], "flexrl/loss": [1, 4.1, 0.2]}
+    assert rows == {"flexrl/decoder": [3, 5920.9, 1393.7, 5929.4], "flexrl/loss": [1, 4.1, 0.2, 0.0]}
     assert lines[1].startswith("flexrl/decoder")  # the longest on the device first
+    assert [line.split()[:3] for line in region_table(events, device=False)[1:]] == [
+        ["flexrl/decoder", "3", "5920.9"], ["flexrl/loss", "1", "4.1"]]
 
 
-def test_device_busy_time_counts_kernels_not_regions():
+def test_device_busy_time_is_the_union_of_kernel_intervals():
     from torch.autograd import DeviceType
 
-    events = [_Event("flexrl/decoder", 3, 0, 5_000_000, DeviceType.CUDA, annotation=True),
-              _Event("gemm_kernel", 720, 0, 1_500_000, DeviceType.CUDA),
-              _Event("Memcpy HtoD", 10, 0, 250_000, DeviceType.CUDA),
-              _Event("aten::mm", 720, 300_000, 0)]
-    assert device_kernel_seconds(events) == pytest.approx(1.75)
+    cuda = DeviceType.CUDA
+    events = [_Event("flexrl/decoder", 3, 0, 0, cuda, annotation=True, span=(0, 10_000_000)),  # a region: not work
+              _Event("gemm", 1, 0, 0, cuda, span=(1_000_000, 2_000_000)),
+              _Event("all_to_all", 1, 0, 0, cuda, span=(1_500_000, 2_500_000)),  # beside the gemm: counted once
+              _Event("copy", 1, 0, 0, cuda, span=(3_000_000, 3_250_000)),
+              _Event("inside", 1, 0, 0, cuda, span=(1_100_000, 1_200_000)),
+              _Event("aten::mm", 1, 0, 0, span=(0, 9_000_000))]  # a CPU op
+    assert device_busy_seconds(events) == pytest.approx(1.75)
