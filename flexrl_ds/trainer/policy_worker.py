@@ -215,9 +215,9 @@ class PolicyWorker:
             batches = self._batches(job)
         for batch in batches:
             with torch.no_grad(), region("logprob_forward"):
-                logprobs = engine(batch).logprobs
+                logprobs = engine(batch).logprobs.float().cpu()  # one copy to the host, not one per piece
             for seq_id, lo, hi, local in batch.layout.segments():
-                pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].float().cpu().tolist()))
+                pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].tolist()))
         return pieces
 
     def train(self, job: PassJob) -> dict[str, float]:
