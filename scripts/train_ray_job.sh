@@ -60,9 +60,11 @@ for attempt in $(seq 1 90); do
   fi
   sleep 2
 done
-# The log follower runs in the background so that a signal is handled at once (bash runs a trap only
-# after its foreground command ends): the local head stops with this script, a cluster's job keeps running.
-"$ray_bin" job logs --address "$RAY_ADDRESS" --follow "$job" &
+# The follower (flexrl_ds/runtime/ray_job_follow.py: the log as it comes, the job's status polled
+# beside it, so it ends when the job does) runs in the background so that a signal is handled at once
+# (bash runs a trap only after its foreground command ends): the local head stops with this script, a
+# cluster's job keeps running. It exits 0 iff the job SUCCEEDED.
+"$python" -m flexrl_ds.runtime.ray_job_follow "$RAY_ADDRESS" "$job" &
 follower=$!
 on_signal() {
   kill "$follower" 2>/dev/null || true
@@ -73,8 +75,4 @@ on_signal() {
 }
 trap 'on_signal 143' TERM
 trap 'on_signal 130' INT
-wait "$follower" || true
-status=$("$ray_bin" job status --address "$RAY_ADDRESS" "$job" 2>&1 \
-  | grep -oiE "succeeded|failed|stopped|running|pending" | tail -1 | tr '[:lower:]' '[:upper:]')
-echo "[train_ray_job] job $job: ${status:-unknown}"
-[ "$status" = SUCCEEDED ]
+wait "$follower"
