@@ -35,7 +35,7 @@ if [ -z "${RAY_ADDRESS:-}" ]; then
   trap 'exit 143' TERM  # a signal ends the script through its EXIT trap, so the head is stopped
   trap 'exit 130' INT
   for _ in $(seq 1 120); do
-    "$ray_bin" job list --address "http://127.0.0.1:$port" >/dev/null 2>&1 && break
+    timeout 30 "$ray_bin" job list --address "http://127.0.0.1:$port" >/dev/null 2>&1 && break
     kill -0 "$head_pid" 2>/dev/null || { cat "$ray_dir/head.log" >&2; echo "$0: the Ray head did not start" >&2; exit 1; }
     sleep 1
   done
@@ -49,7 +49,7 @@ echo "[train_ray_job] submitting $job to $RAY_ADDRESS"
 # A head that has just started may not have its job agent up yet ("No available agent"): retry (up to
 # ~3 min: on a loaded 2-core machine the agent has taken over a minute).
 for attempt in $(seq 1 90); do
-  if submitted=$("$ray_bin" job submit --address "$RAY_ADDRESS" --submission-id "$job" --no-wait \
+  if submitted=$(timeout 60 "$ray_bin" job submit --address "$RAY_ADDRESS" --submission-id "$job" --no-wait \
       --runtime-env-json "$env_json" -- bash -c "$entry" 2>&1); then
     break
   fi
