@@ -1,8 +1,8 @@
 """Follow a submitted Ray job to its end: print its log as it comes and return its final status.
 
-`ray job logs --follow` alone can outlive its job: on the 2-core CI machine the launcher has waited
-on it past a test's 600 s after the job had ended. Here the job's status is polled beside the log
-stream; once the status is final the stream gets `drain_s` to finish, and whatever part of the log it
+`ray job logs --follow` was the launcher's one wait without a bound (both launcher tests once ran
+past their 600 s on the 2-core machine; the cause was not found). Here the job's status is polled
+beside the log stream; once the status is final the stream gets `drain_s` to finish, and whatever part of the log it
 did not print (a stream cut short, or one that failed) is printed from the job's stored log, so no
 line is lost and none is printed twice.
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from dataclasses import dataclass, field
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import TextIO
 
-FINAL_STATUSES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+from ray.job_submission import JobStatus, JobSubmissionClient
 
 
 @dataclass
@@ -30,16 +30,12 @@ class FollowSettings:
 class _Printed:
     out: TextIO
     chars: int = 0
-    stream_error: str | None = field(default=None)
+    stream_error: str | None = None
 
     def write(self, text: str) -> None:
         self.out.write(text)
         self.out.flush()
         self.chars += len(text)
-
-
-def _status_name(status: Any) -> str:
-    return str(getattr(status, "value", status)).upper()
 
 
 async def _stream_log(client, job_id: str, printed: _Printed) -> None:
@@ -57,10 +53,10 @@ async def follow_job(client, job_id: str, out: TextIO = sys.stdout,
     printed = _Printed(out)
     stream = asyncio.ensure_future(_stream_log(client, job_id, printed))
     try:
-        status = _status_name(await asyncio.to_thread(client.get_job_status, job_id))
-        while status not in FINAL_STATUSES:
+        status = JobStatus(await asyncio.to_thread(client.get_job_status, job_id))
+        while not status.is_terminal():
             await asyncio.sleep(settings.poll_s)
-            status = _status_name(await asyncio.to_thread(client.get_job_status, job_id))
+            status = JobStatus(await asyncio.to_thread(client.get_job_status, job_id))
         await asyncio.wait([stream], timeout=settings.drain_s)
     finally:
         stream.cancel()
@@ -70,7 +66,7 @@ async def follow_job(client, job_id: str, out: TextIO = sys.stdout,
     if printed.stream_error:
         print(f"[ray_job_follow] the log stream of {job_id} failed ({printed.stream_error}); "
               "the rest of the log was read from the job's stored log", file=sys.stderr)
-    return status
+    return status.value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("address", help="the job server, e.g. http://127.0.0.1:8265")
     parser.add_argument("job_id", help="the submission id")
     args = parser.parse_args(argv)
-    from ray.job_submission import JobSubmissionClient  # lazy: Ray is imported only to follow a job
-
     status = asyncio.run(follow_job(JobSubmissionClient(args.address), args.job_id))
     print(f"[train_ray_job] job {args.job_id}: {status}")
     return 0 if status == "SUCCEEDED" else 1

@@ -65,9 +65,8 @@ def test_what_the_stream_did_not_print_comes_from_the_stored_log_once(after):
     assert (status, out) == ("FAILED", LOG)
 
 
-def test_status_enums_are_read_by_their_value():
-    class Status:
-        value = "succeeded"
+def test_ray_job_status_enums_are_accepted():
+    from ray.job_submission import JobStatus
 
-    status, _ = follow(FakeJobClient([Status()], [LOG]))
-    assert status == "SUCCEEDED"
+    status, out = follow(FakeJobClient([JobStatus.RUNNING, JobStatus.SUCCEEDED], [LOG]))
+    assert (status, out) == ("SUCCEEDED", LOG)
