@@ -18,6 +18,10 @@ number, timed in up to six ways (the best of `repeats` after one warm-up each):
 - `grpo`: the trainer's update itself (models/policy_update.train_step: forward with the tokens'
   entropy, the GRPO loss of the run config's `flexrl.rl` against the engine's own log-probs as the
   old and reference ones and random advantages, backward, optimizer step).
+With `profile_dir`, one more zero3 forward+backward and optimizer step run under torch.profiler
+after the timed ones (parallel/profiling.py): `<profile_dir>/zero3.txt` (regions
+`flexrl/zero3_forward_backward` and `flexrl/zero3_optimizer_step`, the ops with the most device and
+host time) and the trace beside it; where an offloaded optimizer's time goes, for one.
 Each reports seconds, model TFLOP/s (models/flops.py: the language model and the vision tower as
 each way encodes it) and, on a GPU with a known peak, MFU; and, but for grpo, its loss, the same
 for all (a check that they compute the same thing, up to the dtype's rounding).
@@ -46,6 +50,7 @@ from flexrl_ds.models.loading import load_model, ordinary_token_bound
 from flexrl_ds.models.policy_update import UpdateInputs, denominators, local_response_values, train_step
 from flexrl_ds.models.processing import encode_records
 from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.parallel.profiling import RankProfiler, region
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.micro_batches import plan_micro_batches
@@ -72,6 +77,8 @@ class UpdateBenchConfig:
     seed: int = 0
     ways: tuple[str, ...] = WAYS
     """Which of `WAYS` to time (zero3 includes zero3_step; zero3, logprob and grpo share one engine)."""
+    profile_dir: str | None = None
+    """Profile one more zero3 forward+backward and step here (module docstring); needs zero3 in `ways`."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.ways) - set(WAYS))
@@ -81,6 +88,8 @@ class UpdateBenchConfig:
             raise ValueError("--response-length, --samples-per-prompt and --repeats must be at least 1")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"--max-prompts must be at least 1, got {self.max_prompts}")
+        if self.profile_dir and "zero3" not in self.ways:
+            raise ValueError(f"--profile profiles the zero3 way, which --ways {','.join(self.ways)} leaves out")
 
 
 @dataclass
@@ -287,9 +296,25 @@ def _engine_ways(info, engine, both_batches, samples, rl_config, config: UpdateB
             config.repeats)
         record("zero3", seconds, loss, 3 * forward_flops)
         record("zero3_step", step_seconds, None, 0.0)
+        if config.profile_dir:
+            record.progress(f"bench update: zero3 profiled: {profile_zero3(info, engine, batches, samples, config.profile_dir)}")
     if "grpo" in config.ways:
         seconds, _ = _best_time(info, grpo_pass(engine, batches, samples, rl_config, config.seed), config.repeats)
         record("grpo", seconds, None, 3 * forward_flops)
+
+
+def profile_zero3(info, engine, batches, samples, profile_dir: str) -> str:
+    """One zero3 forward+backward and optimizer step under torch.profiler; the table's path."""
+    run = flexrl_pass(engine, batches, samples, engine.backward, lambda: None, engine.set_gradient_accumulation_boundary)
+    profiler = RankProfiler()
+    profiler.start()
+    with region("zero3_forward_backward"):
+        run()
+        device_mod.synchronize(info)
+    with region("zero3_optimizer_step"):
+        engine.step()
+        device_mod.synchronize(info)
+    return profiler.stop(Path(profile_dir) / "zero3")
 
 
 def logprob_pass(engine, batches, samples) -> Callable[[], float]:

@@ -116,6 +116,9 @@ def _add_bench_update(bench) -> None:
                              "(the engine's no-grad forward) and grpo (the trainer's update step)")
     update.add_argument("--seed", type=int, default=0)
     update.add_argument("--json", default=None, help="write the result here")
+    update.add_argument("--profile", default=None, metavar="DIR",
+                        help="after the timed repeats, one more zero3 forward+backward and optimizer step under "
+                             "torch.profiler: DIR/zero3.txt (regions, top ops) and DIR/zero3.json.gz (the trace)")
     update.set_defaults(func=_bench_update)
 
 
@@ -125,6 +128,7 @@ def _bench_update(args: argparse.Namespace) -> int:
     config = UpdateBenchConfig(args.model, args.data, args.config, response_length=args.response_length,
                                samples_per_prompt=args.samples_per_prompt, max_prompts=args.max_prompts,
                                repeats=args.repeats, activation_checkpointing=args.checkpointing, seed=args.seed,
-                               ways=tuple(way.strip() for way in args.ways.split(",") if way.strip()))
+                               ways=tuple(way.strip() for way in args.ways.split(",") if way.strip()),
+                               profile_dir=args.profile)
     write_result(run_update_bench(config), args.json)
     return 0

@@ -54,7 +54,8 @@
 #     RESPONSE_LENGTH (default 350) random response tokens (CKPT=1: checkpointed): one update's forward
 #     and backward as plain transformers, as FlexUlyssesLM, and in the run config's ZeRO-3 engine
 #     (OUT/update_bench.txt and .json; the whole output in OUT/update_bench.log). UPDATE_BENCH_ARGS:
-#     more arguments, e.g. "--ways flexrl,zero3 --repeats 2".
+#     more arguments, e.g. "--ways flexrl,zero3 --repeats 2". UPDATE_BENCH_PROFILE=1: one more zero3
+#     forward+backward and optimizer step under torch.profiler (OUT/update_profile/zero3.txt and the trace).
 #   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
 # vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
@@ -142,6 +143,7 @@ cp "$work/config.json" "$out/config.json"
 if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs FlexUlysses vs its ZeRO-3 engine
   python3 -m flexrl_ds bench update --model "$work/m$shape" --data "$work/data-small/train.jsonl" --config "$work/config.json" \
     --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $([ "${CKPT:-0}" = 1 ] && echo --checkpointing) ${UPDATE_BENCH_ARGS:-} \
+    $([ "${UPDATE_BENCH_PROFILE:-0}" = 1 ] && echo --profile "$out/update_profile") \
     --json "$out/update_bench.json" > "$out/update_bench.log" 2>&1 || echo "bench update failed: exit $?" >> "$out/update_bench.log"
   grep "bench update" "$out/update_bench.log" | tee "$out/update_bench.txt"
   tail -n 15 "$out/update_bench.log"  # the failure, where there is one
