@@ -4,14 +4,15 @@
 # STEPS steps (default 2) on images and videos. The run config is the shape's shipped one-H200 file,
 # ds_configs/grpo_vl{3b,7b}_1xh200.json, with the switches below on top.
 #   SHAPE=3b (default): all ZeRO-3 states on the GPU.
-#   SHAPE=7b: ZeRO-3 with 70% of the optimizer offloaded to host memory (`offload_optimizer.ratio`;
-#     host memory ~ 4 B/param of fp32 gradient buffer for all parameters + ratio x 16 B/param of
-#     master weights, moments and gradients: ~100 GiB at 0.7 for 7.1B parameters, ~132 GiB at 1.0,
+#   SHAPE=7b: ZeRO-3 with 60% of the optimizer offloaded to pinned host memory (`offload_optimizer.ratio`,
+#     `pin_memory`; host memory ~ 4 B/param of fp32 gradient buffer for all parameters + ratio x 16 B/param of
+#     master weights, moments and gradients: 101 GiB in use at 0.6 for 7.1B parameters, ~132 GiB at 1.0,
 #     more than the machine's 125 GiB), DeepSpeed's CPUAdam stepping there
 #     (JIT-compiled on first use) and the vLLM engine dropping its weights while asleep (sleep_level 2:
 #     the sync rewrites them).
-#   OFFLOAD_RATIO=r: with SHAPE=7b, the share of the optimizer offloaded (default: the file's 0.7;
-#     lower keeps more of it on the GPU, stepped there: docs/BENCHMARKS.md "One H200, tenth run").
+#   OFFLOAD_RATIO=r: with SHAPE=7b, the share of the optimizer offloaded (default: the file's 0.6;
+#     lower keeps more of it on the GPU, stepped there: docs/BENCHMARKS.md "One H200, tenth run" and
+#     "twentieth run").
 #   COLOCATE=0: rollout engines in Ray actors of their own: the separate-engine path, its weights over
 #     the weight channel. On one GPU the engine shares it with the policy rank (0.5 GPU each) and the
 #     channel shares each bucket in place (CUDA IPC). On G >= 2 GPUs every rank and engine has a whole
@@ -20,8 +21,9 @@
 #     default dynamic).
 #   HF_SLEEP_LEVEL=1: the hf engine moves its weights to host memory while asleep instead of freeing
 #     them (`flexrl.rollout.hf.sleep_level`, default 2: the sync after each update rewrites them all).
-#   OFFLOAD_PIN=1: with SHAPE=7b, the offloaded optimizer states in pinned host memory
-#     (`offload_optimizer.pin_memory`; default: the file's false).
+#   OFFLOAD_PIN=0|1: with SHAPE=7b, whether the offloaded optimizer states sit in pinned host memory
+#     (`offload_optimizer.pin_memory`; default: the file's true; unpinned, the update took 11.5-12.3 s
+#     instead of 6.8-7.0 s: docs/BENCHMARKS.md "twentieth run").
 #   OFFLOAD_IN_ROLLOUT=0|1: whether the policy's ZeRO-3 states that DeepSpeed can move wait in host
 #     memory while the colocated engine generates (`flexrl.trainer.offload_states_in_rollout`;
 #     default: the file's, off at 3B and 7B; at 3B with vLLM it took 2.3 GiB off the rollout's device

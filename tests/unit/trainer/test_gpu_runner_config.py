@@ -61,8 +61,8 @@ def test_every_backend_and_shape_gives_a_valid_run_config(tmp_path, shape, backe
 
 def test_the_switches_land_in_the_config(tmp_path):
     raw = build(tmp_path, "hf", "7b", OFFLOAD_RATIO="0.5", SAVE="1", CKPT="1",
-                HF_KV_CACHE="static", HF_SLEEP_LEVEL="1", OFFLOAD_IN_ROLLOUT="0", OFFLOAD_PIN="1")
-    assert raw["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.5}
+                HF_KV_CACHE="static", HF_SLEEP_LEVEL="1", OFFLOAD_IN_ROLLOUT="0", OFFLOAD_PIN="0")
+    assert raw["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False, "ratio": 0.5}
     trainer = raw["flexrl"]["trainer"]
     assert trainer["save_last"] and trainer["activation_checkpointing"]
     assert trainer["offload_states_in_rollout"] is False
