@@ -152,10 +152,13 @@ def build_step_batch(config, plan, samples: Mapping[str, Any], rank: int, group_
     if callable(positions):
         seq_ids = [seq_id for seq_id, *_ in layout.segments()] or list(samples)[:1]  # (an idle rank: shape only)
         positions = {s: positions(samples[s].input_ids, samples[s].items) for s in seq_ids}
+    ids = {s: x.input_ids for s, x in samples.items()}
     by_id = {s: _targets_and_mask(x) for s, x in samples.items()}
+    if not samples:  # a plan without sequences (an idle SP domain): empty slices of the right kinds
+        ids, by_id, positions = _placeholder_inputs(config)
     batch = StepBatch(
         layout=layout,
-        input_ids=layout.slice_tokens({s: x.input_ids for s, x in samples.items()}),
+        input_ids=layout.slice_tokens(ids),
         position_ids=local_position_ids(layout, positions),
         targets=layout.slice_tokens({s: t for s, (t, _) in by_id.items()}),
         response_mask=layout.slice_tokens({s: m for s, (_, m) in by_id.items()}),
@@ -165,6 +168,13 @@ def build_step_batch(config, plan, samples: Mapping[str, Any], rank: int, group_
     if placement.route is not None:
         batch.items = {s: x.items for s, x in samples.items()}
     return batch
+
+
+def _placeholder_inputs(config) -> tuple[dict, dict, dict]:
+    """Token ids, (targets, mask) and positions of one placeholder token under the id "" (no real
+    sequence has it): what `slice_tokens` takes its dtypes and shapes from when a rank's plan holds no sequence."""
+    token = torch.zeros(1, dtype=torch.long)
+    return {"": token}, {"": (token, torch.zeros(1, dtype=torch.bool))}, {"": _config_positions(config, token, ())}
 
 
 def vision_route(config, plan, samples: Mapping[str, Any], layouts, rank: int) -> VisionRoute:

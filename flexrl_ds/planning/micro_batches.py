@@ -14,8 +14,10 @@ contiguous runs: a run takes the next sequence while the run stays within cap ×
 (`StepOverflowError` otherwise): the fewest contiguous runs, where every part of a run that plans
 plans too. k is the largest number of runs over the domains. Each domain then takes k runs of
 balanced tokens where all of them plan (no small last micro-batch paying a whole pass's fixed
-costs), else its greedy runs with the largest split in two until there are k. Without a cap a
-pass is one micro-batch, `plan_step`'s plan.
+costs), else its greedy runs with the largest split in two until there are k. A domain with fewer
+sequences than k runs one sequence per micro-batch and idles in the rest (an empty plan: its ranks
+run every module once on a placeholder token, as ZeRO-3's collective gathers need, and add nothing
+to the loss). Without a cap a pass is one micro-batch, `plan_step`'s plan.
 """
 
 from __future__ import annotations
@@ -50,20 +52,13 @@ def contiguous_runs(tokens: Sequence[int], num_runs: int) -> list[range]:
 
 def plan_micro_batches(shares: Sequence[Workload], world_size: int, cost: CostModel, sp: SPConfig,
                        options: PlannerOptions | None = None) -> list[list[PlanResult]]:
-    """Per micro-batch, one `PlanResult` per SP domain (module docstring). Raises `StepOverflowError`
-    when a domain has fewer sequences than the micro-batches another domain needs."""
+    """Per micro-batch, one `PlanResult` per SP domain (module docstring)."""
     def plan(sequences: tuple[SequenceSpec, ...]) -> PlanResult:
         return plan_step(Workload(sequences), world_size, cost, sp, options)
 
     budget = sp.max_tokens_per_rank * world_size if sp.max_tokens_per_rank is not None else math.inf
     per_domain = [greedy_runs(share.sequences, budget, plan) for share in shares]
-    num_micro_batches = max(len(runs) for runs in per_domain)
-    fewest_sequences = min(len(share.sequences) for share in shares)
-    if num_micro_batches > fewest_sequences:
-        raise StepOverflowError(
-            f"the pass needs {num_micro_batches} micro-batches under max_tokens_per_rank={sp.max_tokens_per_rank}, "
-            f"but an SP domain has only {fewest_sequences} sequences (every domain runs every micro-batch; "
-            "fewer, larger SP domains, flexrl.sp.domain_size, share the samples more evenly)")
+    num_micro_batches = max(1, max(len(runs) for runs in per_domain))
     planned = [balanced_runs(share.sequences, num_micro_batches, plan) or split_runs(runs, num_micro_batches, plan)
                for share, runs in zip(shares, per_domain)]
     return [list(results) for results in zip(*planned)]
@@ -98,8 +93,9 @@ def greedy_runs(sequences: Sequence[SequenceSpec], budget: float, plan: Callable
 
 def balanced_runs(sequences: Sequence[SequenceSpec], num_runs: int, plan: Callable) -> list[PlanResult] | None:
     """The plans of `num_runs` contiguous runs of balanced tokens (`contiguous_runs`); None when
-    one of them overflows, or when there is one run (the greedy run is that plan already)."""
-    if num_runs == 1:
+    one of them overflows, when there is one run (the greedy run is that plan already) or when
+    there are fewer sequences than runs."""
+    if num_runs == 1 or num_runs > len(sequences):
         return None
     try:
         return [plan(tuple(sequences[run.start:run.stop]))
@@ -110,11 +106,15 @@ def balanced_runs(sequences: Sequence[SequenceSpec], num_runs: int, plan: Callab
 
 def split_runs(runs: list[Run], num_runs: int, plan: Callable) -> list[PlanResult]:
     """`runs` made `num_runs` by cutting the one with the most tokens (of those with two sequences
-    or more) into two balanced halves, again and again; the plan of each run."""
+    or more) into two balanced halves, again and again; once every run holds one sequence, empty
+    runs (the domain idles) fill the rest. The plan of each run."""
     runs = list(runs)
     while len(runs) < num_runs:
-        index = max((i for i, (seqs, _) in enumerate(runs) if len(seqs) > 1),
-                    key=lambda i: sum(s.tokens for s in runs[i][0]))
+        splittable = [i for i, (seqs, _) in enumerate(runs) if len(seqs) > 1]
+        if not splittable:
+            runs += [((), None)] * (num_runs - len(runs))
+            break
+        index = max(splittable, key=lambda i: sum(s.tokens for s in runs[i][0]))
         seqs = runs[index][0]
         halves = contiguous_runs([s.tokens for s in seqs], 2)
         runs[index:index + 1] = [(seqs[half.start:half.stop], None) for half in halves]

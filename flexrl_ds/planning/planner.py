@@ -164,7 +164,7 @@ def apply_oversize(workload: Workload, sp: SPConfig, max_degree: int
         else:
             truncated[seq.id] = (seq.tokens, limit)
             kept.append(replace(seq, tokens=limit, vision_tokens=min(seq.vision_tokens, limit)))
-    if not kept:
+    if not kept and workload.sequences:
         raise ValueError(f"every sequence exceeds max_tokens_per_rank={cap} × {max_degree}; nothing to plan")
     return Workload(tuple(kept)), tuple(dropped), truncated
 
@@ -309,6 +309,10 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
     allowed = allowed_degrees(world_size, sp, cost, options.head_rule)
     limits = packing_limits(sp.h_pack, sp.H_pack)
     planned, dropped, truncated = apply_oversize(workload, sp, allowed[-1])
+    if not planned.sequences:  # every rank idles (it still runs each module once on a placeholder token)
+        plan = Plan(world_size, sp.p_max, (), {rank: () for rank in range(world_size)},
+                    _plan_extra(IDLE_METRICS, world_size, cost, sp, options, allowed, limits, dropped, truncated))
+        return PlanResult(plan, planned, IDLE_METRICS, dropped, truncated, limits)
     tokens = np.array([s.tokens for s in planned.sequences], dtype=float)
     token_cap = float(sp.max_tokens_per_rank) if sp.max_tokens_per_rank is not None else float("inf")
     if tokens.sum() > token_cap * world_size:
@@ -335,14 +339,25 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
                               num_kv_heads=cost.num_kv_heads)
     metrics = replace(metrics, **step.summary()) if step is not None else \
         with_step_time(metrics, plan, planned, cost, sp.overlap)
-    extra = {"metrics": metrics.summary(), "cost_model": {
-                 "name": cost.name, "c": cost.c, "num_heads": cost.num_heads, "num_kv_heads": cost.num_kv_heads,
-                 "calibration": cost.calibration.source if cost.calibration is not None else None},
-             "degree_cap": degree_cap(world_size, sp, cost, allowed),
-             "h_pack": limits.h_pack, "H_pack": limits.H_pack, "head_rule": options.head_rule,
-             "dropped": list(dropped), "truncated": {k: v[1] for k, v in truncated.items()}}
-    plan = replace(plan, extra=extra)
+    plan = replace(plan, extra=_plan_extra(metrics, world_size, cost, sp, options, allowed, limits, dropped, truncated))
     return PlanResult(plan, planned, metrics, dropped, truncated, limits)
+
+
+def _plan_extra(metrics: PlanMetrics, world_size: int, cost: CostModel, sp: SPConfig, options: PlannerOptions,
+                allowed: tuple[int, ...], limits: PackingLimits, dropped, truncated) -> dict:
+    """The plan file's fields besides packs and rank order: metrics, cost model, options."""
+    return {"metrics": metrics.summary(), "cost_model": {
+                "name": cost.name, "c": cost.c, "num_heads": cost.num_heads, "num_kv_heads": cost.num_kv_heads,
+                "calibration": cost.calibration.source if cost.calibration is not None else None},
+            "degree_cap": degree_cap(world_size, sp, cost, allowed),
+            "h_pack": limits.h_pack, "H_pack": limits.H_pack, "head_rule": options.head_rule,
+            "dropped": list(dropped), "truncated": {k: v[1] for k, v in truncated.items()}}
+
+
+IDLE_METRICS = PlanMetrics(attention_balance=1.0, cost_balance=1.0, token_balance=1.0, efficiency=1.0,
+                           lower_bound=0.0, max_rank_cost=0.0, max_rank_tokens=0.0, degree_histogram={},
+                           num_packs=0, all_to_all_volume=0.0, all_to_all_relative=0.0)
+"""The metrics of a plan without sequences: nothing to balance."""
 
 
 def _least_modelled_time(planned: Workload, tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,

@@ -173,16 +173,15 @@ def split_domains(prompts: Sequence[PromptInputs], names: Sequence[str], num_dom
 
     Whole prompt groups (a prompt's media then stays in one domain and is encoded once) when there
     are at least `num_domains` groups, else single samples; heaviest first onto the lightest domain
-    (ties: the lower domain), `weight(name)` being a sample's cost. Every domain gets at least one
-    sample; each share keeps the order of `names`.
+    (ties: the lower domain), `weight(name)` being a sample's cost. Every domain gets a sample where
+    there are enough (the run config guarantees it for full steps; prompts set aside can leave
+    fewer, and a domain without one idles: its plan has no sequence); each share keeps the order of `names`.
     """
     present = set(names)
     groups = [[n for n in prompt.sample_names if n in present] for prompt in prompts]
     units = [group for group in groups if group]
     if len(units) < num_domains:
         units = [[name] for group in units for name in group]
-    if len(units) < num_domains:
-        raise ValueError(f"{len(units)} samples cannot fill {num_domains} SP domains (flexrl.sp.domain_size)")
     loads, owner = [0.0] * num_domains, {}
     costs = [sum(weight(n) for n in unit) for unit in units]
     for index in sorted(range(len(units)), key=lambda i: (-costs[i], i)):

@@ -34,22 +34,35 @@ def assets(tmp_path_factory):
     return str(root / "vl"), str(data)
 
 
-def domain_plans(p_max: int) -> list[dict]:
-    """Plan JSON of each domain (domain-local ranks 0..3). Domain 0 holds r0, r1, r2; domain 1 r3, r4, r5."""
-    from flexrl_ds.planning.plan import Pack, Plan
-
+def domain_plans(p_max: int, idle_domain: bool = False) -> list[dict]:
+    """Plan JSON of each domain (domain-local ranks 0..3). Domain 0 holds r0, r1, r2; domain 1 r3, r4, r5.
+    `idle_domain`: domain 0 holds all six, domain 1 the planner's plan of no sequences."""
     top = 4 if p_max >= 4 else 2
     specs = [
         [(top, 0, ("r2", "r0")), (2, 2, ("r1",))] if top == 2 else [(4, 0, ("r2", "r0", "r1"))],
         [(2, 0, ("r5",)), (1, 2, ("r3",)), (1, 3, ("r4",))],
     ]
-    plans = []
-    for spec in specs:
-        packs = tuple(Pack(i, d, tuple(range(f, f + d)), s) for i, (d, f, s) in enumerate(spec))
-        order = {r: tuple(p.id for p in sorted((p for p in packs if r in p.ranks), key=lambda p: (-p.degree, p.id)))
-                 for r in range(DOMAIN)}
-        plans.append(Plan(world_size=DOMAIN, p_max=p_max, packs=packs, rank_order=order).to_json())
-    return plans
+    if idle_domain:
+        return [_plan_json(specs[0] + specs[1], p_max), _idle_plan_json(p_max)]
+    return [_plan_json(spec, p_max) for spec in specs]
+
+
+def _idle_plan_json(p_max: int) -> dict:
+    from flexrl_ds.planning.config import SPConfig
+    from flexrl_ds.planning.cost_model import load_cost_model
+    from flexrl_ds.planning.plan import Workload
+    from flexrl_ds.planning.planner import plan_step
+
+    return plan_step(Workload(()), DOMAIN, load_cost_model("qwen2.5-vl-7b"), SPConfig(p_max=p_max)).plan.to_json()
+
+
+def _plan_json(spec, p_max: int) -> dict:
+    from flexrl_ds.planning.plan import Pack, Plan
+
+    packs = tuple(Pack(i, d, tuple(range(f, f + d)), s) for i, (d, f, s) in enumerate(spec))
+    order = {r: tuple(p.id for p in sorted((p for p in packs if r in p.ranks), key=lambda p: (-p.degree, p.id)))
+             for r in range(DOMAIN)}
+    return Plan(world_size=DOMAIN, p_max=p_max, packs=packs, rank_order=order).to_json()
 
 
 def _load(model_dir: str):
@@ -138,24 +151,41 @@ def test_domain_group_is_the_whole_domain_for_every_p_max(dist_pools):
 @pytest.mark.parametrize("p_max", [4, 2])
 def test_two_domains_zero3_flex_ulysses_match_single_process(assets, dist_pools, p_max):
     model_dir, data_path = assets
-    ref_logprobs, ref_nll, ref_tokens, ref_grads, samples = _reference(model_dir, data_path)
-    per_rank = dist_pools(WORLD).run(rank_two_domain_step, model_dir, data_path, domain_plans(p_max), p_max,
-                                     timeout_s=240)
-    assert [r["domain"] for r in per_rank] == [0] * DOMAIN + [1] * DOMAIN
-    assert all(r["num_global"] == ref_tokens for r in per_rank)
-    got = _assemble(per_rank, samples)
-    worst_lp = max(float((got[s] - ref_logprobs[s].double()).abs().max()) for s in samples)
-    assert worst_lp < 2e-5, worst_lp
-    assert sum(r["nll"] for r in per_rank) == pytest.approx(ref_nll, rel=1e-5)
+    per_rank, worst_lp = _check_against_reference(assets, dist_pools, domain_plans(p_max), p_max)
     for domain in (0, 1):  # vision work spread inside each domain (domain-sized split lists)
         patches = per_rank[domain * DOMAIN]["patches"]
         assert len(patches) == DOMAIN and sum(p > 0 for p in patches) >= 2, (domain, patches)
         assert all(r["patches"] == patches for r in per_rank[domain * DOMAIN:(domain + 1) * DOMAIN])
     paths = {p for r in per_rank for p in r["paths"]}
     assert "local" in paths and paths & {"flex", "flex-async", "deepspeed"}, paths
+
+
+def test_an_idle_domain_runs_beside_the_other_and_adds_nothing(assets, dist_pools):
+    """Domain 1 with the planner's plan of no sequences (a domain short of samples for one of a
+    pass's micro-batches, planning/micro_batches.py), domain 0 with all six: the idle ranks run
+    every module on a placeholder, so ZeRO-3's gathers and reduce-scatters match, and the
+    log-probs, loss and gradients are single-process HF's over the six."""
+    per_rank, _ = _check_against_reference(assets, dist_pools, domain_plans(4, idle_domain=True), 4)
+    assert all(r["segments"] == [] and r["patches"] == [0] * DOMAIN for r in per_rank[DOMAIN:])
+    assert all(r["nll"] == 0.0 for r in per_rank[DOMAIN:])
+
+
+def _check_against_reference(assets, dist_pools, plans: list[dict], p_max: int):
+    """Run the plans on the 8 ranks; check log-probs, loss and gradients against single-process HF.
+    Returns the ranks' results and the worst log-prob difference."""
+    model_dir, data_path = assets
+    ref_logprobs, ref_nll, ref_tokens, ref_grads, samples = _reference(model_dir, data_path)
+    per_rank = dist_pools(WORLD).run(rank_two_domain_step, model_dir, data_path, plans, p_max, timeout_s=240)
+    assert [r["domain"] for r in per_rank] == [0] * DOMAIN + [1] * DOMAIN
+    assert all(r["num_global"] == ref_tokens for r in per_rank)
+    got = _assemble(per_rank, samples)
+    worst_lp = max(float((got[s] - ref_logprobs[s].double()).abs().max()) for s in samples)
+    assert worst_lp < 2e-5, worst_lp
+    assert sum(r["nll"] for r in per_rank) == pytest.approx(ref_nll, rel=1e-5)
     grads = per_rank[0]["grads"]
     assert set(grads) == set(ref_grads)
     worst = max(((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-6)).item()
                 for n in ref_grads)
     assert worst < 1e-4, worst
     print(f"p_max={p_max}: max |logprob diff| {worst_lp:.2e}, max relative grad diff {worst:.2e}")
+    return per_rank, worst_lp

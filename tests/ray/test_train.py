@@ -24,9 +24,11 @@ REQUIRED = ("step", "reward_mean", "reward_std", "loss", "pg_loss", "kl", "entro
 PHASES = ("data", "rollout", "reward", "inference", "update", "sync", "step")
 
 
-def tiny_config(path: Path, sp: dict | None = None, rollout: dict | None = None, **trainer) -> Path:
+def tiny_config(path: Path, sp: dict | None = None, rollout: dict | None = None, loader: dict | None = None,
+                **trainer) -> Path:
     config = json.loads((ROOT / "ds_configs" / "grpo_tiny_cpu.json").read_text())
     config["flexrl"]["trainer"].update(trainer)
+    config["flexrl"]["data"]["loader"].update(loader or {})
     config["flexrl"]["sp"].update(sp or {})
     config["flexrl"]["rollout"].update(rollout or {})
     path.write_text(json.dumps(config))
@@ -45,10 +47,10 @@ def assets(tmp_path_factory):
 
 
 def run_train(assets: Path, out: Path, max_steps: int, resume: bool = False, sp: dict | None = None,
-              rollout: dict | None = None, **trainer) -> int:
+              rollout: dict | None = None, loader: dict | None = None, **trainer) -> int:
     from flexrl_ds.cli.main import main
 
-    config = tiny_config(out.parent / f"{out.name}.json", sp, rollout, **trainer)
+    config = tiny_config(out.parent / f"{out.name}.json", sp, rollout, loader, **trainer)
     argv = ["train", "--config", str(config), "--model", str(assets / "model"),
             "--data", str(assets / "data" / "train.jsonl"), "--out", str(out), "--max-steps", str(max_steps)]
     return main(argv + (["--resume"] if resume else []))
@@ -278,6 +280,33 @@ def test_a_looser_cap_for_the_log_prob_passes_cuts_only_the_update(run_a, assets
     assert (out / "plans" / "step_0.json").exists() and (out / "plans" / "step_0_mb0_micro0.json").exists()
     for key in ("reward_mean", "loss", "pg_loss", "kl", "entropy", "grad_norm"):
         assert row[key] == pytest.approx(row_a[key], rel=1e-5, abs=1e-7), (key, row[key], row_a[key])
+
+
+def test_a_domain_short_of_samples_for_the_micro_batches_idles_through_the_rest(assets, ray_session, capsys):
+    """3 prompts on 2 SP domains: one domain gets one prompt's samples, the other two prompts'. Under
+    a cap that holds one sample per pass, the larger share needs more micro-batches than the smaller
+    has samples: the smaller domain idles through the rest (said), and the step equals the same
+    step uncut on one domain of 4 ranks."""
+    reference = assets / "run_three_prompts"
+    assert run_train(assets, reference, 1, loader={"global_batch": 3}) == 0
+    samples = rollouts(reference, 0)
+    lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    longest_possible = max(len(s["prompt_ids"]) for s in samples) + tiny_config_value("rollout", "max_response_length")
+    cap = math.ceil(longest_possible / 2)  # every sample fits at degree 2; no two fit in one pass of 2 ranks
+    assert cap < min(lengths), (cap, lengths)
+    out = assets / "run_idle_domain"
+    capsys.readouterr()
+    assert run_train(assets, out, 1, loader={"global_batch": 3}, sp={"domain_size": 2, "p_max": 2,
+                                                                     "max_tokens_per_rank": cap}) == 0
+    printed = capsys.readouterr().out
+    row, row_ref = rows(out)[0], rows(reference)[0]
+    assert row["num_samples"] == row_ref["num_samples"] == 12 and row["num_prompts_too_long"] == 0
+    assert row["micro_batches"]["inference"] == 8  # the two-prompt domain's samples one at a time
+    assert "SP domain 1 holds no sample in micro-batch(es) 4, 5, 6, 7 of 8 (its 4 samples are fewer)" in printed \
+        or "SP domain 0 holds no sample in micro-batch(es) 4, 5, 6, 7 of 8 (its 4 samples are fewer)" in printed
+    assert [s["response_ids"] for s in rollouts(out, 0)] == [s["response_ids"] for s in samples]
+    for key in ("reward_mean", "loss", "pg_loss", "kl", "entropy", "grad_norm"):
+        assert row[key] == pytest.approx(row_ref[key], rel=1e-5, abs=1e-7), (key, row[key], row_ref[key])
 
 
 def tiny_config_value(section: str, key: str):

@@ -102,8 +102,27 @@ def test_a_domain_with_fewer_runs_splits_its_largest_to_match():
     assert all(b_runs) and sorted(x for run in b_runs for x in run) == ["b0", "b1", "b2", "b3"]
 
 
-def test_a_domain_with_too_few_sequences_to_cut_is_named():
+def test_a_domain_with_fewer_sequences_than_micro_batches_idles_in_the_rest():
+    """'a' needs 6 passes, 'b' has 2 sequences: 'b' runs one in each of two micro-batches and an
+    empty plan (no packs, every rank idle) in the other four."""
     sp = SPConfig(p_max=4, max_tokens_per_rank=1000)
-    shares = [workload([3900] * 6, prefix="a"), workload([3900], prefix="b")]  # 'a' needs 6 passes, 'b' has 1 sequence
-    with pytest.raises(StepOverflowError, match="the pass needs 6 micro-batches .* an SP domain has only 1 sequences"):
-        plan_micro_batches(shares, 4, COST, sp)
+    shares = [workload([3900] * 6, prefix="a"), workload([300, 200], prefix="b")]
+    micro_batches = plan_micro_batches(shares, 4, COST, sp)
+    assert len(micro_batches) == 6
+    a_runs = [[x for p in results[0].plan.packs for x in p.sequences] for results in micro_batches]
+    b_runs = [[x for p in results[1].plan.packs for x in p.sequences] for results in micro_batches]
+    assert a_runs == [[f"a{i}"] for i in range(6)]
+    assert sorted(map(tuple, b_runs)) == [()] * 4 + [("b0",), ("b1",)]
+    for results in micro_batches:
+        idle = results[1]
+        if not idle.plan.packs:
+            assert idle.plan.rank_order == {rank: () for rank in range(4)} and idle.metrics.num_packs == 0
+    # a domain with no sequence at all idles in every micro-batch
+    (only,), = [[r[1]] for r in plan_micro_batches([workload([100]), Workload(())], 4, COST, sp)]
+    assert only.plan.packs == () and only.metrics.degree_histogram == {}
+
+
+def test_an_empty_workload_plans_as_every_rank_idle():
+    result = plan_step(Workload(()), 4, COST, SPConfig(p_max=4))
+    assert result.plan.packs == () and result.plan.to_json()["rank_order"] == {str(r): [] for r in range(4)}
+    assert result.plan.extra["degree_cap"]["max_degree"] == 4 and result.metrics.efficiency == 1.0
