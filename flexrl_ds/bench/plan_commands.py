@@ -17,7 +17,8 @@ from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.plan import load_workload, validate_plan
-from flexrl_ds.planning.planner import PlannerOptions, plan_step
+from flexrl_ds.planning.micro_batches import plan_micro_batches
+from flexrl_ds.planning.planner import PlannerOptions, StepOverflowError, plan_step
 from flexrl_ds.planning.schedule import check_schedule
 from flexrl_ds.planning.step_time import LinkOverrides
 
@@ -71,25 +72,58 @@ def make_workload_command(args) -> int:
 
 
 def plan(args) -> int:
-    """`flexrl plan`: plan one step, check it, print (or --json) its summary."""
+    """`flexrl plan`: plan one pass as `flexrl train` does: one plan, or, where the sequences together
+    overflow max_tokens_per_rank x the ranks, the fewest micro-batches that plan
+    (planning/micro_batches.py); check each, print (or --json) the summaries, --out writes the plan
+    (with micro-batches, one file each: `<stem>_micro<i><suffix>`)."""
     workload = load_workload(args.workload)
     sp, cost, options = _resolve(args)
-    result = plan_step(workload, args.world_size, cost, sp, options)
-    validate_plan(result.plan, result.workload)
-    check = check_schedule(result.plan)
-    assert check.deadlock_free, check.describe()
-    if args.out:
-        result.plan.save(args.out)
-    summary = result.metrics.summary()
-    summary.update(degree_cap=result.plan.extra["degree_cap"], dropped=list(result.dropped), truncated={k: v[1] for k, v in result.truncated.items()},
-                   schedule=check.describe(), h_pack=result.limits.h_pack, H_pack=result.limits.H_pack)
+    try:
+        results = [plan_step(workload, args.world_size, cost, sp, options)]
+    except StepOverflowError:  # the whole pass does not fit: cut it as the trainer does
+        results = [result for (result,) in plan_micro_batches([workload], args.world_size, cost, sp, options)]
+    outs = [args.out] if len(results) == 1 else [_micro_path(args.out, i) for i in range(len(results))]
+    summaries = []
+    if len(results) > 1 and not args.json:
+        print(f"{len(workload.sequences)} sequences ({sum(s.tokens for s in workload.sequences)} tokens) do not plan "
+              f"in one pass under max_tokens_per_rank {sp.max_tokens_per_rank} x {args.world_size} ranks: "
+              f"{len(results)} micro-batches, as `flexrl train` runs them (their gradients add up)")
+    for index, (result, out) in enumerate(zip(results, outs)):
+        validate_plan(result.plan, result.workload)
+        check = check_schedule(result.plan)
+        assert check.deadlock_free, check.describe()
+        if out:
+            result.plan.save(out)
+        summaries.append(_plan_summary(result, check))
+        if not args.json:
+            if len(results) > 1:
+                print(f"micro-batch {index + 1}/{len(results)}:")
+            _print_plan(result, check, cost, sp, options, args.world_size, out)
     if args.json:
-        print(json.dumps(summary, indent=1))
-        return 0
+        print(json.dumps(summaries[0] if len(summaries) == 1 else {"micro_batches": summaries}, indent=1))
+    return 0
+
+
+def _micro_path(out: str | None, index: int) -> str | None:
+    if not out:
+        return None
+    path = Path(out)
+    return str(path.with_name(f"{path.stem}_micro{index}{path.suffix}"))
+
+
+def _plan_summary(result, check) -> dict:
+    summary = result.metrics.summary()
+    summary.update(degree_cap=result.plan.extra["degree_cap"], dropped=list(result.dropped),
+                   truncated={k: v[1] for k, v in result.truncated.items()}, schedule=check.describe(),
+                   h_pack=result.limits.h_pack, H_pack=result.limits.H_pack)
+    return summary
+
+
+def _print_plan(result, check, cost, sp, options, world_size: int, out: str | None) -> None:
     m = result.metrics
     hist = ", ".join(f"d={d}: {n}" for d, n in sorted(m.degree_histogram.items()))
     calibration = cost.calibration.source if cost.calibration is not None else "none (FLOP formula)"
-    print(f"plan for {len(result.workload.sequences)} sequences on {args.world_size} ranks "
+    print(f"plan for {len(result.workload.sequences)} sequences on {world_size} ranks "
           f"(model {cost.name}, c={cost.c:.0f}, p_max {sp.p_max}, h_pack {result.limits.h_pack}, "
           f"H_pack {result.limits.H_pack}, calibration {calibration})")
     if m.step_time_s > 0:
@@ -108,9 +142,8 @@ def plan(args) -> int:
         print(f"  dropped (oversize): {', '.join(result.dropped)}")
     for seq_id, (before, after) in result.truncated.items():
         print(f"  truncated (oversize): {seq_id} {before} -> {after} tokens")
-    if args.out:
-        print(f"  wrote {args.out}")
-    return 0
+    if out:
+        print(f"  wrote {out}")
 
 
 def simulate_command(args) -> int:

@@ -14,12 +14,14 @@ def register(commands, bench) -> None:
     make.add_argument("--out", required=True, help="output workload JSON")
     make.set_defaults(func=lambda args: _commands().make_workload_command(args))
 
-    plan = commands.add_parser("plan", help="plan one step: degrees, groups, packs, HSF order")
+    plan = commands.add_parser("plan", help="plan one step: degrees, groups, packs, HSF order (micro-batches where "
+                                            "the step overflows --max-tokens-per-rank, as flexrl train cuts it)")
     plan.add_argument("--workload", required=True, help="workload JSON (docs/PLAN_SCHEMA.md)")
     plan.add_argument("--world-size", type=int, required=True, help="ranks of the SP domain")
     _add_sp_options(plan)
-    plan.add_argument("--out", help="write the plan JSON here")
-    plan.add_argument("--json", action="store_true", help="print the summary as JSON")
+    plan.add_argument("--out", help="write the plan JSON here (micro-batches: STEM_microI.json each)")
+    plan.add_argument("--json", action="store_true",
+                      help="print the summary as JSON (micro-batches: {\"micro_batches\": [summary, ...]})")
     plan.set_defaults(func=lambda args: _commands().plan(args))
 
     sim = commands.add_parser("simulate", help="FlexUlysses vs bucketing vs fixed SP on generated steps")

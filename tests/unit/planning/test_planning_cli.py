@@ -60,6 +60,40 @@ def test_a_cap_raised_on_the_command_line_over_the_configs_log_prob_cap(tmp_path
     assert "max_tokens_per_rank=1000" in capsys.readouterr().err
 
 
+def test_a_step_over_the_cap_is_planned_as_the_trainers_micro_batches(tmp_path, capsys):
+    """Ten sequences of 1,000 tokens under a cap of 800 x 4 ranks: no one plan holds them; `flexrl
+    plan` prints and writes the micro-batches `planning/micro_batches.py` cuts (each under the cap,
+    every sequence in exactly one), the same plans the trainer would run."""
+    from flexrl_ds.planning.config import SPConfig
+    from flexrl_ds.planning.cost_model import load_cost_model
+    from flexrl_ds.planning.micro_batches import plan_micro_batches
+
+    sequences = [{"id": f"s{i}", "tokens": 1000} for i in range(10)]
+    workload_path, out = tmp_path / "w.json", tmp_path / "plan.json"
+    workload_path.write_text(json.dumps({"sequences": sequences}))
+    args = ["plan", "--workload", str(workload_path), "--world-size", "4", "--model", "qwen2.5-vl-7b",
+            "--p-max", "4", "--max-tokens-per-rank", "800"]
+    assert main(args + ["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    expected = plan_micro_batches([load_workload(workload_path)], 4, load_cost_model("qwen2.5-vl-7b"),
+                                  SPConfig(p_max=4, max_tokens_per_rank=800))
+    assert len(expected) > 1
+    assert f"10 sequences (10000 tokens) do not plan in one pass under max_tokens_per_rank 800 x 4 ranks: " \
+           f"{len(expected)} micro-batches" in printed
+    seen = []
+    for index, (result,) in enumerate(expected):
+        written = load_plan(tmp_path / f"plan_micro{index}.json")
+        assert written.packs == result.plan.packs and f"micro-batch {index + 1}/{len(expected)}:" in printed
+        seen += [s for pack in written.packs for s in pack.sequences]
+        held = [sum(1000 / p.degree for p in written.packs if rank in p.ranks) for rank in range(4)]
+        assert max(held) <= 800
+    assert sorted(seen) == sorted(s["id"] for s in sequences)
+    assert not out.exists()
+    assert main(args + ["--json"]) == 0
+    summaries = json.loads(capsys.readouterr().out)["micro_batches"]
+    assert [s["num_packs"] for s in summaries] == [len(r.plan.packs) for (r,) in expected]
+
+
 def test_bad_input_exits_2_naming_the_culprit(tmp_path, capsys):
     workload_path = tmp_path / "w.json"
     workload_path.write_text(json.dumps({"sequences": [{"id": "x", "tokens": 10}, {"id": "x", "tokens": 20}]}))
