@@ -18,7 +18,8 @@ from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.plan import load_workload, validate_plan
 from flexrl_ds.planning.micro_batches import plan_micro_batches
-from flexrl_ds.planning.planner import PlannerOptions, StepOverflowError, plan_step
+from flexrl_ds.planning.planner import (PlannerOptions, StepOverflowError, allowed_degrees, apply_oversize,
+                                       plan_step)
 from flexrl_ds.planning.schedule import check_schedule
 from flexrl_ds.planning.step_time import LinkOverrides
 
@@ -81,13 +82,28 @@ def plan(args) -> int:
     try:
         results = [plan_step(workload, args.world_size, cost, sp, options)]
     except StepOverflowError:  # the whole pass does not fit: cut it as the trainer does
-        results = [result for (result,) in plan_micro_batches([workload], args.world_size, cost, sp, options)]
-    outs = [args.out] if len(results) == 1 else [_micro_path(args.out, i) for i in range(len(results))]
-    summaries = []
-    if len(results) > 1 and not args.json:
-        print(f"{len(workload.sequences)} sequences ({sum(s.tokens for s in workload.sequences)} tokens) do not plan "
+        return _plan_micro_batches(args, workload, sp, cost, options)
+    return _report_plans(args, results, [args.out], sp, cost, options)
+
+
+def _plan_micro_batches(args, workload, sp, cost, options) -> int:
+    """The pass as micro-batches, oversize sequences dropped or truncated once beforehand (so that
+    the cuts see the tokens that are planned), then cut (planning/micro_batches.py)."""
+    max_degree = allowed_degrees(args.world_size, sp, cost, options.head_rule)[-1]
+    kept, dropped, truncated = apply_oversize(workload, sp, max_degree)
+    results = [result for (result,) in plan_micro_batches([kept], args.world_size, cost,
+                                                          dataclasses.replace(sp, oversize="error"), options)]
+    results = [dataclasses.replace(r, dropped=dropped, truncated=truncated) for r in results[:1]] + results[1:]
+    if not args.json:
+        print(f"{len(kept.sequences)} sequences ({sum(s.tokens for s in kept.sequences)} tokens) do not plan "
               f"in one pass under max_tokens_per_rank {sp.max_tokens_per_rank} x {args.world_size} ranks: "
-              f"{len(results)} micro-batches, as `flexrl train` runs them (their gradients add up)")
+              f"{len(results)} micro-batches, numbered from 0, as `flexrl train` runs them (their gradients add up)")
+    return _report_plans(args, results, [_micro_path(args.out, i) for i in range(len(results))], sp, cost, options)
+
+
+def _report_plans(args, results, outs, sp, cost, options) -> int:
+    """Check each plan, write it where asked, print (or --json) its summary."""
+    summaries = []
     for index, (result, out) in enumerate(zip(results, outs)):
         validate_plan(result.plan, result.workload)
         check = check_schedule(result.plan)
@@ -97,7 +113,7 @@ def plan(args) -> int:
         summaries.append(_plan_summary(result, check))
         if not args.json:
             if len(results) > 1:
-                print(f"micro-batch {index + 1}/{len(results)}:")
+                print(f"micro-batch {index} of {len(results)}:")
             _print_plan(result, check, cost, sp, options, args.world_size, out)
     if args.json:
         print(json.dumps(summaries[0] if len(summaries) == 1 else {"micro_batches": summaries}, indent=1))

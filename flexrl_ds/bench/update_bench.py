@@ -297,7 +297,8 @@ def _engine_ways(info, engine, both_batches, samples, rl_config, config: UpdateB
         record("zero3", seconds, loss, 3 * forward_flops)
         record("zero3_step", step_seconds, None, 0.0)
         if config.profile_dir:
-            record.progress(f"bench update: zero3 profiled: {profile_zero3(info, engine, batches, samples, config.profile_dir)}")
+            table = profile_zero3(info, engine, batches, samples, config.profile_dir)
+            record.progress(f"bench update: zero3 profiled: {table}")
     if "grpo" in config.ways:
         seconds, _ = _best_time(info, grpo_pass(engine, batches, samples, rl_config, config.seed), config.repeats)
         record("grpo", seconds, None, 3 * forward_flops)
@@ -305,15 +306,20 @@ def _engine_ways(info, engine, both_batches, samples, rl_config, config: UpdateB
 
 def profile_zero3(info, engine, batches, samples, profile_dir: str) -> str:
     """One zero3 forward+backward and optimizer step under torch.profiler; the table's path."""
-    run = flexrl_pass(engine, batches, samples, engine.backward, lambda: None, engine.set_gradient_accumulation_boundary)
+    run = flexrl_pass(engine, batches, samples, engine.backward, lambda: None,
+                      engine.set_gradient_accumulation_boundary)
     profiler = RankProfiler()
     profiler.start()
-    with region("zero3_forward_backward"):
-        run()
-        device_mod.synchronize(info)
-    with region("zero3_optimizer_step"):
-        engine.step()
-        device_mod.synchronize(info)
+    try:
+        with region("zero3_forward_backward"):
+            run()
+            device_mod.synchronize(info)
+        with region("zero3_optimizer_step"):
+            engine.step()
+            device_mod.synchronize(info)
+    except BaseException:
+        profiler.discard()
+        raise
     return profiler.stop(Path(profile_dir) / "zero3")
 
 

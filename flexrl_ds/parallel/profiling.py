@@ -47,6 +47,12 @@ class RankProfiler:
         self.active.start()
         self.started = time.perf_counter()
 
+    def discard(self) -> None:
+        """End the running profile, if any, without writing it (the profiled work failed)."""
+        if self.active is not None:
+            active, self.active = self.active, None
+            active.stop()
+
     def stop(self, stem: str | Path) -> str:
         """End the profile; write `<stem>.txt` and `<stem>.json.gz`; returns the .txt path."""
         if self.active is None:

@@ -311,8 +311,8 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
     planned, dropped, truncated = apply_oversize(workload, sp, allowed[-1])
     if not planned.sequences:  # every rank idles (it still runs each module once on a placeholder token)
         plan = Plan(world_size, sp.p_max, (), {rank: () for rank in range(world_size)},
-                    _plan_extra(IDLE_METRICS, world_size, cost, sp, options, allowed, limits, dropped, truncated))
-        return PlanResult(plan, planned, IDLE_METRICS, dropped, truncated, limits)
+                    _plan_extra(idle_metrics(), world_size, cost, sp, options, allowed, limits, dropped, truncated))
+        return PlanResult(plan, planned, idle_metrics(), dropped, truncated, limits)
     tokens = np.array([s.tokens for s in planned.sequences], dtype=float)
     token_cap = float(sp.max_tokens_per_rank) if sp.max_tokens_per_rank is not None else float("inf")
     if tokens.sum() > token_cap * world_size:
@@ -354,10 +354,11 @@ def _plan_extra(metrics: PlanMetrics, world_size: int, cost: CostModel, sp: SPCo
             "dropped": list(dropped), "truncated": {k: v[1] for k, v in truncated.items()}}
 
 
-IDLE_METRICS = PlanMetrics(attention_balance=1.0, cost_balance=1.0, token_balance=1.0, efficiency=1.0,
-                           lower_bound=0.0, max_rank_cost=0.0, max_rank_tokens=0.0, degree_histogram={},
-                           num_packs=0, all_to_all_volume=0.0, all_to_all_relative=0.0)
-"""The metrics of a plan without sequences: nothing to balance."""
+def idle_metrics() -> PlanMetrics:
+    """The metrics of a plan without sequences: nothing to balance."""
+    return PlanMetrics(attention_balance=1.0, cost_balance=1.0, token_balance=1.0, efficiency=1.0,
+                       lower_bound=0.0, max_rank_cost=0.0, max_rank_tokens=0.0, degree_histogram={},
+                       num_packs=0, all_to_all_volume=0.0, all_to_all_relative=0.0)
 
 
 def _least_modelled_time(planned: Workload, tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,

@@ -238,12 +238,13 @@ class GRPOTrainer:
             print(f"plan: step {step}: {what}: {len(names)} samples do not plan in one pass under flexrl.sp.{setting} "
                   f"{sp.max_tokens_per_rank} x {domain_size} ranks (the largest SP domain's share holds {largest} "
                   f"tokens): run as {len(micro_batches)} micro-batches", flush=True)
-        for domain in range(len(shares)):
+        for domain, share in enumerate(shares):
             idle = [str(index) for index, results in enumerate(micro_batches) if not results[domain].plan.packs]
             if idle:
-                print(f"plan: step {step}: {what}: SP domain {domain} holds no sample in micro-batch(es) "
-                      f"{', '.join(idle)} of {len(micro_batches)} (its {len(shares[domain])} samples are fewer): "
-                      "its ranks idle there", flush=True)
+                cause = (f"it has {len(share)} samples for {len(micro_batches)} micro-batches" if share
+                         else "no sample of the pass fell to it")
+                print(f"plan: step {step}: {what}: SP domain {domain} idles in micro-batch(es) {', '.join(idle)} "
+                      f"(numbered from 0, as the plan files; {cause})", flush=True)
         return micro_batches, encoded
 
     def _save_plans(self, micro_batches, step: int, suffix: str = "") -> None:

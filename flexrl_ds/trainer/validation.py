@@ -63,7 +63,8 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
 
 def check_domains(flexrl: Any, num_ranks: int) -> None:
     """SP domains: `flexrl.sp.domain_size` (None: all ranks) divides the policy ranks, holds p_max,
-    and every mini-batch has a sample for each domain (each domain plans its own share)."""
+    and every mini-batch has a sample for each domain (a domain without one would idle through
+    every pass: devices given to the run and never used)."""
     loader, sp = flexrl.data.loader, flexrl.sp
     domain = sp.domain_ranks(num_ranks)
     if num_ranks % domain:

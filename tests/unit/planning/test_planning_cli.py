@@ -83,7 +83,7 @@ def test_a_step_over_the_cap_is_planned_as_the_trainers_micro_batches(tmp_path, 
     seen = []
     for index, (result,) in enumerate(expected):
         written = load_plan(tmp_path / f"plan_micro{index}.json")
-        assert written.packs == result.plan.packs and f"micro-batch {index + 1}/{len(expected)}:" in printed
+        assert written.packs == result.plan.packs and f"micro-batch {index} of {len(expected)}:" in printed
         seen += [s for pack in written.packs for s in pack.sequences]
         held = [sum(1000 / p.degree for p in written.packs if rank in p.ranks) for rank in range(4)]
         assert max(held) <= 800
@@ -92,6 +92,24 @@ def test_a_step_over_the_cap_is_planned_as_the_trainers_micro_batches(tmp_path, 
     assert main(args + ["--json"]) == 0
     summaries = json.loads(capsys.readouterr().out)["micro_batches"]
     assert [s["num_packs"] for s in summaries] == [len(r.plan.packs) for (r,) in expected]
+
+
+def test_micro_batches_see_oversize_sequences_dropped_or_truncated_once(tmp_path, capsys):
+    """A 9,000-token sequence over 1,000 x 4 ranks among six of 1,000: dropped (or cut to 4,000)
+    before the pass is cut, so the cuts plan what is kept, and the drop is reported once."""
+    sequences = [{"id": "big", "tokens": 9000}] + [{"id": f"s{i}", "tokens": 1000} for i in range(6)]
+    workload_path = tmp_path / "w.json"
+    workload_path.write_text(json.dumps({"sequences": sequences}))
+    args = ["plan", "--workload", str(workload_path), "--world-size", "4", "--model", "qwen2.5-vl-7b",
+            "--p-max", "4", "--max-tokens-per-rank", "1000", "--json"]
+    assert main(args + ["--oversize", "drop"]) == 0
+    summaries = json.loads(capsys.readouterr().out)["micro_batches"]
+    assert len(summaries) == 2 and [s["dropped"] for s in summaries] == [["big"], []]
+    assert main(args + ["--oversize", "truncate", "--out", str(tmp_path / "t.json")]) == 0
+    summaries = json.loads(capsys.readouterr().out)["micro_batches"]
+    assert summaries[0]["truncated"] == {"big": 4000} and len(summaries) == 3  # 4,000 alone, then 6 x 1,000
+    planned = [s for i in range(3) for pack in load_plan(tmp_path / f"t_micro{i}.json").packs for s in pack.sequences]
+    assert sorted(planned) == sorted(s["id"] for s in sequences)
 
 
 def test_bad_input_exits_2_naming_the_culprit(tmp_path, capsys):
