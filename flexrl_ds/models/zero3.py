@@ -152,6 +152,15 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     return engine
 
 
+def with_param_offload(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `ds_config` whose ZeRO-3 parameters live in pinned host memory, fetched to the
+    device module by module as a pass needs them (`zero_optimization.offload_param`)."""
+    config = copy.deepcopy(ds_config)
+    config["zero_optimization"] = {**config.get("zero_optimization", {}),
+                                   "offload_param": {"device": "cpu", "pin_memory": True}}
+    return config
+
+
 def enable_activation_checkpointing(hf_model) -> None:
     """transformers' non-reentrant layer checkpointing (`activation_checkpointing_enable` in newer
     transformers, e.g. 5.24; `gradient_checkpointing_enable` in older ones, e.g. the GPU machine's 5.17)."""

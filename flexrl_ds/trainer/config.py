@@ -54,6 +54,12 @@ class TrainerConfig:
     False keeps them on the device: no copies to host memory and back around each rollout, at the
     price of that much device memory in use while the engine generates. Either way torch's cached
     blocks go back to the device before the engine wakes."""
+    reference_offload_param: bool = False
+    """The reference model's ZeRO-3 parameters live in pinned host memory and are fetched to the
+    device module by module for each of its passes (DeepSpeed's `zero_optimization.offload_param`,
+    set for the reference engine only): its parameters (2 bytes each in bf16) leave the device for the
+    whole step, at the cost of one host-to-device copy of them per reference pass. For colocated runs
+    short of device memory (OpenRLHF's `--ref_reward_offload`); not measured on a GPU yet."""
     weight_sync_bucket_mb: int = 512
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0

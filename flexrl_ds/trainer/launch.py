@@ -120,6 +120,7 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
         activation_checkpointing=run.flexrl.trainer.activation_checkpointing,
         vision_attention=run.flexrl.trainer.vision_attention,
         offload_states_in_rollout=run.flexrl.trainer.offload_states_in_rollout,
+        reference_offload_param=run.flexrl.trainer.reference_offload_param,
         logprob_temperature=run.flexrl.rollout.temperature,
         rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {})
 

@@ -90,6 +90,8 @@ class PolicySetup:
     offload_states_in_rollout: bool = True
     """`flexrl.trainer.offload_states_in_rollout`: the policy's states wait in host memory while the
     colocated engine generates (GPU only)."""
+    reference_offload_param: bool = False
+    """`flexrl.trainer.reference_offload_param`: the reference engine's parameters in host memory."""
     logprob_temperature: float = 1.0
     """`flexrl.rollout.temperature`: the policy's and the reference's log-probs are those of their logits
     divided by it, the distribution the rollout samples from (before top-k / top-p)."""
@@ -165,7 +167,10 @@ class PolicyWorker:
         self.hf_config = model.config
         if self.device is not None:
             model = model.to(self.device)
-        return zero3.build_engine(model, self.setup.ds_config, attention=FlexUlyssesAttention(overlap=self.setup.overlap),
+        ds_config = self.setup.ds_config
+        if not train and self.setup.reference_offload_param:
+            ds_config = zero3.with_param_offload(ds_config)
+        return zero3.build_engine(model, ds_config, attention=FlexUlyssesAttention(overlap=self.setup.overlap),
                                   vision_group=self.tree.domain_group, train=train,
                                   activation_checkpointing=train and self.setup.activation_checkpointing,
                                   temperature=self.setup.logprob_temperature,

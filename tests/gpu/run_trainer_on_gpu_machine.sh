@@ -30,6 +30,8 @@
 #     peak, beyond the 32 GiB that releasing torch's cache before the wake takes, for 0.6-0.7 s a step;
 #     at 7B it left the step's device peak unchanged and took host memory from 98 to 114 GiB:
 #     docs/BENCHMARKS.md "One H200, twelfth run" and "thirteenth run").
+#   REF_OFFLOAD=1: the reference model's parameters in pinned host memory, fetched for each of its
+#     passes (`flexrl.trainer.reference_offload_param`; default off: resident on the GPU).
 #   TEMPERATURE=t TOP_P=p TOP_K=k: the rollout's sampling (`flexrl.rollout.temperature/top_p/top_k`;
 #     default: the file's 1.0, 1.0, 0). With vllm at t != 1 and a filter, rollout_logprob_diff measures
 #     the filter too (RolloutConfig.logprob_diff_caveat).
@@ -109,6 +111,8 @@ config["flexrl"]["trainer"].update(save_every=0,
                                    activation_checkpointing=os.environ.get("CKPT") == "1")
 if "VISION_ATTENTION" in os.environ:  # varlen (one call per layer) or sdpa (per window)
     config["flexrl"]["trainer"]["vision_attention"] = os.environ["VISION_ATTENTION"]
+if os.environ.get("REF_OFFLOAD") == "1":  # the reference's parameters in host memory
+    config["flexrl"]["trainer"]["reference_offload_param"] = True
 if "OFFLOAD_IN_ROLLOUT" in os.environ:  # the policy's states in host memory while the engine generates
     config["flexrl"]["trainer"]["offload_states_in_rollout"] = os.environ["OFFLOAD_IN_ROLLOUT"] == "1"
 config["flexrl"]["rollout"]["backend"] = backend

@@ -15,7 +15,7 @@ from flexrl_ds.config.flexrl_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[3]
 RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
-RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
+RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "REF_OFFLOAD", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
                    "TEMPERATURE", "TOP_P", "TOP_K", "PROMPTS", "RESPONSE_LENGTH", "MAX_TOKENS_PER_RANK", "LOGPROB_MAX_TOKENS_PER_RANK", "PROFILE_STEP",
                    "VISION_ATTENTION", "PACK_BELOW", "PACK_BUDGET", "ZERO3_PERSISTENCE")
 """Environment variables the runner's config step reads (cleared, then set by each test)."""
@@ -61,11 +61,12 @@ def test_every_backend_and_shape_gives_a_valid_run_config(tmp_path, shape, backe
 
 def test_the_switches_land_in_the_config(tmp_path):
     raw = build(tmp_path, "hf", "7b", OFFLOAD_RATIO="0.5", SAVE="1", CKPT="1",
-                HF_KV_CACHE="static", HF_SLEEP_LEVEL="1", OFFLOAD_IN_ROLLOUT="0", OFFLOAD_PIN="0")
+                HF_KV_CACHE="static", HF_SLEEP_LEVEL="1", OFFLOAD_IN_ROLLOUT="0", OFFLOAD_PIN="0", REF_OFFLOAD="1")
     assert raw["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False, "ratio": 0.5}
     trainer = raw["flexrl"]["trainer"]
     assert trainer["save_last"] and trainer["activation_checkpointing"]
-    assert trainer["offload_states_in_rollout"] is False
+    assert trainer["offload_states_in_rollout"] is False and trainer["reference_offload_param"] is True
+    assert "reference_offload_param" not in build(tmp_path, "hf", "7b")["flexrl"]["trainer"]
     for shape in ("3b", "7b"):  # unset: the file's setting
         shipped = json.loads((ROOT / "ds_configs" / f"grpo_vl{shape}_1xh200.json").read_text())
         assert build(tmp_path, "hf", shape)["flexrl"]["trainer"].get("offload_states_in_rollout") == \
