@@ -100,9 +100,13 @@ SEPARATE_ENGINE_SETTINGS = ("num_engines", "num_cpus_per_engine", "num_gpus_per_
 
 def ignored_settings(flexrl: Any, spmd_world: int | None = None) -> list[str]:
     """Lines naming the settings this run ignores: the `flexrl.rollout` engine settings set away from
-    their defaults when engines are colocated, and under `--spmd` (`spmd_world`: the launcher's
-    ranks) `flexrl.trainer.colocate` false and `num_policy_ranks`."""
+    their defaults when engines are colocated, under `--spmd` (`spmd_world`: the launcher's ranks)
+    `flexrl.trainer.colocate` false and `num_policy_ranks`, and the reference's offload without a
+    reference (`flexrl.rl.init_kl_coef` 0)."""
     trainer, lines = flexrl.trainer, []
+    if trainer.reference_offload_param and flexrl.rl.init_kl_coef == 0:
+        lines.append("flexrl.trainer.reference_offload_param = true is ignored: flexrl.rl.init_kl_coef is 0, "
+                     "so the run builds no reference model")
     if spmd_world is not None:
         if not trainer.colocate:
             lines.append("flexrl.trainer.colocate = false is ignored under --spmd: the engines run inside the ranks")
@@ -110,7 +114,7 @@ def ignored_settings(flexrl: Any, spmd_world: int | None = None) -> list[str]:
             lines.append(f"flexrl.trainer.num_policy_ranks = {trainer.num_policy_ranks} is ignored under --spmd: "
                          f"the launcher started {spmd_world} ranks")
     elif not trainer.colocate:
-        return []
+        return lines
     defaults = type(flexrl.rollout)()
     changed = [name for name in SEPARATE_ENGINE_SETTINGS if getattr(flexrl.rollout, name) != getattr(defaults, name)]
     return lines + [f"flexrl.rollout.{name} = {getattr(flexrl.rollout, name)} is ignored: each policy rank holds "

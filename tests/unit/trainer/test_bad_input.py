@@ -172,6 +172,18 @@ def test_settings_a_launcher_started_run_ignores_are_named():
     assert "flexrl.rollout.num_engines = 3 is ignored" in lines[2] and len(lines) == 3
 
 
+def test_a_reference_offload_without_a_reference_is_named():
+    from flexrl_ds.config.flexrl_config import FlexRLConfig
+    from flexrl_ds.trainer.validation import ignored_settings
+
+    flexrl = FlexRLConfig()
+    flexrl.trainer.reference_offload_param, flexrl.trainer.colocate = True, False
+    assert ignored_settings(flexrl) == []  # a reference exists (init_kl_coef > 0): it is used
+    flexrl.rl.init_kl_coef = 0.0
+    assert ignored_settings(flexrl) == ["flexrl.trainer.reference_offload_param = true is ignored: "
+                                        "flexrl.rl.init_kl_coef is 0, so the run builds no reference model"]
+
+
 def test_launcher_ranks_are_named_before_the_checks_they_fail(raw_config, capsys, tmp_path, trainer_assets):
     """Under --spmd the launcher's ranks replace num_policy_ranks: said before a check that fails
     because of it (a hostfile with 2 slots against p_max 4), so the refusal is understood."""
