@@ -36,7 +36,8 @@
 #     default: the file's 1.0, 1.0, 0). With vllm at t != 1 and a filter, rollout_logprob_diff measures
 #     the filter too (RolloutConfig.logprob_diff_caveat).
 #   PROMPTS=n RESPONSE_LENGTH=t: prompts per step (`flexrl.data.loader.global_batch`, each sampled
-#     num_samples_per_prompt times) and `flexrl.rollout.max_response_length` (default: the file's).
+#     num_samples_per_prompt times; the generated dataset then has n records where n > 16) and
+#     `flexrl.rollout.max_response_length` (default: the file's).
 #   MAX_TOKENS_PER_RANK=t: `flexrl.sp.max_tokens_per_rank`; a pass whose samples together hold more
 #     runs as micro-batches (planning/micro_batches.py; `micro_batches` in metrics.jsonl).
 #     LOGPROB_MAX_TOKENS_PER_RANK=t: a looser cap for the no-grad log-prob passes
@@ -96,8 +97,11 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters saved
 PY
 echo "model ready after $(( $(date +%s) - start )) s"
 [ "${MODEL_ONLY:-0}" = 1 ] && exit 0
-[ -f "$work/data-small/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num 16 --scale small \
-  --task keyword --seed 0 --out "$work/data-small"
+# 16 records (the measured runs' set), or PROMPTS of them where a step asks for more.
+records=$(( ${PROMPTS:-16} > 16 ? ${PROMPTS:-16} : 16 ))
+data="$work/data-small-$records"
+[ -f "$data/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num "$records" --scale small \
+  --task keyword --seed 0 --out "$data"
 python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" "$(nvidia-smi -L | wc -l)" <<'PY'
 import json, os, sys
 path, backend, shape, colocate, gpus = sys.argv[1:]
@@ -147,7 +151,7 @@ json.dump(config, open(path, "w"), indent=1)
 PY
 cp "$work/config.json" "$out/config.json"
 if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs FlexUlysses vs its ZeRO-3 engine
-  python3 -m flexrl_ds bench update --model "$work/m$shape" --data "$work/data-small/train.jsonl" --config "$work/config.json" \
+  python3 -m flexrl_ds bench update --model "$work/m$shape" --data "$data/train.jsonl" --config "$work/config.json" \
     --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $([ "${CKPT:-0}" = 1 ] && echo --checkpointing) ${UPDATE_BENCH_ARGS:-} \
     $([ "${UPDATE_BENCH_PROFILE:-0}" = 1 ] && echo --profile "$out/update_profile") \
     --json "$out/update_bench.json" > "$out/update_bench.log" 2>&1 || echo "bench update failed: exit $?" >> "$out/update_bench.log"
@@ -163,7 +167,7 @@ fi
 sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
 rm -rf "$out/run"  # a new run each time (flexrl train refuses an --out holding another run's steps)
-python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m$shape" --data "$work/data-small/train.jsonl" \
+python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m$shape" --data "$data/train.jsonl" \
   --out "$out/run" --max-steps "$steps" 2>&1 | grep -v "Loading weights" | tail -40
 # the profile's tables at the top of OUT: the device tool brings back only the first folder levels
 for table in "$out"/run/profile/*.txt; do [ -f "$table" ] && cp "$table" "$out/profile_$(basename "$table")"; done
