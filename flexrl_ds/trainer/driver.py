@@ -82,6 +82,8 @@ class TrainOptions:
     """The policy ranks' GPU's bf16 dense peak FLOP/s; None (no `mfu`) on CPU or an unknown GPU."""
     profile_step: int | None = None
     """`TrainerConfig.profile_step`."""
+    grad_accum_dtype: str = "float32"
+    """The dtype micro-batch gradients add up in (trainer/validation.py `gradient_accumulation_dtype`)."""
 
 
 class GRPOTrainer:
@@ -277,10 +279,10 @@ class GRPOTrainer:
                 micro_batches, encoded = inference["micro_batches"], inference["encoded"]
                 if len(micro_batches) > 1:
                     print(f"plan: step {step}: update: the log-prob pass's {len(micro_batches)} micro-batches, "
-                          "their gradients accumulated into one optimizer step", flush=True)
+                          f"their gradients {self._accumulation()}", flush=True)
             else:
                 micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index} (gradients "
-                                                    "accumulated into one optimizer step)", self.o.sp)
+                                                    f"{self._accumulation()})", self.o.sp)
                 self._save_plans(micro_batches, step, f"_mb{index}")
             job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys(),
                           old_logprobs={n: inference["old"][n] for n in names},
@@ -289,6 +291,12 @@ class GRPOTrainer:
             stats = self.policy.run("train", job)[0]  # all-reduced: the same on every rank
             per_batch.append({**stats, "micro_batches": len(micro_batches)})
         return per_batch
+
+    def _accumulation(self) -> str:
+        """How an update's micro-batch gradients add up, for the lines that say it is cut."""
+        dtype = self.o.grad_accum_dtype
+        hint = "" if dtype == "float32" else ' (DeepSpeed\'s data_types.grad_accum_dtype "fp32" adds them in float32)'
+        return f"accumulated in {dtype} into one optimizer step{hint}"
 
     # ---- outputs ------------------------------------------------------------------------------
     def _metrics(self, step, samples, reward_info, inference, update, times, gaps: LogprobGaps) -> dict[str, Any]:

@@ -39,7 +39,8 @@ from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
-from flexrl_ds.trainer.validation import check_run, ignored_settings, model_dtype, resolve_media_limits
+from flexrl_ds.trainer.validation import (check_run, gradient_accumulation_dtype, ignored_settings, model_dtype,
+                                         resolve_media_limits)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         rl=run.flexrl.rl, sp=run.flexrl.sp,
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
         run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision, peak_flops=peak_bf16_flops(device_name),
-        profile_step=trainer.profile_step)
+        profile_step=trainer.profile_step, grad_accum_dtype=gradient_accumulation_dtype(run.deepspeed))
 
 
 def vision_token_ids(model_dir: str) -> list[int]:

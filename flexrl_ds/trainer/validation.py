@@ -172,3 +172,14 @@ def resolve_media_limits(rollout: Any, records: list) -> Any:
 def model_dtype(ds_config: dict) -> str:
     """bfloat16 when the DeepSpeed config enables bf16, else float32."""
     return "bfloat16" if ds_config.get("bf16", {}).get("enabled") else "float32"
+
+
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+               "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def gradient_accumulation_dtype(ds_config: dict) -> str:
+    """The dtype ZeRO-3 adds a mini-batch's micro-batch gradients in: DeepSpeed's
+    `data_types.grad_accum_dtype` where set, else the model's."""
+    asked = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+    return model_dtype(ds_config) if asked is None else DTYPE_NAMES.get(str(asked).lower(), str(asked))

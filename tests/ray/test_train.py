@@ -276,7 +276,8 @@ def test_a_looser_cap_for_the_log_prob_passes_cuts_only_the_update(run_a, assets
     row, row_a = rows(out)[0], rows(run_a)[0]
     assert row["micro_batches"]["inference"] == 1 and row["micro_batches"]["update"] > 1
     assert "log-probs:" not in printed
-    assert f"plan: step 0: update mini-batch 0 (gradients accumulated into one optimizer step): {len(samples)}" in printed
+    assert (f"plan: step 0: update mini-batch 0 (gradients accumulated in float32 into one optimizer step): "
+            f"{len(samples)}") in printed
     assert (out / "plans" / "step_0.json").exists() and (out / "plans" / "step_0_mb0_micro0.json").exists()
     for key in ("reward_mean", "loss", "pg_loss", "kl", "entropy", "grad_norm"):
         assert row[key] == pytest.approx(row_a[key], rel=1e-5, abs=1e-7), (key, row[key], row_a[key])

@@ -172,6 +172,18 @@ def test_settings_a_launcher_started_run_ignores_are_named():
     assert "flexrl.rollout.num_engines = 3 is ignored" in lines[2] and len(lines) == 3
 
 
+def test_the_gradient_accumulation_dtype_is_deepspeeds():
+    """ZeRO-3 adds micro-batch gradients in `data_types.grad_accum_dtype` where set, else in the
+    model's dtype (DeepSpeed's engine `get_data_types`)."""
+    from flexrl_ds.trainer.validation import gradient_accumulation_dtype
+
+    assert gradient_accumulation_dtype({}) == "float32"
+    assert gradient_accumulation_dtype({"bf16": {"enabled": True}}) == "bfloat16"
+    assert gradient_accumulation_dtype({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}) == \
+        "float32"
+    assert gradient_accumulation_dtype({"data_types": {"grad_accum_dtype": "bf16"}}) == "bfloat16"
+
+
 def test_a_reference_offload_without_a_reference_is_named():
     from flexrl_ds.config.flexrl_config import FlexRLConfig
     from flexrl_ds.trainer.validation import ignored_settings
