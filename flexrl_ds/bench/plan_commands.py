@@ -93,7 +93,7 @@ def _plan_micro_batches(args, workload, sp, cost, options) -> int:
     kept, dropped, truncated = apply_oversize(workload, sp, max_degree)
     results = [result for (result,) in plan_micro_batches([kept], args.world_size, cost,
                                                           dataclasses.replace(sp, oversize="error"), options)]
-    results = [dataclasses.replace(r, dropped=dropped, truncated=truncated) for r in results[:1]] + results[1:]
+    results[0] = dataclasses.replace(results[0], dropped=dropped, truncated=truncated)  # reported once
     if not args.json:
         print(f"{len(kept.sequences)} sequences ({sum(s.tokens for s in kept.sequences)} tokens) do not plan "
               f"in one pass under max_tokens_per_rank {sp.max_tokens_per_rank} x {args.world_size} ranks: "

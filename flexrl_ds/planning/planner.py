@@ -310,9 +310,10 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
     limits = packing_limits(sp.h_pack, sp.H_pack)
     planned, dropped, truncated = apply_oversize(workload, sp, allowed[-1])
     if not planned.sequences:  # every rank idles (it still runs each module once on a placeholder token)
+        metrics = idle_metrics()
         plan = Plan(world_size, sp.p_max, (), {rank: () for rank in range(world_size)},
-                    _plan_extra(idle_metrics(), world_size, cost, sp, options, allowed, limits, dropped, truncated))
-        return PlanResult(plan, planned, idle_metrics(), dropped, truncated, limits)
+                    _plan_extra(metrics, world_size, cost, sp, options, allowed, limits, dropped, truncated))
+        return PlanResult(plan, planned, metrics, dropped, truncated, limits)
     tokens = np.array([s.tokens for s in planned.sequences], dtype=float)
     token_cap = float(sp.max_tokens_per_rank) if sp.max_tokens_per_rank is not None else float("inf")
     if tokens.sum() > token_cap * world_size:
