@@ -193,6 +193,10 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
         print(f"flexrl train: rollout engines given the policy's weights before step {start + 1} in {seconds:.1f} s",
               flush=True)
     trainer_config = prepared.run.flexrl.trainer
+    if trainer_config.reference_offload_param:  # what the engines were built with, as the ranks report it
+        on_host = policy.run("reference_params_on_host")
+        print(f"flexrl train: the reference model's parameters wait in host memory (DeepSpeed offload_param) on "
+              f"{sum(on_host)} of {len(on_host)} policy ranks", flush=True)
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
                   tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
     options = train_options(prepared, raw_config, device_name=policy.run("accelerator_name")[0])

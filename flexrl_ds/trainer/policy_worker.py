@@ -260,6 +260,12 @@ class PolicyWorker:
         """End the profile; write DIRECTORY/step_N_rank_R.txt and .json.gz; returns the .txt path."""
         return self.profiler.stop(Path(directory) / f"step_{step}_rank_{self.rank}")
 
+    def reference_params_on_host(self) -> bool:
+        """Whether this rank's reference engine keeps its ZeRO-3 parameters in host memory
+        (DeepSpeed's `offload_param`, set by `flexrl.trainer.reference_offload_param`)."""
+        offload = self.reference.zero_offload_param() if self.reference is not None else None
+        return offload is not None and getattr(offload.device, "value", str(offload.device)) != "none"
+
     def accelerator_name(self) -> str | None:
         """This rank's GPU (e.g. "NVIDIA H200"; picks the calibration and the MFU peak), None on CPU."""
         return device_mod.accelerator_name()

@@ -283,11 +283,15 @@ def test_a_looser_cap_for_the_log_prob_passes_cuts_only_the_update(run_a, assets
         assert row[key] == pytest.approx(row_a[key], rel=1e-5, abs=1e-7), (key, row[key], row_a[key])
 
 
-def test_the_reference_with_its_parameters_in_host_memory_gives_the_same_steps(run_a, assets):
+def test_the_reference_with_its_parameters_in_host_memory_gives_the_same_steps(run_a, assets, capsys):
     """flexrl.trainer.reference_offload_param: the reference engine's parameters live in host memory
-    (DeepSpeed's offload_param); its log-probs, hence the KL term from step 1 on, are run A's."""
+    (DeepSpeed's offload_param, as every rank reports); its log-probs, hence the KL term from step 1
+    on, are run A's."""
     out = assets / "run_ref_offload"
+    capsys.readouterr()
     assert run_train(assets, out, 2, reference_offload_param=True) == 0
+    assert ("flexrl train: the reference model's parameters wait in host memory (DeepSpeed offload_param) on "
+            "4 of 4 policy ranks") in capsys.readouterr().out
     assert rows(run_a)[1]["kl"] > 0  # step 1's policy has moved: the reference's log-probs count
     for row, row_a in zip(rows(out), rows(run_a)[:2], strict=True):
         for key in ("reward_mean", "loss", "pg_loss", "kl", "entropy", "grad_norm"):
