@@ -284,8 +284,12 @@ class PolicyWorker:
     def sync_rollout(self, bucket_bytes: int) -> dict[str, float]:
         """Colocated: every rank gathers the policy's weights in buckets into its own engine. A rank
         whose engine fails to load a bucket still joins the remaining gathers (the other ranks wait on
-        them), then raises: the step fails at once, not at the group's timeout."""
+        them), then raises: the step fails at once, not at the group's timeout. On a GPU torch's cached
+        blocks go back to the device first: a sleeping vLLM engine brings its weights back outside
+        torch's cache, and blocks cached for an update that filled the device left it no room."""
         started, count, failure = time.perf_counter(), 0, None
+        if self.rollout is not None and self.device_info.is_gpu:
+            device_mod.release_cached_memory(self.device_info)
         for bucket in model_weights.iter_weight_buckets(self.policy.module.hf_model, bucket_bytes, self.device):
             if self.rollout is not None and failure is None:
                 try:

@@ -32,6 +32,7 @@ def gathered(monkeypatch) -> list:
 def rank_of(index: int, **parts) -> PolicyWorker:
     stand_in = PolicyWorker.__new__(PolicyWorker)
     stand_in.rank, stand_in.device = index, None
+    stand_in.device_info = SimpleNamespace(is_gpu=False)
     stand_in.policy = SimpleNamespace(module=SimpleNamespace(hf_model=None))
     for name, value in parts.items():
         setattr(stand_in, name, value)
@@ -39,10 +40,11 @@ def rank_of(index: int, **parts) -> PolicyWorker:
 
 
 class FailingEngine:
-    def __init__(self, fails_at: int):
-        self.fails_at, self.loaded, self.reset = fails_at, 0, False
+    def __init__(self, fails_at: int, log: list | None = None):
+        self.fails_at, self.loaded, self.reset, self.log = fails_at, 0, False, log if log is not None else []
 
     def load_weights(self, bucket):
+        self.log.append("load")
         if self.loaded == self.fails_at:
             raise torch.OutOfMemoryError("CUDA out of memory")
         self.loaded += 1
@@ -62,6 +64,17 @@ def test_a_failed_load_joins_every_gather_then_raises(gathered, fails_at):
                                            r"\(OutOfMemoryError: CUDA out of memory\)"):
         rank.sync_rollout(1)
     assert gathered == list(range(NUM_BUCKETS)) and engine.loaded == fails_at and not engine.reset
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_torch_cache_goes_back_to_the_device_before_the_engine_wakes(gathered, monkeypatch, gpu):
+    """A sleeping engine's weights come back outside torch's cache: on a GPU, blocks cached for the
+    update leave first (an update that filled the H200 made the next wake run out of memory)."""
+    log: list = []
+    monkeypatch.setattr(policy_worker.device_mod, "release_cached_memory", lambda info: log.append("release"))
+    rank = rank_of(0, rollout=SimpleNamespace(engine=FailingEngine(-1, log)), device_info=SimpleNamespace(is_gpu=gpu))
+    rank.sync_rollout(1)
+    assert log == (["release"] if gpu else []) + ["load"] * NUM_BUCKETS
 
 
 def test_a_failed_channel_send_joins_every_gather_then_raises(gathered):
