@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
+from flexrl_ds.runtime.lost_workers import lost_worker_error
+
 
 @dataclass(frozen=True)
 class WorkerPlace:
@@ -117,14 +119,16 @@ class RayWorkerGroup:
 
     def __init__(self, factory: Callable[..., Any], num_ranks: int, kwargs: dict | None = None,
                  num_cpus_per_rank: float = 1.0, num_gpus_per_rank: float = 0.0, name: str = "workers",
-                 timeout_s: float = 900.0, env: dict[str, str] | None = None):
+                 timeout_s: float = 900.0, env: dict[str, str] | None = None, memory_hint: str = ""):
+        """memory_hint: what of this group's work lives in host memory, said if Ray kills a rank
+        for host memory (runtime/lost_workers.py)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if num_ranks < 1:
             raise ValueError(f"{name}: a worker group needs at least one rank, got {num_ranks}")
-        self.name, self.num_ranks, self.timeout_s = name, num_ranks, timeout_s
+        self.name, self.num_ranks, self.timeout_s, self.memory_hint = name, num_ranks, timeout_s, memory_hint
         bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
         self.placement = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK")
         ray.get(self.placement.ready(), timeout=timeout_s)
@@ -151,6 +155,8 @@ class RayWorkerGroup:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
                                "(a hang or a crash on some rank)") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
+            raise lost_worker_error(error, f"{self.name}.{what}", self.memory_hint) from error
 
     def run_async(self, method: str, *args, **kwargs) -> list:
         """Start `method(*args, **kwargs)` on every rank; the Ray references, in rank order."""

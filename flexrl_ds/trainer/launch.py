@@ -215,6 +215,21 @@ def _progress(what: str, since: float) -> float:
     return now
 
 
+def policy_memory_hint(run: Any) -> str:
+    """What of a policy rank lives in host memory, by the settings that put it there (said if Ray
+    kills a rank for host memory: runtime/lost_workers.py)."""
+    offload = run.deepspeed.get("zero_optimization", {}).get("offload_optimizer") or {}
+    parts = []
+    if offload.get("device", "none") != "none":
+        parts.append(f"the offloaded optimizer (zero_optimization.offload_optimizer: ratio {offload.get('ratio', 1.0)}, "
+                     f"pin_memory {str(offload.get('pin_memory', False)).lower()}; a lower ratio keeps less of it there)")
+    if run.flexrl.trainer.reference_offload_param:
+        parts.append("the reference model's parameters (flexrl.trainer.reference_offload_param)")
+    if not parts:
+        return ""
+    return f"A policy rank's host memory holds {' and '.join(parts)}; docs/BENCHMARKS.md has measured sizes"
+
+
 def ray_cpus(run: Any, num_ranks: int) -> int:
     trainer, rollout, pool = run.flexrl.trainer, run.flexrl.rollout, run.flexrl.data.pool
     cpus = num_ranks * trainer.num_cpus_per_rank + pool.num_actors_per_node * pool.num_cpus_per_actor
@@ -238,7 +253,7 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
         setup = policy_setup(run, args.model_dir, controller.pixels, colocated=trainer.colocate)
         policy = RayWorkerGroup(PolicyWorker, prepared.num_ranks, {"setup": setup}, trainer.num_cpus_per_rank,
                                 trainer.num_gpus_per_rank, name="policy", timeout_s=trainer.timeout_s,
-                                env=worker_env())
+                                env=worker_env(), memory_hint=policy_memory_hint(run))
         clock = _progress(f"{prepared.num_ranks} policy ranks ready (models loaded, DeepSpeed engines built"
                           f"{', rollout engines inside' if trainer.colocate else ''})", clock)
         if trainer.colocate:

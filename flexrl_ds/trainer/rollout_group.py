@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import ray
 
+from flexrl_ds.runtime.lost_workers import lost_worker_error
 from flexrl_ds.trainer.rollout_host import PromptJob, RolloutHost, RolloutOutput, spread_jobs
 
 
@@ -34,6 +35,14 @@ def merge_outputs(outputs: Sequence[RolloutOutput]) -> RolloutOutput:
     return merged
 
 
+def _get(refs: list, what: str, timeout_s: float | None = None) -> list:
+    """`ray.get`, an engine (or policy rank) Ray lost said in one line (runtime/lost_workers.py)."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
+        raise lost_worker_error(error, what) from error
+
+
 def _wait_all(refs: list, timeout_s: float, what: str) -> None:
     """Wait for every reference, raising the first failure as soon as it happens (a dead engine must
     not leave policy rank 0 waiting in a broadcast until the timeout)."""
@@ -42,7 +51,7 @@ def _wait_all(refs: list, timeout_s: float, what: str) -> None:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             raise TimeoutError(f"{what}: {len(pending)} of {len(refs)} calls unfinished after {timeout_s:.0f} s")
-        ray.get(ready)
+        _get(ready, what)
 
 
 class ColocatedRollout:
@@ -101,7 +110,7 @@ class SeparateRollout:
     def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> RolloutOutput:
         shares = spread_jobs(jobs, len(self.hosts))
         refs = [host.generate.remote(step, share, params) for host, share in zip(self.hosts, shares) if share]
-        return merge_outputs(ray.get(refs, timeout=self.timeout_s))
+        return merge_outputs(_get(refs, "rollout engines.generate", self.timeout_s))
 
     def sync(self, policy: Any, bucket_bytes: int) -> float:
         """Policy rank 0 broadcasts each gathered bucket to every engine over the weight channel
@@ -119,13 +128,14 @@ class SeparateRollout:
     def _sync(self, policy: Any, bucket_bytes: int) -> float:
         started = time.perf_counter()
         if self.transport is None:
-            ranks = ray.get([host.channel_ranks.remote() for host in self.hosts], timeout=self.timeout_s)
+            ranks = _get([host.channel_ranks.remote() for host in self.hosts], "rollout engines.channel_ranks",
+                         self.timeout_s)
             address = policy.run("weight_channel_address", sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
             joins = [host.join_weight_channel.remote(address, first)
                      for host, first in zip(self.hosts, channel_first_ranks(ranks))]
             policy_joins = policy.run_async("join_weight_channel", address)
             _wait_all(joins + policy_joins, self.timeout_s, "weight channel set-up")
-            self.transport = ray.get(policy_joins[0])
+            self.transport = _get([policy_joins[0]], "weight channel set-up")[0]
             print(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers", flush=True)
         loads = [host.receive_weights.remote() for host in self.hosts]
         _wait_all(loads + policy.run_async("send_weights", bucket_bytes), self.timeout_s, "weight sync")

@@ -1,0 +1,45 @@
+"""A Ray actor that died, said in one line a user can act on.
+
+Ray reports a worker it lost as a `RayActorError` (or `OutOfMemoryError`) whose text is dozens of
+lines: when its memory monitor kills a worker because the node's host memory ran low, the text is a
+table of processes and a tuning guide, and the reason is buried in it. `lost_worker_error` turns
+such an error into a `RuntimeError` naming the call, what happened and, for a memory kill, what of
+the run lives in host memory (`memory_hint`); Ray's text stays attached as its cause (nothing lost).
+An exception raised by the worker's own code is not a lost worker and passes unchanged.
+"""
+
+from __future__ import annotations
+
+MEMORY_KILL_WORDS = ("low on memory", "memory monitor", "out of memory issue", "memory_usage_threshold")
+"""Phrases of Ray's message when its memory monitor killed the worker (matched case-insensitively)."""
+
+
+def killed_for_host_memory(error: BaseException) -> bool:
+    """Whether Ray lost the worker because its memory monitor killed it (host memory ran low)."""
+    import ray
+
+    if isinstance(error, ray.exceptions.OutOfMemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, ray.exceptions.RayActorError) and any(word in text for word in MEMORY_KILL_WORDS)
+
+
+def lost_worker_error(error: BaseException, what: str, memory_hint: str = "") -> RuntimeError | None:
+    """The short account of `error` for call `what` (e.g. "policy.train_step"), or None when
+    `error` is not a lost worker (the worker's own exception, a timeout)."""
+    import ray
+
+    if killed_for_host_memory(error):
+        return RuntimeError(
+            f"{what}: Ray's memory monitor killed a worker because its node ran low on host memory (Ray "
+            "kills above RAY_memory_usage_threshold, 0.95 of the node's memory unless set)"
+            + (f". {memory_hint}" if memory_hint else "") + ". Ray's report is above.")
+    if isinstance(error, ray.exceptions.RayActorError):
+        return RuntimeError(f"{what}: a worker died ({_first_line(error)}); its log in Ray's session folder "
+                            "(/tmp/ray/session_latest/logs on its node) says why. Ray's report is above.")
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
