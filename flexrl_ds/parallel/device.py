@@ -115,7 +115,8 @@ class DeviceUsageMonitor:
     torch's `max_memory_allocated` may keep counting after the engine has slept), sampled every
     `interval_s` on a daemon thread. Inert on CPU (peak 0). Besides the peak since `reset`, it keeps
     one since `start_window` (a part of a phase: a colocated engine's awake time), read by `end_window`.
-    used_bytes: what is in use, in place of the GPU's count (tests); poll: sample on a thread."""
+    used_bytes: what is in use, in place of the GPU's count (the node's host memory, tests); poll:
+    sample on a thread."""
 
     def __init__(self, info: DeviceInfo, interval_s: float = 0.05,
                  used_bytes: Callable[[], int] | None = None, poll: bool = True):

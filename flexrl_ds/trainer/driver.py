@@ -41,6 +41,7 @@ from flexrl_ds.planning.plan import Workload
 from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.rl.advantages import group_advantages
 from flexrl_ds.rl.reward_fn import score_batch
+from flexrl_ds.runtime import host_memory
 from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
 from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
@@ -158,6 +159,7 @@ class GRPOTrainer:
             print(f"memory: {name}: torch's device allocator found no free cached block "
                   f"{peaks[name]['alloc_retries']:.0f} time(s) and freed its whole cache to retry (each a "
                   "synchronising pause; the phase's memory is near the device's limit)", flush=True)
+        warn_host_memory(name, peaks[name])
         return result
 
     def _fitting(self, step: int, prompts: list) -> list:
@@ -406,9 +408,22 @@ def report_bad_records(step: int, report: dict[str, Any], trained_on: int) -> in
     return len(bad)
 
 
-PEAK_KEYS = ("peak_memory_gb", "peak_device_used_gb", "alloc_retries", "device_mallocs")
-"""What `PolicyWorker.peaks` reports: torch's allocations, all memory in use on the device, and
-torch's allocator's retries (the cache freed to make room) and device mallocs in the phase."""
+PEAK_KEYS = ("peak_memory_gb", "peak_device_used_gb", "alloc_retries", "device_mallocs", "peak_host_used_gb",
+             "peak_host_used_share")
+"""What `PolicyWorker.peaks` reports: torch's allocations, all memory in use on the device, torch's
+allocator's retries (the cache freed to make room) and device mallocs in the phase, and the host
+memory in use on a rank's node (GiB, and its share of the node's)."""
+
+
+def warn_host_memory(phase: str, peaks: dict[str, float]) -> None:
+    """Say a phase whose node memory in use came near the share at which Ray's memory monitor kills
+    workers (runtime/host_memory.py)."""
+    share = peaks.get("peak_host_used_share", 0.0)
+    if share > host_memory.NEAR_LIMIT_SHARE:
+        print(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, {share:.0%} of a "
+              f"policy rank's node; Ray's memory monitor kills workers above {host_memory.ray_kill_share():.0%} "
+              "(a lower zero_optimization.offload_optimizer.ratio, or flexrl.trainer.reference_offload_param off, "
+              "keeps less there)", flush=True)
 
 
 def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -418,7 +433,8 @@ def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 def _phase_peaks(peaks: dict[str, dict[str, float]]) -> dict[str, Any]:
     """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}, "alloc_retries": {phase:
-    n}, "device_mallocs": {phase: n}} on the policy ranks' devices (the most of any rank): torch's
-    allocations, all memory in use on the device (a colocated engine's pool included), and torch's
-    allocator's work in the phase."""
+    n}, "device_mallocs": {phase: n}, "peak_host_used_gb": {phase: GiB}, "peak_host_used_share":
+    {phase: share}}, the most of any policy rank: torch's allocations, all memory in use on the device
+    (a colocated engine's pool included), torch's allocator's work in the phase, and the host memory
+    in use on the rank's node."""
     return {key: {phase: values[key] for phase, values in peaks.items()} for key in PEAK_KEYS}

@@ -101,16 +101,17 @@ def _wandb(project: str, run_name: str):
 
 
 def plot_metrics(rows: list[dict], path: Path) -> None:
-    """Reward, loss, KL, response length and phase times per step, and on GPUs the peak device
-    memory per phase, one PNG."""
+    """Reward, loss, KL, response length and phase times per step, the peak device memory per phase
+    on GPUs, and the peak host memory in use per phase on the policy ranks' nodes, one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [row["step"] for row in rows]
-    memory = any(any(r.get("peak_device_used_gb", {}).values()) for r in rows)
-    fig, axes = plt.subplots(1, 5 if memory else 4, figsize=(20 if memory else 16, 3.4))
+    memory = [key for key in ("peak_device_used_gb", "peak_host_used_gb")
+              if any(any(r.get(key, {}).values()) for r in rows)]
+    fig, axes = plt.subplots(1, 4 + len(memory), figsize=(4 * (4 + len(memory)), 3.4))
     axes[0].errorbar(steps, [r["reward_mean"] for r in rows], yerr=[r["reward_std"] for r in rows], marker="o")
     axes[0].set_title("reward (mean ± std over samples)")
     axes[1].plot(steps, [r["loss"] for r in rows], marker="o", label="loss")
@@ -126,16 +127,27 @@ def plot_metrics(rows: list[dict], path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values)]
     axes[3].legend(fontsize=7)
     axes[3].set_title("time per phase (s)")
-    if memory:
-        for phase in ("rollout", "inference", "update", "sync"):
-            axes[4].plot(steps, [r.get("peak_device_used_gb", {}).get(phase, 0.0) for r in rows], marker="o", label=phase)
-        if any(r.get("rollout_engine_peak_gb") for r in rows):  # colocated engines: wake to end of generation
-            axes[4].plot(steps, [r.get("rollout_engine_peak_gb", 0.0) for r in rows], linestyle="--",
-                         marker="x", label="engine awake")
-        axes[4].legend(fontsize=7)
-        axes[4].set_title("peak device memory in use (GiB)")
+    for axis, key in zip(axes[4:], memory):
+        _plot_memory(axis, rows, key)
     for axis in axes:
         axis.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+MEMORY_TITLES = {"peak_device_used_gb": "peak device memory in use (GiB)",
+                 "peak_host_used_gb": "peak host memory in use, node (GiB)"}
+
+
+def _plot_memory(axis, rows: list[dict], key: str) -> None:
+    """One memory panel: the peak of `key` per phase and step (and a colocated engine's awake peak
+    on the device's)."""
+    steps = [row["step"] for row in rows]
+    for phase in ("rollout", "inference", "update", "sync"):
+        axis.plot(steps, [r.get(key, {}).get(phase, 0.0) for r in rows], marker="o", label=phase)
+    if key == "peak_device_used_gb" and any(r.get("rollout_engine_peak_gb") for r in rows):
+        axis.plot(steps, [r.get("rollout_engine_peak_gb", 0.0) for r in rows], linestyle="--", marker="x",
+                  label="engine awake")  # colocated engines: wake to end of generation
+    axis.legend(fontsize=7)
+    axis.set_title(MEMORY_TITLES[key])

@@ -45,6 +45,7 @@ from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 from flexrl_ds.parallel.launch import ensure_deepspeed_comm
 from flexrl_ds.parallel.profiling import RankProfiler, region
 from flexrl_ds.planning.plan import parse_plan
+from flexrl_ds.runtime import host_memory
 from flexrl_ds.runtime.rank_pixels import StepSlices, fetched_items, unit_requests
 from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
 from flexrl_ds.runtime.worker_group import WorkerPlace, join_process_group, node_address, open_store
@@ -140,6 +141,8 @@ class PolicyWorker:
         info = self.device_info = device_mod.detect()
         self.device = device_mod.set_local_device(info, place.local_rank)
         self.device_usage = device_mod.DeviceUsageMonitor(info)
+        self.host_usage = device_mod.DeviceUsageMonitor(info, interval_s=0.25, used_bytes=host_memory.bytes_in_use)
+        """The node's host memory in use (runtime/host_memory.py), sampled like the device's."""
         self.allocator_at_reset = device_mod.allocator_counts(info)
         if not dist.is_initialized():
             join_process_group(place, info.backend, setup.timeout_s)
@@ -250,6 +253,7 @@ class PolicyWorker:
         """Start new peaks for `peaks` (the driver calls it before a phase)."""
         device_mod.reset_peak_memory(self.device_info)
         self.device_usage.reset()
+        self.host_usage.reset()
         self.allocator_at_reset = device_mod.allocator_counts(self.device_info)
 
     def start_profile(self) -> None:
@@ -272,12 +276,17 @@ class PolicyWorker:
 
     def peaks(self) -> dict[str, float]:
         """Peak device memory since `reset_peaks` (GiB; 0 on CPU): torch's allocations
-        (`peak_memory_gb`) and all memory in use on the device (`peak_device_used_gb`); and what
-        torch's allocator did since (`alloc_retries`, `device_mallocs`: device.allocator_counts)."""
+        (`peak_memory_gb`) and all memory in use on the device (`peak_device_used_gb`); what torch's
+        allocator did since (`alloc_retries`, `device_mallocs`: device.allocator_counts); and the
+        node's host memory in use, in GiB and as a share of the node's (`peak_host_used_gb`,
+        `peak_host_used_share`: runtime/host_memory.py)."""
         now = device_mod.allocator_counts(self.device_info)
         before = self.allocator_at_reset
+        self.host_usage.sample()
         return {"peak_memory_gb": device_mod.max_memory_allocated(self.device_info) / 2**30,
                 "peak_device_used_gb": self.device_usage.peak_bytes() / 2**30,
+                "peak_host_used_gb": self.host_usage.peak_bytes() / 2**30,
+                "peak_host_used_share": self.host_usage.peak_bytes() / host_memory.bytes_total(),
                 **{key: float(now[key] - before[key]) for key in now}}
 
     # ---- weights ------------------------------------------------------------------------------

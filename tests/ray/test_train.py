@@ -71,6 +71,14 @@ def rollouts(out: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in (out / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
 
 
+def meminfo_kib(field: str) -> int:
+    """A /proc/meminfo field in KiB (an independent reading of the node's memory)."""
+    for line in open("/proc/meminfo"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
 def test_outputs_and_metrics(run_a):
     from flexrl_ds.trainer.rollout_host import ROLLOUT_PARTS
 
@@ -84,6 +92,10 @@ def test_outputs_and_metrics(run_a):
         assert all(0 <= seconds <= row["time_s"]["rollout"] for seconds in parts.values())
         for key in ("alloc_retries", "device_mallocs"):  # torch's allocator per phase: nothing on CPU
             assert row[key] == {phase: 0.0 for phase in ("rollout", "inference", "update", "sync")}, key
+        node_gib = meminfo_kib("MemTotal") / 2**20  # every rank is on this machine
+        for phase, used in row["peak_host_used_gb"].items():  # the node's host memory in use, per phase
+            assert 0 < used <= node_gib, (phase, used)
+            assert row["peak_host_used_share"][phase] == pytest.approx(used / node_gib, rel=1e-3)
         assert row["rollout_pixel_mb"] >= 0
         assert row["rollout_engine_peak_gb"] == 0  # measured on GPUs only
         assert row["num_bad_records"] == 0  # the generated dataset's records are all good

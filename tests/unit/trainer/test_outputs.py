@@ -120,19 +120,21 @@ def test_step_log_resume_drops_rows_after_the_checkpoint(tmp_path, capsys):
 
 
 def test_plot_metrics_writes_a_png(tmp_path):
-    """Four panels on CPU (no device memory), a fifth for the peak device memory on GPUs: wider."""
+    """Four panels without memory figures, a fifth for the peak host memory on the nodes (every run
+    since it is measured), a sixth for the peak device memory on GPUs: each wider."""
     from PIL import Image
 
     rng = random.Random(3)
     sizes = {}
-    for name, used in (("cpu", 0.0), ("gpu", 40.0)):
-        rows = [dict(_metrics(step, rng), peak_device_used_gb={"rollout": used, "inference": used / 2, "update": used})
+    for name, device, host in (("none", 0.0, 0.0), ("cpu", 0.0, 12.0), ("gpu", 40.0, 90.0)):
+        rows = [dict(_metrics(step, rng), peak_device_used_gb={"rollout": device, "inference": device / 2, "update": device},
+                     peak_host_used_gb={"rollout": host, "update": host * 1.1})
                 for step in range(3)]
         path = tmp_path / f"{name}.png"
         plot_metrics(rows, path)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         sizes[name] = Image.open(path).size
-    assert sizes["gpu"][0] > sizes["cpu"][0]
+    assert sizes["none"][0] < sizes["cpu"][0] < sizes["gpu"][0]
 
 
 def test_latest_checkpoint_picks_the_highest_complete_step(tmp_path):
