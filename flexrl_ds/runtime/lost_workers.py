@@ -10,7 +10,8 @@ An exception raised by the worker's own code is not a lost worker and passes unc
 
 from __future__ import annotations
 
-MEMORY_KILL_WORDS = ("low on memory", "memory monitor", "out of memory issue", "memory_usage_threshold")
+MEMORY_KILL_WORDS = ("low on memory", "memory monitor", "out of memory issue", "memory_usage_threshold",
+                     "based on the killing policy")
 """Phrases of Ray's message when its memory monitor killed the worker (matched case-insensitively)."""
 
 

@@ -17,10 +17,13 @@ from flexrl_ds.runtime.lost_workers import lost_worker_error  # noqa: E402
 from flexrl_ds.trainer.launch import policy_memory_hint  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[3] / "ds_configs"
-# the head of what Ray 2.60's memory monitor reported when it killed a 7B policy rank on the H200
-MEMORY_KILL = ("Task was killed due to the node running low on memory.\nMemory on the node (IP: 192.0.2.2) "
-               "where the lease was running was 115.00GB / 120.98GB (0.95), which exceeds the memory usage "
-               "threshold of 0.95.\nRefer to the documentation on how to address the out of memory issue")
+# lines of what Ray 2.60 printed when its memory monitor killed a 7B policy rank on the H200
+# (docs/BENCHMARKS.md "twenty-first run"; the process table between them left out)
+MEMORY_KILL = ("Ray killed 1 worker(s) based on the killing policy\nConsidered workers: [\n]\n"
+               "Refer to the documentation on how to address the out of memory issue: "
+               "https://docs.ray.io/en/latest/ray-observability/user-guides/debug-apps/debug-memory.html. "
+               "Consider provisioning more memory on this node or reducing task parallelism by requesting "
+               "more CPUs per task.")
 
 
 def died(message: str) -> Exception:
