@@ -31,7 +31,9 @@
 #     at 7B it left the step's device peak unchanged and took host memory from 98 to 114 GiB:
 #     docs/BENCHMARKS.md "One H200, twelfth run" and "thirteenth run").
 #   REF_OFFLOAD=1: the reference model's parameters in pinned host memory, fetched for each of its
-#     passes (`flexrl.trainer.reference_offload_param`; default off: resident on the GPU).
+#     passes (`flexrl.trainer.reference_offload_param`; default off: resident on the GPU). At 7B it
+#     takes ~25 GiB more host memory: with the file's ratio 0.6 Ray killed the rank for host memory;
+#     use OFFLOAD_RATIO=0.5 with it (112 GiB: docs/BENCHMARKS.md "twenty-first run").
 #   TEMPERATURE=t TOP_P=p TOP_K=k: the rollout's sampling (`flexrl.rollout.temperature/top_p/top_k`;
 #     default: the file's 1.0, 1.0, 0). With vllm at t != 1 and a filter, rollout_logprob_diff measures
 #     the filter too (RolloutConfig.logprob_diff_caveat).
