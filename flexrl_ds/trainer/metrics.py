@@ -149,5 +149,18 @@ def _plot_memory(axis, rows: list[dict], key: str) -> None:
     if key == "peak_device_used_gb" and any(r.get("rollout_engine_peak_gb") for r in rows):
         axis.plot(steps, [r.get("rollout_engine_peak_gb", 0.0) for r in rows], linestyle="--", marker="x",
                   label="engine awake")  # colocated engines: wake to end of generation
+    if key == "peak_host_used_gb":
+        _plot_host_kill_line(axis, rows)
     axis.legend(fontsize=7)
     axis.set_title(MEMORY_TITLES[key])
+
+
+def _plot_host_kill_line(axis, rows: list[dict]) -> None:
+    """Where Ray's memory monitor kills workers on the busiest node: the node's memory (a phase's
+    peak over its share) times the kill share (runtime/host_memory.py)."""
+    from flexrl_ds.runtime.host_memory import ray_kill_share
+
+    nodes = [row["peak_host_used_gb"][phase] / share for row in rows
+             for phase, share in row.get("peak_host_used_share", {}).items() if share > 0]
+    if nodes:
+        axis.axhline(max(nodes) * ray_kill_share(), color="black", linestyle=":", label="Ray kills above")

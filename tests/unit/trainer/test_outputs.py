@@ -192,3 +192,22 @@ def test_a_steps_rollout_output_merges_its_hosts_and_takes_each_parts_slowest():
     assert merged.withdrawn == {"p1": "bad video"} and merged.pixel_bytes == 150
     assert merged.times_s == {"pixels": 1.5, "generate": 2.0, "wake": 0.25}
     assert first.times_s == {"pixels": 0.5, "generate": 2.0}  # the hosts' own outputs are left as they were
+
+
+def test_the_host_memory_panel_marks_where_ray_kills(monkeypatch):
+    """The dotted line sits at the busiest node's memory (a peak over its share) times Ray's kill share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flexrl_ds.trainer.metrics import _plot_memory
+
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.9")
+    rows = [{"step": 0, "peak_host_used_gb": {"update": 50.0, "sync": 30.0},
+             "peak_host_used_share": {"update": 0.4, "sync": 0.24}}]  # a node of 125 GiB
+    figure, axis = plt.subplots()
+    _plot_memory(axis, rows, "peak_host_used_gb")
+    kill = [line for line in axis.get_lines() if line.get_label() == "Ray kills above"]
+    assert len(kill) == 1 and kill[0].get_ydata()[0] == pytest.approx(125 * 0.9)
+    plt.close(figure)
