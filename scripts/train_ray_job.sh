@@ -21,9 +21,17 @@ if [ -z "${RAY_ADDRESS:-}" ]; then
   # A head of our own, held by `ray start --block` in the background: stopping that process stops
   # exactly this head (`ray stop` would stop every Ray cluster on the machine).
   ray_dir=$(mktemp -d /tmp/rayfx.XXXXXX)
-  gcs_port=$("$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  # Ports the OS picks for the GCS, the dashboard agent and the client server: Ray's fixed defaults
+  # (52365, 10001) are taken where another Ray instance runs on this machine, and a dashboard agent
+  # that cannot bind takes the head down with it.
+  read -r gcs_port agent_port client_port < <("$python" -c "
+import socket
+held = [socket.socket() for _ in range(3)]
+for s in held: s.bind(('127.0.0.1', 0))
+print(*(s.getsockname()[1] for s in held))")
   "$ray_bin" start --head --port "$gcs_port" --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 \
-    --dashboard-port "$port" --num-cpus "${FLEXRL_RAY_CPUS:-8}" --temp-dir "$ray_dir" --disable-usage-stats \
+    --dashboard-port "$port" --dashboard-agent-listen-port "$agent_port" --ray-client-server-port "$client_port" \
+    --num-cpus "${FLEXRL_RAY_CPUS:-8}" --temp-dir "$ray_dir" --disable-usage-stats \
     --block >"$ray_dir/head.log" 2>&1 &
   head_pid=$!
   stop_head() {
