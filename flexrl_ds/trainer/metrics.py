@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flexrl_ds.runtime.host_memory import ray_kill_share
+
 PHASES = ("data", "rollout", "reward", "inference", "update", "sync", "step")
 """Keys of `time_s`: where a step's wall time went (`step` is the whole step)."""
 
@@ -158,8 +160,6 @@ def _plot_memory(axis, rows: list[dict], key: str) -> None:
 def _plot_host_kill_line(axis, rows: list[dict]) -> None:
     """Where Ray's memory monitor kills workers on the busiest node: the node's memory (a phase's
     peak over its share) times the kill share (runtime/host_memory.py)."""
-    from flexrl_ds.runtime.host_memory import ray_kill_share
-
     nodes = [row["peak_host_used_gb"][phase] / share for row in rows
              for phase, share in row.get("peak_host_used_share", {}).items() if share > 0]
     if nodes:
