@@ -419,22 +419,29 @@ def warn_host_memory(phase: str, peaks: dict[str, float]) -> None:
     """Say a phase whose node memory in use came near the share at which Ray's memory monitor kills
     workers (runtime/host_memory.py)."""
     share = peaks.get("peak_host_used_share", 0.0)
-    if share > host_memory.NEAR_LIMIT_SHARE:
+    if share > host_memory.warn_share():
         print(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, {share:.0%} of a "
               f"policy rank's node; Ray's memory monitor kills workers above {host_memory.ray_kill_share():.0%} "
               "(a lower zero_optimization.offload_optimizer.ratio, or flexrl.trainer.reference_offload_param off, "
               "keeps less there)", flush=True)
 
 
+HOST_PEAK_KEYS = ("peak_host_used_gb", "peak_host_used_share")
+
+
 def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """The largest of each peak over the policy ranks."""
-    return {key: max(entry.get(key, 0.0) for entry in per_rank) for key in PEAK_KEYS}
+    """The largest of each device peak over the policy ranks, and the host memory of the rank whose
+    node came closest to its limit (its GiB and share together: nodes may differ in size)."""
+    peaks = {key: max(entry.get(key, 0.0) for entry in per_rank) for key in PEAK_KEYS if key not in HOST_PEAK_KEYS}
+    busiest = max(per_rank, key=lambda entry: entry.get("peak_host_used_share", 0.0))
+    peaks.update({key: busiest.get(key, 0.0) for key in HOST_PEAK_KEYS})
+    return {key: peaks[key] for key in PEAK_KEYS}
 
 
 def _phase_peaks(peaks: dict[str, dict[str, float]]) -> dict[str, Any]:
     """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}, "alloc_retries": {phase:
     n}, "device_mallocs": {phase: n}, "peak_host_used_gb": {phase: GiB}, "peak_host_used_share":
-    {phase: share}}, the most of any policy rank: torch's allocations, all memory in use on the device
-    (a colocated engine's pool included), torch's allocator's work in the phase, and the host memory
-    in use on the rank's node."""
+    {phase: share}}: the most of any policy rank of torch's allocations, all memory in use on the
+    device (a colocated engine's pool included) and torch's allocator's work in the phase, and the
+    host memory in use on the node closest to its limit."""
     return {key: {phase: values[key] for phase, values in peaks.items()} for key in PEAK_KEYS}

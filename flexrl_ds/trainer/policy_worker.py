@@ -282,11 +282,11 @@ class PolicyWorker:
         `peak_host_used_share`: runtime/host_memory.py)."""
         now = device_mod.allocator_counts(self.device_info)
         before = self.allocator_at_reset
-        self.host_usage.sample()
+        host_peak = self.host_usage.peak_bytes()  # one reading for both figures
         return {"peak_memory_gb": device_mod.max_memory_allocated(self.device_info) / 2**30,
                 "peak_device_used_gb": self.device_usage.peak_bytes() / 2**30,
-                "peak_host_used_gb": self.host_usage.peak_bytes() / 2**30,
-                "peak_host_used_share": self.host_usage.peak_bytes() / host_memory.bytes_total(),
+                "peak_host_used_gb": host_peak / 2**30,
+                "peak_host_used_share": host_peak / host_memory.bytes_total(),
                 **{key: float(now[key] - before[key]) for key in now}}
 
     # ---- weights ------------------------------------------------------------------------------
