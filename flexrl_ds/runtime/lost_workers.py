@@ -27,7 +27,7 @@ def killed_for_host_memory(error: BaseException) -> bool:
 
 def lost_worker_error(error: BaseException, what: str, memory_hint: str = "") -> RuntimeError | None:
     """The short account of `error` for call `what` (e.g. "policy.train_step"), or None when
-    `error` is not a lost worker (the worker's own exception, a timeout)."""
+    `error` is not a lost worker (the worker's own exception, a timeout): `raise_lost_worker`."""
     import ray
 
     if killed_for_host_memory(error):
@@ -36,11 +36,26 @@ def lost_worker_error(error: BaseException, what: str, memory_hint: str = "") ->
             "kills above RAY_memory_usage_threshold, 0.95 of the node's memory unless set)"
             + (f". {memory_hint}" if memory_hint else "") + ". Ray's report is above.")
     if isinstance(error, ray.exceptions.RayActorError):
-        return RuntimeError(f"{what}: a worker died ({_first_line(error)}); its log in Ray's session folder "
+        return RuntimeError(f"{what}: a worker died ({death_detail(error)}); its log in Ray's session folder "
                             "(/tmp/ray/session_latest/logs on its node) says why. Ray's report is above.")
     return None
 
 
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+def death_detail(error: BaseException) -> str:
+    """What Ray says of a dead actor beyond its fixed first line: its own message (e.g. "The actor's
+    worker process exited: SIGSEGV") and its node's address, where Ray gives them."""
+    lines = str(error).splitlines()
+    fields = dict(line.strip().split(": ", 1) for line in lines[1:] if line.startswith("\t") and ": " in line)
+    message = next((line.strip() for line in lines[1:] if line.strip() and not line.startswith("\t")), "")
+    parts = [message or (lines[0].strip() if lines else type(error).__name__)]
+    if "ip" in fields:
+        parts.append(f"on {fields['ip']}")
+    return " ".join(parts)
+
+
+def raise_lost_worker(error: BaseException, what: str, memory_hint: str = "") -> None:
+    """Raise `error`'s short account with `error` as its cause, or `error` itself if it has none."""
+    explained = lost_worker_error(error, what, memory_hint)
+    if explained is None:
+        raise error
+    raise explained from error

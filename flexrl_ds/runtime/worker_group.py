@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from flexrl_ds.runtime.lost_workers import lost_worker_error
+from flexrl_ds.runtime.lost_workers import raise_lost_worker
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class RayWorkerGroup:
             raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
                                "(a hang or a crash on some rank)") from None
         except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
-            raise lost_worker_error(error, f"{self.name}.{what}", self.memory_hint) from error
+            raise_lost_worker(error, f"{self.name}.{what}", self.memory_hint)
 
     def run_async(self, method: str, *args, **kwargs) -> list:
         """Start `method(*args, **kwargs)` on every rank; the Ray references, in rank order."""

@@ -219,15 +219,21 @@ def policy_memory_hint(run: Any) -> str:
     """What of a policy rank lives in host memory, by the settings that put it there (said if Ray
     kills a rank for host memory: runtime/lost_workers.py)."""
     offload = run.deepspeed.get("zero_optimization", {}).get("offload_optimizer") or {}
+    trainer, rollout = run.flexrl.trainer, run.flexrl.rollout
     parts = []
-    if offload.get("device", "none") != "none":
+    if offload.get("device") == "cpu":
         parts.append(f"the offloaded optimizer (zero_optimization.offload_optimizer: ratio {offload.get('ratio', 1.0)}, "
                      f"pin_memory {str(offload.get('pin_memory', False)).lower()}; a lower ratio keeps less of it there)")
-    if run.flexrl.trainer.reference_offload_param:
+    if trainer.reference_offload_param:
         parts.append("the reference model's parameters (flexrl.trainer.reference_offload_param)")
+    if trainer.colocate and trainer.offload_states_in_rollout:
+        parts.append("the policy's states while its engine generates (flexrl.trainer.offload_states_in_rollout)")
+    options = rollout.hf if rollout.backend == "hf" else rollout.vllm
+    if trainer.colocate and options.sleep_level == 1:
+        parts.append(f"the engine's weights while it sleeps (flexrl.rollout.{rollout.backend}.sleep_level 1)")
     if not parts:
         return ""
-    return f"A policy rank's host memory holds {' and '.join(parts)}; docs/BENCHMARKS.md has measured sizes"
+    return f"A policy rank's host memory holds {', '.join(parts)}; docs/BENCHMARKS.md has measured sizes"
 
 
 def ray_cpus(run: Any, num_ranks: int) -> int:

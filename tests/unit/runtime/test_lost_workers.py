@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 from ray.core.generated.common_pb2 import ActorDiedErrorContext  # noqa: E402
 
 from flexrl_ds.config.flexrl_config import parse_run_config  # noqa: E402
-from flexrl_ds.runtime.lost_workers import lost_worker_error  # noqa: E402
+from flexrl_ds.runtime.lost_workers import lost_worker_error, raise_lost_worker  # noqa: E402
 from flexrl_ds.trainer.launch import policy_memory_hint  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[3] / "ds_configs"
@@ -28,7 +28,7 @@ MEMORY_KILL = ("Ray killed 1 worker(s) based on the killing policy\nConsidered w
 
 def died(message: str) -> Exception:
     return ray.exceptions.ActorDiedError(ActorDiedErrorContext(error_message=message, class_name="_Host",
-                                                               actor_id=b"\x01" * 16))
+                                                               actor_id=b"\x01" * 16, node_ip_address="10.0.0.3"))
 
 
 @pytest.mark.parametrize("error", [died(MEMORY_KILL), ray.exceptions.OutOfMemoryError(MEMORY_KILL)],
@@ -39,29 +39,51 @@ def test_a_memory_monitor_kill_names_host_memory_and_the_hint(error):
     assert "A policy rank's host memory holds X" in said and len(said.splitlines()) == 1
 
 
-def test_another_death_says_a_worker_died_and_where_its_log_is():
-    said = str(lost_worker_error(died("The actor's worker process exited: SIGSEGV"), "policy.train_step"))
-    assert said.startswith("policy.train_step: a worker died (The actor died unexpectedly before finishing this task.)")
+def test_another_death_says_a_worker_died_why_and_where_its_log_is():
+    message = "The actor's worker process exited: SIGSEGV"
+    said = str(lost_worker_error(died(message), "policy.train_step"))
+    assert said.startswith(f"policy.train_step: a worker died ({message} on 10.0.0.3)")
     assert "memory" not in said and "/tmp/ray/session_latest/logs" in said
+    bare = str(lost_worker_error(ray.exceptions.ActorDiedError(), "policy.train_step"))  # Ray knew no more
+    assert bare.startswith("policy.train_step: a worker died (The actor died unexpectedly before finishing this task.)")
 
 
 def test_the_workers_own_exception_is_not_a_lost_worker():
     raised_by_worker = ray.exceptions.RayTaskError("call", "Traceback ...", ValueError("bad sample 'a'"))
     assert lost_worker_error(raised_by_worker, "policy.generate") is None
     assert lost_worker_error(ValueError("low on memory"), "policy.generate") is None
+    with pytest.raises(ValueError, match="bad sample"):  # raised as it came
+        raise_lost_worker(ValueError("bad sample 'a'"), "policy.generate")
+    with pytest.raises(RuntimeError, match="memory monitor") as raised:
+        raise_lost_worker(died(MEMORY_KILL), "policy.generate")
+    assert isinstance(raised.value.__cause__, ray.exceptions.ActorDiedError)
 
 
-def run_config(name: str, **trainer):
+def run_config(name: str, trainer: dict | None = None, vllm: dict | None = None):
     raw = json.loads((CONFIGS / name).read_text())
-    raw["flexrl"]["trainer"].update(trainer)
+    raw["flexrl"]["trainer"].update(trainer or {})
+    raw["flexrl"]["rollout"].setdefault("vllm", {}).update(vllm or {})
     return parse_run_config(raw)
 
 
-def test_the_policy_hint_names_the_settings_that_use_host_memory():
+PARTS = {"optimizer": "zero_optimization.offload_optimizer", "reference": "flexrl.trainer.reference_offload_param",
+         "states": "flexrl.trainer.offload_states_in_rollout", "engine": "flexrl.rollout.vllm.sleep_level 1"}
+
+
+@pytest.mark.parametrize("trainer, vllm, named", [
+    ({}, {}, {"optimizer"}),  # the 7B file: only its optimizer offload
+    ({"reference_offload_param": True}, {}, {"optimizer", "reference"}),
+    ({"offload_states_in_rollout": True}, {}, {"optimizer", "states"}),
+    ({}, {"sleep_level": 1}, {"optimizer", "engine"}),
+    ({"colocate": False, "offload_states_in_rollout": True}, {"sleep_level": 1}, {"optimizer"}),  # no engine inside
+])
+def test_the_policy_hint_names_each_setting_that_puts_the_rank_in_host_memory(trainer, vllm, named):
     seven_b = json.loads((CONFIGS / "grpo_vl7b_1xh200.json").read_text())["zero_optimization"]["offload_optimizer"]
-    hint = policy_memory_hint(run_config("grpo_vl7b_1xh200.json"))
+    hint = policy_memory_hint(run_config("grpo_vl7b_1xh200.json", trainer, vllm))
+    assert {part for part, key in PARTS.items() if key in hint} == named, hint
     assert f"ratio {seven_b['ratio']}, pin_memory {str(seven_b['pin_memory']).lower()}" in hint
-    assert "reference_offload_param" not in hint
-    assert "reference_offload_param" in policy_memory_hint(run_config("grpo_vl7b_1xh200.json",
-                                                                      reference_offload_param=True))
-    assert policy_memory_hint(run_config("grpo_vl3b_1xh200.json")) == ""  # nothing of it in host memory
+
+
+def test_nothing_in_host_memory_gives_no_hint():
+    run = run_config("grpo_vl3b_1xh200.json", vllm={"sleep_level": 2})  # its optimizer stays on the GPU
+    assert policy_memory_hint(run) == ""
