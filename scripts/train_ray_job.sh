@@ -16,23 +16,25 @@ python=${PYTHON:-$root/.venv/bin/python}
 ray_bin=${RAY_BIN:-$(dirname "$python")/ray}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 if [ -z "${RAY_ADDRESS:-}" ]; then
-  port=${FLEXRL_RAY_DASHBOARD_PORT:-8265}
+  # Ports the OS picks for the GCS, the job server (unless FLEXRL_RAY_DASHBOARD_PORT names one), the
+  # dashboard agent and the client server: Ray's fixed defaults (8265, 52365, 10001) are taken where
+  # another Ray instance runs on this machine. A dashboard agent that cannot bind takes the head down;
+  # a job server that cannot bind would leave `ray job submit` on that port reaching the other
+  # instance's, so the dashboard is required (--include-dashboard true): the head fails instead.
+  read -r gcs_port free_port agent_port client_port < <("$python" -c "
+import socket
+held = [socket.socket() for _ in range(4)]
+for s in held: s.bind(('127.0.0.1', 0))
+print(*(s.getsockname()[1] for s in held))")
+  port=${FLEXRL_RAY_DASHBOARD_PORT:-$free_port}
   echo "[train_ray_job] no RAY_ADDRESS: starting a local Ray head on 127.0.0.1 (job server :$port)"
   # A head of our own, held by `ray start --block` in the background: stopping that process stops
   # exactly this head (`ray stop` would stop every Ray cluster on the machine).
   ray_dir=$(mktemp -d /tmp/rayfx.XXXXXX)
-  # Ports the OS picks for the GCS, the dashboard agent and the client server: Ray's fixed defaults
-  # (52365, 10001) are taken where another Ray instance runs on this machine, and a dashboard agent
-  # that cannot bind takes the head down with it.
-  read -r gcs_port agent_port client_port < <("$python" -c "
-import socket
-held = [socket.socket() for _ in range(3)]
-for s in held: s.bind(('127.0.0.1', 0))
-print(*(s.getsockname()[1] for s in held))")
   "$ray_bin" start --head --port "$gcs_port" --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 \
-    --dashboard-port "$port" --dashboard-agent-listen-port "$agent_port" --ray-client-server-port "$client_port" \
-    --num-cpus "${FLEXRL_RAY_CPUS:-8}" --temp-dir "$ray_dir" --disable-usage-stats \
-    --block >"$ray_dir/head.log" 2>&1 &
+    --include-dashboard true --dashboard-port "$port" --dashboard-agent-listen-port "$agent_port" \
+    --ray-client-server-port "$client_port" --num-cpus "${FLEXRL_RAY_CPUS:-8}" --temp-dir "$ray_dir" \
+    --disable-usage-stats --block >"$ray_dir/head.log" 2>&1 &
   head_pid=$!
   stop_head() {
     kill -TERM "$head_pid" 2>/dev/null || true

@@ -110,10 +110,13 @@ def test_both_launchers_train_the_same_step(assets, tmp_path):
     assert [s["reward"] for s in ray_job] == pytest.approx([s["reward"] for s in spmd])
 
 
-def test_ray_job_launcher_returns_the_job_status(assets, tmp_path):
-    """A job that fails (here: no such model directory) makes the launcher exit non-zero."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "FLEXRL_RAY_DASHBOARD_PORT": "8298"}
-    env.pop("RAY_ADDRESS", None)
+def test_ray_job_launcher_returns_the_job_status(assets, tmp_path, ray_session):
+    """A job that fails (here: no such model directory) makes the launcher exit non-zero. Another Ray
+    runs on the machine meanwhile (the tests' session): the launcher's head takes ports of its own
+    (with Ray's fixed dashboard-agent port its agent could not bind and the head went down)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    for name in ("RAY_ADDRESS", "FLEXRL_RAY_DASHBOARD_PORT"):
+        env.pop(name, None)
     result = run_as_group(
         ["bash", str(ROOT / "scripts" / "train_ray_job.sh"), str(ROOT / "ds_configs" / "grpo_tiny_cpu.json"),
          "--model", str(tmp_path / "missing"), "--data", str(assets / "data" / "train.jsonl"),
