@@ -10,6 +10,8 @@ An exception raised by the worker's own code is not a lost worker and passes unc
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 MEMORY_KILL_WORDS = ("low on memory", "memory monitor", "out of memory issue", "memory_usage_threshold",
                      "based on the killing policy")
 """Phrases of Ray's message when its memory monitor killed the worker (matched case-insensitively)."""
@@ -53,7 +55,7 @@ def death_detail(error: BaseException) -> str:
     return " ".join(parts)
 
 
-def raise_lost_worker(error: BaseException, what: str, memory_hint: str = "") -> None:
+def raise_lost_worker(error: BaseException, what: str, memory_hint: str = "") -> NoReturn:
     """Raise `error`'s short account with `error` as its cause, or `error` itself if it has none."""
     explained = lost_worker_error(error, what, memory_hint)
     if explained is None:
