@@ -17,6 +17,13 @@ MEMORY_KILL_WORDS = ("low on memory", "memory monitor", "out of memory issue", "
 """Phrases of Ray's message when its memory monitor killed the worker (matched case-insensitively)."""
 
 
+RAY_GENERIC_ADVICE = " Some common causes include"
+"""Where Ray's account of a dead worker turns to the list of causes it gives every time (the OOM
+killer, `ray stop --force`, a crash): cut from the one line, kept in the attached report."""
+DETAIL_CHARS = 240
+"""The most of Ray's account of a death the one line carries."""
+
+
 def killed_for_host_memory(error: BaseException) -> bool:
     """Whether Ray lost the worker because its memory monitor killed it (host memory ran low)."""
     import ray
@@ -49,6 +56,9 @@ def death_detail(error: BaseException) -> str:
     lines = str(error).splitlines()
     fields = dict(line.strip().split(": ", 1) for line in lines[1:] if line.startswith("\t") and ": " in line)
     message = next((line.strip() for line in lines[1:] if line.strip() and not line.startswith("\t")), "")
+    message = message.split(RAY_GENERIC_ADVICE)[0].strip()  # Ray's list of possible causes: in the report
+    if len(message) > DETAIL_CHARS:
+        message = message[:DETAIL_CHARS - 3] + "..."
     parts = [message or (lines[0].strip() if lines else type(error).__name__)]
     if "ip" in fields:
         parts.append(f"on {fields['ip']}")

@@ -39,6 +39,28 @@ def test_a_memory_monitor_kill_names_host_memory_and_the_hint(error):
     assert "A policy rank's host memory holds X" in said and len(said.splitlines()) == 1
 
 
+# what Ray 2.60 says of an actor whose process exited (os._exit) on this machine
+EXITED = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+          "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes "
+          "include: (1) the process was killed by the OOM killer due to high memory usage, (2) ray stop --force "
+          "was called, or (3) the worker crashed unexpectedly due to SIGSEGV or another unexpected error.")
+
+
+def test_a_worker_that_exited_is_said_without_rays_list_of_possible_causes():
+    """The list of causes Ray gives for every death (the OOM killer among them) is no memory kill,
+    and stays in the attached report rather than the one line."""
+    said = str(lost_worker_error(died(EXITED), "policy.die"))
+    assert said.startswith("policy.die: a worker died (The actor is dead because its worker process has died. "
+                           "Worker exit type: SYSTEM_ERROR")
+    assert "connection error code 2. End of file. on 10.0.0.3)" in said
+    assert "memory" not in said and "Some common causes" not in said
+
+
+def test_a_long_account_is_cut():
+    said = str(lost_worker_error(died("x" * 1000), "policy.die"))
+    assert ("x" * 237 + "... on 10.0.0.3)") in said and "x" * 238 not in said
+
+
 def test_another_death_says_a_worker_died_why_and_where_its_log_is():
     message = "The actor's worker process exited: SIGSEGV"
     said = str(lost_worker_error(died(message), "policy.train_step"))
