@@ -10,7 +10,9 @@ An exception raised by the worker's own code is not a lost worker and passes unc
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
+
+from flexrl_ds.runtime.host_memory import ray_kill_share
 
 MEMORY_KILL_WORDS = ("low on memory", "memory monitor", "out of memory issue", "memory_usage_threshold",
                      "based on the killing policy")
@@ -42,7 +44,7 @@ def lost_worker_error(error: BaseException, what: str, memory_hint: str = "") ->
     if killed_for_host_memory(error):
         return RuntimeError(
             f"{what}: Ray's memory monitor killed a worker because its node ran low on host memory (Ray "
-            "kills above RAY_memory_usage_threshold, 0.95 of the node's memory unless set)"
+            f"kills above {ray_kill_share():.0%} of the node's memory, RAY_memory_usage_threshold)"
             + (f". {memory_hint}" if memory_hint else "") + ". Ray's report is above.")
     if isinstance(error, ray.exceptions.RayActorError):
         return RuntimeError(f"{what}: a worker died ({death_detail(error)}); its log in Ray's session folder "
@@ -71,3 +73,13 @@ def raise_lost_worker(error: BaseException, what: str, memory_hint: str = "") ->
     if explained is None:
         raise error
     raise explained from error
+
+
+def ray_get_explained(refs: list, what: str, timeout_s: float | None = None, memory_hint: str = "") -> list:
+    """`ray.get(refs)`, a worker Ray lost raised as its one-line account (`raise_lost_worker`)."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
+        raise_lost_worker(error, what, memory_hint)

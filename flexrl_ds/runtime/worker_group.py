@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from flexrl_ds.runtime.lost_workers import raise_lost_worker
+from flexrl_ds.runtime.lost_workers import ray_get_explained
 
 
 @dataclass(frozen=True)
@@ -151,12 +151,10 @@ class RayWorkerGroup:
         import ray
 
         try:
-            return ray.get(refs, timeout=self.timeout_s)
+            return ray_get_explained(refs, f"{self.name}.{what}", self.timeout_s, self.memory_hint)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
                                "(a hang or a crash on some rank)") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
-            raise_lost_worker(error, f"{self.name}.{what}", self.memory_hint)
 
     def run_async(self, method: str, *args, **kwargs) -> list:
         """Start `method(*args, **kwargs)` on every rank; the Ray references, in rank order."""

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import ray
 
-from flexrl_ds.runtime.lost_workers import raise_lost_worker
+from flexrl_ds.runtime.lost_workers import ray_get_explained
 from flexrl_ds.trainer.rollout_host import PromptJob, RolloutHost, RolloutOutput, spread_jobs
 
 
@@ -35,15 +35,6 @@ def merge_outputs(outputs: Sequence[RolloutOutput]) -> RolloutOutput:
     return merged
 
 
-def _get(refs: list, what: str, timeout_s: float | None = None, memory_hint: str = "") -> list:
-    """`ray.get`, an engine (or policy rank) Ray lost said in one line (runtime/lost_workers.py);
-    memory_hint: the policy group's, where its ranks are among those waited on."""
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
-        raise_lost_worker(error, what, memory_hint)
-
-
 def _wait_all(refs: list, timeout_s: float, what: str, memory_hint: str = "") -> None:
     """Wait for every reference, raising the first failure as soon as it happens (a dead engine must
     not leave policy rank 0 waiting in a broadcast until the timeout)."""
@@ -52,7 +43,7 @@ def _wait_all(refs: list, timeout_s: float, what: str, memory_hint: str = "") ->
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             raise TimeoutError(f"{what}: {len(pending)} of {len(refs)} calls unfinished after {timeout_s:.0f} s")
-        _get(ready, what, memory_hint=memory_hint)
+        ray_get_explained(ready, what, memory_hint=memory_hint)
 
 
 class ColocatedRollout:
@@ -111,7 +102,7 @@ class SeparateRollout:
     def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> RolloutOutput:
         shares = spread_jobs(jobs, len(self.hosts))
         refs = [host.generate.remote(step, share, params) for host, share in zip(self.hosts, shares) if share]
-        return merge_outputs(_get(refs, "rollout engines.generate", self.timeout_s))
+        return merge_outputs(ray_get_explained(refs, "rollout engines.generate", self.timeout_s))
 
     def sync(self, policy: Any, bucket_bytes: int) -> float:
         """Policy rank 0 broadcasts each gathered bucket to every engine over the weight channel
@@ -130,14 +121,14 @@ class SeparateRollout:
         started = time.perf_counter()
         hint = getattr(policy, "memory_hint", "")  # its ranks are among those waited on
         if self.transport is None:
-            ranks = _get([host.channel_ranks.remote() for host in self.hosts], "rollout engines.channel_ranks",
-                         self.timeout_s)
+            ranks = ray_get_explained([host.channel_ranks.remote() for host in self.hosts],
+                                      "rollout engines.channel_ranks", self.timeout_s)
             address = policy.run("weight_channel_address", sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
             joins = [host.join_weight_channel.remote(address, first)
                      for host, first in zip(self.hosts, channel_first_ranks(ranks))]
             policy_joins = policy.run_async("join_weight_channel", address)
             _wait_all(joins + policy_joins, self.timeout_s, "weight channel set-up", hint)
-            self.transport = _get([policy_joins[0]], "weight channel set-up", memory_hint=hint)[0]
+            self.transport = ray_get_explained([policy_joins[0]], "weight channel set-up", memory_hint=hint)[0]
             print(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers", flush=True)
         loads = [host.receive_weights.remote() for host in self.hosts]
         _wait_all(loads + policy.run_async("send_weights", bucket_bytes), self.timeout_s, "weight sync", hint)
