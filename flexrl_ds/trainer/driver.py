@@ -85,6 +85,8 @@ class TrainOptions:
     """`TrainerConfig.profile_step`."""
     grad_accum_dtype: str = "float32"
     """The dtype micro-batch gradients add up in (trainer/validation.py `gradient_accumulation_dtype`)."""
+    memory_hint: str = ""
+    """What of a policy rank this run keeps in host memory, by setting (`launch.policy_memory_hint`)."""
 
 
 class GRPOTrainer:
@@ -159,7 +161,7 @@ class GRPOTrainer:
             print(f"memory: {name}: torch's device allocator found no free cached block "
                   f"{peaks[name]['alloc_retries']:.0f} time(s) and freed its whole cache to retry (each a "
                   "synchronising pause; the phase's memory is near the device's limit)", flush=True)
-        warn_host_memory(name, peaks[name])
+        warn_host_memory(name, peaks[name], self.o.memory_hint)
         return result
 
     def _fitting(self, step: int, prompts: list) -> list:
@@ -415,15 +417,15 @@ allocator's retries (the cache freed to make room) and device mallocs in the pha
 memory in use on a rank's node (GiB, and its share of the node's)."""
 
 
-def warn_host_memory(phase: str, peaks: dict[str, float]) -> None:
+def warn_host_memory(phase: str, peaks: dict[str, float], memory_hint: str = "") -> None:
     """Say a phase whose node memory in use came near the share at which Ray's memory monitor kills
-    workers (runtime/host_memory.py)."""
+    workers (runtime/host_memory.py), with what the run's settings keep there (`memory_hint`)."""
     share = peaks.get("peak_host_used_share", 0.0)
     if share > host_memory.warn_share():
+        held = memory_hint or "No setting of this run keeps a policy rank's states there"
         print(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, {share:.0%} of a "
-              f"policy rank's node; Ray's memory monitor kills workers above {host_memory.ray_kill_share():.0%} "
-              "(a lower zero_optimization.offload_optimizer.ratio, or flexrl.trainer.reference_offload_param off, "
-              "keeps less there)", flush=True)
+              f"policy rank's node; Ray's memory monitor kills workers above {host_memory.ray_kill_share():.0%}. "
+              f"{held}", flush=True)
 
 
 HOST_PEAK_KEYS = ("peak_host_used_gb", "peak_host_used_share")

@@ -143,7 +143,8 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         rl=run.flexrl.rl, sp=run.flexrl.sp,
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
         run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision, peak_flops=peak_bf16_flops(device_name),
-        profile_step=trainer.profile_step, grad_accum_dtype=gradient_accumulation_dtype(run.deepspeed))
+        profile_step=trainer.profile_step, grad_accum_dtype=gradient_accumulation_dtype(run.deepspeed),
+        memory_hint=policy_memory_hint(run))
 
 
 def vision_token_ids(model_dir: str) -> list[int]:

@@ -72,13 +72,20 @@ def test_the_driver_warns_near_rays_kill_threshold(capsys, monkeypatch, share, k
         monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
     else:
         monkeypatch.setenv("RAY_memory_usage_threshold", kill)
-    warn_host_memory("update", {"peak_host_used_gb": share * 125, "peak_host_used_share": share})
+    hint = "A policy rank's host memory holds the offloaded optimizer (ratio 0.6)"
+    warn_host_memory("update", {"peak_host_used_gb": share * 125, "peak_host_used_share": share}, hint)
     said = capsys.readouterr().out
     assert bool(said) is warned
     if warned:
         assert said.startswith(f"memory: update: host memory in use peaked at {share * 125:.0f} GiB, "
                                f"{share:.0%} of a policy rank's node")
-        assert f"kills workers above {float(kill or 0.95):.0%}" in said and "offload_optimizer.ratio" in said
+        assert f"kills workers above {float(kill or 0.95):.0%}. {hint}" in said
+
+
+def test_the_warning_says_when_no_setting_keeps_states_in_host_memory(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
+    warn_host_memory("rollout", {"peak_host_used_gb": 120.0, "peak_host_used_share": 0.96})
+    assert "No setting of this run keeps a policy rank's states there" in capsys.readouterr().out
 
 
 def test_host_figures_come_from_the_node_closest_to_its_limit():
