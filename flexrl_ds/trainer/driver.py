@@ -260,15 +260,26 @@ class GRPOTrainer:
                 result.plan.save(self.paths.plan(step, part + (f"_d{domain}" if len(results) > 1 else "")))
 
     def _inference(self, step: int, samples: StepSamples) -> dict[str, Any]:
-        micro_batches, encoded = self._plan(step, samples, samples.names, "old-policy and reference log-probs",
-                                            self.o.sp.for_logprob_passes())
+        """The old policy's and the reference's log-probs of the step's samples, and where the phase's
+        time went (`inference_time_s`, `INFERENCE_PARTS`)."""
+        times: dict[str, float] = {}
+        micro_batches, encoded = self._timed(times, "plan", self._plan, step, samples, samples.names,
+                                             "old-policy and reference log-probs", self.o.sp.for_logprob_passes())
         self._save_plans(micro_batches, step)
         job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys())
-        old = assemble(encoded, self.policy.run("logprobs", job))
-        ref = {}
+        old, old_parts = self._logprob_pass(times, "old", job)
+        ref, ref_parts = {}, {}
         if self.o.rl.init_kl_coef > 0:
-            ref = assemble(encoded, self.policy.run("logprobs", dataclasses.replace(job, model="reference")))
-        return {"old": old, "ref": ref, "micro_batches": micro_batches, "encoded": encoded}
+            ref, ref_parts = self._logprob_pass(times, "reference", dataclasses.replace(job, model="reference"))
+        times.update({part: old_parts[part] + ref_parts.get(part, 0.0) for part in old_parts})
+        return {"old": old, "ref": ref, "micro_batches": micro_batches, "encoded": encoded, "times_s": times}
+
+    def _logprob_pass(self, times: dict[str, float], name: str, job: PassJob):
+        """One log-prob pass on the ranks, timed into times[name]: its log-probs by sample, and the
+        slowest rank's seconds by part ("batches", "forward")."""
+        per_rank = self._timed(times, name, self.policy.run, "logprobs", job)
+        parts = {part: max(seconds[part] for _, seconds in per_rank) for part in per_rank[0][1]}
+        return assemble(job.samples, [pieces for pieces, _ in per_rank]), parts
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         asked = self.o.rl.mini_batches_per_step
@@ -329,6 +340,7 @@ class GRPOTrainer:
             "attention_balance": max(float(r.metrics.attention_balance) for r in plans),
             "rollout_logprob_diff": gaps.mean, "rollout_logprob_diff_by_media": gaps.by_media,
             "degrees": _degrees(plans),
+            "inference_time_s": inference["times_s"],
             "micro_batches": {"inference": len(inference["micro_batches"]),
                               "update": sum(b["micro_batches"] for b in update)},
             **self._mfu(samples, lengths, times, passes=2 if inference["ref"] else 1,
@@ -426,6 +438,12 @@ def warn_host_memory(phase: str, peaks: dict[str, float], memory_hint: str = "")
         print(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, {share:.0%} of a "
               f"policy rank's node; Ray's memory monitor kills workers above {host_memory.ray_kill_share():.0%}. "
               f"{held}", flush=True)
+
+
+INFERENCE_PARTS = ("plan", "old", "reference", "batches", "forward")
+"""Keys of `inference_time_s`: the driver's planning of the log-prob passes, the old-policy pass and
+the reference pass (only with a KL term) as the driver waited for them, and on the slowest rank the
+two passes' batch building (the pixel pulls included) and forwards (each to its log-probs on the host)."""
 
 
 HOST_PEAK_KEYS = ("peak_host_used_gb", "peak_host_used_share")

@@ -9,7 +9,7 @@ policy's weights in process.
 
 Every method is collective over the group (all ranks are called with the same arguments):
 - `logprobs(job)`: one no-grad FlexUlysses pass of the policy or the reference over the job's
-  plan; returns this rank's pieces {sample: [(first position, log-probs)]};
+  plan; returns this rank's pieces {sample: [(first position, log-probs)]} and its seconds by part;
 - `train(job)`: one mini-batch: FlexUlysses forward with grad, the GRPO loss over this rank's
   tokens normalised by the mini-batch's global denominator, backward (per micro-batch, where the
   driver cut the mini-batch under flexrl.sp.max_tokens_per_rank), one optimizer step; returns
@@ -215,18 +215,22 @@ class PolicyWorker:
                              f"decode after the step was planned: {fetched.withdrawn_reasons()}")
         self.slices.add(step, requests, fetched.tensors)
 
-    def logprobs(self, job: PassJob) -> dict[str, list]:
-        """This rank's pieces of next-token log-probs (no grad) of the policy or the reference."""
+    def logprobs(self, job: PassJob) -> tuple[dict[str, list], dict[str, float]]:
+        """This rank's pieces of next-token log-probs (no grad) of the policy or the reference, and
+        its seconds: {"batches": building the micro-batches (the pixel pulls included), "forward":
+        the forwards, each to its log-probs on the host}."""
         engine = self.reference if job.model == "reference" else self.policy
         pieces: dict[str, list] = {}
+        started = time.perf_counter()
         with region("build_batches"):
             batches = self._batches(job)
+        built = time.perf_counter()
         for batch in batches:
             with torch.no_grad(), region("logprob_forward"):
                 logprobs = engine(batch).logprobs.float().cpu()  # one copy to the host, not one per piece
             for seq_id, lo, hi, local in batch.layout.segments():
                 pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].tolist()))
-        return pieces
+        return pieces, {"batches": built - started, "forward": time.perf_counter() - built}
 
     def train(self, job: PassJob) -> dict[str, float]:
         """One mini-batch update (models/policy_update.train_step); the mini-batch's statistics

@@ -80,6 +80,7 @@ def meminfo_kib(field: str) -> int:
 
 
 def test_outputs_and_metrics(run_a):
+    from flexrl_ds.trainer.driver import INFERENCE_PARTS
     from flexrl_ds.trainer.rollout_host import ROLLOUT_PARTS
 
     metrics = rows(run_a)
@@ -90,6 +91,10 @@ def test_outputs_and_metrics(run_a):
         parts = row["rollout_time_s"]  # colocated engines: every part, each the slowest rank's
         assert set(parts) == set(ROLLOUT_PARTS)
         assert all(0 <= seconds <= row["time_s"]["rollout"] for seconds in parts.values())
+        inference = row["inference_time_s"]  # the driver's plan, the two passes, and on the ranks their parts
+        assert set(inference) == set(INFERENCE_PARTS) and min(inference.values()) > 0
+        assert inference["plan"] + inference["old"] + inference["reference"] <= row["time_s"]["inference"]
+        assert inference["batches"] + inference["forward"] <= inference["old"] + inference["reference"]
         for key in ("alloc_retries", "device_mallocs"):  # torch's allocator per phase: nothing on CPU
             assert row[key] == {phase: 0.0 for phase in ("rollout", "inference", "update", "sync")}, key
         node_gib = meminfo_kib("MemTotal") / 2**20  # every rank is on this machine
