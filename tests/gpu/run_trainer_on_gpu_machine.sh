@@ -48,6 +48,9 @@
 #     together, into packs of at most PACK_BUDGET tokens (one attention call per pack and layer).
 #   ZERO3_PERSISTENCE=n: `stage3_param_persistence_threshold` (the shipped files: 0, every parameter
 #     gathered at each use; DeepSpeed's default is 100000: norms and biases stay whole).
+#   ZERO3_PREFETCH=n: `stage3_prefetch_bucket_size` (DeepSpeed's default 5e7 elements; 0: no prefetch
+#     along a recorded trace). ZERO3_TRACE_WARNINGS=1: `zero_optimization.log_trace_cache_warnings`,
+#     DeepSpeed's line each time a pass leaves the module order it recorded (in OUT/train.log).
 #   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
 #     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it, the
 #     table also copied to OUT/profile_step_n_rank_0.txt. Writing them took ~140 s for a 3B step of
@@ -137,6 +140,10 @@ if "OFFLOAD_RATIO" in os.environ:  # 7b: the share of the optimizer stepped on t
     config["zero_optimization"]["offload_optimizer"]["ratio"] = float(os.environ["OFFLOAD_RATIO"])
 if "ZERO3_PERSISTENCE" in os.environ:  # parameters under this many elements stay whole on every rank
     config["zero_optimization"]["stage3_param_persistence_threshold"] = int(os.environ["ZERO3_PERSISTENCE"])
+if "ZERO3_PREFETCH" in os.environ:  # elements gathered ahead along a recorded module trace
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = int(float(os.environ["ZERO3_PREFETCH"]))
+if os.environ.get("ZERO3_TRACE_WARNINGS") == "1":  # a line each time a pass leaves its recorded order
+    config["zero_optimization"]["log_trace_cache_warnings"] = True
 if "OFFLOAD_PIN" in os.environ:  # 7b: pinned host buffers for the offloaded optimizer
     config["zero_optimization"]["offload_optimizer"]["pin_memory"] = os.environ["OFFLOAD_PIN"] == "1"
 if backend == "hf":
@@ -170,7 +177,7 @@ sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
 rm -rf "$out/run"  # a new run each time (flexrl train refuses an --out holding another run's steps)
 python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m$shape" --data "$data/train.jsonl" \
-  --out "$out/run" --max-steps "$steps" 2>&1 | grep -v "Loading weights" | tail -40
+  --out "$out/run" --max-steps "$steps" 2>&1 | tee "$out/train.log" | grep -v "Loading weights" | tail -40
 # the profile's tables at the top of OUT: the device tool brings back only the first folder levels
 for table in "$out"/run/profile/*.txt; do [ -f "$table" ] && cp "$table" "$out/profile_$(basename "$table")"; done
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$out/summary.txt"
