@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flexrl_ds.common import notes
 from flexrl_ds.models.flex_model import FlexUlyssesLM
 
 INFERENCE_DROPPED_KEYS = ("optimizer", "scheduler")
@@ -144,7 +145,7 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     module.unread_config_keys = tuple(sorted(set(config) - config.asked))
     note = unread_keys_note(config, config.asked)
     if note and train and dist.get_rank() == 0:  # the reference engine reads the same JSON: said once
-        print(note, flush=True)
+        notes.say(note)
     if train:
         engine.train()  # models load in eval mode; transformers recomputes layers only in training mode
     else:

@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from flexrl_ds.common import notes
 from flexrl_ds.parallel import device as device_mod
 
 ALIGN = 16
@@ -126,9 +127,8 @@ class WeightChannel:
             device_ids = [store.get(f"rank{rank}").decode() or None for rank in range(address.size)]
             transport = choose_transport(address.use_gpu, device_ids)
             if address.use_gpu and transport == HOST_MEMORY:
-                print(f"weight channel: GPUs allowed, but the ranks' GPUs {device_ids} (rank 0 first; None: "
-                      f"none) allow neither {SAME_GPU} nor {BETWEEN_GPUS}: buckets go through host memory (slow)",
-                      flush=True)
+                notes.say(f"weight channel: GPUs allowed, but the ranks' GPUs {device_ids} (rank 0 first; None: "
+                          f"none) allow neither {SAME_GPU} nor {BETWEEN_GPUS}: buckets go through host memory (slow)")
             store.set("transport", transport)
         return store.get("transport").decode()
 
@@ -154,7 +154,7 @@ class WeightChannel:
                 works = torch.equal(device_mod.open_shared(opened, self.device).cpu(), pattern)
             except Exception as error:  # noqa: BLE001 - whatever stops the opening, sharing does not work here
                 works = False
-                print(f"weight channel rank {self.rank}: cannot open rank 0's GPU memory (CUDA IPC): {error}", flush=True)
+                notes.say(f"weight channel rank {self.rank}: cannot open rank 0's GPU memory (CUDA IPC): {error}")
         verdict = torch.tensor([1.0 if works else 0.0])
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
@@ -163,7 +163,7 @@ class WeightChannel:
         device_mod.release_shared(device_mod.GPU)
         if verdict.item() < 1:
             if self.rank == 0:
-                print(f"weight channel: a receiver cannot open rank 0's GPU memory: {HOST_MEMORY} instead", flush=True)
+                notes.say(f"weight channel: a receiver cannot open rank 0's GPU memory: {HOST_MEMORY} instead")
             self.transport, self.device = HOST_MEMORY, device_mod.current_device(device_mod.CPU)
 
     def _share_or_open(self, flat: torch.Tensor | None) -> tuple | None:

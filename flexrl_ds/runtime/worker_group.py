@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
+from flexrl_ds.common import notes
 from flexrl_ds.runtime.lost_workers import ray_get_explained
 
 
@@ -90,11 +91,35 @@ def node_address() -> str:
     return "127.0.0.1"
 
 
+def print_worker_notes(actors: Sequence[Any], timeout_s: float = 5.0) -> None:
+    """Print on this console, once each, the lines the actors' workers said since last asked
+    (common/notes.py; each actor's body has `take_notes`). An actor that does not answer within
+    `timeout_s` (lost, or still busy) is skipped: its lines stay in its log file."""
+    import ray
+
+    refs = [actor.take_notes.remote() for actor in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    printed: set[str] = set()
+    for ref in (ref for ref in refs if ref in ready):
+        try:
+            lines = ray.get(ref)
+        except Exception:  # noqa: BLE001 - a lost actor's lines are in its log file
+            continue
+        for line in lines:
+            if line not in printed:  # the same line from several ranks, once
+                printed.add(line)
+                print(line, flush=True)
+
+
 class _Host:
     """The Ray actor body: builds the worker once the group's rendezvous is known."""
 
     def __init__(self):
         self.worker = None
+        notes.keep()
+
+    def take_notes(self) -> list[str]:
+        return notes.take()
 
     def rendezvous(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         address = node_address()
@@ -148,6 +173,8 @@ class RayWorkerGroup:
                   "start")
 
     def _get(self, refs: list, what: str) -> list:
+        """The calls' results, in rank order; then what the ranks said meanwhile is printed here
+        (also when a call failed)."""
         import ray
 
         try:
@@ -155,6 +182,8 @@ class RayWorkerGroup:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
                                "(a hang or a crash on some rank)") from None
+        finally:
+            print_worker_notes(self.actors)
 
     def run_async(self, method: str, *args, **kwargs) -> list:
         """Start `method(*args, **kwargs)` on every rank; the Ray references, in rank order."""

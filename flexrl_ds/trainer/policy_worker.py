@@ -34,6 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from flexrl_ds.common import notes
 from flexrl_ds.loader.metastore import PromptKey
 from flexrl_ds.models import policy_update
 from flexrl_ds.models import weights as model_weights
@@ -291,6 +292,7 @@ class PolicyWorker:
                 "peak_device_used_gb": self.device_usage.peak_bytes() / 2**30,
                 "peak_host_used_gb": host_peak / 2**30,
                 "peak_host_used_share": host_peak / host_memory.bytes_total(),
+                "gc_pause_s": self.gc_pauses.seconds,
                 **{key: float(now[key] - before[key]) for key in now}}
 
     # ---- weights ------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ from typing import Any, Sequence
 
 import ray
 
+from flexrl_ds.common import notes
 from flexrl_ds.runtime.lost_workers import ray_get_explained
+from flexrl_ds.runtime.worker_group import print_worker_notes
 from flexrl_ds.trainer.rollout_host import PromptJob, RolloutHost, RolloutOutput, spread_jobs
 
 
@@ -76,6 +78,18 @@ def channel_may_use_gpus(gpus_per_policy_rank: float, gpus_per_engine: float) ->
     return gpus_per_policy_rank > 0 and gpus_per_engine > 0
 
 
+class _RolloutActor(RolloutHost):
+    """A separate engine's Ray actor body: a `RolloutHost` whose said lines the driver prints
+    (common/notes.py)."""
+
+    def __init__(self, *args):
+        notes.keep()
+        super().__init__(*args)
+
+    def take_notes(self) -> list[str]:
+        return notes.take()
+
+
 class SeparateRollout:
     """`num_engines` Ray actors hosting one engine each."""
 
@@ -88,7 +102,7 @@ class SeparateRollout:
         NCCL where every rank has a GPU of its own, else gloo through host memory (chosen at set-up,
         runtime/weight_channel.choose_transport). env: the engines' environment variables (the
         policy ranks' NCCL settings among them)."""
-        actor = ray.remote(RolloutHost)
+        actor = ray.remote(_RolloutActor)
         self.timeout_s = timeout_s
         self.channel_broken: str | None = None
         """Why a sync failed: its ranks may be anywhere in a bucket, so the channel is never used again."""
@@ -102,7 +116,10 @@ class SeparateRollout:
     def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> RolloutOutput:
         shares = spread_jobs(jobs, len(self.hosts))
         refs = [host.generate.remote(step, share, params) for host, share in zip(self.hosts, shares) if share]
-        return merge_outputs(ray_get_explained(refs, "rollout engines.generate", self.timeout_s))
+        try:
+            return merge_outputs(ray_get_explained(refs, "rollout engines.generate", self.timeout_s))
+        finally:
+            print_worker_notes(self.hosts)
 
     def sync(self, policy: Any, bucket_bytes: int) -> float:
         """Policy rank 0 broadcasts each gathered bucket to every engine over the weight channel
@@ -116,6 +133,8 @@ class SeparateRollout:
             first_line = (str(error).splitlines() or [""])[0]
             self.channel_broken = f"{type(error).__name__}: {first_line}"
             raise
+        finally:
+            print_worker_notes(self.hosts)
 
     def _sync(self, policy: Any, bucket_bytes: int) -> float:
         started = time.perf_counter()

@@ -1,0 +1,43 @@
+"""Lines a worker process says to whoever runs the job.
+
+`say(line)` prints the line where the process prints. That reaches a person in a launcher's
+processes (`deepspeed --hostfile`, torchrun), but not in a Ray actor: the drivers join Ray with
+`log_to_driver=False`, so that the ranks' own output (DeepSpeed's, transformers', vLLM's) stays in
+their log files (/tmp/ray/session_latest/logs on each node). So a Ray actor that hosts a worker
+calls `keep()` once; from then on its said lines are also kept, and the driver takes them (`take`)
+after each call it waits for and prints them (runtime/worker_group.print_worker_notes).
+"""
+
+from __future__ import annotations
+
+import threading
+
+_lock = threading.Lock()
+_kept: list[str] | None = None
+"""Lines said since the driver last took them; None where nothing keeps them (no Ray actor)."""
+
+
+def say(line: str) -> None:
+    """Print `line` here, and keep it for the driver where this process is a Ray actor's."""
+    print(line, flush=True)
+    with _lock:
+        if _kept is not None:
+            _kept.append(line)
+
+
+def keep() -> None:
+    """From now on keep said lines until `take` (a Ray actor's body calls it once)."""
+    global _kept
+    with _lock:
+        if _kept is None:
+            _kept = []
+
+
+def take() -> list[str]:
+    """The lines kept since the last call, oldest first; they are not kept any longer."""
+    with _lock:
+        if not _kept:
+            return []
+        lines = list(_kept)
+        _kept.clear()
+        return lines
