@@ -47,6 +47,7 @@ from flexrl_ds.parallel.launch import ensure_deepspeed_comm
 from flexrl_ds.parallel.profiling import RankProfiler, region
 from flexrl_ds.planning.plan import parse_plan
 from flexrl_ds.runtime import host_memory
+from flexrl_ds.runtime.gc_pauses import GCPauses
 from flexrl_ds.runtime.rank_pixels import StepSlices, fetched_items, unit_requests
 from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
 from flexrl_ds.runtime.worker_group import WorkerPlace, join_process_group, node_address, open_store
@@ -145,6 +146,7 @@ class PolicyWorker:
         self.host_usage = device_mod.DeviceUsageMonitor(info, interval_s=0.25, used_bytes=host_memory.bytes_in_use)
         """The node's host memory in use (runtime/host_memory.py), sampled like the device's."""
         self.allocator_at_reset = device_mod.allocator_counts(info)
+        self.gc_pauses = GCPauses()
         if not dist.is_initialized():
             join_process_group(place, info.backend, setup.timeout_s)
         ensure_deepspeed_comm(info.backend)
@@ -259,6 +261,7 @@ class PolicyWorker:
         device_mod.reset_peak_memory(self.device_info)
         self.device_usage.reset()
         self.host_usage.reset()
+        self.gc_pauses.reset()
         self.allocator_at_reset = device_mod.allocator_counts(self.device_info)
 
     def start_profile(self) -> None:
@@ -284,7 +287,8 @@ class PolicyWorker:
         (`peak_memory_gb`) and all memory in use on the device (`peak_device_used_gb`); what torch's
         allocator did since (`alloc_retries`, `device_mallocs`: device.allocator_counts); and the
         node's host memory in use, in GiB and as a share of the node's (`peak_host_used_gb`,
-        `peak_host_used_share`: runtime/host_memory.py)."""
+        `peak_host_used_share`: runtime/host_memory.py); and the seconds Python's garbage collector
+        held the rank (`gc_pause_s`: runtime/gc_pauses.py)."""
         now = device_mod.allocator_counts(self.device_info)
         before = self.allocator_at_reset
         host_peak = self.host_usage.peak_bytes()  # one reading for both figures
@@ -403,13 +407,13 @@ class PolicyWorker:
             moved = self.rollout_offload.offload()
         except (AssertionError, NotImplementedError) as error:
             self.rollout_offload = None
-            print(f"rank {self.rank}: ZeRO-3 states stay on the device during rollout ({error})", flush=True)
+            notes.say(f"rank {self.rank}: ZeRO-3 states stay on the device during rollout ({error})")
             return
         if not self._offload_reported:
             self._offload_reported = True
             refusal = self.rollout_offload.refusal
-            print(f"rank {self.rank}: in host memory during rollout: {', '.join(moved) or 'nothing'}"
-                  + (f" (DeepSpeed keeps the rest: {refusal})" if refusal else ""), flush=True)
+            notes.say(f"rank {self.rank}: in host memory during rollout: {', '.join(moved) or 'nothing'}"
+                      + (f" (DeepSpeed keeps the rest: {refusal})" if refusal else ""))
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> bool:

@@ -97,6 +97,8 @@ def test_outputs_and_metrics(run_a):
         assert inference["batches"] + inference["forward"] <= inference["old"] + inference["reference"]
         for key in ("alloc_retries", "device_mallocs"):  # torch's allocator per phase: nothing on CPU
             assert row[key] == {phase: 0.0 for phase in ("rollout", "inference", "update", "sync")}, key
+        assert set(row["gc_pause_s"]) == {"rollout", "inference", "update", "sync"}
+        assert all(0 <= seconds <= row["time_s"][phase] for phase, seconds in row["gc_pause_s"].items())
         node_gib = meminfo_kib("MemTotal") / 2**20  # every rank is on this machine
         for phase, used in row["peak_host_used_gb"].items():  # the node's host memory in use, per phase
             assert 0 < used <= node_gib, (phase, used)

@@ -3,12 +3,15 @@ near the share at which Ray's memory monitor kills workers."""
 
 from __future__ import annotations
 
+import gc
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from flexrl_ds.parallel.device import DeviceUsageMonitor
 from flexrl_ds.runtime import host_memory
+from flexrl_ds.runtime.gc_pauses import GCPauses
 from flexrl_ds.trainer import policy_worker
 from flexrl_ds.trainer.driver import warn_host_memory
 from flexrl_ds.trainer.policy_worker import PolicyWorker
@@ -41,12 +44,18 @@ def test_a_rank_reports_its_nodes_peak_and_share(monkeypatch):
     rank.device_info, rank.allocator_at_reset = cpu, {"alloc_retries": 0, "device_mallocs": 0}
     rank.device_usage = DeviceUsageMonitor(cpu, poll=False)
     rank.host_usage = DeviceUsageMonitor(cpu, used_bytes=in_use, poll=False)
+    rank.gc_pauses = GCPauses()
     monkeypatch.setattr(policy_worker.host_memory, "bytes_total", lambda: 100 * GIB)
     rank.reset_peaks()  # the driver's, before the phase: reads 30 GiB
     rank.host_usage.sample()  # the monitor's thread, during the phase: 70 GiB
+    started = time.perf_counter()
+    gc.collect()  # a full collection in the phase
+    collected = time.perf_counter() - started
     peaks = rank.peaks()
+    rank.gc_pauses.close()
     assert peaks["peak_host_used_gb"] == 70 and peaks["peak_host_used_share"] == pytest.approx(0.7)
     assert peaks["peak_device_used_gb"] == 0  # a CPU rank's device monitor is inert
+    assert 0 < peaks["gc_pause_s"] <= collected
 
 
 def test_a_new_phase_starts_a_new_peak():
@@ -57,11 +66,13 @@ def test_a_new_phase_starts_a_new_peak():
     rank.device_info, rank.allocator_at_reset = cpu, {"alloc_retries": 0, "device_mallocs": 0}
     rank.device_usage = DeviceUsageMonitor(cpu, poll=False)
     rank.host_usage = DeviceUsageMonitor(cpu, used_bytes=lambda: in_use[0], poll=False)
+    rank.gc_pauses = GCPauses()
     rank.reset_peaks()
     assert rank.peaks()["peak_host_used_gb"] == 80
     in_use[0] = 20 * GIB
     rank.reset_peaks()
     assert rank.peaks()["peak_host_used_gb"] == 20
+    rank.gc_pauses.close()
 
 
 @pytest.mark.parametrize("share, kill, warned", [(0.5, None, False), (0.91, None, True), (0.82, "0.85", True),
