@@ -216,6 +216,11 @@ def _progress(what: str, since: float) -> float:
     return now
 
 
+def policy_ranks(count: int) -> str:
+    """"1 policy rank", "4 policy ranks"."""
+    return f"{count} policy rank{'' if count == 1 else 's'}"
+
+
 def policy_memory_hint(run: Any) -> str:
     """What of a policy rank lives in host memory, by the settings that put it there (said if Ray
     kills a rank for host memory: runtime/lost_workers.py)."""
@@ -261,7 +266,7 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
         policy = RayWorkerGroup(PolicyWorker, prepared.num_ranks, {"setup": setup}, trainer.num_cpus_per_rank,
                                 trainer.num_gpus_per_rank, name="policy", timeout_s=trainer.timeout_s,
                                 env=worker_env(), memory_hint=policy_memory_hint(run))
-        clock = _progress(f"{prepared.num_ranks} policy ranks ready (models loaded, DeepSpeed engines built"
+        clock = _progress(f"{policy_ranks(prepared.num_ranks)} ready (models loaded, DeepSpeed engines built"
                           f"{', rollout engines inside' if trainer.colocate else ''})", clock)
         if trainer.colocate:
             rollout = ColocatedRollout(policy)
@@ -332,7 +337,7 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
         group.serve()
         return 0
     prepared, controller, clock = driver
-    _progress(f"{world} policy ranks ready (models loaded, DeepSpeed engines built, rollout engines inside)", clock)
+    _progress(f"{policy_ranks(world)} ready (models loaded, DeepSpeed engines built, rollout engines inside)", clock)
     try:
         return drive(prepared, controller, group, ColocatedRollout(group), raw_config)
     finally:

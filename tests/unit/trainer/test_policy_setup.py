@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flexrl_ds.config.flexrl_config import parse_run_config
-from flexrl_ds.trainer.launch import policy_setup
+from flexrl_ds.trainer.launch import policy_ranks, policy_setup
 
 CONFIG = Path(__file__).resolve().parents[3] / "ds_configs" / "grpo_tiny_cpu.json"
 
@@ -102,3 +102,7 @@ def test_vision_attention_reaches_the_policy_setup(attention):
 def test_an_unknown_vision_attention_is_refused():
     with pytest.raises(ValueError, match="flexrl.trainer.vision_attention: one of varlen, sdpa, got 'flash'"):
         setup_with_trainer_setting("vision_attention", "flash")
+
+
+def test_the_ready_line_counts_ranks_in_words():
+    assert [policy_ranks(n) for n in (1, 2, 64)] == ["1 policy rank", "2 policy ranks", "64 policy ranks"]
