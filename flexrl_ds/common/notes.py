@@ -17,11 +17,12 @@ _kept: list[str] | None = None
 """Lines said since the driver last took them; None where nothing keeps them (no Ray actor)."""
 
 
-def say(line: str) -> None:
-    """Print `line` here, and keep it for the driver where this process is a Ray actor's."""
+def say(line: str, console: bool = True) -> None:
+    """Print `line` here, and keep it for the driver where this process is a Ray actor's.
+    `console=False`: only here (e.g. every rank but 0 of a line all ranks would say alike)."""
     print(line, flush=True)
     with _lock:
-        if _kept is not None:
+        if _kept is not None and console:
             _kept.append(line)
 
 

@@ -154,7 +154,8 @@ class WeightChannel:
                 works = torch.equal(device_mod.open_shared(opened, self.device).cpu(), pattern)
             except Exception as error:  # noqa: BLE001 - whatever stops the opening, sharing does not work here
                 works = False
-                notes.say(f"weight channel rank {self.rank}: cannot open rank 0's GPU memory (CUDA IPC): {error}")
+                notes.say(f"weight channel rank {self.rank}: cannot open rank 0's GPU memory (CUDA IPC): {error}",
+                          console=False)  # rank 0 says it once, for all
         verdict = torch.tensor([1.0 if works else 0.0])
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
@@ -163,7 +164,8 @@ class WeightChannel:
         device_mod.release_shared(device_mod.GPU)
         if verdict.item() < 1:
             if self.rank == 0:
-                notes.say(f"weight channel: a receiver cannot open rank 0's GPU memory: {HOST_MEMORY} instead")
+                notes.say(f"weight channel: a receiver cannot open rank 0's GPU memory (CUDA IPC; the receivers' "
+                          f"logs say why): {HOST_MEMORY} instead")
             self.transport, self.device = HOST_MEMORY, device_mod.current_device(device_mod.CPU)
 
     def _share_or_open(self, flat: torch.Tensor | None) -> tuple | None:

@@ -93,12 +93,18 @@ def node_address() -> str:
 
 def print_worker_notes(actors: Sequence[Any], timeout_s: float = 5.0) -> None:
     """Print on this console, once each, the lines the actors' workers said since last asked
-    (common/notes.py; each actor's body has `take_notes`). An actor that does not answer within
-    `timeout_s` (lost, or still busy) is skipped: its lines stay in its log file."""
+    (common/notes.py; each actor's body has `take_notes`). Called in `finally` blocks, so it never
+    raises: an actor that does not answer within `timeout_s` (lost, or still busy in a hang), or a
+    Ray that is gone, is skipped, and its lines stay in its log file."""
+    if not actors:
+        return  # ray.wait would start a Ray of its own
     import ray
 
-    refs = [actor.take_notes.remote() for actor in actors]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    try:
+        refs = [actor.take_notes.remote() for actor in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - never hide the error of the call these notes follow
+        return
     printed: set[str] = set()
     for ref in (ref for ref in refs if ref in ready):
         try:

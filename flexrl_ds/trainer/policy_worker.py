@@ -407,13 +407,14 @@ class PolicyWorker:
             moved = self.rollout_offload.offload()
         except (AssertionError, NotImplementedError) as error:
             self.rollout_offload = None
-            notes.say(f"rank {self.rank}: ZeRO-3 states stay on the device during rollout ({error})")
+            notes.say(f"rank {self.rank}: ZeRO-3 states stay on the device during rollout ({error})",
+                      console=self.rank == 0)  # every rank alike: rank 0's line on the console
             return
         if not self._offload_reported:
             self._offload_reported = True
             refusal = self.rollout_offload.refusal
             notes.say(f"rank {self.rank}: in host memory during rollout: {', '.join(moved) or 'nothing'}"
-                      + (f" (DeepSpeed keeps the rest: {refusal})" if refusal else ""))
+                      + (f" (DeepSpeed keeps the rest: {refusal})" if refusal else ""), console=self.rank == 0)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, directory: str, client_state: Mapping[str, Any]) -> bool:

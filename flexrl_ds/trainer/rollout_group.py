@@ -133,8 +133,8 @@ class SeparateRollout:
             first_line = (str(error).splitlines() or [""])[0]
             self.channel_broken = f"{type(error).__name__}: {first_line}"
             raise
-        finally:
-            print_worker_notes(self.hosts)
+        finally:  # the policy's ranks too: rank 0's channel lines were said in calls no group waited on
+            print_worker_notes(self.hosts + list(getattr(policy, "actors", [])))
 
     def _sync(self, policy: Any, bucket_bytes: int) -> float:
         started = time.perf_counter()
