@@ -276,10 +276,11 @@ class GRPOTrainer:
 
     def _logprob_pass(self, times: dict[str, float], name: str, job: PassJob):
         """One log-prob pass on the ranks, timed into times[name]: its log-probs by sample, and the
-        slowest rank's seconds by part ("batches", "forward")."""
+        slowest rank's seconds by part ("batches", "forward"; both the one rank's: a rank that built
+        its batches sooner waits longer in the forward's collectives)."""
         per_rank = self._timed(times, name, self.policy.run, "logprobs", job)
-        parts = {part: max(seconds[part] for _, seconds in per_rank) for part in per_rank[0][1]}
-        return assemble(job.samples, [pieces for pieces, _ in per_rank]), parts
+        _, slowest = max(per_rank, key=lambda result: sum(result[1].values()))
+        return assemble(job.samples, [pieces for pieces, _ in per_rank]), dict(slowest)
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         asked = self.o.rl.mini_batches_per_step
