@@ -224,12 +224,15 @@ def policy_ranks(count: int) -> str:
 def policy_memory_hint(run: Any) -> str:
     """What of a policy rank lives in host memory, by the settings that put it there (said if Ray
     kills a rank for host memory: runtime/lost_workers.py)."""
-    offload = run.deepspeed.get("zero_optimization", {}).get("offload_optimizer") or {}
+    zero = run.deepspeed.get("zero_optimization", {})
+    offload, params = zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}
     trainer, rollout = run.flexrl.trainer, run.flexrl.rollout
     parts = []
     if offload.get("device") == "cpu":
         parts.append(f"the offloaded optimizer (zero_optimization.offload_optimizer: ratio {offload.get('ratio', 1.0)}, "
                      f"pin_memory {str(offload.get('pin_memory', False)).lower()}; a lower ratio keeps less of it there)")
+    if params.get("device") == "cpu":
+        parts.append("the policy's and the reference's parameters (zero_optimization.offload_param)")
     if trainer.reference_offload_param:
         parts.append("the reference model's parameters (flexrl.trainer.reference_offload_param)")
     if trainer.colocate and trainer.offload_states_in_rollout:

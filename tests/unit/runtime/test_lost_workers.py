@@ -81,15 +81,17 @@ def test_the_workers_own_exception_is_not_a_lost_worker():
     assert isinstance(raised.value.__cause__, ray.exceptions.ActorDiedError)
 
 
-def run_config(name: str, trainer: dict | None = None, vllm: dict | None = None):
+def run_config(name: str, trainer: dict | None = None, vllm: dict | None = None, zero: dict | None = None):
     raw = json.loads((CONFIGS / name).read_text())
+    raw["zero_optimization"].update(zero or {})
     raw["flexrl"]["trainer"].update(trainer or {})
     raw["flexrl"]["rollout"].setdefault("vllm", {}).update(vllm or {})
     return parse_run_config(raw)
 
 
 PARTS = {"optimizer": "zero_optimization.offload_optimizer", "reference": "flexrl.trainer.reference_offload_param",
-         "states": "flexrl.trainer.offload_states_in_rollout", "engine": "flexrl.rollout.vllm.sleep_level 1"}
+         "states": "flexrl.trainer.offload_states_in_rollout", "engine": "flexrl.rollout.vllm.sleep_level 1",
+         "parameters": "zero_optimization.offload_param"}
 
 
 @pytest.mark.parametrize("trainer, vllm, named", [
@@ -104,6 +106,11 @@ def test_the_policy_hint_names_each_setting_that_puts_the_rank_in_host_memory(tr
     hint = policy_memory_hint(run_config("grpo_vl7b_1xh200.json", trainer, vllm))
     assert {part for part, key in PARTS.items() if key in hint} == named, hint
     assert f"ratio {seven_b['ratio']}, pin_memory {str(seven_b['pin_memory']).lower()}" in hint
+
+
+def test_offloaded_parameters_are_named():
+    run = run_config("grpo_vl3b_1xh200.json", zero={"offload_param": {"device": "cpu", "pin_memory": True}})
+    assert "zero_optimization.offload_param" in policy_memory_hint(run)
 
 
 def test_nothing_in_host_memory_gives_no_hint():
