@@ -50,8 +50,8 @@
 #     gathered at each use; DeepSpeed's default is 100000: norms and biases stay whole).
 #   ZERO3_PREFETCH=n: `stage3_prefetch_bucket_size` (DeepSpeed's default 5e7 elements; 0: no prefetch
 #     along a recorded trace). ZERO3_TRACE_WARNINGS=1: `zero_optimization.log_trace_cache_warnings`,
-#     DeepSpeed's line each time a pass leaves the module order it recorded (printed in the ranks' Ray
-#     logs; copied to OUT/zero3_trace.txt).
+#     DeepSpeed's line each time a pass leaves the module order it recorded (printed by rank 0 into its
+#     Ray log; the lines of every worker's log copied to OUT/zero3_trace.txt).
 #   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
 #     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it, the
 #     table also copied to OUT/profile_step_n_rank_0.txt. Writing them took ~140 s for a 3B step of
@@ -179,8 +179,8 @@ trap 'kill $sampler 2>/dev/null || true' EXIT
 rm -rf "$out/run"  # a new run each time (flexrl train refuses an --out holding another run's steps)
 python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m$shape" --data "$data/train.jsonl" \
   --out "$out/run" --max-steps "$steps" 2>&1 | tee "$out/train.log" | grep -v "Loading weights" | tail -40
-if [ "${ZERO3_TRACE_WARNINGS:-0}" = 1 ]; then  # from rank 0's Ray log (the driver prints only said lines)
-  grep -h "Invalidate trace cache\|completed record trace" /tmp/ray/session_latest/logs/*.out 2>/dev/null | cut -c1-200 \
+if [ "${ZERO3_TRACE_WARNINGS:-0}" = 1 ]; then  # from the workers' Ray logs (the driver prints only said lines)
+  grep -h "Invalidate trace cache" /tmp/ray/session_latest/logs/*.out 2>/dev/null | cut -c1-200 \
     > "$out/zero3_trace.txt" || true
   echo "ZeRO-3 trace lines: $(wc -l < "$out/zero3_trace.txt") (OUT/zero3_trace.txt)"
 fi
