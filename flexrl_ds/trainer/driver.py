@@ -446,8 +446,9 @@ def warn_host_memory(phase: str, peaks: dict[str, float], memory_hint: str = "")
 
 INFERENCE_PARTS = ("plan", "old", "reference", "batches", "forward")
 """Keys of `inference_time_s`: the driver's planning of the log-prob passes, the old-policy pass and
-the reference pass (only with a KL term) as the driver waited for them, and on the slowest rank the
-two passes' batch building (the pixel pulls included) and forwards (each to its log-probs on the host)."""
+the reference pass (only with a KL term) as the driver waited for them, and the two passes' batch
+building (the pixel pulls included) and forwards (each to its log-probs on the host), each pass's
+from its slowest rank."""
 
 
 HOST_PEAK_KEYS = ("peak_host_used_gb", "peak_host_used_share")
