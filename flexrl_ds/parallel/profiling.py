@@ -7,7 +7,8 @@ what runs in between (CPU, and the GPU's kernels where there is one) and write:
 - `<stem>.txt`: the profiled wall time and, with a GPU, how much of it the device was running
   kernels or copies (a low share means the host is the bottleneck: launches, hooks,
   synchronisations); flexrl's regions (CPU time; with a GPU the kernels launched inside each and
-  the span they cover on the device); the 40 ops with
+  the span they cover on the device); each region's calls in order, with the host's wall time of
+  each (which call took the time); the 40 ops with
   the most self time on the device (CPU without one); with a GPU also the 25 ops with the most
   self time on the CPU;
 - `<stem>.json.gz`: the trace, for Perfetto (ui.perfetto.dev) or chrome://tracing.
@@ -64,19 +65,22 @@ class RankProfiler:
         stem = Path(stem)
         stem.parent.mkdir(parents=True, exist_ok=True)
         device = device_mod.gpu_available()
+        events = prof.events()
         text = profile_tables(prof.key_averages(), device=device, wall_seconds=wall_seconds,
-                              busy_seconds=device_busy_seconds(prof.events()) if device else None)
+                              busy_seconds=device_busy_seconds(events) if device else None,
+                              calls=region_calls(events))
         (stem.parent / f"{stem.name}.txt").write_text(text)  # first: the trace of a big step takes longer
         prof.export_chrome_trace(str(stem.parent / f"{stem.name}.json.gz"))
         return str(stem.parent / f"{stem.name}.txt")
 
 
 def profile_tables(averages, device: bool, wall_seconds: float | None = None,
-                   busy_seconds: float | None = None) -> str:
-    """The wall and device-busy times, flexrl's regions by total time, then the ops with the most
-    self time (device, else CPU; with a device also by CPU)."""
+                   busy_seconds: float | None = None, calls: list[str] | None = None) -> str:
+    """The wall and device-busy times, flexrl's regions by total time (and `calls`, each region's
+    calls in order: `region_calls`), then the ops with the most self time (device, else CPU; with a
+    device also by CPU)."""
     lines = [] if wall_seconds is None else [_busy_line(wall_seconds, busy_seconds if device else None), ""]
-    lines += region_table(averages, device)
+    lines += region_table(averages, device) + (["", *calls] if calls else [])
     if device:
         lines += ["", averages.table(sort_by="self_device_time_total", row_limit=40),
                   "ops by self CPU time (host work between the kernels):",
@@ -137,4 +141,21 @@ def region_table(averages, device: bool) -> list[str]:
     for key, (calls, cpu_ms, kernel_ms, span_ms) in order:
         line = f"{key:<32} {calls:>6} {cpu_ms:>13.1f}"
         lines.append(line + (f" {kernel_ms:>12.1f} {span_ms:>15.1f}" if device else ""))
+    return lines
+
+
+def region_calls(events, shown: int = 16) -> list[str]:
+    """Each flexrl region's calls in the order they ran, as host wall milliseconds each (the first
+    `shown`): which call of a region took the time, e.g. the reference pass's vision tower against
+    the old policy's. Indented, so that a line never starts with the region's name."""
+    from torch.autograd import DeviceType
+
+    spans: dict[str, list[float]] = {}
+    for event in sorted((e for e in events if e.name.startswith(PREFIX) and e.device_type == DeviceType.CPU),
+                        key=lambda e: e.time_range.start):
+        spans.setdefault(event.name, []).append(event.time_range.elapsed_us() / 1e3)
+    lines = ["each region's calls in order, host wall ms:"] if spans else []
+    for name, each in spans.items():
+        more = f" ... ({len(each)} calls)" if len(each) > shown else ""
+        lines.append(f"  {name}: " + ", ".join(f"{ms:.1f}" for ms in each[:shown]) + more)
     return lines

@@ -86,3 +86,18 @@ def test_device_busy_time_is_the_union_of_kernel_intervals():
               _Event("inside", 1, 0, 0, cuda, span=(1_100_000, 1_200_000)),
               _Event("aten::mm", 1, 0, 0, span=(0, 9_000_000))]  # a CPU op
     assert device_busy_seconds(events) == pytest.approx(1.75)
+
+
+def test_each_regions_calls_are_listed_in_order_with_their_own_times(tmp_path):
+    """The slow call of a region stands out in place: here the second of three, which sleeps."""
+    import time
+
+    profiler = RankProfiler()
+    profiler.start()
+    for pause in (0.0, 0.05, 0.0):
+        with region("vision_tower"):
+            time.sleep(pause)
+    text = open(profiler.stop(tmp_path / "p")).read()
+    line = next(line for line in text.splitlines() if line.startswith("  flexrl/vision_tower: "))
+    first, second, third = (float(ms) for ms in line.split(": ")[1].split(", "))
+    assert second >= 50 > max(first, third)
