@@ -114,6 +114,8 @@ def test_outputs_and_metrics(run_a):
                for pack in json.loads((run_a / "plans" / f"step_{step}.json").read_text())["packs"]}
     assert max(degrees) > 1, f"FlexUlysses used only degree 1: {degrees}"
     assert all(row["micro_batches"] == {"inference": 1, "update": 1} for row in metrics)  # no token cap: one pass
+    documented = (ROOT / "docs" / "OUTPUTS.md").read_text()  # every key a row has is explained there
+    assert not [key for key in metrics[0] if f"`{key}`" not in documented]
 
 
 def test_the_profiled_step_names_each_ranks_regions(run_a):
