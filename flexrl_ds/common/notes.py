@@ -3,9 +3,10 @@
 `say(line)` prints the line where the process prints. That reaches a person in a launcher's
 processes (`deepspeed --hostfile`, torchrun), but not in a Ray actor: the drivers join Ray with
 `log_to_driver=False`, so that the ranks' own output (DeepSpeed's, transformers', vLLM's) stays in
-their log files (/tmp/ray/session_latest/logs on each node). So a Ray actor that hosts a worker
-calls `keep()` once; from then on its said lines are also kept, and the driver takes them (`take`)
-after each call it waits for and prints them (runtime/worker_group.print_worker_notes).
+their log files (/tmp/ray/session_latest/logs on each node). So a Ray actor's body that hosts a
+worker derives from `NoteKeeper`, which calls `keep()`; from then on its said lines are also kept,
+and the driver takes them (`take_notes`) after each call it waits for and prints them
+(runtime/worker_group.print_worker_notes).
 """
 
 from __future__ import annotations
@@ -42,3 +43,15 @@ def take() -> list[str]:
         lines = list(_kept)
         _kept.clear()
         return lines
+
+
+class NoteKeeper:
+    """Base of a Ray actor's body: keeps the process's said lines from construction on, and hands
+    them to the driver (`take_notes`, called by runtime/worker_group.print_worker_notes)."""
+
+    def __init__(self, *args, **kwargs):
+        keep()
+        super().__init__(*args, **kwargs)
+
+    def take_notes(self) -> list[str]:
+        return take()

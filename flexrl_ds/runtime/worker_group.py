@@ -117,15 +117,12 @@ def print_worker_notes(actors: Sequence[Any], timeout_s: float = 5.0) -> None:
                 print(line, flush=True)
 
 
-class _Host:
+class _Host(notes.NoteKeeper):
     """The Ray actor body: builds the worker once the group's rendezvous is known."""
 
     def __init__(self):
+        super().__init__()
         self.worker = None
-        notes.keep()
-
-    def take_notes(self) -> list[str]:
-        return notes.take()
 
     def rendezvous(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         address = node_address()

@@ -433,15 +433,13 @@ garbage collector held the rank."""
 
 def warn_host_memory(phase: str, peaks: dict[str, float], memory_hint: str = "") -> None:
     """Say a phase whose node memory in use came near the share at which Ray's memory monitor kills
-    workers (runtime/host_memory.py), with what the run's settings keep there (`memory_hint`)."""
+    workers (runtime/host_memory.py), with what the run's settings keep there (`memory_hint`:
+    `launch.policy_memory_hint`)."""
     share = peaks.get("peak_host_used_share", 0.0)
     if share > host_memory.warn_share():
-        held = memory_hint or ("None of the run's settings that put a policy rank's states there is on (ZeRO-3 "
-                               "offload_optimizer / offload_param, flexrl.trainer.reference_offload_param, "
-                               "offload_states_in_rollout, an engine's sleep_level 1)")
         print(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, {share:.0%} of a "
-              f"policy rank's node; Ray's memory monitor kills workers above {host_memory.ray_kill_share():.0%}. "
-              f"{held}", flush=True)
+              f"policy rank's node; Ray's memory monitor kills workers above {host_memory.ray_kill_share():.0%}."
+              + (f" {memory_hint}" if memory_hint else ""), flush=True)
 
 
 INFERENCE_PARTS = ("plan", "old", "reference", "batches", "forward")

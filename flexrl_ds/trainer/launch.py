@@ -222,8 +222,9 @@ def policy_ranks(count: int) -> str:
 
 
 def policy_memory_hint(run: Any) -> str:
-    """What of a policy rank lives in host memory, by the settings that put it there (said if Ray
-    kills a rank for host memory: runtime/lost_workers.py)."""
+    """What of a policy rank lives in host memory, by the settings that put it there, or that none of
+    them is on (said if Ray kills a rank for host memory, runtime/lost_workers.py, and when the
+    driver sees a phase near Ray's kill share)."""
     zero = run.deepspeed.get("zero_optimization", {})
     offload, params = zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}
     trainer, rollout = run.flexrl.trainer, run.flexrl.rollout
@@ -241,7 +242,9 @@ def policy_memory_hint(run: Any) -> str:
     if trainer.colocate and options.sleep_level == 1:
         parts.append(f"the engine's weights while it sleeps (flexrl.rollout.{rollout.backend}.sleep_level 1)")
     if not parts:
-        return ""
+        return ("None of the run's settings that put a policy rank's states in host memory is on (ZeRO-3 "
+                "offload_optimizer / offload_param, flexrl.trainer.reference_offload_param, "
+                "offload_states_in_rollout, an engine's sleep_level 1)")
     return f"A policy rank's host memory holds {', '.join(parts)}; docs/BENCHMARKS.md has measured sizes"
 
 

@@ -78,16 +78,9 @@ def channel_may_use_gpus(gpus_per_policy_rank: float, gpus_per_engine: float) ->
     return gpus_per_policy_rank > 0 and gpus_per_engine > 0
 
 
-class _RolloutActor(RolloutHost):
+class _RolloutActor(notes.NoteKeeper, RolloutHost):
     """A separate engine's Ray actor body: a `RolloutHost` whose said lines the driver prints
     (common/notes.py)."""
-
-    def __init__(self, *args):
-        notes.keep()
-        super().__init__(*args)
-
-    def take_notes(self) -> list[str]:
-        return notes.take()
 
 
 class SeparateRollout:

@@ -98,9 +98,20 @@ def test_the_driver_warns_near_rays_kill_threshold(capsys, monkeypatch, share, k
 
 
 def test_the_warning_says_when_no_setting_keeps_states_in_host_memory(capsys, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from flexrl_ds.config.flexrl_config import parse_run_config
+    from flexrl_ds.trainer.launch import policy_memory_hint
+
     monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
-    warn_host_memory("rollout", {"peak_host_used_gb": 120.0, "peak_host_used_share": 0.96})
-    assert "None of the run's settings that put a policy rank's states there is on" in capsys.readouterr().out
+    raw = json.loads((Path(__file__).parents[3] / "ds_configs" / "grpo_vl3b_1xh200.json").read_text())
+    raw["flexrl"]["rollout"].setdefault("vllm", {})["sleep_level"] = 2  # its optimizer stays on the GPU
+    run = parse_run_config(raw)
+    warn_host_memory("rollout", {"peak_host_used_gb": 120.0, "peak_host_used_share": 0.96}, policy_memory_hint(run))
+    said = capsys.readouterr().out
+    assert "None of the run's settings that put a policy rank's states in host memory is on" in said
+    assert "offload_optimizer / offload_param" in said
 
 
 def test_host_figures_come_from_the_node_closest_to_its_limit():

@@ -29,6 +29,19 @@ def test_a_line_is_printed_and_kept_only_after_keep(fresh_notes, capsys):
     assert notes.take() == ["third"]
 
 
+def test_an_actor_body_keeps_lines_from_construction_and_passes_its_arguments_on(fresh_notes):
+    class Host:
+        def __init__(self, name, size=1):
+            notes.say(f"{name} built, size {size}")
+
+    class Body(notes.NoteKeeper, Host):
+        pass
+
+    body = Body("engine", size=2)
+    assert body.take_notes() == ["engine built, size 2"]  # said in the base's constructor, kept
+    assert body.take_notes() == []
+
+
 def test_printing_no_actors_starts_no_ray():
     """In a fresh interpreter (the test session may hold a Ray of its own): ray.wait would start one."""
     import subprocess
