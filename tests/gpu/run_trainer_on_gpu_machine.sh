@@ -49,7 +49,11 @@
 #   ZERO3_PERSISTENCE=n: `stage3_param_persistence_threshold` (the shipped files: 0, every parameter
 #     gathered at each use; DeepSpeed's default is 100000: norms and biases stay whole).
 #   ZERO3_PREFETCH=n: `stage3_prefetch_bucket_size` (DeepSpeed's default 5e7 elements; 0: no prefetch
-#     along a recorded trace). ZERO3_TRACE_WARNINGS=1: `zero_optimization.log_trace_cache_warnings`,
+#     along a recorded trace). ZERO3_REUSE=n: `stage3_max_reuse_distance` (the shipped files: two
+#     decoder layers, 2e8 at 3B, 5e8 at 7B; DeepSpeed's default 1e9): a parameter used again within n
+#     elements along the trace stays gathered; each engine's first pass on a trace walks that far
+#     ahead at every module's release (docs/BENCHMARKS.md "One H200, twenty-third run").
+#     ZERO3_TRACE_WARNINGS=1: `zero_optimization.log_trace_cache_warnings`,
 #     DeepSpeed's line each time a pass leaves the module order it recorded (printed by rank 0 into its
 #     Ray log; the lines of every worker's log copied to OUT/zero3_trace.txt).
 #   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
@@ -143,6 +147,8 @@ if "ZERO3_PERSISTENCE" in os.environ:  # parameters under this many elements sta
     config["zero_optimization"]["stage3_param_persistence_threshold"] = int(os.environ["ZERO3_PERSISTENCE"])
 if "ZERO3_PREFETCH" in os.environ:  # elements gathered ahead along a recorded module trace
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = int(float(os.environ["ZERO3_PREFETCH"]))
+if "ZERO3_REUSE" in os.environ:  # a released parameter used again within this many elements stays gathered
+    config["zero_optimization"]["stage3_max_reuse_distance"] = int(float(os.environ["ZERO3_REUSE"]))
 if os.environ.get("ZERO3_TRACE_WARNINGS") == "1":  # a line each time a pass leaves its recorded order
     config["zero_optimization"]["log_trace_cache_warnings"] = True
 if "OFFLOAD_PIN" in os.environ:  # 7b: pinned host buffers for the offloaded optimizer

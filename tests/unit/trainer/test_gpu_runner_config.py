@@ -18,7 +18,7 @@ RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
 RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "REF_OFFLOAD", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
                    "TEMPERATURE", "TOP_P", "TOP_K", "PROMPTS", "RESPONSE_LENGTH", "MAX_TOKENS_PER_RANK", "LOGPROB_MAX_TOKENS_PER_RANK", "PROFILE_STEP",
                    "VISION_ATTENTION", "PACK_BELOW", "PACK_BUDGET", "ZERO3_PERSISTENCE",
-                   "ZERO3_PREFETCH", "ZERO3_TRACE_WARNINGS")
+                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS")
 """Environment variables the runner's config step reads (cleared, then set by each test)."""
 
 
@@ -92,12 +92,14 @@ def test_the_batch_and_profile_switches_land_in_their_sections(tmp_path):
     run = load_run_config_of(build(tmp_path, "vllm", "3b", PROMPTS="16", RESPONSE_LENGTH="512",
                                    MAX_TOKENS_PER_RANK="16384", LOGPROB_MAX_TOKENS_PER_RANK="65536", PROFILE_STEP="1",
                                    VISION_ATTENTION="sdpa", PACK_BELOW="1024", PACK_BUDGET="4096",
-                                   ZERO3_PERSISTENCE="100000", ZERO3_PREFETCH="0", ZERO3_TRACE_WARNINGS="1"),
+                                   ZERO3_PERSISTENCE="100000", ZERO3_PREFETCH="0", ZERO3_REUSE="2e8",
+                                   ZERO3_TRACE_WARNINGS="1"),
                              tmp_path / "batch.json")
     assert run.flexrl.trainer.vision_attention == "sdpa"
     assert (run.flexrl.sp.h_pack, run.flexrl.sp.H_pack) == (1024, 4096)
     assert run.deepspeed["zero_optimization"]["stage3_param_persistence_threshold"] == 100000
     assert run.deepspeed["zero_optimization"]["stage3_prefetch_bucket_size"] == 0
+    assert run.deepspeed["zero_optimization"]["stage3_max_reuse_distance"] == 200_000_000
     assert run.deepspeed["zero_optimization"]["log_trace_cache_warnings"] is True
     assert "stage3_prefetch_bucket_size" not in build(tmp_path, "vllm", "3b")["zero_optimization"]
     assert load_run_config_of(build(tmp_path, "vllm", "3b"), tmp_path / "plain.json").flexrl.trainer.vision_attention == "varlen"
