@@ -32,8 +32,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +53,7 @@ from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.planning.plan import Workload
-from flexrl_ds.parallel.launch import init_distributed
+from flexrl_ds.parallel.launch import init_distributed, one_rank_env
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.validation import model_dtype
 
@@ -207,22 +205,6 @@ def flexrl_pass(module, batches, samples, backward: Callable, zero_grad: Callabl
     return run
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _one_rank_env() -> dict[str, str]:
-    """A one-process group's launch variables, set where a launcher has not (DeepSpeed reads them)."""
-    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", str(_free_port()))):
-        os.environ.setdefault(name, value)
-    if os.environ["WORLD_SIZE"] != "1":
-        raise ValueError(f"flexrl bench update runs in one process; WORLD_SIZE is {os.environ['WORLD_SIZE']}")
-    return dict(os.environ)
-
-
 def _zero3_times(info, engine, run: Callable[[], float], repeats: int) -> tuple[float, float, float]:
     """(best forward+backward seconds, best optimizer step seconds, the first loss): each repeat
     runs both, so that every backward meets a step (ZeRO-3 reduces the gradients at each one)."""
@@ -237,7 +219,7 @@ def _zero3_times(info, engine, run: Callable[[], float], repeats: int) -> tuple[
 
 def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] = print) -> UpdateBenchResult:
     """The ways of the module docstring asked in `config.ways`, in one process (a one-rank process group)."""
-    context = init_distributed(_one_rank_env())
+    context = init_distributed(one_rank_env("flexrl bench update"))
     run = load_run_config(config.run_config)
     dtype = model_dtype(run.deepspeed)
     model = load_model(config.model_dir, dtype).to(context.device)

@@ -55,6 +55,7 @@ def register(commands, bench) -> None:
     logprobs.set_defaults(func=_logprobs)
 
     _add_bench_update(bench)
+    _add_bench_zero3_trace(bench)
 
     vision = bench.add_parser("vision", help="vision-tower patches per rank: sequence owner vs pack group vs domain")
     vision.add_argument("--mix", default="image-heavy")
@@ -131,4 +132,30 @@ def _bench_update(args: argparse.Namespace) -> int:
                                ways=tuple(way.strip() for way in args.ways.split(",") if way.strip()),
                                profile_dir=args.profile)
     write_result(run_update_bench(config), args.json)
+    return 0
+
+
+def _add_bench_zero3_trace(bench) -> None:
+    trace = bench.add_parser(
+        "zero3-trace", help="host time of ZeRO-3's passes by stage3_max_reuse_distance (the first pass on a trace)",
+        description="A chain of small blocks in a one-rank ZeRO-3 engine per reuse distance, timed over no-grad "
+                    "passes: pass 1 records the module trace, pass 2 is the first on it (it works out, for every "
+                    "module, which parameters to keep gathered), the rest are steady (flexrl_ds/bench/zero3_trace_bench.py).")
+    trace.add_argument("--blocks", type=int, default=200, help="blocks of the chain (three modules each)")
+    trace.add_argument("--width", type=int, default=64, help="width of each block's layers")
+    trace.add_argument("--reuse", default="1e9,1e5,0",
+                       help="comma-separated stage3_max_reuse_distance values, in elements (1e9: DeepSpeed's default)")
+    trace.add_argument("--passes", type=int, default=4, help="no-grad passes per engine (at least 3)")
+    trace.set_defaults(func=_bench_zero3_trace)
+
+
+def _bench_zero3_trace(args: argparse.Namespace) -> int:
+    from flexrl_ds.bench.zero3_trace_bench import TraceBenchConfig, format_rows, run_trace_bench  # lazy: torch, DeepSpeed
+
+    try:
+        distances = tuple(float(value) for value in args.reuse.split(",") if value.strip())
+    except ValueError as error:
+        raise ValueError(f"--reuse: comma-separated numbers of elements, got {args.reuse!r}") from error
+    config = TraceBenchConfig(args.blocks, args.width, distances, args.passes)
+    print(format_rows(run_trace_bench(config)))
     return 0

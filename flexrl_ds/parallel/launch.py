@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -108,3 +109,17 @@ def ensure_deepspeed_comm(backend: str) -> bool:
         ds_comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     return bool(ds_comm.is_initialized())
 
+
+
+def one_rank_env(command: str) -> dict[str, str]:
+    """A one-process group's launch variables, set where a launcher has not (DeepSpeed reads them);
+    `command` (e.g. "flexrl bench update") names what refuses a launcher's bigger world."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(free_port))):
+        os.environ.setdefault(name, value)
+    if os.environ["WORLD_SIZE"] != "1":
+        raise ValueError(f"{command} runs in one process; WORLD_SIZE is {os.environ['WORLD_SIZE']}")
+    return dict(os.environ)
