@@ -92,3 +92,27 @@ def test_the_log_prob_passes_cap_only_loosens_the_token_cap():
         SPConfig(max_tokens_per_rank=1000, logprob_max_tokens_per_rank=999)
     with pytest.raises(ValueError, match=r"logprob_max_tokens_per_rank \(10\) needs flexrl.sp.max_tokens_per_rank"):
         SPConfig(logprob_max_tokens_per_rank=10)
+
+
+@pytest.mark.parametrize("name, shape", [("grpo_vl3b_1xh200.json", "3b"), ("grpo_vl7b_1xh200.json", "7b")])
+def test_the_one_gpu_files_keep_a_checkpointed_layer_gathered_and_walk_no_further(tmp_path, name, shape):
+    """`stage3_max_reuse_distance`: at least two decoder layers of the shape (the recomputed forward
+    of a layer and its backward, so the recompute's gathers are reused), under DeepSpeed's 1e9,
+    which each engine's first pass on a trace walks ahead at every module (bench/zero3_trace_bench.py).
+    The layer is transformers' own, built on the meta device."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLDecoderLayer
+
+    from flexrl_ds.bench.rollout_bench import SHAPES
+    from flexrl_ds.bench.zero3_trace_bench import DEEPSPEED_DEFAULT_REUSE
+    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+
+    model_dir = make_tiny_model(TinyModelConfig(out_dir=str(tmp_path / shape), **SHAPES[shape]), weights=False)
+    text_config = transformers.AutoConfig.from_pretrained(str(model_dir)).text_config
+    with torch.device("meta"):
+        layer_elements = sum(p.numel() for p in Qwen2_5_VLDecoderLayer(text_config, 0).parameters())
+    zero = json.loads((Path(__file__).resolve().parents[2] / "ds_configs" / name).read_text())["zero_optimization"]
+    assert 2 * layer_elements <= zero["stage3_max_reuse_distance"] < DEEPSPEED_DEFAULT_REUSE, layer_elements
