@@ -12,13 +12,12 @@ almost to its end at every release: the cost grows with the square of the module
 This bench builds a chain of `blocks` small blocks (a norm and two linears each, three modules),
 wraps it in a one-rank ZeRO-3 engine per reuse distance, and times `passes` no-grad forwards.
 Pass 1 records the trace, pass 2 is the first on it, the rest are the steady state.
-docs/BENCHMARKS.md ("ZeRO-3's first pass on a trace") has the measured figures; the GPU trainer's
-runs show the same one-time cost in each engine's second pass.
+docs/BENCHMARKS.md ("One H200, twenty-third run") has its figures, and the same one-time cost in
+the GPU trainer's runs: each engine's second pass, the first on its trace.
 """
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -89,7 +88,7 @@ def time_passes(config: TraceBenchConfig, reuse_distance: float, device) -> Trac
 
     model = chain_model(config.blocks, config.width)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=copy.deepcopy(engine_config(reuse_distance)))
+                                      config=engine_config(reuse_distance))
     engine.eval()
     inputs = torch.randn(4, config.width, device=device)
     row = TraceBenchRow(reuse_distance)
