@@ -4,7 +4,8 @@ Ray reports a worker it lost as a `RayActorError` (or `OutOfMemoryError`) whose 
 lines: when its memory monitor kills a worker because the node's host memory ran low, the text is a
 table of processes and a tuning guide, and the reason is buried in it. `lost_worker_error` turns
 such an error into a `RuntimeError` naming the call, what happened and, for a memory kill, what of
-the run lives in host memory (`memory_hint`); Ray's text stays attached as its cause (nothing lost).
+the run lives in host memory, or that no setting puts anything there (`memory_hint`); Ray's text
+stays attached as its cause (nothing lost).
 An exception raised by the worker's own code is not a lost worker and passes unchanged.
 """
 

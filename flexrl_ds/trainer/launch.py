@@ -242,9 +242,10 @@ def policy_memory_hint(run: Any) -> str:
     if trainer.colocate and options.sleep_level == 1:
         parts.append(f"the engine's weights while it sleeps (flexrl.rollout.{rollout.backend}.sleep_level 1)")
     if not parts:
-        return ("None of the run's settings that put a policy rank's states in host memory is on (ZeRO-3 "
-                "offload_optimizer / offload_param, flexrl.trainer.reference_offload_param, "
-                "offload_states_in_rollout, an engine's sleep_level 1)")
+        settings = "ZeRO-3 offload_optimizer / offload_param, flexrl.trainer.reference_offload_param"
+        if trainer.colocate:  # the other two act only on an engine inside the rank
+            settings += f", offload_states_in_rollout, flexrl.rollout.{rollout.backend}.sleep_level 1"
+        return f"None of the run's settings that put a policy rank's states in host memory is on ({settings})"
     return f"A policy rank's host memory holds {', '.join(parts)}; docs/BENCHMARKS.md has measured sizes"
 
 

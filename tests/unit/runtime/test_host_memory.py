@@ -114,6 +114,12 @@ def test_the_warning_says_when_no_setting_keeps_states_in_host_memory(capsys, mo
     assert "offload_optimizer / offload_param" in said
 
 
+def test_without_a_hint_the_warning_ends_at_rays_kill_share(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
+    warn_host_memory("update", {"peak_host_used_gb": 120.0, "peak_host_used_share": 0.96})
+    assert capsys.readouterr().out.endswith("Ray's memory monitor kills workers above 95%.\n")
+
+
 def test_host_figures_come_from_the_node_closest_to_its_limit():
     """Ranks on nodes of different sizes: the GiB and the share reported together are one node's."""
     from flexrl_ds.trainer.driver import _max_peaks

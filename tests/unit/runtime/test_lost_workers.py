@@ -117,4 +117,15 @@ def test_nothing_in_host_memory_is_said_as_such():
     run = run_config("grpo_vl3b_1xh200.json", vllm={"sleep_level": 2})  # its optimizer stays on the GPU
     hint = policy_memory_hint(run)
     assert hint.startswith("None of the run's settings"), hint
-    assert "holds" not in hint, hint
+    assert "holds" not in hint and "flexrl.rollout.vllm.sleep_level 1" in hint, hint
+    separate = run_config("grpo_vl3b_1xh200.json", {"colocate": False, "offload_states_in_rollout": True},
+                          {"sleep_level": 1})  # both settings act only on an engine inside the rank
+    named = policy_memory_hint(separate)
+    assert named.startswith("None of") and "offload_states_in_rollout" not in named and "sleep_level" not in named
+
+
+def test_a_memory_kill_says_that_no_setting_keeps_states_in_host_memory():
+    run = run_config("grpo_vl3b_1xh200.json", vllm={"sleep_level": 2})
+    said = str(lost_worker_error(died(MEMORY_KILL), "policy.train_step", policy_memory_hint(run)))
+    assert said.startswith("policy.train_step: Ray's memory monitor killed a worker")
+    assert f"RAY_memory_usage_threshold). {policy_memory_hint(run)}. Ray's report is above." in said
