@@ -47,7 +47,9 @@ def take() -> list[str]:
 
 class NoteKeeper:
     """Base of a Ray actor's body: keeps the process's said lines from construction on, and hands
-    them to the driver (`take_notes`, called by runtime/worker_group.print_worker_notes)."""
+    them to the driver (`take_notes`, called by runtime/worker_group.print_worker_notes). List it
+    first among the bases: it passes the arguments on to the next class's constructor, and a host
+    class that does not call `super().__init__` would otherwise leave `keep()` uncalled."""
 
     def __init__(self, *args, **kwargs):
         keep()
