@@ -5,11 +5,12 @@ that follows the recorded order, each module's release asks which of its paramet
 within `stage3_max_reuse_distance` elements further along the trace, and keeps those gathered. The
 answer is memoised per (module, position in the trace): the first pass on a trace works it out for
 every module, walking ahead over up to that many elements of modules each time, all in Python; the
-later passes find it cached. With DeepSpeed's default of 1e9 elements, a model whose parameters
-all lie within that distance (a 3B model's vision tower and a third of its decoder) is walked
-almost to its end at every release: the cost grows with the square of the modules passed.
+later passes find it cached. With DeepSpeed's default of 1e9 elements, each of a 3B model's vision
+modules walks over the rest of the vision tower and the first ~6 decoder layers: the cost grows
+with the square of the modules within the distance.
 
-This bench builds a chain of `blocks` small blocks (a norm and two linears each, three modules),
+This bench builds a chain of `blocks` small blocks (a norm and two linears each: four modules with
+the block itself, all of them in the trace),
 wraps it in a one-rank ZeRO-3 engine per reuse distance, and times `passes` no-grad forwards.
 Pass 1 records the trace, pass 2 is the first on it, the rest are the steady state.
 docs/BENCHMARKS.md ("One H200, twenty-third run") has its figures, and the same one-time cost in
@@ -29,18 +30,26 @@ DEEPSPEED_DEFAULT_REUSE = 1e9
 @dataclass(frozen=True)
 class TraceBenchConfig:
     blocks: int = 200
+    """Blocks of the chain (its modules: `trace_modules`)."""
     width: int = 64
+    """Width of each block's norm and linears."""
     reuse_distances: tuple[float, ...] = (DEEPSPEED_DEFAULT_REUSE, 1e5, 0.0)
     """`stage3_max_reuse_distance` values, in elements, one engine each."""
     passes: int = 4
+    """No-grad passes per engine: 1 records the trace, 2 is the first on it, the rest are steady."""
 
     def __post_init__(self) -> None:
         if self.blocks < 1 or self.width < 1:
             raise ValueError(f"--blocks and --width must be at least 1, got {self.blocks} and {self.width}")
         if self.passes < 3:
             raise ValueError(f"--passes must be at least 3 (record, first on the trace, steady), got {self.passes}")
-        if not self.reuse_distances or any(value < 0 for value in self.reuse_distances):
+        if not self.reuse_distances or not all(0 <= value < float("inf") for value in self.reuse_distances):
             raise ValueError(f"--reuse: one or more distances of 0 or more elements, got {self.reuse_distances}")
+
+    @property
+    def trace_modules(self) -> int:
+        """Modules in ZeRO-3's trace: each block, its norm and two linears, and the chain itself."""
+        return 4 * self.blocks + 1
 
 
 @dataclass
@@ -105,7 +114,7 @@ def run_trace_bench(config: TraceBenchConfig, progress: Callable[[str], None] = 
     from flexrl_ds.parallel.launch import init_distributed, one_rank_env
 
     context = init_distributed(one_rank_env("flexrl bench zero3-trace"))
-    progress(f"bench zero3-trace: {config.blocks} blocks of width {config.width} ({3 * config.blocks} modules), "
+    progress(f"bench zero3-trace: {config.blocks} blocks of width {config.width} ({config.trace_modules} modules), "
              f"{config.passes} no-grad passes per reuse distance, on {context.device}")
     rows = []
     for reuse_distance in config.reuse_distances:

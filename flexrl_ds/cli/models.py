@@ -141,7 +141,7 @@ def _add_bench_zero3_trace(bench) -> None:
         description="A chain of small blocks in a one-rank ZeRO-3 engine per reuse distance, timed over no-grad "
                     "passes: pass 1 records the module trace, pass 2 is the first on it (it works out, for every "
                     "module, which parameters to keep gathered), the rest are steady (flexrl_ds/bench/zero3_trace_bench.py).")
-    trace.add_argument("--blocks", type=int, default=200, help="blocks of the chain (three modules each)")
+    trace.add_argument("--blocks", type=int, default=200, help="blocks of the chain (a norm and two linears each)")
     trace.add_argument("--width", type=int, default=64, help="width of each block's layers")
     trace.add_argument("--reuse", default="1e9,1e5,0",
                        help="comma-separated stage3_max_reuse_distance values, in elements (1e9: DeepSpeed's default)")
@@ -150,7 +150,7 @@ def _add_bench_zero3_trace(bench) -> None:
 
 
 def _bench_zero3_trace(args: argparse.Namespace) -> int:
-    from flexrl_ds.bench.zero3_trace_bench import TraceBenchConfig, format_rows, run_trace_bench  # lazy: torch, DeepSpeed
+    from flexrl_ds.bench.zero3_trace_bench import TraceBenchConfig, format_rows, run_trace_bench  # lazy: its run imports DeepSpeed
 
     try:
         distances = tuple(float(value) for value in args.reuse.split(",") if value.strip())

@@ -4,6 +4,7 @@ torchrun and DeepSpeed's launcher both export RANK, WORLD_SIZE, LOCAL_RANK, MAST
 MASTER_PORT; mpirun exports OMPI_COMM_WORLD_*. `read_launch_env` reads them (validated, with a
 message naming the variable), `init_distributed` creates the default process group on the backend
 `flexrl_ds.parallel.device` chooses and wraps it for `deepspeed.comm` when DeepSpeed is installed.
+`one_rank_env` sets the variables for a one-process group where no launcher did (the benches).
 """
 
 from __future__ import annotations
@@ -108,7 +109,6 @@ def ensure_deepspeed_comm(backend: str) -> bool:
     if not ds_comm.is_initialized():
         ds_comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     return bool(ds_comm.is_initialized())
-
 
 
 def one_rank_env(command: str) -> dict[str, str]:

@@ -96,8 +96,8 @@ def test_the_log_prob_passes_cap_only_loosens_the_token_cap():
 
 @pytest.mark.parametrize("name, shape", [("grpo_vl3b_1xh200.json", "3b"), ("grpo_vl7b_1xh200.json", "7b")])
 def test_the_one_gpu_files_keep_a_checkpointed_layer_gathered_and_walk_no_further(tmp_path, name, shape):
-    """`stage3_max_reuse_distance`: at least two decoder layers of the shape (the recomputed forward
-    of a layer and its backward, so the recompute's gathers are reused), under DeepSpeed's 1e9,
+    """`stage3_max_reuse_distance`: two decoder layers of the shape, at least (the recomputed forward
+    of a layer and its backward, so the recompute's gathers are reused) and under three and DeepSpeed's 1e9,
     which each engine's first pass on a trace walks ahead at every module (bench/zero3_trace_bench.py).
     The layer is transformers' own, built on the meta device."""
     from pathlib import Path
@@ -115,4 +115,4 @@ def test_the_one_gpu_files_keep_a_checkpointed_layer_gathered_and_walk_no_furthe
     with torch.device("meta"):
         layer_elements = sum(p.numel() for p in Qwen2_5_VLDecoderLayer(text_config, 0).parameters())
     zero = json.loads((Path(__file__).resolve().parents[2] / "ds_configs" / name).read_text())["zero_optimization"]
-    assert 2 * layer_elements <= zero["stage3_max_reuse_distance"] < DEEPSPEED_DEFAULT_REUSE, layer_elements
+    assert 2 * layer_elements <= zero["stage3_max_reuse_distance"] < min(3 * layer_elements, DEEPSPEED_DEFAULT_REUSE)
