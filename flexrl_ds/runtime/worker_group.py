@@ -105,14 +105,21 @@ def print_worker_notes(actors: Sequence[Any], timeout_s: float = 5.0) -> None:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     except Exception:  # noqa: BLE001 - never hide the error of the call these notes follow
         return
-    printed: set[str] = set()
+    said = []
     for ref in (ref for ref in refs if ref in ready):
         try:
-            lines = ray.get(ref)
+            said.append(ray.get(ref))
         except Exception:  # noqa: BLE001 - a lost actor's lines are in its log file
             continue
+    print_said_lines(said)
+
+
+def print_said_lines(said: Sequence[Sequence[str]]) -> None:
+    """Print each actor's lines, in actor order; a line several actors said, once."""
+    printed: set[str] = set()
+    for lines in said:
         for line in lines:
-            if line not in printed:  # the same line from several ranks, once
+            if line not in printed:
                 printed.add(line)
                 print(line, flush=True)
 
@@ -140,6 +147,10 @@ class _Host(notes.NoteKeeper):
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
+
+    def call_and_take_notes(self, method: str, args: tuple, kwargs: dict) -> tuple[Any, list[str]]:
+        """The call's result and the lines said up to its end, in one round trip."""
+        return self.call(method, args, kwargs), self.take_notes()
 
 
 class RayWorkerGroup:
@@ -178,6 +189,23 @@ class RayWorkerGroup:
     def _get(self, refs: list, what: str) -> list:
         """The calls' results, in rank order; then what the ranks said meanwhile is printed here
         (also when a call failed)."""
+        try:
+            return self._wait(refs, what)
+        finally:
+            print_worker_notes(self.actors)
+
+    def _get_with_notes(self, refs: list, what: str) -> list:
+        """`_get` for `call_and_take_notes` calls: the lines come back with the results, so a call
+        that succeeds costs no second round trip; after a failure every rank is asked."""
+        try:
+            answers = self._wait(refs, what)
+        except BaseException:
+            print_worker_notes(self.actors)
+            raise
+        print_said_lines([lines for _, lines in answers])
+        return [result for result, _ in answers]
+
+    def _wait(self, refs: list, what: str) -> list:
         import ray
 
         try:
@@ -185,16 +213,16 @@ class RayWorkerGroup:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
                                "(a hang or a crash on some rank)") from None
-        finally:
-            print_worker_notes(self.actors)
 
     def run_async(self, method: str, *args, **kwargs) -> list:
-        """Start `method(*args, **kwargs)` on every rank; the Ray references, in rank order."""
+        """Start `method(*args, **kwargs)` on every rank; the Ray references, in rank order. The
+        caller waits for them, and prints what the ranks said (`print_worker_notes`)."""
         return [actor.call.remote(method, args, kwargs) for actor in self.actors]
 
     def run(self, method: str, *args, **kwargs) -> list:
         """`method(*args, **kwargs)` on every rank (the same arguments); results in rank order."""
-        return self._get(self.run_async(method, *args, **kwargs), method)
+        return self._get_with_notes([actor.call_and_take_notes.remote(method, args, kwargs)
+                                     for actor in self.actors], method)
 
     def run_each_async(self, method: str, per_rank: Sequence[tuple]) -> list:
         """Start `method(*per_rank[r])` on rank r; the Ray references, in rank order (calls from one
@@ -204,7 +232,9 @@ class RayWorkerGroup:
 
     def run_each(self, method: str, per_rank: Sequence[tuple]) -> list:
         """`method(*per_rank[r])` on rank r; results in rank order."""
-        return self._get(self.run_each_async(method, per_rank), method)
+        assert len(per_rank) == self.num_ranks, (len(per_rank), self.num_ranks)
+        return self._get_with_notes([actor.call_and_take_notes.remote(method, tuple(args), {})
+                                     for actor, args in zip(self.actors, per_rank)], method)
 
     def shutdown(self) -> None:
         import ray

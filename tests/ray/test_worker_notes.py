@@ -38,6 +38,9 @@ def test_the_ranks_lines_are_printed_by_the_driver(ray_session, capsys):
         assert capsys.readouterr().out.splitlines() == ["every rank: hello", "rank 0: hello", "rank 1: hello"]
         assert group.run("greet") == [0, 1]  # said again: printed again, nothing left from before
         assert capsys.readouterr().out.count("every rank: hello") == 1
+        assert group.run_each("greet", [(), ()]) == [0, 1]  # the lines come back with the results
+        assert capsys.readouterr().out.splitlines() == ["every rank: hello", "rank 0: hello", "rank 1: hello"]
+        assert ray.get([actor.take_notes.remote() for actor in group.actors]) == [[], []]  # nothing left behind
         with pytest.raises(Exception, match="on purpose"):
             group.run("fail")
         assert capsys.readouterr().out.splitlines() == ["rank 0: about to fail", "rank 1: about to fail"]
