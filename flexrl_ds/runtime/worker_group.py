@@ -96,22 +96,37 @@ def print_worker_notes(actors: Sequence[Any], timeout_s: float = 5.0) -> None:
     (common/notes.py; each actor's body has `take_notes`). Called in `finally` blocks, so it never
     raises: an actor that does not answer within `timeout_s` (lost, or still busy in a hang), or a
     Ray that is gone, is skipped, and its lines stay in its log file."""
+    print_said_lines(taken_notes(actors, timeout_s))
+
+
+def taken_notes(actors: Sequence[Any], timeout_s: float) -> list:
+    """Each answering actor's lines since last asked (`print_worker_notes`); never raises."""
     if not actors:
-        return  # ray.wait would start a Ray of its own
+        return []  # ray.wait would start a Ray of its own
+    try:
+        refs = [actor.take_notes.remote() for actor in actors]
+    except Exception:  # noqa: BLE001 - e.g. Ray is gone; never hide the error these notes follow
+        return []
+    return answered(refs, timeout_s)
+
+
+def answered(refs: list, timeout_s: float) -> list:
+    """The values of those of `refs` that answer within `timeout_s`, in order; a failed or lost
+    call is skipped (its actor's lines stay in its log file). Never raises: it runs after the
+    call it serves has failed, and must not hide that error."""
     import ray
 
     try:
-        refs = [actor.take_notes.remote() for actor in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    except Exception:  # noqa: BLE001 - never hide the error of the call these notes follow
-        return
-    said = []
+    except Exception:  # noqa: BLE001
+        return []
+    values = []
     for ref in (ref for ref in refs if ref in ready):
         try:
-            said.append(ray.get(ref))
-        except Exception:  # noqa: BLE001 - a lost actor's lines are in its log file
+            values.append(ray.get(ref))
+        except Exception:  # noqa: BLE001
             continue
-    print_said_lines(said)
+    return values
 
 
 def print_said_lines(said: Sequence[Sequence[str]]) -> None:
@@ -199,8 +214,9 @@ class RayWorkerGroup:
         that succeeds costs no second round trip; after a failure every rank is asked."""
         try:
             answers = self._wait(refs, what)
-        except BaseException:
-            print_worker_notes(self.actors)
+        except BaseException:  # the ranks that finished returned their lines; the others still hold theirs
+            finished = [lines for _, lines in answered(refs, timeout_s=5.0)]
+            print_said_lines(finished + taken_notes(self.actors, 5.0))
             raise
         print_said_lines([lines for _, lines in answers])
         return [result for result, _ in answers]

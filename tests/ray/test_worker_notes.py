@@ -27,6 +27,12 @@ class SayingWorker:
         notes.say(f"rank {self.rank}: about to fail")
         raise ValueError("on purpose")
 
+    def fail_on_rank_1(self) -> int:
+        notes.say(f"rank {self.rank}: started")
+        if self.rank == 1:
+            raise ValueError("rank 1 on purpose")
+        return self.rank
+
 
 def test_the_ranks_lines_are_printed_by_the_driver(ray_session, capsys):
     ray = ray_session
@@ -44,5 +50,8 @@ def test_the_ranks_lines_are_printed_by_the_driver(ray_session, capsys):
         with pytest.raises(Exception, match="on purpose"):
             group.run("fail")
         assert capsys.readouterr().out.splitlines() == ["rank 0: about to fail", "rank 1: about to fail"]
+        with pytest.raises(Exception, match="rank 1 on purpose"):  # rank 0's lines came back with its result
+            group.run("fail_on_rank_1")
+        assert capsys.readouterr().out.splitlines() == ["rank 0: started", "rank 1: started"]
     finally:
         group.shutdown()
