@@ -5,8 +5,9 @@ processes (`deepspeed --hostfile`, torchrun), but not in a Ray actor: the driver
 `log_to_driver=False`, so that the ranks' own output (DeepSpeed's, transformers', vLLM's) stays in
 their log files (/tmp/ray/session_latest/logs on each node). So a Ray actor's body that hosts a
 worker derives from `NoteKeeper`, which calls `keep()`; from then on its said lines are also kept,
-and the driver takes them (`take_notes`) after each call it waits for and prints them
-(runtime/worker_group.print_worker_notes).
+and they go back to the driver with each call's result (or, after a failed call or one whose
+references the caller waits for itself, through `take_notes`), which prints them
+(runtime/worker_group.RayWorkerGroup._get, print_worker_notes).
 """
 
 from __future__ import annotations

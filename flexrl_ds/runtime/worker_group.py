@@ -156,9 +156,10 @@ class _Host(notes.NoteKeeper):
 
         return ray.get_runtime_context().get_node_id()
 
-    def start(self, place: WorkerPlace, factory: Callable[..., Any], kwargs: dict) -> bool:
+    def start(self, place: WorkerPlace, factory: Callable[..., Any], kwargs: dict) -> tuple[bool, list[str]]:
+        """Build the worker; True and the lines said while it was built."""
         self.worker = factory(place, **kwargs)
-        return True
+        return True, self.take_notes()
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
@@ -202,16 +203,8 @@ class RayWorkerGroup:
                   "start")
 
     def _get(self, refs: list, what: str) -> list:
-        """The calls' results, in rank order; then what the ranks said meanwhile is printed here
-        (also when a call failed)."""
-        try:
-            return self._wait(refs, what)
-        finally:
-            print_worker_notes(self.actors)
-
-    def _get_with_notes(self, refs: list, what: str) -> list:
-        """`_get` for `call_and_take_notes` calls: the lines come back with the results, so a call
-        that succeeds costs no second round trip; after a failure every rank is asked."""
+        """The results of calls that return (result, lines said), in rank order, the lines printed
+        here: a call that succeeds costs no second round trip; after a failure every rank is asked."""
         try:
             answers = self._wait(refs, what)
         except BaseException:  # the ranks that finished returned their lines; the others still hold theirs
@@ -230,27 +223,32 @@ class RayWorkerGroup:
             raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
                                "(a hang or a crash on some rank)") from None
 
+    def _start(self, host_method: str, method: str, calls: Sequence[tuple[tuple, dict]]) -> list:
+        """`_Host.<host_method>(method, args, kwargs)` on each rank with its (args, kwargs)."""
+        return [getattr(actor, host_method).remote(method, args, kwargs)
+                for actor, (args, kwargs) in zip(self.actors, calls)]
+
+    def _each(self, per_rank: Sequence[tuple]) -> list[tuple[tuple, dict]]:
+        assert len(per_rank) == self.num_ranks, (len(per_rank), self.num_ranks)
+        return [(tuple(args), {}) for args in per_rank]
+
     def run_async(self, method: str, *args, **kwargs) -> list:
         """Start `method(*args, **kwargs)` on every rank; the Ray references, in rank order. The
         caller waits for them, and prints what the ranks said (`print_worker_notes`)."""
-        return [actor.call.remote(method, args, kwargs) for actor in self.actors]
+        return self._start("call", method, [(args, kwargs)] * self.num_ranks)
 
     def run(self, method: str, *args, **kwargs) -> list:
         """`method(*args, **kwargs)` on every rank (the same arguments); results in rank order."""
-        return self._get_with_notes([actor.call_and_take_notes.remote(method, args, kwargs)
-                                     for actor in self.actors], method)
+        return self._get(self._start("call_and_take_notes", method, [(args, kwargs)] * self.num_ranks), method)
 
     def run_each_async(self, method: str, per_rank: Sequence[tuple]) -> list:
         """Start `method(*per_rank[r])` on rank r; the Ray references, in rank order (calls from one
         caller run on each rank in the order they were started)."""
-        assert len(per_rank) == self.num_ranks, (len(per_rank), self.num_ranks)
-        return [actor.call.remote(method, tuple(args), {}) for actor, args in zip(self.actors, per_rank)]
+        return self._start("call", method, self._each(per_rank))
 
     def run_each(self, method: str, per_rank: Sequence[tuple]) -> list:
         """`method(*per_rank[r])` on rank r; results in rank order."""
-        assert len(per_rank) == self.num_ranks, (len(per_rank), self.num_ranks)
-        return self._get_with_notes([actor.call_and_take_notes.remote(method, tuple(args), {})
-                                     for actor, args in zip(self.actors, per_rank)], method)
+        return self._get(self._start("call_and_take_notes", method, self._each(per_rank)), method)
 
     def shutdown(self) -> None:
         import ray
