@@ -3,8 +3,8 @@
 `StepLog` appends one JSON object per step to OUT/metrics.jsonl (on resume the lines of steps after
 the checkpoint are dropped first, so the file reads as one run), mirrors every number to
 TensorBoard (OUT/tensorboard, when `tensorboard` is installed) and wandb (when asked and installed),
-prints one progress line per step, and at the end draws OUT/metrics.png (reward, loss, KL,
-response length and per-phase time per step).
+prints one progress line per step, and at the end draws OUT/metrics.png (reward with its trailing
+mean, loss, KL, response length, per-phase time and peak memory per step).
 """
 
 from __future__ import annotations
@@ -114,13 +114,9 @@ def plot_metrics(rows: list[dict], path: Path) -> None:
     memory = [key for key in ("peak_device_used_gb", "peak_host_used_gb")
               if any(any(r.get(key, {}).values()) for r in rows)]
     fig, axes = plt.subplots(1, 4 + len(memory), figsize=(4 * (4 + len(memory)), 3.4))
-    axes[0].errorbar(steps, [r["reward_mean"] for r in rows], yerr=[r["reward_std"] for r in rows], marker="o")
-    axes[0].set_title("reward (mean ± std over samples)")
-    axes[1].plot(steps, [r["loss"] for r in rows], marker="o", label="loss")
-    axes[1].plot(steps, [r["kl"] for r in rows], marker="o", label="kl")
-    axes[1].legend()
-    axes[1].set_title("loss and KL to the reference")
-    axes[2].plot(steps, [r["response_length_mean"] for r in rows], marker="o")
+    _plot_reward(axes[0], rows)
+    _plot_loss_and_kl(axes[1], rows)
+    axes[2].plot(steps, [r["response_length_mean"] for r in rows], marker="o", markersize=3)
     axes[2].set_title("response length (tokens)")
     bottom = [0.0] * len(rows)
     for phase in PHASES[:-1]:
@@ -138,6 +134,48 @@ def plot_metrics(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Each value averaged with the `window` - 1 before it (fewer where the series starts)."""
+    means, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        means.append(total / min(index + 1, window))
+    return means
+
+
+def _plot_reward(axis, rows: list[dict]) -> None:
+    """The reward per step with its spread over the step's samples, and its trailing mean over a
+    tenth of the run, which shows the trend that the noisy steps hide."""
+    steps = [row["step"] for row in rows]
+    means = [row["reward_mean"] for row in rows]
+    spread = [row["reward_std"] for row in rows]
+    axis.fill_between(steps, [m - s for m, s in zip(means, spread)], [m + s for m, s in zip(means, spread)],
+                      alpha=0.2, label="± std over samples")
+    axis.plot(steps, means, marker="o", markersize=3, linewidth=0.8, label="mean")
+    window = max(1, len(rows) // 10)
+    if window > 1:
+        axis.plot(steps, trailing_mean(means, window), color="black", linewidth=2,
+                  label=f"mean of the last {window} steps")
+    axis.legend(fontsize=7)
+    axis.set_title("reward")
+
+
+def _plot_loss_and_kl(axis, rows: list[dict]) -> None:
+    """The GRPO loss on the left axis, the KL to the reference on its own right axis: the two
+    differ by orders of magnitude, and one scale would flatten the loss."""
+    steps = [row["step"] for row in rows]
+    loss_line = axis.plot(steps, [r["loss"] for r in rows], marker="o", markersize=3, label="loss")
+    axis.set_ylabel("loss")
+    kl_axis = axis.twinx()
+    kl_line = kl_axis.plot(steps, [r["kl"] for r in rows], marker="o", markersize=3, color="tab:orange", label="kl")
+    kl_axis.set_ylabel("kl")
+    lines = loss_line + kl_line
+    kl_axis.legend(lines, [line.get_label() for line in lines], fontsize=7)  # drawn over the loss axis
+    axis.set_title("loss and KL to the reference")
+
+
 MEMORY_TITLES = {"peak_device_used_gb": "peak device memory in use (GiB)",
                  "peak_host_used_gb": "peak host memory in use, node (GiB)"}
 
@@ -147,7 +185,7 @@ def _plot_memory(axis, rows: list[dict], key: str) -> None:
     on the device's)."""
     steps = [row["step"] for row in rows]
     for phase in ("rollout", "inference", "update", "sync"):
-        axis.plot(steps, [r.get(key, {}).get(phase, 0.0) for r in rows], marker="o", label=phase)
+        axis.plot(steps, [r.get(key, {}).get(phase, 0.0) for r in rows], marker="o", markersize=3, label=phase)
     if key == "peak_device_used_gb" and any(r.get("rollout_engine_peak_gb") for r in rows):
         axis.plot(steps, [r.get("rollout_engine_peak_gb", 0.0) for r in rows], linestyle="--", marker="x",
                   label="engine awake")  # colocated engines: wake to end of generation

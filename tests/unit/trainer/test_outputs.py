@@ -10,7 +10,7 @@ import pytest
 
 from flexrl_ds.loader.metastore import PromptKey
 from flexrl_ds.trainer.checkpoint import STATE_FILE, latest_checkpoint, read_trainer_state, write_trainer_state
-from flexrl_ds.trainer.metrics import PHASES, StepLog, flatten, plot_metrics, progress_line
+from flexrl_ds.trainer.metrics import PHASES, StepLog, flatten, plot_metrics, progress_line, trailing_mean
 from flexrl_ds.trainer.rollout_host import PromptJob, spread_jobs
 
 
@@ -135,6 +135,23 @@ def test_plot_metrics_writes_a_png(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         sizes[name] = Image.open(path).size
     assert sizes["none"][0] < sizes["cpu"][0] < sizes["gpu"][0]
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 40])
+def test_trailing_mean_matches_the_mean_of_each_slice(window):
+    rng = random.Random(window)
+    values = [rng.uniform(-1, 1) for _ in range(23)]
+    expected = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+                for i in range(len(values))]
+    assert trailing_mean(values, window) == pytest.approx(expected, abs=1e-12)
+
+
+def test_plot_metrics_draws_a_long_run(tmp_path):
+    """A run long enough for the reward's trailing mean (a tenth of the steps) still gives one PNG."""
+    rng = random.Random(4)
+    rows = [_metrics(step, rng) for step in range(40)]
+    plot_metrics(rows, tmp_path / "long.png")
+    assert (tmp_path / "long.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_latest_checkpoint_picks_the_highest_complete_step(tmp_path):
