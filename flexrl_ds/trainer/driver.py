@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from flexrl_ds.common import RunInputError
 from flexrl_ds.models.flops import encoded_grids, training_forward_flops, vision_flops
 from flexrl_ds.planning.plan import Workload
 from flexrl_ds.planning.micro_batches import plan_micro_batches
@@ -178,7 +179,7 @@ class GRPOTrainer:
                       f"{reasons[prompt.name]} ({why})", flush=True)
         kept = [prompt for prompt in prompts if prompt.name not in reasons]
         if not kept:
-            raise RuntimeError(f"step {step}: every prompt is too long ({len(prompts)} prompts, e.g. "
+            raise RunInputError(f"step {step}: every prompt is too long ({len(prompts)} prompts, e.g. "
                                f"{next(iter(reasons.values()))}; {why})")
         return kept
 
@@ -215,7 +216,7 @@ class GRPOTrainer:
         if scored.all_failed():
             first = scored.raised_by or next(iter(scored.errors))
             where = f" (raised at {scored.raised_at})" if scored.raised_at else ""
-            raise RuntimeError(f"reward: flexrl.rl.reward_fn {self.o.rl.reward_fn!r} failed on all {len(names)} "
+            raise RunInputError(f"reward: flexrl.rl.reward_fn {self.o.rl.reward_fn!r} failed on all {len(names)} "
                                f"samples of the step, e.g. {first!r}: {scored.errors[first]}{where}; stopping "
                                "rather than training on zero rewards")
         samples.rewards = dict(zip(names, scored.scores))
@@ -418,7 +419,7 @@ def report_bad_records(step: int, report: dict[str, Any], trained_on: int) -> in
               f"{record['fate']}", flush=True)
     if not trained_on:
         reasons = "; ".join(f"{r['id']!r}: {r['reason']}" for r in bad[:5]) + (" ..." if len(bad) > 5 else "")
-        raise RuntimeError(f"step {step}: every record drawn for it was bad ({reasons}); "
+        raise RunInputError(f"step {step}: every record drawn for it was bad ({reasons}); "
                            "`flexrl inspect-data` checks the whole dataset")
     return len(bad)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from flexrl_ds.common import RunInputError
 from flexrl_ds.media.bad_records import FATE_BAD_SUBSTITUTE, FATE_SKIPPED, fate_replaced
 from flexrl_ds.trainer.driver import report_bad_records
 
@@ -38,7 +39,7 @@ def test_a_clean_step_says_nothing(capsys):
 
 def test_a_step_without_any_usable_record_stops_with_the_reasons():
     bad = [(f"vid-{index}", f"video 0 (v{index}.mp4): missing file", FATE_SKIPPED) for index in range(7)]
-    with pytest.raises(RuntimeError, match=r"step 2: every record drawn for it was bad \('vid-0': video 0 "
+    with pytest.raises(RunInputError, match=r"step 2: every record drawn for it was bad \('vid-0': video 0 "
                                            r"\(v0.mp4\): missing file; .*'vid-4'.* \.\.\.\).*inspect-data") as caught:
         report_bad_records(2, loader_report(bad), trained_on=0)
     assert "vid-5" not in str(caught.value)  # the first five, then "..."

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from flexrl_ds.common import RunInputError
 from flexrl_ds.media.types import Record
 from flexrl_ds.rl.config import GRPOConfig
 from flexrl_ds.trainer.driver import GRPOTrainer
@@ -42,7 +43,7 @@ def failing_on(failing_ids: set[str]):
 
 
 def test_a_step_where_every_sample_failed_stops_naming_where_it_raised():
-    with pytest.raises(RuntimeError, match=r"'scoring.py:score' failed on all 4 samples of the step, e.g. 's0k0': "
+    with pytest.raises(RunInputError, match=r"'scoring.py:score' failed on all 4 samples of the step, e.g. 's0k0': "
                                            r"KeyError: .*no column 'difficulty'.* \(raised at .*test_reward_failures.py:\d+ "
                                            r"in score\); stopping"):
         stand_in_trainer(failing_on({"p0", "p1"}))._reward(step_samples())
@@ -64,5 +65,5 @@ def test_the_place_named_is_in_the_reward_functions_own_file():
         return [json.loads(response) for response in responses]  # "1 2" is no JSON: raises inside json
 
     own_line = r"raised at .*test_reward_failures.py:\d+ in (score|<listcomp>)\)"  # not json/decoder.py's
-    with pytest.raises(RuntimeError, match=own_line):
+    with pytest.raises(RunInputError, match=own_line):
         stand_in_trainer(score)._reward(step_samples())

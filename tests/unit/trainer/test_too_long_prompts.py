@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from flexrl_ds.common import RunInputError
 from flexrl_ds.media.types import Record
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
@@ -64,6 +65,6 @@ def test_a_step_goes_on_without_its_too_long_prompts(capsys):
 
 
 def test_a_step_with_no_prompt_short_enough_stops():
-    with pytest.raises(RuntimeError, match=r"step 2: every prompt is too long \(2 prompts, e.g. 50 prompt tokens .*; "
+    with pytest.raises(RunInputError, match=r"step 2: every prompt is too long \(2 prompts, e.g. 50 prompt tokens .*; "
                                            r"flexrl.sp.max_tokens_per_rank 10 x degree 4"):
         stand_in_trainer(cap=10)._fitting(2, [prompt("s2p0", 50), prompt("s2p1", 60)])
