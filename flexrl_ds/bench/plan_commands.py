@@ -13,6 +13,7 @@ from flexrl_ds.bench.planner_bench import (SEQUENCE_COUNTS, WORLD_SIZES, Planner
 from flexrl_ds.bench.simulator import (default_extra_p_maxes, format_projection, format_table, plot_loads,
                                        plot_projection, project, simulate)
 from flexrl_ds.bench.workloads import make_workload
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
@@ -65,7 +66,7 @@ def _with_links(cost, args):
 def make_workload_command(args) -> int:
     """`flexrl make-workload`."""
     workload = make_workload(args.mix, args.num, args.seed, args.n_samples)
-    Path(args.out).write_text(json.dumps(workload.to_json(), indent=1) + "\n")
+    output_file(args.out).write_text(json.dumps(workload.to_json(), indent=1) + "\n")
     tokens = [s.tokens for s in workload.sequences]
     print(f"wrote {args.out}: {len(tokens)} sequences ({args.mix}, seed {args.seed}, {args.n_samples} samples/prompt), "
           f"tokens min {min(tokens)} / mean {sum(tokens) / len(tokens):.0f} / max {max(tokens)}")

@@ -31,6 +31,7 @@ import torch
 import transformers
 
 from flexrl_ds.bench.rollout_floor import DecoderShape, Peaks, rollout_floor
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.models.flex_model import reference_logprobs
 from flexrl_ds.models.loading import ordinary_token_bound
 from flexrl_ds.models.processing import EncodedSample
@@ -328,4 +329,4 @@ def _logprob_diff(engine, model, requests, temperature: float = 0.0) -> float:
 
 def write_result(result: RolloutBenchResult, path: str | None) -> None:
     if path:
-        Path(path).write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        output_file(path).write_text(json.dumps(result.to_json(), indent=1) + "\n")

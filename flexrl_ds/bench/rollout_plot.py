@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from flexrl_ds.common.output_files import output_file
+
 ENGINE_LABELS = {
     "hf": "hf generate, dynamic KV cache",
     "hf_static": "hf generate, static KV cache",
@@ -92,5 +94,5 @@ def plot_rollout(result: dict[str, Any], path: str) -> None:
                  f"{config.get('prompt_len', '?')} → {config.get('new_tokens', '?')} tokens, {result.get('device', '?')}",
                  fontsize=10, loc="left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(output_file(path), dpi=110)
     plt.close(fig)

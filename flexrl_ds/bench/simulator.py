@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from flexrl_ds.bench.workloads import make_step
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.baselines import MethodResult, fixed_sp, lpt_bucketing, verl_bucketing
 from flexrl_ds.planning.cost_model import CostModel
@@ -178,7 +179,7 @@ def plot_loads(sim: SimulationResult, path: str) -> None:
     fig.suptitle(f"Per-rank load, {sim.mix}, {sim.world_size} ranks, {sim.gbs}×{sim.n_samples} sequences "
                  f"(seed 0)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(output_file(path), dpi=110)
     plt.close(fig)
 
 
@@ -280,5 +281,5 @@ def plot_projection(proj: Projection, path: str) -> None:
     fig.suptitle(f"PROJECTION (calibrated model, not measured): {proj.runs[0].mix}, "
                  f"{'weak' if proj.weak_scaling else 'fixed-batch'} scaling", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(output_file(path), dpi=110)
     plt.close(fig)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flexrl_ds.bench.sp_calibrate import calibrate_rank
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.group_tree import GroupTree, SPTopology
 from flexrl_ds.parallel.launch import init_distributed
@@ -277,7 +278,7 @@ def write_plot(record: dict[str, Any], path: str) -> None:
     ax.set_ylabel("forward+backward ms (median)")
     ax.set_title(f"{record['config']['layer']} layer {record['config']['shape']}, {record['world_size']} ranks")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(output_file(path), dpi=120)
     plt.close(fig)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from flexrl_ds.bench.sp_bench import SHAPES, SPBenchConfig, dumps, format_table, run_rank, write_plot
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.parallel import device
 
 
@@ -58,7 +59,7 @@ def bench_sp(args) -> int:
 def _report(record, args) -> None:
     if "calibration" in record:
         calibration = record["calibration"]
-        Path(args.calibrate).write_text(dumps(calibration) + "\n")
+        output_file(args.calibrate).write_text(dumps(calibration) + "\n")
         c = calibration["linear_s_per_token"] / calibration["attention_s_per_token2"]
         print(f"[bench sp] attention {calibration['attention_s_per_token2']:.3g} s/L^2, linear "
               f"{calibration['linear_s_per_token']:.3g} s/token (c = {c:,.0f}); all-to-all "
@@ -68,7 +69,7 @@ def _report(record, args) -> None:
         return
     print(format_table(record))
     if args.json:
-        Path(args.json).write_text(dumps(record) + "\n")
+        output_file(args.json).write_text(dumps(record) + "\n")
         print(f"[bench sp] wrote {args.json}")
     if args.plot:
         write_plot(record, args.plot)
@@ -80,7 +81,7 @@ def _rank_main(rank: int, world_size: int, port: int, config, out_path: str) -> 
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     record = run_rank(config)
     if record is not None:
-        Path(out_path).write_text(dumps(record))
+        output_file(out_path).write_text(dumps(record))
 
 
 def _spawn(config, nproc: int):

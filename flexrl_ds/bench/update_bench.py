@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.models import zero3
 from flexrl_ds.models.flex_model import FlexUlyssesLM, build_step_batch, positions_fn, reference_logprobs
@@ -385,5 +386,5 @@ def one_rank_sp(sp: SPConfig) -> SPConfig:
 
 def write_result(result: UpdateBenchResult, path: str | None) -> None:
     if path:
-        with open(path, "w") as handle:
+        with open(output_file(path), "w") as handle:
             json.dump(dataclasses.asdict(result), handle, indent=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flexrl_ds.bench.workloads import make_step
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.models.vision_balance import assign_units
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
@@ -101,5 +102,5 @@ def _plot(plan, workload, path: str, title: str) -> None:
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(output_file(path), dpi=110)
     plt.close(fig)

@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 from flexrl_ds.bench.loader_bench_config import DEFAULT_CPUS_PER_ACTOR, MODES, LoaderBenchConfig
 from flexrl_ds.bench.loader_report import format_table, summary
+from flexrl_ds.common.output_files import output_file
 
 
 def register(commands, bench) -> None:
@@ -90,5 +91,5 @@ def _plot(results, path: str) -> None:
         axis.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"flexrl bench loader (compute {results[0].compute_ms:.0f} ms/step)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(output_file(path), dpi=120)
     print(f"wrote {path}", file=sys.stderr)

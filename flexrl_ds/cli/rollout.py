@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from flexrl_ds.bench.rollout_plot import floor_lines, plot_rollout, speedups
+from flexrl_ds.common.output_files import output_file
 
 
 def register(commands, bench) -> None:
@@ -88,7 +89,7 @@ def _bench_channel(args) -> int:
     rows = run_channel_bench(ChannelBenchConfig(total_gib=args.gib, tensor_mib=args.tensor_mb, bucket_mib=args.bucket_mb,
                                                 receivers=args.receivers, rounds=args.rounds))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        output_file(args.json).write_text(json.dumps(rows, indent=1))
     if not all(row["checksums_match"] for row in rows):
         print("[bench channel] a receiver's weights differ from the sender's", flush=True)
         return 1

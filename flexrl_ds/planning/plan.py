@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping
 
 from flexrl_ds.common import is_power_of_two
 from flexrl_ds.common.json_files import read_json
+from flexrl_ds.common.output_files import output_file
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class Plan:
         return out
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        output_file(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
 
 def parse_plan(raw: Any, source: str = "plan") -> Plan:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.loader.config import DataConfig
 from flexrl_ds.media.dataset import probe_entries
 from flexrl_ds.media.preprocess import SamplePreprocessor, collate
@@ -74,7 +75,7 @@ def plot_vision_tokens(entries, path: str) -> None:
     axis.set_ylabel("records")
     axis.set_title(f"{sum(map(len, groups.values()))} good records")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(output_file(path), dpi=100)
     plt.close(figure)
     print(f"wrote {path}", file=sys.stderr)
 

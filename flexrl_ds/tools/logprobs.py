@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.models.processing import encode_records
 from flexrl_ds.parallel import device as device_mod
@@ -366,4 +367,4 @@ def write_results(path: str, samples: dict[str, Any], logprobs: dict[str, list[f
     for seq_id, sample in samples.items():
         lines.append(json.dumps({"id": seq_id, "input_ids": sample.input_ids.tolist(),
                                  "response_start": sample.response_start, "logprobs": logprobs[seq_id]}))
-    Path(path).write_text("\n".join(lines) + "\n")
+    output_file(path).write_text("\n".join(lines) + "\n")

@@ -1,0 +1,41 @@
+"""Output files named by the user: their folders are made, and paths that cannot be files are named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexrl_ds.cli.main import main
+from flexrl_ds.common.output_files import output_file
+
+
+def test_missing_folders_are_made(tmp_path):
+    path = output_file(tmp_path / "a" / "b" / "plan.json")
+    assert path.parent.is_dir() and not path.exists()
+
+
+@pytest.mark.parametrize("where, said", [
+    ("folder", "is a folder; give the name of a file to write"),
+    ("under_a_file", "cannot make its folder, {file} is a file"),
+    ("deeper_under_a_file", "cannot make its folder, {file} is a file"),
+])
+def test_paths_that_cannot_be_files_are_named(tmp_path, where, said):
+    file = tmp_path / "taken"
+    file.write_text("keep me")
+    path = {"folder": tmp_path, "under_a_file": file / "x.json", "deeper_under_a_file": file / "y" / "x.json"}[where]
+    with pytest.raises(ValueError) as raised:
+        output_file(path)
+    assert str(raised.value) == f"{path}: " + said.format(file=file)
+    assert file.read_text() == "keep me"
+
+
+def test_make_workload_writes_into_a_new_folder(tmp_path):
+    out = tmp_path / "new" / "w.json"
+    assert main(["make-workload", "--mix", "image-heavy", "--num", "4", "--seed", "0", "--out", str(out)]) == 0
+    assert len(json.loads(out.read_text())["sequences"]) > 0
+
+
+def test_an_output_that_is_a_folder_is_one_line(tmp_path, capsys):
+    assert main(["make-workload", "--mix", "image-heavy", "--num", "4", "--seed", "0", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"flexrl make-workload: error: {tmp_path}: is a folder; give the name of a file to write"
