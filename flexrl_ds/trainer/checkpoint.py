@@ -57,9 +57,43 @@ def read_trainer_state(directory: Path) -> dict[str, Any]:
     return state
 
 
+RESUME_FREE_KEYS = ("flexrl.trainer.max_steps",)
+"""Settings a resumed run may change without comment: giving a finished run more steps is how it goes on."""
+
+
+def changed_settings(saved: Any, now: Any, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two configs, each as "key (old -> new)"; a key only
+    one of them has reads "(unset)" on the other side."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        changes = []
+        for key in sorted(set(saved) | set(now), key=str):
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            if key not in saved or key not in now:
+                old, new = (json.dumps(saved[key]) if key in saved else "(unset)",
+                            json.dumps(now[key]) if key in now else "(unset)")
+                changes.append(f"{dotted} ({old} -> {new})")
+            else:
+                changes += changed_settings(saved[key], now[key], dotted)
+        return changes
+    return [] if saved == now else [f"{prefix} ({json.dumps(saved)} -> {json.dumps(now)})"]
+
+
+def resume_config_note(saved: dict, now: dict) -> str:
+    """What a resumed run changes of the config its checkpoint was written under ("" when nothing
+    that matters): it goes on with the new values, so it no longer reproduces the uninterrupted run."""
+    changes = [change for change in changed_settings(saved, now) if not change.startswith(tuple(f"{key} (" for key in RESUME_FREE_KEYS))]
+    if not changes:
+        return ""
+    shown = "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else "")
+    return (f"--resume: the config differs from the one the checkpoint was written under: {shown}. The run "
+            "goes on with the new values, so it will not reproduce the uninterrupted run.")
+
+
 def check_out_dir(out_dir: Path, resume: bool) -> None:
     """A run without --resume starts in a folder that holds no other run's steps: it would rewrite
     metrics.jsonl over them and leave their checkpoints, which a later --resume would continue from."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir}: is a file; --out names the run's folder")
     if resume:
         return
     metrics = out_dir / "metrics.jsonl"

@@ -23,6 +23,7 @@ import ray
 import torch.distributed as dist
 import transformers
 
+from flexrl_ds.common.json_files import read_json
 from flexrl_ds.media.config import replaced_by_processor
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.parallel.launch import init_distributed
@@ -34,7 +35,7 @@ from flexrl_ds.rollout.base import SamplingParams
 from flexrl_ds.runtime.data_controller import DataController, usable_records
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
-from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_trainer_state
+from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_trainer_state, resume_config_note
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
@@ -166,6 +167,10 @@ def resume_point(args: TrainArgs) -> tuple[Path | None, int]:
     state = read_trainer_state(checkpoint)
     print(f"--resume: continuing after step {state['step'] + 1} (files: step_{state['step']}) from {checkpoint}",
           flush=True)
+    if isinstance(state.get("run_config"), dict):
+        note = resume_config_note(state["run_config"], read_json(args.config_path, "config file"))
+        if note:
+            print(note, flush=True)
     return checkpoint, state["step"] + 1
 
 
