@@ -6,7 +6,8 @@ starts or joins a cluster.
   else a new local one with `num_cpus` logical CPUs is started, also where `ray start` left a
   cluster running on this machine (Ray would join that one, and refuse `num_cpus`). Returns True
   when it started one (the caller stops it with `ray.shutdown()`).
-- `ray_address()`: RAY_ADDRESS, checked to be one a driver can join (not a job server's URL).
+- `ray_address()`: RAY_ADDRESS, checked to be one a driver can join (not a job server's URL) and,
+  where it is host:port, to accept connections (Ray would wait for minutes).
 - `join_ray(address, namespace)`: a second driver process joining a given cluster (a benchmark's
   per-run controller process, a launcher-started rank).
 """
@@ -14,6 +15,7 @@ starts or joins a cluster.
 from __future__ import annotations
 
 import os
+import socket
 
 import ray
 
@@ -28,7 +30,28 @@ def ray_address() -> str | None:
                          "train --spmd under deepspeed or torchrun, or flexrl train run directly) needs the "
                          "cluster's GCS address, host:port (`ray start --head` prints it; port 6379 by "
                          "default), or no RAY_ADDRESS to start a local Ray")
+    if address:
+        check_reachable(address)
     return address
+
+
+REACH_TIMEOUT_S = 5.0
+"""How long `check_reachable` waits for a connection to RAY_ADDRESS (Ray itself retries for minutes)."""
+
+
+def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """ValueError, within `timeout_s`, where nothing accepts connections at a host:port RAY_ADDRESS.
+    Other forms ("auto", "local", "ray://...") are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if not host or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        reason = "no answer" if isinstance(error, TimeoutError) else (error.strerror or str(error))
+        raise ValueError(f"RAY_ADDRESS={address}: no Ray cluster reachable there ({reason} within "
+                         f"{timeout_s:.0f} s). Start one with `ray start --head`, correct the address, or "
+                         "unset RAY_ADDRESS to start a local Ray") from None
 
 
 def connect_ray(num_cpus: int) -> bool:

@@ -246,6 +246,38 @@ def test_a_job_server_url_as_ray_address_is_refused(raw_config, tmp_path, traine
              f"RAY_ADDRESS={address}", "job server", "GCS address")
 
 
+def test_a_ray_address_where_nothing_listens_is_refused_at_once(raw_config, tmp_path, trainer_assets, monkeypatch):
+    """A host:port RAY_ADDRESS with no cluster behind it: one line within seconds, not Ray's minutes
+    of retries (the port is one the OS just gave out and took back, so nothing listens on it)."""
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    start = time.perf_counter()
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             f"RAY_ADDRESS=127.0.0.1:{port}: no Ray cluster reachable there", "ray start --head")
+    assert time.perf_counter() - start < 30
+
+
+def test_a_ray_address_that_accepts_connections_passes_the_check(monkeypatch):
+    import socket
+
+    from flexrl_ds.runtime.ray_session import ray_address
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        assert ray_address() == address
+    for left_to_ray in ("auto", "ray://head:10001"):
+        monkeypatch.setenv("RAY_ADDRESS", left_to_ray)
+        assert ray_address() == left_to_ray
+
+
 def test_missing_relative_paths_name_where_they_were_looked_for(raw_config, tmp_path, trainer_assets, monkeypatch):
     """Under `ray job submit` relative paths resolve in the job's folder: the error says which."""
     monkeypatch.chdir(tmp_path)
