@@ -67,7 +67,21 @@ def test_p_max_over_the_domain(raw_config, tmp_path, trainer_assets):
     ranks = raw_config["flexrl"]["trainer"]["num_policy_ranks"]
     raw_config["flexrl"]["sp"]["p_max"] = 2 * ranks
     _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
-             "flexrl.sp.p_max", str(2 * ranks), "num_policy_ranks")
+             "flexrl.sp.p_max", str(2 * ranks), "num_policy_ranks", f"set flexrl.sp.p_max to at most {ranks}")
+
+
+def test_a_default_p_max_over_the_domain_says_it_is_the_default(raw_config, tmp_path, trainer_assets):
+    """A config without `flexrl.sp.p_max` on fewer ranks than its default: the user never wrote the
+    value refused, so the message says where it came from."""
+    from flexrl_ds.planning.config import SPConfig
+
+    raw_config["flexrl"]["sp"].pop("p_max", None)
+    raw_config["flexrl"]["trainer"]["num_policy_ranks"] = ranks = SPConfig().p_max // 2
+    raw_config["flexrl"]["data"]["loader"]["global_batch"] = ranks
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             f"flexrl.sp.p_max {SPConfig().p_max} (the default where flexrl.sp sets none) exceeds the SP domain "
+             f"of {ranks} ranks",
+             f"set flexrl.sp.p_max to at most {ranks}")
 
 
 def test_several_sp_domains_pass_and_bad_domain_sizes_are_refused(raw_config, tmp_path, trainer_assets):
