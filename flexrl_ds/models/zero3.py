@@ -9,9 +9,11 @@ checked first (`check_ds_config`) and rejected with a `ValueError` naming the ke
 - `zero_optimization.stage` must be 3 (parameters, gradients and optimizer states partitioned);
 - `gradient_accumulation_steps` must be 1 (absent: 1): the trainer calls `engine.step()` once per
   mini-batch, whose loss is already normalised by the mini-batch's global token count;
-- `train_batch_size`, if given, must equal train_micro_batch_size_per_gpu x data-parallel ranks;
+- `train_micro_batch_size_per_gpu` must be 1 (each rank takes one packed batch per pass), and
+  `train_batch_size`, if given, must equal it x data-parallel ranks;
 - `sequence_parallel_size` other than 1: FlexUlysses owns sequence parallelism;
-- `train=True` needs an `optimizer` block (no client optimizer is passed); `train=False` builds an
+- `train=True` needs an `optimizer` block (no client optimizer is passed) whose `type`, and the
+  `scheduler`'s, DeepSpeed knows (it would refuse them only inside the ranks); `train=False` builds an
   inference engine (the reference model): ZeRO-3 partitioned parameters and no optimizer, so the
   `optimizer` and `scheduler` blocks are left out there (the same JSON serves both engines).
 
@@ -104,6 +106,11 @@ def check_ds_config(ds_config: dict[str, Any], world_size: int, train: bool = Tr
     if micro is None and total is None:
         raise ValueError("train_micro_batch_size_per_gpu: required (e.g. 1; the trainer feeds one packed "
                          "FlexUlysses batch per rank and step)")
+    if micro not in (None, 1):
+        raise ValueError(f"train_micro_batch_size_per_gpu: must be 1, got {micro!r}: each rank takes one packed "
+                         "FlexUlysses batch per pass, whatever it says. Samples per step come from "
+                         "flexrl.data.loader (global_batch x num_samples_per_prompt); passes are split where "
+                         "flexrl.sp.max_tokens_per_rank asks")
     if total is not None and micro is not None and total != micro * world_size:
         raise ValueError(f"train_batch_size: {total} != train_micro_batch_size_per_gpu {micro} x "
                          f"{world_size} data-parallel ranks (x gradient_accumulation_steps 1)")
@@ -113,6 +120,37 @@ def check_ds_config(ds_config: dict[str, Any], world_size: int, train: bool = Tr
     if train and not isinstance(ds_config.get("optimizer"), dict):
         raise ValueError("optimizer: a training engine needs DeepSpeed's optimizer block, e.g. "
                          '{"type": "AdamW", "params": {"lr": 1e-6, "torch_adam": true}}')
+    if train:
+        check_optimizer_and_scheduler_types(ds_config)
+
+
+def check_optimizer_and_scheduler_types(ds_config: dict[str, Any]) -> None:
+    """ValueError naming `optimizer.type` or `scheduler.type` where DeepSpeed would refuse the name,
+    which it does only inside every rank, as its engines are built."""
+    from deepspeed.runtime import lr_schedules  # lazy: only a training run needs DeepSpeed's names
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    own_optimizers, schedulers = sorted(DEEPSPEED_OPTIMIZERS), list(lr_schedules.VALID_LR_SCHEDULES)
+    optimizer = (ds_config.get("optimizer") or {}).get("type")
+    if isinstance(optimizer, str) and optimizer.lower() not in own_optimizers and not hasattr(torch.optim, optimizer):
+        torch_classes = [name for name in dir(torch.optim) if name[:1].isupper() and name != "Optimizer"]
+        raise ValueError(f"optimizer.type: DeepSpeed knows no optimizer {optimizer!r}"
+                         f"{_meant(optimizer, own_optimizers + torch_classes)} (its own: "
+                         f"{', '.join(own_optimizers)}; or a torch.optim class)")
+    scheduler = (ds_config.get("scheduler") or {}).get("type")
+    if (isinstance(scheduler, str) and not hasattr(lr_schedules, scheduler)
+            and not hasattr(torch.optim.lr_scheduler, scheduler)):
+        torch_classes = [name for name in dir(torch.optim.lr_scheduler) if name.endswith("LR")]
+        raise ValueError(f"scheduler.type: DeepSpeed knows no scheduler {scheduler!r}"
+                         f"{_meant(scheduler, schedulers + torch_classes)} (its own: {', '.join(schedulers)}; "
+                         "or a torch.optim.lr_scheduler class)")
+
+
+def _meant(name: str, known: list[str]) -> str:
+    """" (did you mean 'X'?)" for the known name closest to `name`, ignoring case; "" if none is close."""
+    by_lower = {known_name.lower(): known_name for known_name in known}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
 
 
 def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_group=None, train: bool = True,

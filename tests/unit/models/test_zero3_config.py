@@ -6,6 +6,7 @@ import copy
 import pickle
 
 import pytest
+import torch
 
 from flexrl_ds.models.zero3 import check_ds_config
 
@@ -68,3 +69,34 @@ def test_keys_deepspeed_never_read_are_named_with_the_key_meant():
     assert unread_keys_note({"bf16": {}}, {"bf16", "fp16"}) is None
     saved = pickle.loads(pickle.dumps(config))  # as DeepSpeed's checkpoints hold it
     assert type(saved) is dict and saved == dict(config)
+
+
+@pytest.mark.parametrize("block, name, said", [
+    ("optimizer", "adamw_typo", "optimizer.type: DeepSpeed knows no optimizer 'adamw_typo' (did you mean 'AdamW'?)"),
+    ("optimizer", "Adamm", "optimizer.type: DeepSpeed knows no optimizer 'Adamm' (did you mean 'Adam'?)"),
+    ("scheduler", "WarmupLRR", "scheduler.type: DeepSpeed knows no scheduler 'WarmupLRR' (did you mean 'WarmupLR'?)"),
+    ("scheduler", "zzz", "scheduler.type: DeepSpeed knows no scheduler 'zzz' (its own: "),
+])
+def test_names_deepspeed_would_refuse_in_the_ranks_are_refused_first(block, name, said):
+    config = _with(**{block: {"type": name, "params": {}}})
+    with pytest.raises(ValueError) as raised:
+        check_ds_config(config, world_size=4)
+    assert str(raised.value).startswith(said)
+
+
+@pytest.mark.parametrize("block, name", [("optimizer", "AdamW"), ("optimizer", "adam"), ("optimizer", "SGD"),
+                                         ("scheduler", "WarmupCosineLR"), ("scheduler", "StepLR")])
+def test_names_deepspeed_knows_pass(block, name):
+    """DeepSpeed's own reference: its config module's optimizer list, its schedules, and torch.optim."""
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    known = (name.lower() in DEEPSPEED_OPTIMIZERS or hasattr(torch.optim, name) if block == "optimizer"
+             else hasattr(lr_schedules, name) or hasattr(torch.optim.lr_scheduler, name))
+    assert known
+    check_ds_config(_with(**{block: {"type": name, "params": {}}}), world_size=4)
+
+
+def test_a_micro_batch_other_than_one_is_refused_as_without_effect():
+    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu: must be 1, got 2: each rank takes one"):
+        check_ds_config(_with(train_micro_batch_size_per_gpu=2, train_batch_size=8), world_size=4)
