@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     # accepted and unused.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", metavar="<command>")
-    bench_parser = commands.add_parser("bench", help="benchmarks (planner, sp, loader, probe, vision, rollout, channel)")
+    bench_parser = commands.add_parser("bench", help="benchmarks (`flexrl bench --help` lists them)")
     bench = bench_parser.add_subparsers(dest="bench_command", metavar="<benchmark>")
     bench_parser.set_defaults(func=lambda args: _missing_subcommand(bench_parser))
     for module_name in COMMAND_MODULES:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 from flexrl_ds.common.json_files import read_json
 from flexrl_ds.config.flexrl_config import load_run_config
 
@@ -19,13 +17,12 @@ def register(commands, bench) -> None:
                     "Outputs under --out: metrics.jsonl, metrics.png, tensorboard/, plans/, rollouts/ (with "
                     "flexrl.trainer.save_rollouts), checkpoints/, hf/. An --out holding another run's steps is "
                     "refused unless --resume continues it.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     train.add_argument("--config", required=True, help="DeepSpeed JSON with a 'flexrl' section (ds_configs/)")
     train.add_argument("--model", required=True, help="HF model directory the policy starts from")
     train.add_argument("--data", required=True, help="dataset (.jsonl / .parquet; fields: docs/DATA_FORMAT.md)")
     train.add_argument("--out", required=True, help="output directory")
-    train.add_argument("--max-steps", type=int, default=None, help="GRPO steps in all (default flexrl.trainer.max_steps)")
+    train.add_argument("--max-steps", type=int, default=None, help="GRPO steps in all (default: flexrl.trainer.max_steps)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     train.add_argument("--spmd", action="store_true",
                        help="run as one rank of a launcher-started job (deepspeed --hostfile / torchrun)")

@@ -36,7 +36,8 @@ def progress_line(metrics: dict[str, Any], max_steps: int) -> str:
     times = metrics["time_s"]
     return (f"step {metrics['step'] + 1}/{max_steps} | reward {metrics['reward_mean']:.3f} ± {metrics['reward_std']:.3f}"
             f" | loss {metrics['loss']:+.4f} kl {metrics['kl']:.4f} clip {metrics['clip_frac']:.3f}"
-            f" | len {metrics['response_length_mean']:.1f} | {times['step']:.1f} s (rollout {times['rollout']:.1f},"
+            f" | len {metrics['response_length_mean']:.1f} | {times['step']:.1f} s (data {times.get('data', 0.0):.1f},"
+            f" rollout {times['rollout']:.1f},"
             f" inference {times['inference']:.1f}, update {times['update']:.1f}, sync {times['sync']:.2f})"
             f" | {metrics['tokens_per_gpu_s']:.0f} tok/GPU/s"
             + (f", MFU update {100 * metrics['mfu']['update']:.0f}%" if "mfu" in metrics else ""))
@@ -109,6 +110,7 @@ def plot_metrics(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [row["step"] for row in rows]
     memory = [key for key in ("peak_device_used_gb", "peak_host_used_gb")
@@ -129,6 +131,7 @@ def plot_metrics(rows: list[dict], path: Path) -> None:
         _plot_memory(axis, rows, key)
     for axis in axes:
         axis.set_xlabel("step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # a short run: no ticks between steps
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

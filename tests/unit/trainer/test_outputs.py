@@ -88,7 +88,8 @@ def test_progress_line_shows_the_step_and_numbers():
     assert line.startswith(f"step {metrics['step'] + 1}/9")
     for text in (f"{metrics['reward_mean']:.3f}", f"{metrics['reward_std']:.3f}", f"{metrics['loss']:+.4f}",
                  f"{metrics['kl']:.4f}", f"{metrics['time_s']['step']:.1f} s",
-                 f"rollout {metrics['time_s']['rollout']:.1f}", f"{metrics['tokens_per_gpu_s']:.0f} tok/GPU/s"):
+                 f"(data {metrics['time_s']['data']:.1f}, rollout {metrics['time_s']['rollout']:.1f},",
+                 f"{metrics['tokens_per_gpu_s']:.0f} tok/GPU/s"):
         assert text in line, (text, line)
 
 
