@@ -1,6 +1,6 @@
 """Checks a training run's inputs before any worker starts; each failure names its cause.
 
-`check_run(run, model_dir, num_ranks)` raises ValueError for: a missing model directory, an
+`check_run(run, model_dir, num_ranks)` raises ValueError for: a missing or text-only model directory, an
 inconsistent config (batch not divisible over the ranks, SP domains that do not divide the ranks,
 p_max over the SP domain, a mini-batch with fewer samples than domains, mini-batches that
 do not divide the prompts, a group size n of 1 (every advantage would be 0), `flexrl.sp.oversize`
@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from flexrl_ds.common.json_files import looked_for
+from flexrl_ds.common.json_files import looked_for, read_json
 from flexrl_ds.media.types import Record
 from flexrl_ds.models.zero3 import check_ds_config
 from flexrl_ds.parallel import device as device_mod
@@ -32,6 +32,11 @@ def check_model_dir(model_dir: str) -> None:
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {model_dir}: no config.json there (an HF model directory is needed; "
                          "`flexrl make-tiny-model --out DIR` writes a tiny random one)")
+    config = read_json(path / "config.json", "model config")
+    if isinstance(config, dict) and "vision_config" not in config:
+        raise ValueError(f"--model {model_dir}: a text-only model (model_type {config.get('model_type')!r}, no "
+                         "vision_config); flexrl train trains vision-language models of the Qwen2.5-VL class "
+                         "(`flexrl make-tiny-model --arch qwen2.5-vl` writes a tiny random one)")
 
 
 def check_batch(flexrl: Any, num_ranks: int) -> None:

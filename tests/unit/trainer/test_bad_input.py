@@ -292,6 +292,14 @@ def test_a_ray_address_that_accepts_connections_passes_the_check(monkeypatch):
         assert ray_address() == left_to_ray
 
 
+def test_a_text_only_model_is_refused_as_such(raw_config, tmp_path, trainer_assets):
+    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+
+    text_only = make_tiny_model(TinyModelConfig(out_dir=str(tmp_path / "qwen2"), arch="qwen2"))
+    _refused(raw_config, tmp_path, str(text_only), trainer_assets["data"],
+             f"--model {text_only}: a text-only model (model_type 'qwen2', no vision_config)", "Qwen2.5-VL")
+
+
 def test_missing_relative_paths_name_where_they_were_looked_for(raw_config, tmp_path, trainer_assets, monkeypatch):
     """Under `ray job submit` relative paths resolve in the job's folder: the error says which."""
     monkeypatch.chdir(tmp_path)
