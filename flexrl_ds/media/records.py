@@ -62,6 +62,10 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRecord]]:
             raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
         yield from enumerate(rows)
         return
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in (".jsonl", ".parquet"))
+        raise ValueError(f"{path}: a folder; --data names the dataset file in it"
+                         + (f" ({', '.join(inside[:3])} here)" if inside else " (a .jsonl or .parquet file)"))
     if suffix not in (".jsonl", ".json", ".ndjson"):
         raise ValueError(f"{path}: unknown dataset format {suffix!r} (use .jsonl or .parquet)")
     with path.open("r", encoding="utf-8") as handle:
@@ -96,6 +100,8 @@ def parse_record(row: dict[str, Any], index: int, dataset_dir: Path,
 def _parse_record(row: dict[str, Any], record_id: str, index: int, dataset_dir: Path,
                   media_root: Path | None) -> Record:
     prompt = row.get("prompt")
+    if prompt is None:
+        raise ValueError("missing field 'prompt'")
     if not isinstance(prompt, str):
         raise ValueError(f"field 'prompt' must be a string, got {type(prompt).__name__}")
     images = _media_list(row, "images", IMAGE, IMAGE_OPTIONS, dataset_dir, media_root)

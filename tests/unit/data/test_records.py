@@ -56,6 +56,7 @@ def test_parquet_reads_like_jsonl(tmp_path):
 @pytest.mark.parametrize("row, reason", [
     ({"prompt": "<image>", "images": ["a.png"]}, "missing field 'id'"),
     ({"id": "x", "prompt": 5}, "field 'prompt' must be a string"),
+    ({"id": "x", "images": []}, "missing field 'prompt'"),
     ({"id": "x", "prompt": "<image><image>", "images": ["a.png"]}, "2 <image> marker(s) but 'images' lists 1"),
     ({"id": "x", "prompt": "text", "videos": ["a.mp4"]}, "0 <video> marker(s) but 'videos' lists 1"),
     ({"id": "x", "prompt": "<image>", "images": ["../outside.png"]}, "escapes the dataset folder"),
@@ -106,3 +107,8 @@ def test_missing_or_unknown_dataset_file_is_a_user_error(tmp_path):
     (tmp_path / "d.csv").write_text("id\n")
     with pytest.raises(ValueError, match="unknown dataset format"):
         read_dataset(tmp_path / "d.csv")
+    with pytest.raises(ValueError, match=r"a folder; --data names the dataset file in it \(a .jsonl or .parquet"):
+        read_dataset(tmp_path)
+    (tmp_path / "train.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"a folder; --data names the dataset file in it \(train.jsonl here\)"):
+        read_dataset(tmp_path)
