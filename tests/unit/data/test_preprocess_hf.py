@@ -438,3 +438,12 @@ def test_class_defaults_are_transformers(hf_video_functions):
     size_node = next(item.value for item in video_class.body if isinstance(item, ast.Assign)
                      and getattr(item.targets[0], "id", None) == "size")
     assert eval(compile(ast.Expression(size_node), "size", "eval"), {"__builtins__": {}}) == pf.VIDEO_SIZE_DEFAULT
+
+
+def test_a_processor_folder_that_does_not_exist_is_called_so(tmp_path):
+    from flexrl_ds.media.processor_files import processor_settings
+
+    with pytest.raises(ValueError, match=r"nomodel: no such directory \(a model or processor directory is needed\)"):
+        processor_settings(tmp_path / "nomodel")
+    with pytest.raises(ValueError, match="no preprocessor_config.json"):  # a folder, but no processor in it
+        processor_settings(tmp_path)
