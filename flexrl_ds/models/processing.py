@@ -142,6 +142,7 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
     encoder = SampleEncoder(model_dir)
     preprocessor = SamplePreprocessor(MediaConfig().with_processor_dir(model_dir)) if encoder.has_vision else None
     samples: dict[str, EncodedSample] = {}
+    skipped: list[str] = []
     for record in read_dataset(data_path):
         response = None if isinstance(record, BadRecord) else _field(record, response_key)
         if not isinstance(record, BadRecord) and not isinstance(response, str):
@@ -162,11 +163,20 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
                                     item.second_per_grid_t or 1.0) for index, item in enumerate(meta.items)]
         if isinstance(record, BadRecord):
             print(f"skipped record {record.id!r}: {record.reason}", file=log or sys.stderr)
+            skipped.append(record.reason)
             continue
         samples[record.id] = encoder.encode_items(record.id, record.prompt, response, items)
     if not samples:
-        raise ValueError(f"{data_path}: no usable records")
+        raise ValueError(f"{data_path}: no usable records{missing_response_hint(skipped, response_key)}")
     return samples
+
+
+def missing_response_hint(reasons: list[str], response_key: str) -> str:
+    """What to do when every record was skipped for want of text under `response_key` ("" otherwise)."""
+    if not reasons or any(reason != f"no {response_key!r} text to score" for reason in reasons):
+        return ""
+    return (f": none has text under {response_key!r}; --response-key names the field holding the text to "
+            "score (e.g. answer)")
 
 
 def _field(record, key: str):

@@ -30,7 +30,7 @@ from flexrl_ds.loader.metastore import PromptKey
 from flexrl_ds.media.processor_files import has_processor_files
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.media.types import BadRecord
-from flexrl_ds.models.processing import SampleEncoder, VisionItem, _field
+from flexrl_ds.models.processing import SampleEncoder, VisionItem, _field, missing_response_hint
 
 
 @dataclass
@@ -112,7 +112,8 @@ def load_step(controller: Any, encoder: Any, response_key: str, data_path: str) 
     for bad in bad_records:
         print(f"skipped record {bad['id']!r}: {bad['reason']}", file=sys.stderr)
     if not step.prompts:
-        raise ValueError(f"{data_path}: no usable records")
+        hint = missing_response_hint([bad["reason"] for bad in bad_records], response_key)
+        raise ValueError(f"{data_path}: no usable records{hint}")
     samples, keys = {}, {}
     for prompt in step.prompts:
         record = prompt.record

@@ -42,9 +42,13 @@ def test_bad_records_are_skipped_and_named(tiny_assets, tmp_path, capsys):
     assert list(samples) == ["ok"]
     err = capsys.readouterr().err
     assert "no-response" in err and "missing-media" in err
-    with pytest.raises(ValueError, match="no usable records"):
+    with pytest.raises(ValueError, match="no usable records: none has text under 'response'; --response-key"):
         path.write_text(json.dumps(rows[1]) + "\n")
         encode_records(tiny_assets["vl"], path)
+    with pytest.raises(ValueError, match=r"no usable records$"):  # skipped for other reasons: no such hint
+        path.write_text(json.dumps(rows[1]) + "\n" + json.dumps(rows[2]) + "\n")
+        encode_records(tiny_assets["vl"], path)
+    assert encode_records(tiny_assets["vl"], path, response_key="prompt").keys() == {"no-response"}
 
 
 def test_text_model_rejects_media_records(tiny_assets, capsys):
