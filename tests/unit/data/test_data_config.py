@@ -50,7 +50,7 @@ def test_with_processor_dir(tmp_path):
     assert (config.video_min_pixels, config.video_max_pixels) == (1568, 25088)
     assert (config.video_min_frames, config.video_max_frames, config.video_fps) == (2, 64, 1.0)
     assert config.image_mean == [0.5, 0.5, 0.5] and config.bad_record_policy == "replace"
-    with pytest.raises(ValueError, match="no preprocessor_config.json"):
+    with pytest.raises(ValueError, match="missing: no such directory"):
         DataConfig().with_processor_dir(tmp_path / "missing")
 
 
