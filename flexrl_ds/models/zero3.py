@@ -9,8 +9,8 @@ checked first (`check_ds_config`) and rejected with a `ValueError` naming the ke
 - `zero_optimization.stage` must be 3 (parameters, gradients and optimizer states partitioned);
 - `gradient_accumulation_steps` must be 1 (absent: 1): the trainer calls `engine.step()` once per
   mini-batch, whose loss is already normalised by the mini-batch's global token count;
-- `train_micro_batch_size_per_gpu` must be 1 (each rank takes one packed batch per pass), and
-  `train_batch_size`, if given, must equal it x data-parallel ranks;
+- the micro-batch must be 1 (each rank takes one packed batch per pass), whether
+  `train_micro_batch_size_per_gpu` says it or `train_batch_size` over the data-parallel ranks does;
 - `sequence_parallel_size` other than 1: FlexUlysses owns sequence parallelism;
 - `train=True` needs an `optimizer` block (no client optimizer is passed) whose `type`, and the
   `scheduler`'s, DeepSpeed knows (it would refuse them only inside the ranks); `train=False` builds an
@@ -101,19 +101,7 @@ def check_ds_config(ds_config: dict[str, Any], world_size: int, train: bool = Tr
     if accumulation != 1:
         raise ValueError(f"gradient_accumulation_steps: must be 1, got {accumulation!r}: the trainer calls "
                          "engine.step() once per mini-batch (set flexrl.rl.mini_batches_per_step instead)")
-    micro = ds_config.get("train_micro_batch_size_per_gpu")
-    total = ds_config.get("train_batch_size")
-    if micro is None and total is None:
-        raise ValueError("train_micro_batch_size_per_gpu: required (e.g. 1; the trainer feeds one packed "
-                         "FlexUlysses batch per rank and step)")
-    if micro not in (None, 1):
-        raise ValueError(f"train_micro_batch_size_per_gpu: must be 1, got {micro!r}: each rank takes one packed "
-                         "FlexUlysses batch per pass, whatever it says. Samples per step come from "
-                         "flexrl.data.loader (global_batch x num_samples_per_prompt); passes are split where "
-                         "flexrl.sp.max_tokens_per_rank asks")
-    if total is not None and micro is not None and total != micro * world_size:
-        raise ValueError(f"train_batch_size: {total} != train_micro_batch_size_per_gpu {micro} x "
-                         f"{world_size} data-parallel ranks (x gradient_accumulation_steps 1)")
+    _check_batch_sizes(ds_config, world_size)
     if ds_config.get("sequence_parallel_size", 1) != 1:
         raise ValueError(f"sequence_parallel_size: must be 1 (got {ds_config['sequence_parallel_size']!r}): "
                          "FlexUlysses plans sequence parallelism per sequence (flexrl.sp)")
@@ -124,20 +112,49 @@ def check_ds_config(ds_config: dict[str, Any], world_size: int, train: bool = Tr
         check_optimizer_and_scheduler_types(ds_config)
 
 
+def _check_batch_sizes(ds_config: dict[str, Any], world_size: int) -> None:
+    """A micro-batch of 1 per rank, given outright or through `train_batch_size` (DeepSpeed divides it
+    by the ranks): each rank takes one packed FlexUlysses batch per pass, whatever the JSON says."""
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    total = ds_config.get("train_batch_size")
+    if micro is None and total is None:
+        raise ValueError("train_micro_batch_size_per_gpu: required: 1 (the trainer feeds one packed "
+                         "FlexUlysses batch per rank and pass)")
+    if micro is None:
+        key, micro = f"train_batch_size {total} over {world_size} ranks", total / world_size
+    else:
+        key = "train_micro_batch_size_per_gpu"
+    if micro != 1:
+        raise ValueError(f"{key}: the micro-batch must be 1, got {micro:g}: each rank takes one packed "
+                         "FlexUlysses batch per pass, whatever it says. Samples per step come from "
+                         "flexrl.data.loader (global_batch x num_samples_per_prompt); passes are split where "
+                         "flexrl.sp.max_tokens_per_rank asks")
+    if total is not None and total != world_size:
+        raise ValueError(f"train_batch_size: {total} != train_micro_batch_size_per_gpu 1 x "
+                         f"{world_size} data-parallel ranks (x gradient_accumulation_steps 1)")
+
+
 def check_optimizer_and_scheduler_types(ds_config: dict[str, Any]) -> None:
     """ValueError naming `optimizer.type` or `scheduler.type` where DeepSpeed would refuse the name,
-    which it does only inside every rank, as its engines are built."""
-    from deepspeed.runtime import lr_schedules  # lazy: only a training run needs DeepSpeed's names
+    which it does only inside every rank, as its engines are built. torch's own classes pass without
+    importing DeepSpeed (its import warns on a driver without GPUs)."""
+    optimizer = ds_config["optimizer"].get("type")
+    scheduler_block = ds_config.get("scheduler")
+    if scheduler_block is not None and not isinstance(scheduler_block, dict):
+        raise ValueError(f"scheduler: expected an object with a 'type' and 'params', got {scheduler_block!r}")
+    scheduler = (scheduler_block or {}).get("type")
+    if (not isinstance(optimizer, str) or hasattr(torch.optim, optimizer)) and \
+            (not isinstance(scheduler, str) or hasattr(torch.optim.lr_scheduler, scheduler)):
+        return
+    from deepspeed.runtime import lr_schedules  # lazy: only names torch lacks need DeepSpeed's lists
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
     own_optimizers, schedulers = sorted(DEEPSPEED_OPTIMIZERS), list(lr_schedules.VALID_LR_SCHEDULES)
-    optimizer = (ds_config.get("optimizer") or {}).get("type")
     if isinstance(optimizer, str) and optimizer.lower() not in own_optimizers and not hasattr(torch.optim, optimizer):
         torch_classes = [name for name in dir(torch.optim) if name[:1].isupper() and name != "Optimizer"]
         raise ValueError(f"optimizer.type: DeepSpeed knows no optimizer {optimizer!r}"
                          f"{_meant(optimizer, own_optimizers + torch_classes)} (its own: "
                          f"{', '.join(own_optimizers)}; or a torch.optim class)")
-    scheduler = (ds_config.get("scheduler") or {}).get("type")
     if (isinstance(scheduler, str) and not hasattr(lr_schedules, scheduler)
             and not hasattr(torch.optim.lr_scheduler, scheduler)):
         torch_classes = [name for name in dir(torch.optim.lr_scheduler) if name.endswith("LR")]

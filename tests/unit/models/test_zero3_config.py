@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,19 +87,58 @@ def test_names_deepspeed_would_refuse_in_the_ranks_are_refused_first(block, name
     assert str(raised.value).startswith(said)
 
 
-@pytest.mark.parametrize("block, name", [("optimizer", "AdamW"), ("optimizer", "adam"), ("optimizer", "SGD"),
-                                         ("scheduler", "WarmupCosineLR"), ("scheduler", "StepLR")])
-def test_names_deepspeed_knows_pass(block, name):
-    """DeepSpeed's own reference: its config module's optimizer list, its schedules, and torch.optim."""
-    from deepspeed.runtime import lr_schedules
+def _deepspeed_accepts_optimizer(name: str) -> bool:
+    """DeepSpeed's own judgement: its config lowercases names of its own optimizers, then the engine
+    asks `_is_supported_optimizer` (engine.py), which needs no engine."""
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    resolved = name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name
+    return DeepSpeedEngine._is_supported_optimizer(None, resolved)
+
+
+def test_the_optimizer_check_agrees_with_deepspeed_on_every_name():
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-    known = (name.lower() in DEEPSPEED_OPTIMIZERS or hasattr(torch.optim, name) if block == "optimizer"
-             else hasattr(lr_schedules, name) or hasattr(torch.optim.lr_scheduler, name))
-    assert known
-    check_ds_config(_with(**{block: {"type": name, "params": {}}}), world_size=4)
+    names = ([name for own in DEEPSPEED_OPTIMIZERS for name in (own, own.upper(), own.capitalize())]
+             + [name for name in dir(torch.optim) if name[:1].isupper()] + ["adamw_typo", "SGDD", "Muon2", "lbfgs"])
+    for name in names:
+        config = _with(optimizer={"type": name, "params": {}})
+        if _deepspeed_accepts_optimizer(name):
+            check_ds_config(config, world_size=4)
+        else:
+            with pytest.raises(ValueError, match=f"optimizer.type: DeepSpeed knows no optimizer '{name}'"):
+                check_ds_config(config, world_size=4)
 
 
-def test_a_micro_batch_other_than_one_is_refused_as_without_effect():
-    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu: must be 1, got 2: each rank takes one"):
-        check_ds_config(_with(train_micro_batch_size_per_gpu=2, train_batch_size=8), world_size=4)
+def test_every_scheduler_deepspeed_or_torch_has_passes():
+    from deepspeed.runtime import lr_schedules
+
+    for name in list(lr_schedules.VALID_LR_SCHEDULES) + [n for n in dir(torch.optim.lr_scheduler) if n.endswith("LR")]:
+        check_ds_config(_with(scheduler={"type": name, "params": {}}), world_size=4)
+    with pytest.raises(ValueError, match=r"scheduler: expected an object with a 'type' and 'params', got 'WarmupLR'"):
+        check_ds_config(_with(scheduler="WarmupLR"), world_size=4)
+
+
+@pytest.mark.parametrize("changes, said", [
+    (dict(train_micro_batch_size_per_gpu=2, train_batch_size=8),
+     "train_micro_batch_size_per_gpu: the micro-batch must be 1, got 2: each rank takes one"),
+    (dict(train_micro_batch_size_per_gpu=None, train_batch_size=8),
+     "train_batch_size 8 over 4 ranks: the micro-batch must be 1, got 2: each rank takes one"),
+])
+def test_a_micro_batch_other_than_one_is_refused_as_without_effect(changes, said):
+    with pytest.raises(ValueError) as raised:
+        check_ds_config(_with(**changes), world_size=4)
+    assert str(raised.value).startswith(said)
+    check_ds_config(_with(train_micro_batch_size_per_gpu=None, train_batch_size=4), world_size=4)
+
+
+def test_torch_names_are_checked_without_importing_deepspeed():
+    """DeepSpeed's import warns on a driver without GPUs: the shipped configs' names need none of it."""
+    code = ("import json, sys; from flexrl_ds.models.zero3 import check_ds_config; "
+            "c = json.load(open('ds_configs/grpo_tiny_cpu.json')); c.pop('flexrl'); "
+            "c['scheduler'] = {'type': 'StepLR', 'params': {}}; check_ds_config(c, 4); "
+            "print('deepspeed' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[3], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "False"
