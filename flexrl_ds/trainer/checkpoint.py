@@ -78,15 +78,33 @@ def changed_settings(saved: Any, now: Any, prefix: str = "") -> list[str]:
     return [] if saved == now else [f"{prefix} ({json.dumps(saved)} -> {json.dumps(now)})"]
 
 
+RESTORED_BLOCKS = ("optimizer.", "scheduler.")
+"""Config blocks whose values DeepSpeed's checkpoint brings back with the optimizer's and scheduler's
+state (learning rate, betas, eps, weight decay, the schedule's position): changing them for a resumed
+run may do nothing."""
+
+
 def resume_config_note(saved: dict, now: dict) -> str:
     """What a resumed run changes of the config its checkpoint was written under ("" when nothing
-    that matters): it goes on with the new values, so it no longer reproduces the uninterrupted run."""
-    changes = [change for change in changed_settings(saved, now) if not change.startswith(tuple(f"{key} (" for key in RESUME_FREE_KEYS))]
-    if not changes:
-        return ""
-    shown = "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else "")
-    return (f"--resume: the config differs from the one the checkpoint was written under: {shown}. The run "
-            "goes on with the new values, so it will not reproduce the uninterrupted run.")
+    that matters): it goes on with the new values, so it no longer reproduces the uninterrupted run;
+    except where the checkpoint restores them (RESTORED_BLOCKS)."""
+    free = tuple(f"{key} (" for key in RESUME_FREE_KEYS)
+    changes = [change for change in changed_settings(saved, now) if not change.startswith(free)]
+    restored = [change for change in changes if change.startswith(RESTORED_BLOCKS)]
+    applied = [change for change in changes if not change.startswith(RESTORED_BLOCKS)]
+    lines = []
+    if applied:
+        lines.append(f"--resume: the config differs from the one the checkpoint was written under: {_shown(applied)}. "
+                     "The run goes on with the new values, so it will not reproduce the uninterrupted run.")
+    if restored:
+        lines.append(f"--resume: changed since the checkpoint: {_shown(restored)}. DeepSpeed restores the "
+                     "optimizer's and scheduler's state from the checkpoint (learning rate, betas, eps, weight "
+                     "decay, the schedule's position), so these changes may have no effect.")
+    return "\n".join(lines)
+
+
+def _shown(changes: list[str]) -> str:
+    return "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else "")
 
 
 def check_out_dir(out_dir: Path, resume: bool) -> None:

@@ -76,10 +76,12 @@ def check_domains(flexrl: Any, num_ranks: int) -> None:
         raise ValueError(f"flexrl.sp.domain_size {domain} does not divide flexrl.trainer.num_policy_ranks = "
                          f"{num_ranks}")
     if sp.p_max > domain:
-        default = " (the default where flexrl.sp sets none)" if sp.p_max == type(sp)().p_max else ""
-        raise ValueError(f"flexrl.sp.p_max {sp.p_max}{default} exceeds the SP domain of {domain} ranks "
+        default = f" ({sp.p_max} is also its default, where flexrl.sp sets none)" if sp.p_max == type(sp)().p_max else ""
+        widest = 1 << (domain.bit_length() - 1)  # p_max is a power of two
+        more = "raise flexrl.sp.domain_size" if sp.domain_size else "run more ranks"
+        raise ValueError(f"flexrl.sp.p_max {sp.p_max} exceeds the SP domain of {domain} ranks "
                          f"(flexrl.sp.domain_size, default flexrl.trainer.num_policy_ranks = {num_ranks}): set "
-                         f"flexrl.sp.p_max to at most {domain}, or run more ranks")
+                         f"flexrl.sp.p_max to {widest} or less, or {more}{default}")
     per_mini_batch = loader.global_batch // flexrl.rl.mini_batches_per_step * loader.num_samples_per_prompt
     if per_mini_batch < num_ranks // domain:
         raise ValueError(f"a mini-batch holds {per_mini_batch} samples, fewer than the {num_ranks // domain} SP "

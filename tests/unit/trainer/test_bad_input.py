@@ -67,7 +67,8 @@ def test_p_max_over_the_domain(raw_config, tmp_path, trainer_assets):
     ranks = raw_config["flexrl"]["trainer"]["num_policy_ranks"]
     raw_config["flexrl"]["sp"]["p_max"] = 2 * ranks
     _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
-             "flexrl.sp.p_max", str(2 * ranks), "num_policy_ranks", f"set flexrl.sp.p_max to at most {ranks}")
+             "flexrl.sp.p_max", str(2 * ranks), "num_policy_ranks", f"set flexrl.sp.p_max to {ranks} or less, "
+             "or run more ranks")
 
 
 def test_a_default_p_max_over_the_domain_says_it_is_the_default(raw_config, tmp_path, trainer_assets):
@@ -79,9 +80,21 @@ def test_a_default_p_max_over_the_domain_says_it_is_the_default(raw_config, tmp_
     raw_config["flexrl"]["trainer"]["num_policy_ranks"] = ranks = SPConfig().p_max // 2
     raw_config["flexrl"]["data"]["loader"]["global_batch"] = ranks
     _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
-             f"flexrl.sp.p_max {SPConfig().p_max} (the default where flexrl.sp sets none) exceeds the SP domain "
-             f"of {ranks} ranks",
-             f"set flexrl.sp.p_max to at most {ranks}")
+             f"flexrl.sp.p_max {SPConfig().p_max} exceeds the SP domain of {ranks} ranks",
+             f"set flexrl.sp.p_max to {ranks} or less, or run more ranks ({SPConfig().p_max} is also its default, "
+             "where flexrl.sp sets none)")
+
+
+def test_the_p_max_advice_is_a_power_of_two_and_names_the_domain_size(raw_config, tmp_path, trainer_assets):
+    flexrl = raw_config["flexrl"]
+    flexrl["trainer"]["num_policy_ranks"], flexrl["sp"]["p_max"] = 6, 8
+    flexrl["data"]["loader"]["global_batch"], flexrl["data"]["loader"]["num_samples_per_prompt"] = 3, 4
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             "exceeds the SP domain of 6 ranks", "set flexrl.sp.p_max to 4 or less, or run more ranks")
+    flexrl["trainer"]["num_policy_ranks"], flexrl["sp"]["domain_size"], flexrl["sp"]["p_max"] = 4, 2, 4
+    flexrl["data"]["loader"]["global_batch"] = 4
+    _refused(raw_config, tmp_path, trainer_assets["model"], trainer_assets["data"],
+             "exceeds the SP domain of 2 ranks", "set flexrl.sp.p_max to 2 or less, or raise flexrl.sp.domain_size")
 
 
 def test_several_sp_domains_pass_and_bad_domain_sizes_are_refused(raw_config, tmp_path, trainer_assets):

@@ -72,3 +72,16 @@ def test_an_out_that_is_a_file_is_refused(tmp_path, resume):
     with pytest.raises(ValueError, match=r"train.jsonl: is a file; --out names the run's folder"):
         check_out_dir(out, resume)
     assert out.read_text() == "{}\n"
+
+
+def test_optimizer_changes_are_said_to_be_restored_from_the_checkpoint():
+    now = copy.deepcopy(CONFIG)
+    now["optimizer"]["params"]["lr"] = 1e-5
+    note = resume_config_note(CONFIG, now)
+    assert note.startswith("--resume: changed since the checkpoint: optimizer.params.lr (0.01 -> 1e-05). DeepSpeed "
+                           "restores the optimizer's and scheduler's state")
+    assert "goes on with the new values" not in note
+    now["flexrl"]["rl"]["init_kl_coef"] = 0.5
+    first, second = resume_config_note(CONFIG, now).split("\n")
+    assert "flexrl.rl.init_kl_coef (0.001 -> 0.5)" in first and "goes on with the new values" in first
+    assert "optimizer.params.lr" in second and "init_kl_coef" not in second
