@@ -2,7 +2,8 @@
 
 `output_file` makes the file's folder, as `make-dataset --out a/b/c` makes its own, so that a run
 never fails after its work for want of a folder, and names the path when it cannot be written to:
-an existing folder, or a file where a folder would have to be. Pure: standard library only.
+an existing folder, a file where a folder would have to be, or a folder it may not write in.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ def output_file(path: str | Path) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        blocking = next(p for p in [*reversed(path.parents)] if p.exists() and not p.is_dir())
-        raise ValueError(f"{path}: cannot make its folder, {blocking} is a file") from None
+        blocking = next((p for p in reversed(path.parents) if p.is_symlink() or (p.exists() and not p.is_dir())),
+                        path.parent)
+        raise ValueError(f"{path}: cannot make its folder, {blocking} is a file or a broken link") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot make its folder ({error.strerror or error})") from None
     return path

@@ -127,7 +127,8 @@ def has_processor_files(model_dir: str | Path) -> bool:
 def find_settings(model_dir: Path) -> tuple[ProcessorSettings, ProcessorSettings]:
     """(image, video) settings in transformers 5.x's order of precedence."""
     if not Path(model_dir).is_dir():
-        raise ValueError(f"{model_dir}: no such directory (a model or processor directory is needed)")
+        what = "not a directory" if Path(model_dir).exists() else "no such directory"
+        raise ValueError(f"{model_dir}: {what} (a model or processor directory is needed)")
     nested = _read_json(model_dir / PROCESSOR_FILE) or {}
     image = _nested(model_dir / PROCESSOR_FILE, nested, "image_processor") or _file(model_dir / IMAGE_FILE)
     if image is None:

@@ -100,7 +100,7 @@ def parse_record(row: dict[str, Any], index: int, dataset_dir: Path,
 def _parse_record(row: dict[str, Any], record_id: str, index: int, dataset_dir: Path,
                   media_root: Path | None) -> Record:
     prompt = row.get("prompt")
-    if prompt is None:
+    if "prompt" not in row:
         raise ValueError("missing field 'prompt'")
     if not isinstance(prompt, str):
         raise ValueError(f"field 'prompt' must be a string, got {type(prompt).__name__}")

@@ -146,7 +146,7 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
     for record in read_dataset(data_path):
         response = None if isinstance(record, BadRecord) else _field(record, response_key)
         if not isinstance(record, BadRecord) and not isinstance(response, str):
-            record = BadRecord(record.id, f"no {response_key!r} text to score", record.index, "read")
+            record = BadRecord(record.id, no_text_to_score(response_key), record.index, "read")
         if not isinstance(record, BadRecord) and record.items and preprocessor is None:
             record = BadRecord(record.id, "has media but the model has no vision tower", record.index, "read")
         items: list[VisionItem] = []
@@ -171,9 +171,14 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
     return samples
 
 
+def no_text_to_score(response_key: str) -> str:
+    """The reason a record without text under `response_key` is skipped (one wording, for the hint)."""
+    return f"no {response_key!r} text to score"
+
+
 def missing_response_hint(reasons: list[str], response_key: str) -> str:
     """What to do when every record was skipped for want of text under `response_key` ("" otherwise)."""
-    if not reasons or any(reason != f"no {response_key!r} text to score" for reason in reasons):
+    if not reasons or any(reason != no_text_to_score(response_key) for reason in reasons):
         return ""
     return (f": none has text under {response_key!r}; --response-key names the field holding the text to "
             "score (e.g. answer)")

@@ -43,15 +43,19 @@ def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
     """ValueError, within `timeout_s`, where nothing accepts connections at a host:port RAY_ADDRESS.
     Other forms ("auto", "local", "ray://...") are left to Ray."""
     host, _, port = address.rpartition(":")
-    if not host or "://" in address or not port.isdigit():
-        return
+    if not host or "://" in address or not port.isdigit() or (":" in host and not host.startswith("[")):
+        return  # not host:port (an unbracketed IPv6 address included: Ray names its format)
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as error:
-        reason = "no answer" if isinstance(error, TimeoutError) else (error.strerror or str(error))
-        raise ValueError(f"RAY_ADDRESS={address}: no Ray cluster reachable there ({reason} within "
-                         f"{timeout_s:.0f} s). Start one with `ray start --head`, correct the address, or "
-                         "unset RAY_ADDRESS to start a local Ray") from None
+        if isinstance(error, socket.gaierror):
+            reason = f"cannot resolve the host {host!r}"
+        elif isinstance(error, TimeoutError):
+            reason = f"no answer within {timeout_s:.0f} s"
+        else:
+            reason = error.strerror or str(error)
+        raise ValueError(f"RAY_ADDRESS={address}: no Ray cluster reachable there ({reason}). Start one with "
+                         "`ray start --head`, correct the address, or unset RAY_ADDRESS to start a local Ray") from None
 
 
 def connect_ray(num_cpus: int) -> bool:

@@ -30,7 +30,7 @@ from flexrl_ds.loader.metastore import PromptKey
 from flexrl_ds.media.processor_files import has_processor_files
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.media.types import BadRecord
-from flexrl_ds.models.processing import SampleEncoder, VisionItem, _field, missing_response_hint
+from flexrl_ds.models.processing import SampleEncoder, VisionItem, _field, missing_response_hint, no_text_to_score
 
 
 @dataclass
@@ -78,7 +78,7 @@ def scorable(records: list[Any], response_key: str, has_vision: bool) -> list[An
     for record in records:
         if not isinstance(record, BadRecord):
             if not isinstance(_field(record, response_key), str):
-                record = BadRecord(record.id, f"no {response_key!r} text to score", record.index, "read")
+                record = BadRecord(record.id, no_text_to_score(response_key), record.index, "read")
             elif record.items and not has_vision:
                 record = BadRecord(record.id, "has media but the model has no vision tower", record.index, "read")
         out.append(record)

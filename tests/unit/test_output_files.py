@@ -17,8 +17,8 @@ def test_missing_folders_are_made(tmp_path):
 
 @pytest.mark.parametrize("where, said", [
     ("folder", "is a folder; give the name of a file to write"),
-    ("under_a_file", "cannot make its folder, {file} is a file"),
-    ("deeper_under_a_file", "cannot make its folder, {file} is a file"),
+    ("under_a_file", "cannot make its folder, {file} is a file or a broken link"),
+    ("deeper_under_a_file", "cannot make its folder, {file} is a file or a broken link"),
 ])
 def test_paths_that_cannot_be_files_are_named(tmp_path, where, said):
     file = tmp_path / "taken"
@@ -30,6 +30,12 @@ def test_paths_that_cannot_be_files_are_named(tmp_path, where, said):
     assert file.read_text() == "keep me"
 
 
+def test_a_broken_link_in_the_way_is_named(tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match=r"link/x.json: cannot make its folder, .*link is a file or a broken link"):
+        output_file(tmp_path / "link" / "x.json")
+
+
 def test_make_workload_writes_into_a_new_folder(tmp_path):
     out = tmp_path / "new" / "w.json"
     assert main(["make-workload", "--mix", "image-heavy", "--num", "4", "--seed", "0", "--out", str(out)]) == 0
@@ -38,4 +44,5 @@ def test_make_workload_writes_into_a_new_folder(tmp_path):
 
 def test_an_output_that_is_a_folder_is_one_line(tmp_path, capsys):
     assert main(["make-workload", "--mix", "image-heavy", "--num", "4", "--seed", "0", "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"flexrl make-workload: error: {tmp_path}: is a folder; give the name of a file to write"
+    said = capsys.readouterr().err.strip()
+    assert said == f"flexrl make-workload: error: {tmp_path}: is a folder; give the name of a file to write"

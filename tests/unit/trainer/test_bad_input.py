@@ -289,6 +289,14 @@ def test_a_ray_address_where_nothing_listens_is_refused_at_once(raw_config, tmp_
     assert time.perf_counter() - start < 30
 
 
+def test_a_ray_address_whose_host_does_not_resolve_says_so(monkeypatch):
+    from flexrl_ds.runtime.ray_session import ray_address
+
+    monkeypatch.setenv("RAY_ADDRESS", "no-such-host.invalid:6379")  # .invalid never resolves (RFC 2606)
+    with pytest.raises(ValueError, match=r"no Ray cluster reachable there \(cannot resolve the host 'no-such-host.invalid'\)"):
+        ray_address()
+
+
 def test_a_ray_address_that_accepts_connections_passes_the_check(monkeypatch):
     import socket
 
@@ -300,7 +308,7 @@ def test_a_ray_address_that_accepts_connections_passes_the_check(monkeypatch):
         address = f"127.0.0.1:{listening.getsockname()[1]}"
         monkeypatch.setenv("RAY_ADDRESS", address)
         assert ray_address() == address
-    for left_to_ray in ("auto", "ray://head:10001"):
+    for left_to_ray in ("auto", "ray://head:10001", "::1:6379"):
         monkeypatch.setenv("RAY_ADDRESS", left_to_ray)
         assert ray_address() == left_to_ray
 
