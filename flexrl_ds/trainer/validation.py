@@ -76,7 +76,8 @@ def check_domains(flexrl: Any, num_ranks: int) -> None:
         raise ValueError(f"flexrl.sp.domain_size {domain} does not divide flexrl.trainer.num_policy_ranks = "
                          f"{num_ranks}")
     if sp.p_max > domain:
-        default = f" ({sp.p_max} is also its default, where flexrl.sp sets none)" if sp.p_max == type(sp)().p_max else ""
+        is_default = sp.p_max == type(sp)().p_max
+        default = f" ({sp.p_max} is also its default, where flexrl.sp sets none)" if is_default else ""
         widest = 1 << (domain.bit_length() - 1)  # p_max is a power of two
         more = "raise flexrl.sp.domain_size" if sp.domain_size else "run more ranks"
         raise ValueError(f"flexrl.sp.p_max {sp.p_max} exceeds the SP domain of {domain} ranks "

@@ -293,7 +293,7 @@ def test_a_ray_address_whose_host_does_not_resolve_says_so(monkeypatch):
     from flexrl_ds.runtime.ray_session import ray_address
 
     monkeypatch.setenv("RAY_ADDRESS", "no-such-host.invalid:6379")  # .invalid never resolves (RFC 2606)
-    with pytest.raises(ValueError, match=r"no Ray cluster reachable there \(cannot resolve the host 'no-such-host.invalid'\)"):
+    with pytest.raises(ValueError, match=r"reachable there \(cannot resolve the host 'no-such-host.invalid'\)"):
         ray_address()
 
 
