@@ -45,6 +45,9 @@ def _config(args):
 def bench_sp(args) -> int:
     """`flexrl bench sp`: run here under a launcher (RANK/WORLD_SIZE set), else spawn `--nproc` ranks."""
     config = _config(args)
+    for path in (args.json, args.calibrate):
+        if path:
+            output_file(path)  # a folder in the way is named now, not after the benchmark
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         record = run_rank(config)
     else:

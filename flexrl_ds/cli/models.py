@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from flexrl_ds.common.output_files import output_file
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 
 
@@ -131,6 +132,8 @@ def _bench_update(args: argparse.Namespace) -> int:
                                repeats=args.repeats, activation_checkpointing=args.checkpointing, seed=args.seed,
                                ways=tuple(way.strip() for way in args.ways.split(",") if way.strip()),
                                profile_dir=args.profile)
+    if args.json:
+        output_file(args.json)  # a folder in the way is named now, not after the benchmark
     write_result(run_update_bench(config), args.json)
     return 0
 

@@ -46,3 +46,11 @@ def test_an_output_that_is_a_folder_is_one_line(tmp_path, capsys):
     assert main(["make-workload", "--mix", "image-heavy", "--num", "4", "--seed", "0", "--out", str(tmp_path)]) == 2
     said = capsys.readouterr().err.strip()
     assert said == f"flexrl make-workload: error: {tmp_path}: is a folder; give the name of a file to write"
+
+
+def test_a_benchmark_names_a_folder_in_the_way_before_it_runs(tmp_path, capsys):
+    """`bench sp --json DIR` would otherwise find out after spawning its ranks and timing."""
+    assert main(["bench", "sp", "--nproc", "1", "--json", str(tmp_path)]) == 2
+    said = capsys.readouterr()
+    assert said.err.strip() == f"flexrl bench: error: {tmp_path}: is a folder; give the name of a file to write"
+    assert "[bench sp]" not in said.out
