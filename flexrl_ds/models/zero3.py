@@ -138,29 +138,39 @@ def check_optimizer_and_scheduler_types(ds_config: dict[str, Any]) -> None:
     """ValueError naming `optimizer.type` or `scheduler.type` where DeepSpeed would refuse the name,
     which it does only inside every rank, as its engines are built. torch's own classes pass without
     importing DeepSpeed (its import warns on a driver without GPUs)."""
-    optimizer = ds_config["optimizer"].get("type")
     scheduler_block = ds_config.get("scheduler")
     if scheduler_block is not None and not isinstance(scheduler_block, dict):
         raise ValueError(f"scheduler: expected an object with a 'type' and 'params', got {scheduler_block!r}")
-    scheduler = (scheduler_block or {}).get("type")
-    if (not isinstance(optimizer, str) or hasattr(torch.optim, optimizer)) and \
-            (not isinstance(scheduler, str) or hasattr(torch.optim.lr_scheduler, scheduler)):
-        return
-    from deepspeed.runtime import lr_schedules  # lazy: only names torch lacks need DeepSpeed's lists
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    _check_optimizer_type(ds_config["optimizer"].get("type"))
+    _check_scheduler_type((scheduler_block or {}).get("type"))
 
-    own_optimizers, schedulers = sorted(DEEPSPEED_OPTIMIZERS), list(lr_schedules.VALID_LR_SCHEDULES)
-    if isinstance(optimizer, str) and optimizer.lower() not in own_optimizers and not hasattr(torch.optim, optimizer):
-        torch_classes = [name for name in dir(torch.optim) if name[:1].isupper() and name != "Optimizer"]
-        raise ValueError(f"optimizer.type: DeepSpeed knows no optimizer {optimizer!r}"
-                         f"{_meant(optimizer, own_optimizers + torch_classes)} (its own: "
-                         f"{', '.join(own_optimizers)}; or a torch.optim class)")
-    if (isinstance(scheduler, str) and not hasattr(lr_schedules, scheduler)
-            and not hasattr(torch.optim.lr_scheduler, scheduler)):
-        torch_classes = [name for name in dir(torch.optim.lr_scheduler) if name.endswith("LR")]
-        raise ValueError(f"scheduler.type: DeepSpeed knows no scheduler {scheduler!r}"
-                         f"{_meant(scheduler, schedulers + torch_classes)} (its own: {', '.join(schedulers)}; "
-                         "or a torch.optim.lr_scheduler class)")
+
+def _check_optimizer_type(name: Any) -> None:
+    """DeepSpeed takes its own optimizers in any case, and any torch.optim class (engine.py)."""
+    if not isinstance(name, str) or hasattr(torch.optim, name):
+        return
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS  # lazy: only names torch lacks need it
+
+    if name.lower() in DEEPSPEED_OPTIMIZERS:
+        return
+    own = sorted(DEEPSPEED_OPTIMIZERS)
+    torch_classes = [known for known in dir(torch.optim) if known[:1].isupper() and known != "Optimizer"]
+    raise ValueError(f"optimizer.type: DeepSpeed knows no optimizer {name!r}{_meant(name, own + torch_classes)} "
+                     f"(its own: {', '.join(own)}; or a torch.optim class)")
+
+
+def _check_scheduler_type(name: Any) -> None:
+    """DeepSpeed takes its own schedules (runtime/lr_schedules.py) and any torch.optim.lr_scheduler class."""
+    if not isinstance(name, str) or hasattr(torch.optim.lr_scheduler, name):
+        return
+    from deepspeed.runtime import lr_schedules  # lazy: only names torch lacks need it
+
+    if hasattr(lr_schedules, name):
+        return
+    own = list(lr_schedules.VALID_LR_SCHEDULES)
+    torch_classes = [known for known in dir(torch.optim.lr_scheduler) if known.endswith("LR")]
+    raise ValueError(f"scheduler.type: DeepSpeed knows no scheduler {name!r}{_meant(name, own + torch_classes)} "
+                     f"(its own: {', '.join(own)}; or a torch.optim.lr_scheduler class)")
 
 
 def _meant(name: str, known: list[str]) -> str:
