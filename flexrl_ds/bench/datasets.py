@@ -204,7 +204,7 @@ def write_video(path: str | Path, num_frames: int, width: int, height: int, fps:
     # A constant quantiser and one encoder thread: the same frames encoded twice gave different bytes
     # now and then with x264's default CRF rate control (even with one thread) and with a constant
     # QP on x264's default threads, so two datasets of one seed differed; with both they are
-    # byte-identical (docs/BENCHMARKS.md, "The README's main job").
+    # byte-identical (docs/notes/demo-runs-2026-12-01-to-05.md).
     VideoEncoder(frames, frame_rate=fps).to_file(str(path), codec="libx264", pixel_format="yuv420p",
                                                  preset="veryfast", extra_options={"qp": 23, "threads": 1})
 

@@ -13,7 +13,7 @@ This bench builds a chain of `blocks` small blocks (a norm and two linears each:
 the block itself, all of them in the trace),
 wraps it in a one-rank ZeRO-3 engine per reuse distance, and times `passes` no-grad forwards.
 Pass 1 records the trace, pass 2 is the first on it, the rest are the steady state.
-docs/BENCHMARKS.md ("One H200, twenty-third run") has its figures, and the same one-time cost in
+docs/BENCHMARKS.md ("ZeRO-3 trace walk") has its figures, and the same one-time cost in
 the GPU trainer's runs: each engine's second pass, the first on its trace.
 """
 

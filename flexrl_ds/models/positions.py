@@ -13,7 +13,8 @@ starts at the item's largest position + 1. It is computed here, not by transform
 `get_rope_index`, because that one changed across transformers 5.x: 5.17 truncates
 second_per_grid_t to an integer first, and 5.x starts the text after a video at start + max(h, w)
 even when the video's temporal positions reach further. Against a vLLM engine that gave a
-log-prob gap of ~1 nat per token on such videos (docs/BENCHMARKS.md).
+log-prob gap of ~1 nat per token on such videos (docs/notes/one-h200-runs-2026-12-01.md, "One H200,
+third run").
 """
 
 from __future__ import annotations

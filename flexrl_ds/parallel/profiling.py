@@ -14,7 +14,8 @@ what runs in between (CPU, and the GPU's kernels where there is one) and write:
 - `<stem>.json.gz`: the trace, for Perfetto (ui.perfetto.dev) or chrome://tracing.
 `flexrl.trainer.profile_step` asks every policy rank for one step's log-prob, update and sync phases.
 On one H200 a profiled 3B step (64 samples, 32k tokens, colocated vLLM) took ~140 s longer than
-an unprofiled one, most of it writing the trace (docs/BENCHMARKS.md "seventeenth run").
+an unprofiled one, most of it writing the trace (docs/notes/one-h200-runs-2026-12-04.md, "One H200,
+seventeenth run").
 """
 
 from __future__ import annotations

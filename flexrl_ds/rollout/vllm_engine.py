@@ -7,9 +7,9 @@ GPU (no copy between processes), and `sleep` / `wake` use vLLM's sleep mode. A s
 workers (one, or one per shard with `tensor_parallel_size` > 1) receive the buckets over the
 weight channel themselves (`join_weight_channel` / `receive_weights`, rollout/vllm_workers.py).
 In process costs no throughput: on one H200 the engine core in process and in a process of its own
-made the same tokens/s (docs/BENCHMARKS.md). Inside a process that already belongs to a
-torch.distributed world (a policy rank) vLLM joins that world (`external_launcher`) instead of
-starting its own.
+made the same tokens/s (docs/notes/one-h200-runs-2026-12-01.md, "One H200, fourth run"). Inside a
+process that already belongs to a torch.distributed world (a policy rank) vLLM joins that world
+(`external_launcher`) instead of starting its own.
 
 Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.py`); every result
 is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. as many

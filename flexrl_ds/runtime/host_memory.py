@@ -2,10 +2,11 @@
 
 Ray kills workers once a node's memory in use passes `RAY_memory_usage_threshold` (0.95 unless
 set); a 7B policy with its optimizer offloaded to pinned host memory came within a few GiB of that
-on a 125 GiB node (docs/BENCHMARKS.md). Like Ray, where a memory cgroup limits the process below the
-machine's memory (a container, a Kubernetes pod), the cgroup's limit and usage (less its inactive
-file pages) are what count; otherwise the machine's total - available. Each policy rank samples
-this into its per-phase peaks (`PolicyWorker.peaks`), and the driver warns near the threshold.
+on a 125 GiB node (docs/BENCHMARKS.md, "Memory settings and what each costs"). Like Ray, where a
+memory cgroup limits the process below the machine's memory (a container, a Kubernetes pod), the
+cgroup's limit and usage (less its inactive file pages) are what count; otherwise the machine's
+total - available. Each policy rank samples this into its per-phase peaks (`PolicyWorker.peaks`),
+and the driver warns near the threshold.
 """
 
 from __future__ import annotations

@@ -60,10 +60,10 @@ class TrainerConfig:
     set for the reference engine only): its parameters (2 bytes each in bf16) leave the device for the
     whole step, at the cost of one host-to-device copy of them per reference pass. For colocated runs
     short of device memory (OpenRLHF's `--ref_reward_offload`). Measured at 7B on one H200
-    (docs/BENCHMARKS.md "twenty-first run"): ~25 GiB more host memory (about twice the parameters'
-    bytes, compared across leases) and log-prob passes 0-1.2 s slower a step; with the optimizer
-    offloaded at ratio 0.6 the node's 125 GiB did not hold both, at 0.5 it did (112 GiB), without a
-    faster step than 0.6 alone."""
+    (docs/BENCHMARKS.md, "Memory settings and what each costs"): ~25 GiB more host memory (about
+    twice the parameters' bytes, compared across leases) and log-prob passes 0-1.2 s slower a step;
+    with the optimizer offloaded at ratio 0.6 the node's 125 GiB did not hold both, at 0.5 it did
+    (112 GiB), without a faster step than 0.6 alone."""
     weight_sync_bucket_mb: int = 512
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0

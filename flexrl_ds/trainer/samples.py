@@ -208,7 +208,8 @@ class LogprobGaps:
     current weights (and the same model code)."""
     by_media: dict[str, float]
     """`media_of` its prompt -> mean over the response tokens of those samples (which inputs a gap
-    comes from: e.g. the videos' mRoPE positions, docs/BENCHMARKS.md)."""
+    comes from: e.g. the videos' mRoPE positions; docs/BENCHMARKS.md, "Engine agreement: vLLM
+    against HF")."""
 
 
 def logprob_gaps(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> LogprobGaps:

@@ -11,8 +11,8 @@
 #     (JIT-compiled on first use) and the vLLM engine dropping its weights while asleep (sleep_level 2:
 #     the sync rewrites them).
 #   OFFLOAD_RATIO=r: with SHAPE=7b, the share of the optimizer offloaded (default: the file's 0.6;
-#     lower keeps more of it on the GPU, stepped there: docs/BENCHMARKS.md "One H200, tenth run" and
-#     "twentieth run").
+#     lower keeps more of it on the GPU, stepped there: docs/BENCHMARKS.md, "Memory settings and what
+#     each costs").
 #   COLOCATE=0: rollout engines in Ray actors of their own: the separate-engine path, its weights over
 #     the weight channel. On one GPU the engine shares it with the policy rank (0.5 GPU each) and the
 #     channel shares each bucket in place (CUDA IPC). On G >= 2 GPUs every rank and engine has a whole
@@ -23,17 +23,18 @@
 #     them (`flexrl.rollout.hf.sleep_level`, default 2: the sync after each update rewrites them all).
 #   OFFLOAD_PIN=0|1: with SHAPE=7b, whether the offloaded optimizer states sit in pinned host memory
 #     (`offload_optimizer.pin_memory`; default: the file's true; unpinned, the update took 11.5-12.3 s
-#     instead of 6.8-7.0 s: docs/BENCHMARKS.md "twentieth run").
+#     instead of 6.8-7.0 s: docs/BENCHMARKS.md, "Memory settings and what each costs").
 #   OFFLOAD_IN_ROLLOUT=0|1: whether the policy's ZeRO-3 states that DeepSpeed can move wait in host
 #     memory while the colocated engine generates (`flexrl.trainer.offload_states_in_rollout`;
 #     default: the file's, off at 3B and 7B; at 3B with vLLM it took 2.3 GiB off the rollout's device
 #     peak, beyond the 32 GiB that releasing torch's cache before the wake takes, for 0.6-0.7 s a step;
 #     at 7B it left the step's device peak unchanged and took host memory from 98 to 114 GiB:
-#     docs/BENCHMARKS.md "One H200, twelfth run" and "thirteenth run").
+#     docs/BENCHMARKS.md, "Memory settings and what each costs").
 #   REF_OFFLOAD=1: the reference model's parameters in pinned host memory, fetched for each of its
 #     passes (`flexrl.trainer.reference_offload_param`; default off: resident on the GPU). At 7B it
 #     takes ~25 GiB more host memory: with the file's ratio 0.6 Ray killed the rank for host memory;
-#     use OFFLOAD_RATIO=0.5 with it (112 GiB: docs/BENCHMARKS.md "twenty-first run").
+#     use OFFLOAD_RATIO=0.5 with it (112 GiB: docs/BENCHMARKS.md, "Memory settings and what each
+#     costs").
 #   TEMPERATURE=t TOP_P=p TOP_K=k: the rollout's sampling (`flexrl.rollout.temperature/top_p/top_k`;
 #     default: the file's 1.0, 1.0, 0). With vllm at t != 1 and a filter, rollout_logprob_diff measures
 #     the filter too (RolloutConfig.logprob_diff_caveat).
@@ -52,14 +53,15 @@
 #     along a recorded trace). ZERO3_REUSE=n: `stage3_max_reuse_distance` (the shipped files: two
 #     decoder layers, 2e8 at 3B, 5e8 at 7B; DeepSpeed's default 1e9): a parameter used again within n
 #     elements along the trace stays gathered; each engine's first pass on a trace walks that far
-#     ahead at every module's release (docs/BENCHMARKS.md "One H200, twenty-third run").
+#     ahead at every module's release (docs/BENCHMARKS.md, "ZeRO-3 trace walk").
 #     ZERO3_TRACE_WARNINGS=1: `zero_optimization.log_trace_cache_warnings`,
 #     DeepSpeed's line each time a pass leaves the module order it recorded (printed by rank 0 into its
 #     Ray log; the lines of every worker's log copied to OUT/zero3_trace.txt).
 #   PROFILE_STEP=n: torch.profiler over step n's log-prob, update and sync phases
 #     (`flexrl.trainer.profile_step`): OUT/run/profile/step_n_rank_0.txt and the trace beside it, the
 #     table also copied to OUT/profile_step_n_rank_0.txt. Writing them took ~140 s for a 3B step of
-#     64 samples (docs/BENCHMARKS.md "seventeenth run"): give the call that much more.
+#     64 samples (docs/notes/one-h200-runs-2026-12-04.md, "One H200, seventeenth run"): give the
+#     call that much more.
 #   VISION_ATTENTION=sdpa: the vision tower's attention as transformers runs it, one SDPA call per
 #     window (`flexrl.trainer.vision_attention`; default varlen: one call per layer).
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).

@@ -2,7 +2,7 @@
 - the kernel, bidirectional within each window, against a float64 dense softmax with a block mask;
 - a Qwen2.5-VL-shaped vision tower (the 3B's widths, 4 layers) under "varlen" against transformers'
   per-window SDPA ("sdpa"): outputs and gradients, and how long each takes for a step's worth of
-  frames (printed; docs/BENCHMARKS.md has the trainer-level figures).
+  frames (printed; figures on docs/BENCHMARKS.md, "Update efficiency (`flexrl bench update`)").
 Run there: source tests/gpu/gpu_env.sh; python3 -m pytest -q -s tests/gpu/test_vision_attention_gpu.py"""
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from flexrl_ds.trainer.launch import policy_memory_hint  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[3] / "ds_configs"
 # lines of what Ray 2.60 printed when its memory monitor killed a 7B policy rank on the H200
-# (docs/BENCHMARKS.md "twenty-first run"; the process table between them left out)
+# (docs/notes/one-h200-runs-2026-12-04.md, "One H200, twenty-first run"; the process table between
+# them left out)
 MEMORY_KILL = ("Ray killed 1 worker(s) based on the killing policy\nConsidered workers: [\n]\n"
                "Refer to the documentation on how to address the out of memory issue: "
                "https://docs.ray.io/en/latest/ray-observability/user-guides/debug-apps/debug-memory.html. "
