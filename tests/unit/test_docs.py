@@ -123,3 +123,13 @@ def test_references_to_note_headings_exist():
             if not any(title.startswith(heading.strip()) for title in titles):
                 broken.append(f"{path.relative_to(ROOT)}: docs/notes/{name}, \"{heading}\"")
     assert not broken, "references to note headings that do not exist:\n" + "\n".join(broken)
+
+
+def test_relative_markdown_links_resolve():
+    """Links and images by relative path (a moved page keeps its figures: docs/notes/ needs ../figures/)."""
+    broken = []
+    for path in (p for p in scanned_files() if p.suffix == ".md"):
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text(errors="replace")):
+            if not re.match(r"[a-z]+:", target) and not (path.parent / target).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken, "relative links to files that do not exist:\n" + "\n".join(broken)
