@@ -40,6 +40,7 @@ from flexrl_ds.rollout.config import SEEDING_MODES
 from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt, check_expanded_prompt,
                                            check_request_temperature, logprobs_mode, sampling_kwargs, to_result)
 from flexrl_ds.rollout.vllm_workers import EXTENSION as WORKER_EXTENSION
+from flexrl_ds.rollout.vllm_workers import WeightReceiverExtension
 from flexrl_ds.runtime.weight_channel import ChannelAddress
 
 
@@ -149,7 +150,8 @@ class VLLMEngine:
     def join_weight_channel(self, address: ChannelAddress, first_rank: int) -> None:
         """Separate engines: every worker joins policy rank 0's channel as receiver first_rank + its
         rank (rollout/vllm_workers.py); blocks until the whole channel has joined."""
-        joined = self.llm.collective_rpc("flexrl_join_weight_channel", args=(asdict(address), first_rank))
+        join = WeightReceiverExtension.flexrl_join_weight_channel.__name__
+        joined = self.llm.collective_rpc(join, args=(asdict(address), first_rank))
         expected = list(range(first_rank, first_rank + self.tensor_parallel_size))
         if sorted(joined) != expected:
             raise RuntimeError(f"vLLM engine: its workers joined the weight channel as ranks {sorted(joined)}, not "
@@ -159,7 +161,7 @@ class VLLMEngine:
         """Separate engines: one sync's buckets, loaded by the workers as they arrive; returns the
         tensors loaded (per worker: each loads every tensor and keeps its shard)."""
         self._wake_weights()
-        counts = self.llm.collective_rpc("flexrl_receive_weights")
+        counts = self.llm.collective_rpc(WeightReceiverExtension.flexrl_receive_weights.__name__)
         if len(set(counts)) != 1:
             raise RuntimeError(f"vLLM engine: its workers loaded different numbers of tensors in one sync: {counts}")
         return int(counts[0])

@@ -354,7 +354,7 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], ranks,
         per_rank = [(logprob_worker.rank_logprobs(job, rank=0, group_tree=None, stats=stats), stats)]
         usage.controller_bytes = len(pickle.dumps(samples))
     else:
-        per_rank = ranks.run("logprobs", job)
+        per_rank = ranks.run(LogprobWorker.logprobs, job)
         usage.num_rank_jobs = config.num_procs
         usage.controller_bytes = len(pickle.dumps(job)) * config.num_procs
     usage.rank_pixel_bytes = int(sum(stats.get("pixel_bytes", 0) for _, stats in per_rank))

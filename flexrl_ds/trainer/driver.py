@@ -47,7 +47,7 @@ from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
 from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
 from flexrl_ds.trainer.metrics import StepLog
-from flexrl_ds.trainer.policy_worker import PassJob
+from flexrl_ds.trainer.policy_worker import PassJob, PolicyWorker
 from flexrl_ds.trainer.rollout_host import PromptJob
 from flexrl_ds.trainer.samples import (LogprobGaps, StepSamples, encode_prompts, logprob_gaps, media_of,
                                        parse_sample_name, sample_seed, sequence_token_limit, split_domains,
@@ -126,15 +126,15 @@ class GRPOTrainer:
         reward_info = self._timed(times, "reward", self._reward, samples)
         profiling = step == self.o.profile_step
         if profiling:
-            self.policy.run("start_profile")
+            self.policy.run(PolicyWorker.start_profile)
         inference = self._phase(times, peaks, "inference", self._inference, step, samples)
         update = self._phase(times, peaks, "update", self._update, step, samples, inference)
         times["sync"] = self._phase({}, peaks, "sync", self.rollout.sync, self.policy, self.o.bucket_bytes)
         if profiling:
-            written = self.policy.run("stop_profile", str(self.paths.out_dir / "profile"), step)
+            written = self.policy.run(PolicyWorker.stop_profile, str(self.paths.out_dir / "profile"), step)
             print(f"profile: step {step}: log-prob, update and sync phases of each policy rank in {written[0]} "
                   f"... ({len(written)} ranks; .json.gz beside each: the trace for ui.perfetto.dev)", flush=True)
-        self.policy.run("release_pixels")
+        self.policy.run(PolicyWorker.release_pixels)
         self.controller.release(step)
         times["step"] = time.perf_counter() - started
         gaps = logprob_gaps(samples, inference["old"])
@@ -155,9 +155,9 @@ class GRPOTrainer:
 
     def _phase(self, times: dict[str, float], peaks: dict[str, dict[str, float]], name: str, function, *args):
         """`_timed`, and the phase's peak memory (the largest over the policy ranks) into peaks[name]."""
-        self.policy.run("reset_peaks")
+        self.policy.run(PolicyWorker.reset_peaks)
         result = self._timed(times, name, function, *args)
-        peaks[name] = _max_peaks(self.policy.run("peaks"))
+        peaks[name] = _max_peaks(self.policy.run(PolicyWorker.peaks))
         if peaks[name]["alloc_retries"]:
             print(f"memory: {name}: torch's device allocator found no free cached block "
                   f"{peaks[name]['alloc_retries']:.0f} time(s) and freed its whole cache to retry (each a "
@@ -279,7 +279,7 @@ class GRPOTrainer:
         """One log-prob pass on the ranks, timed into times[name]: its log-probs by sample, and the
         slowest rank's seconds by part ("batches", "forward"; both the one rank's: a rank that built
         its batches sooner waits longer in the forward's collectives)."""
-        per_rank = self._timed(times, name, self.policy.run, "logprobs", job)
+        per_rank = self._timed(times, name, self.policy.run, PolicyWorker.logprobs, job)
         _, slowest = max(per_rank, key=lambda result: sum(result[1].values()))
         return assemble(job.samples, [pieces for pieces, _ in per_rank]), dict(slowest)
 
@@ -305,7 +305,7 @@ class GRPOTrainer:
                           old_logprobs={n: inference["old"][n] for n in names},
                           ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},
                           advantages={n: samples.advantages[n] for n in names})
-            stats = self.policy.run("train", job)[0]  # all-reduced: the same on every rank
+            stats = self.policy.run(PolicyWorker.train, job)[0]  # all-reduced: the same on every rank
             per_batch.append({**stats, "micro_batches": len(micro_batches)})
         return per_batch
 
@@ -390,8 +390,8 @@ class GRPOTrainer:
         """checkpoints/step_N (DeepSpeed on every rank, then the trainer state) and hf/step_N."""
         directory = self.paths.checkpoint(step)
         directory.mkdir(parents=True, exist_ok=True)
-        self.policy.run("save_checkpoint", str(directory), {"step": step})
-        self.policy.run("export_hf", str(self.paths.hf_export(step)))
+        self.policy.run(PolicyWorker.save_checkpoint, str(directory), {"step": step})
+        self.policy.run(PolicyWorker.export_hf, str(self.paths.hf_export(step)))
         write_trainer_state(directory, step, step + 1, self.o.run_config)
         print(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}", flush=True)
 

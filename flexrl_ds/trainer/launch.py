@@ -189,7 +189,7 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
     checkpoint, start = prepared.checkpoint, prepared.start_step
     rollout_config = prepared.run.flexrl.rollout
     if checkpoint is not None:
-        policy.run("load_checkpoint", str(checkpoint))
+        policy.run(PolicyWorker.load_checkpoint, str(checkpoint))
         controller.skip_steps(start)
     colocated = isinstance(rollout, ColocatedRollout)
     if checkpoint is not None or rollout_config.engines_start_without_policy_weights(colocated):
@@ -200,12 +200,12 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
               flush=True)
     trainer_config = prepared.run.flexrl.trainer
     if trainer_config.reference_offload_param:  # what the engines were built with, as the ranks report it
-        on_host = policy.run("reference_params_on_host")
+        on_host = policy.run(PolicyWorker.reference_params_on_host)
         print(f"flexrl train: the reference model's parameters wait in host memory (DeepSpeed offload_param) on "
               f"{sum(on_host)} of {len(on_host)} policy ranks", flush=True)
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
                   tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
-    options = train_options(prepared, raw_config, device_name=policy.run("accelerator_name")[0])
+    options = train_options(prepared, raw_config, device_name=policy.run(PolicyWorker.accelerator_name)[0])
     try:
         GRPOTrainer(options, prepared.encoder, prepared.reward_fn, controller, policy, rollout, log).run()
     finally:

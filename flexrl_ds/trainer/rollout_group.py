@@ -20,6 +20,7 @@ import ray
 from flexrl_ds.common import notes
 from flexrl_ds.runtime.lost_workers import ray_get_explained
 from flexrl_ds.runtime.worker_group import print_worker_notes
+from flexrl_ds.trainer.policy_worker import PolicyWorker
 from flexrl_ds.trainer.rollout_host import PromptJob, RolloutHost, RolloutOutput, spread_jobs
 
 
@@ -56,11 +57,11 @@ class ColocatedRollout:
 
     def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> RolloutOutput:
         shares = spread_jobs(jobs, self.policy.num_ranks)
-        return merge_outputs(self.policy.run_each("generate", [(step, share, params) for share in shares]))
+        return merge_outputs(self.policy.run_each(PolicyWorker.generate, [(step, share, params) for share in shares]))
 
     def sync(self, policy: Any, bucket_bytes: int) -> float:
         started = time.perf_counter()
-        policy.run("sync_rollout", bucket_bytes)
+        policy.run(PolicyWorker.sync_rollout, bucket_bytes)
         return time.perf_counter() - started
 
     def shutdown(self) -> None:
@@ -135,15 +136,15 @@ class SeparateRollout:
         if self.transport is None:
             ranks = ray_get_explained([host.channel_ranks.remote() for host in self.hosts],
                                       "rollout engines.channel_ranks", self.timeout_s)
-            address = policy.run("weight_channel_address", sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
+            address = policy.run(PolicyWorker.weight_channel_address, sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
             joins = [host.join_weight_channel.remote(address, first)
                      for host, first in zip(self.hosts, channel_first_ranks(ranks))]
-            policy_joins = policy.run_async("join_weight_channel", address)
+            policy_joins = policy.run_async(PolicyWorker.join_weight_channel, address)
             _wait_all(joins + policy_joins, self.timeout_s, "weight channel set-up", hint)
             self.transport = ray_get_explained([policy_joins[0]], "weight channel set-up", memory_hint=hint)[0]
             print(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers", flush=True)
         loads = [host.receive_weights.remote() for host in self.hosts]
-        _wait_all(loads + policy.run_async("send_weights", bucket_bytes), self.timeout_s, "weight sync", hint)
+        _wait_all(loads + policy.run_async(PolicyWorker.send_weights, bucket_bytes), self.timeout_s, "weight sync", hint)
         return time.perf_counter() - started
 
     def shutdown(self) -> None:
