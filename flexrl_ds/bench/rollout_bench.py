@@ -39,7 +39,7 @@ from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 from flexrl_ds.models.weights import iter_weight_buckets, tensor_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
-from flexrl_ds.rollout.config import KV_CACHE_MODES
+from flexrl_ds.rollout.hf_options import KV_CACHE_MODES
 from flexrl_ds.rollout.hf_engine import HFRolloutEngine
 
 SHAPES = {

@@ -29,7 +29,7 @@ from flexrl_ds.models.processing import EncodedSample, VisionItem
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.device import detect
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
-from flexrl_ds.rollout.config import HFOptions
+from flexrl_ds.rollout.hf_options import HFOptions
 from flexrl_ds.rollout.sampling import SeededSampler
 
 

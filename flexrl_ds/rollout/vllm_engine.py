@@ -36,7 +36,7 @@ import vllm
 
 from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
-from flexrl_ds.rollout.config import SEEDING_MODES
+from flexrl_ds.rollout.vllm_options import SEEDING_MODES
 from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt, check_expanded_prompt,
                                            check_request_temperature, logprobs_mode, sampling_kwargs, to_result)
 from flexrl_ds.rollout.vllm_workers import EXTENSION as WORKER_EXTENSION

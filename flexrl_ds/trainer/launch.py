@@ -243,7 +243,7 @@ def policy_memory_hint(run: Any) -> str:
         parts.append("the reference model's parameters (flexrl.trainer.reference_offload_param)")
     if trainer.colocate and trainer.offload_states_in_rollout:
         parts.append("the policy's states while its engine generates (flexrl.trainer.offload_states_in_rollout)")
-    options = rollout.hf if rollout.backend == "hf" else rollout.vllm
+    options = rollout.options
     if trainer.colocate and options.sleep_level == 1:
         parts.append(f"the engine's weights while it sleeps (flexrl.rollout.{rollout.backend}.sleep_level 1)")
     if not parts:
