@@ -25,6 +25,7 @@ refuses a method of another class (`remote_name`).
 from __future__ import annotations
 
 import datetime
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -32,6 +33,8 @@ import torch.distributed as dist
 
 from flexrl_ds.common import notes
 from flexrl_ds.runtime.lost_workers import ray_get_explained
+
+logger = logging.getLogger(__package__)
 
 
 @dataclass(frozen=True)
@@ -145,13 +148,14 @@ def answered(refs: list, timeout_s: float) -> list:
 
 
 def print_said_lines(said: Sequence[Sequence[str]]) -> None:
-    """Print each actor's lines, in actor order; a line several actors said, once."""
+    """Log each actor's lines at INFO (they were kept at the actors' level, FLEXRL_LOG_LEVEL as here),
+    in actor order; a line several actors said, once."""
     printed: set[str] = set()
     for lines in said:
         for line in lines:
             if line not in printed:
                 printed.add(line)
-                print(line, flush=True)
+                logger.info(line)
 
 
 class _Host(notes.NoteKeeper):

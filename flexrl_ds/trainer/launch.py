@@ -12,6 +12,7 @@ Everything that can be checked is checked before any worker starts (trainer/vali
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -42,6 +43,8 @@ from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
 from flexrl_ds.trainer.validation import (check_run, gradient_accumulation_dtype, ignored_settings, model_dtype,
                                          resolve_media_limits)
+
+logger = logging.getLogger(__package__)
 
 
 @dataclass
@@ -84,7 +87,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     trainer = run.flexrl.trainer
     num_ranks = num_ranks or trainer.num_policy_ranks
     for note in ignored_settings(run.flexrl, spmd_world=num_ranks if args.spmd else None):
-        print(note, flush=True)  # first: the checks below judge the run by what replaced them
+        logger.info(note)  # first: the checks below judge the run by what replaced them
     check_run(run, args.model_dir, num_ranks)
     ray_address()  # a job server's URL in RAY_ADDRESS is refused here, before anything starts
     check_out_dir(Path(args.out_dir), args.resume)
@@ -97,7 +100,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     notes = replaced_by_processor(run.flexrl.data, data_config, args.model_dir)
     for note in notes + [run.flexrl.rollout.logprob_diff_caveat() or ""]:
         if note:
-            print(note, flush=True)
+            logger.info(note)
     encoder = SampleEncoder(args.model_dir)
     reward_fn = load_reward_fn(run.flexrl.rl.reward_fn, base_dir=str(Path(args.config_path).resolve().parent))
     max_steps = args.max_steps if args.max_steps is not None else trainer.max_steps
@@ -161,16 +164,14 @@ def resume_point(args: TrainArgs) -> tuple[Path | None, int]:
         return None, 0
     checkpoint = latest_checkpoint(Path(args.out_dir))
     if checkpoint is None:
-        print(f"--resume: no checkpoint under {args.out_dir}/checkpoints; starting from the first step",
-              flush=True)
+        logger.info(f"--resume: no checkpoint under {args.out_dir}/checkpoints; starting from the first step")
         return None, 0
     state = read_trainer_state(checkpoint)
-    print(f"--resume: continuing after step {state['step'] + 1} (files: step_{state['step']}) from {checkpoint}",
-          flush=True)
+    logger.info(f"--resume: continuing after step {state['step'] + 1} (files: step_{state['step']}) from {checkpoint}")
     if isinstance(state.get("run_config"), dict):
         note = resume_config_note(state["run_config"], read_json(args.config_path, "config file"))
         if note:
-            print(note, flush=True)
+            logger.info(note)
     return checkpoint, state["step"] + 1
 
 
@@ -179,8 +180,8 @@ def nothing_to_do(prepared: Prepared) -> bool:
     start = prepared.start_step
     if start < prepared.max_steps:
         return False
-    print(f"nothing to do: the checkpoint is after step {start}/{prepared.max_steps} (files: step_{start - 1}); "
-          "raise --max-steps to train on", flush=True)
+    logger.info(f"nothing to do: the checkpoint is after step {start}/{prepared.max_steps} (files: step_{start - 1}); "
+                "raise --max-steps to train on")
     return True
 
 
@@ -196,13 +197,12 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
         # the engines must start from the policy's weights: a checkpoint's, or the model's over random,
         # dropped or never loaded ones (colocated at sleep_level 2: RolloutConfig.engine_options)
         seconds = rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
-        print(f"flexrl train: rollout engines given the policy's weights before step {start + 1} in {seconds:.1f} s",
-              flush=True)
+        logger.info(f"flexrl train: rollout engines given the policy's weights before step {start + 1} in {seconds:.1f} s")
     trainer_config = prepared.run.flexrl.trainer
     if trainer_config.reference_offload_param:  # what the engines were built with, as the ranks report it
         on_host = policy.run(PolicyWorker.reference_params_on_host)
-        print(f"flexrl train: the reference model's parameters wait in host memory (DeepSpeed offload_param) on "
-              f"{sum(on_host)} of {len(on_host)} policy ranks", flush=True)
+        logger.info(f"flexrl train: the reference model's parameters wait in host memory (DeepSpeed offload_param) on "
+                    f"{sum(on_host)} of {len(on_host)} policy ranks")
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
                   tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
     options = train_options(prepared, raw_config, device_name=policy.run(PolicyWorker.accelerator_name)[0])
@@ -210,14 +210,14 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
         GRPOTrainer(options, prepared.encoder, prepared.reward_fn, controller, policy, rollout, log).run()
     finally:
         log.close()
-    print(f"flexrl train: done; metrics in {Path(prepared.args.out_dir) / 'metrics.jsonl'}", flush=True)
+    logger.info(f"flexrl train: done; metrics in {Path(prepared.args.out_dir) / 'metrics.jsonl'}")
     return 0
 
 
 def _progress(what: str, since: float) -> float:
     """Say what is ready and how long it took; returns now (the next part's start)."""
     now = time.perf_counter()
-    print(f"flexrl train: {what} in {now - since:.1f} s", flush=True)
+    logger.info(f"flexrl train: {what} in {now - since:.1f} s")
     return now
 
 
@@ -297,7 +297,8 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
             ray.shutdown()
 
 
-WORKER_ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG")
+WORKER_ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG",
+                   "FLEXRL_LOG_LEVEL")
 WORKER_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "VLLM_")
 """The driver's settings that policy ranks and rollout engines get as theirs: on a Ray cluster started
 elsewhere they would otherwise run with the cluster's (NCCL's must match at both ends of a group)."""
@@ -317,7 +318,7 @@ def _quietly(function) -> None:
     try:
         function()
     except Exception as error:  # shutdown after a failure: report, keep the original error
-        print(f"flexrl train: shutdown step failed: {error}", file=sys.stderr)
+        logger.warning(f"flexrl train: shutdown step failed: {error}")
 
 
 SPMD_NOTHING_TO_DO = "nothing to do"

@@ -12,6 +12,7 @@ Both return the step's merged `RolloutOutput` from `generate` and the seconds a 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Sequence
 
@@ -22,6 +23,8 @@ from flexrl_ds.runtime.lost_workers import ray_get_explained
 from flexrl_ds.runtime.worker_group import print_worker_notes
 from flexrl_ds.trainer.policy_worker import PolicyWorker
 from flexrl_ds.trainer.rollout_host import PromptJob, RolloutHost, RolloutOutput, spread_jobs
+
+logger = logging.getLogger(__package__)
 
 
 def merge_outputs(outputs: Sequence[RolloutOutput]) -> RolloutOutput:
@@ -142,7 +145,7 @@ class SeparateRollout:
             policy_joins = policy.run_async(PolicyWorker.join_weight_channel, address)
             _wait_all(joins + policy_joins, self.timeout_s, "weight channel set-up", hint)
             self.transport = ray_get_explained([policy_joins[0]], "weight channel set-up", memory_hint=hint)[0]
-            print(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers", flush=True)
+            logger.info(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers")
         loads = [host.receive_weights.remote() for host in self.hosts]
         _wait_all(loads + policy.run_async(PolicyWorker.send_weights, bucket_bytes), self.timeout_s, "weight sync", hint)
         return time.perf_counter() - started
