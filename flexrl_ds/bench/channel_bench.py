@@ -128,7 +128,7 @@ def _rank_process(rank: int, size: int, ports, gpu: int | None, gpu_transports: 
         if rank == 0:
             channel.send(group_by_bytes(weights, tensor_bytes, int(config.bucket_mib * 2**20)))
         else:
-            channel.load_each(lambda bucket: [targets[name].copy_(tensor) for name, tensor in bucket])
+            channel.load_each(lambda bucket: [targets[name].copy_(tensor) for name, tensor in bucket])  # type: ignore[arg-type]
         device_mod.synchronize(info)
         stamps.append((started, time.time()))
     extra = (device_mod.max_memory_allocated(info) - base) / 2**30

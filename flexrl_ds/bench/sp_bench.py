@@ -178,7 +178,7 @@ def _time_system(name, plan, lengths, tree, layer, config, ctx) -> SystemResult:
     layout = build_rank_layout(plan, lengths, tree.local_rank, tree, num_heads=layer.heads,
                                num_kv_heads=layer.kv_heads)
     if name.startswith("fixed"):
-        attention = FixedUlyssesAttention()
+        attention: Any = FixedUlyssesAttention()
         backend_note = f"exchange={attention.backend}"
     else:
         attention = FlexUlyssesAttention(CausalVarlenAttention(), overlap=config.overlap)

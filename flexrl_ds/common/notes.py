@@ -1,7 +1,8 @@
 """Lines a worker process says to whoever runs the job.
 
 `say(line)` logs the line at INFO through the `flexrl_ds.common` logger (common/logs.py: the console,
-at FLEXRL_LOG_LEVEL), as the process would print it; at a quieter level it is neither shown nor kept. That reaches a person in a launcher's
+at FLEXRL_LOG_LEVEL), as the process would print it; at a quieter level it is neither shown nor
+kept. That reaches a person in a launcher's
 processes (`deepspeed --hostfile`, torchrun), but not in a Ray actor: the drivers join Ray with
 `log_to_driver=False`, so that the ranks' own output (DeepSpeed's, transformers', vLLM's) stays in
 their log files (/tmp/ray/session_latest/logs on each node). So a Ray actor's body that hosts a

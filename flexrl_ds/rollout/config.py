@@ -79,7 +79,7 @@ class RolloutConfig:
             return self
         assert isinstance(getattr(self, self.backend, None), BackendOptions), \
             f"backend {self.backend!r}: changed options need a section `{self.backend}` in RolloutConfig"
-        return dataclasses.replace(self, **{self.backend: options})
+        return dataclasses.replace(self, **{self.backend: options})  # type: ignore[arg-type]
 
     def logprob_diff_caveat(self) -> str | None:
         """Why this run's `rollout_logprob_diff` will not be near zero even with the engines' weights

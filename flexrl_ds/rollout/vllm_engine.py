@@ -15,7 +15,8 @@ Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.
 is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. as many
 vision tokens per item as the trainer's grids (a grid of the same size in another shape, or other
 video timing, would pass this check; the GPU tests compare vLLM's grids and positions, and
-`rollout_logprob_diff` would show it in a run). Seeding (`VLLMOptions.seeding`): "sample" gives each request its sample's seed,
+`rollout_logprob_diff` would show it in a run). Seeding (`VLLMOptions.seeding`): "sample" gives
+each request its sample's seed,
 so its response depends on that seed, not on the batch; "off" leaves the seeds to vLLM (0.26's
 model runner draws them from numpy's global generator). Log-probs are taken at the engine's
 `logprob_temperature` (the run's sampling temperature: vllm_inputs.py `logprobs_mode`); the
@@ -84,7 +85,8 @@ class VLLMEngine:
                 worker_extension_cls=WORKER_EXTENSION)
         config = self.llm.llm_engine.model_config.hf_config
         self.is_vision_language = getattr(config, "vision_config", None) is not None
-        self.tokens = VisionTokens(int(getattr(config, "image_token_id", -1)), int(getattr(config, "video_token_id", -1)))
+        self.tokens = VisionTokens(int(getattr(config, "image_token_id", -1)),
+                                   int(getattr(config, "video_token_id", -1)))
         self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)),
                                                         pin_frame_cap=_processor_knows_frame_cap())
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)

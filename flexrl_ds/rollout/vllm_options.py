@@ -117,7 +117,7 @@ class VLLMOptions(BackendOptions):
         budget by it, so no more than the data needs); a limit set explicitly must hold every record
         (vLLM would fail the whole generate call of a step with one such prompt), else ValueError
         naming the record."""
-        limits = {}
+        limits: dict[str, Any] = {}
         for kind in ("image", "video"):
             name = f"max_{kind}s_per_prompt"
             limit = getattr(self, name)

@@ -8,7 +8,8 @@ with `factory(WorkerPlace(rank, ...), **kwargs)` — the rendezvous store hosted
 
 Construction returns at once: the ranks build their workers (join the process group, load the
 model) while the caller prepares the first call. `run(Worker.method, *args)` / `run_each(Worker.method,
-per_rank)` then call the method (given as itself, not its name: `remote_name`) on every rank and return the results in rank order. A worker
+per_rank)` then call the method (given as itself, not its name: `remote_name`) on every rank and
+return the results in rank order. A worker
 that fails (in its constructor or in a call), a rank process that dies, or no answer within
 `timeout_s` fails the call with a RuntimeError naming the rank (with its traceback); the group is
 then stopped (its other ranks may be waiting in a collective) and refuses further calls.
@@ -60,7 +61,8 @@ class ProcessWorkerGroup:
         port = self._store.port
         self._calls = [context.Queue() for _ in range(num_ranks)]
         self._results = context.Queue()
-        self._next_call, self._broken = 0, None
+        self._next_call = 0
+        self._broken: str | None = None
         places = [WorkerPlace(rank, num_ranks, "127.0.0.1", port, local_rank=rank) for rank in range(num_ranks)]
         self._procs = [context.Process(target=_serve, args=(place, factory, kwargs or {}, calls, self._results),
                                        daemon=True, name=f"{name}-{place.rank}")

@@ -30,7 +30,6 @@ import importlib.util
 import json
 import logging
 import pickle
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

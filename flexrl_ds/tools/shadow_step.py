@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 

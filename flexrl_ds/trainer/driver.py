@@ -1,7 +1,8 @@
 """The GRPO driver: one step = data → rollout → reward → plan → log-probs → advantages → update → sync.
 
 `GRPOTrainer(run, options, policy, rollout, controller)` runs the GRPO step loop
-(docs/ARCHITECTURE.md "One GRPO step, end to end") with the groups it is given (trainer/launch.py builds them: Ray actors under `flexrl train`, the launcher's
+(docs/ARCHITECTURE.md "One GRPO step, end to end") with the groups it is given (trainer/launch.py
+builds them: Ray actors under `flexrl train`, the launcher's
 processes under `deepspeed --hostfile`). Per step it moves token ids, lengths, rewards and plans —
 never pixels: the rollout hosts and the policy ranks pull their own from the preprocessing actors.
 
@@ -245,9 +246,9 @@ class GRPOTrainer:
             largest = max(sum(encoded[n].length for n in share) for share in shares)
             setting = "max_tokens_per_rank" if sp.max_tokens_per_rank == self.o.sp.max_tokens_per_rank else \
                 "logprob_max_tokens_per_rank"
-            logger.info(f"plan: step {step}: {what}: {len(names)} samples do not plan in one pass under flexrl.sp.{setting} "
-                        f"{sp.max_tokens_per_rank} x {domain_size} ranks (the largest SP domain's share holds {largest} "
-                        f"tokens): run as {len(micro_batches)} micro-batches")
+            logger.info(f"plan: step {step}: {what}: {len(names)} samples do not plan in one pass under "
+                        f"flexrl.sp.{setting} {sp.max_tokens_per_rank} x {domain_size} ranks (the largest SP "
+                        f"domain's share holds {largest} tokens): run as {len(micro_batches)} micro-batches")
         for domain, share in enumerate(shares):
             idle = [str(index) for index, results in enumerate(micro_batches) if not results[domain].plan.packs]
             if idle:
@@ -289,8 +290,8 @@ class GRPOTrainer:
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         asked = self.o.rl.mini_batches_per_step
         if len(samples.prompts) < asked:  # prompts set aside or withdrawn: one mini-batch per prompt left
-            logger.info(f"data: step {step}: {len(samples.prompts)} prompts left of the step's, so as many mini-batches "
-                        f"instead of flexrl.rl.mini_batches_per_step = {asked}")
+            logger.info(f"data: step {step}: {len(samples.prompts)} prompts left of the step's, so as many "
+                        f"mini-batches instead of flexrl.rl.mini_batches_per_step = {asked}")
         batches = split_mini_batches(samples.prompts, samples.names, min(asked, len(samples.prompts)))
         per_batch = []
         same_cap = self.o.sp.for_logprob_passes().max_tokens_per_rank == self.o.sp.max_tokens_per_rank
@@ -441,8 +442,9 @@ def warn_host_memory(phase: str, peaks: dict[str, float], memory_hint: str = "")
     `launch.policy_memory_hint`)."""
     share = peaks.get("peak_host_used_share", 0.0)
     if share > host_memory.warn_share():
-        logger.info(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, {share:.0%} of a "
-                    f"policy rank's node; Ray's memory monitor kills workers above {host_memory.ray_kill_share():.0%}."
+        logger.info(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, "
+                    f"{share:.0%} of a policy rank's node; Ray's memory monitor kills workers above "
+                    f"{host_memory.ray_kill_share():.0%}."
                     + (f" {memory_hint}" if memory_hint else ""))
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,7 +145,8 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         sampling=SamplingParams.from_config(run.flexrl.rollout, eos_ids, vision_token_ids(prepared.args.model_dir)),
         rl=run.flexrl.rl, sp=run.flexrl.sp,
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
-        run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision, peak_flops=peak_bf16_flops(device_name),
+        run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision,
+        peak_flops=peak_bf16_flops(device_name),
         profile_step=trainer.profile_step, grad_accum_dtype=gradient_accumulation_dtype(run.deepspeed),
         memory_hint=policy_memory_hint(run))
 
@@ -197,7 +197,8 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
         # the engines must start from the policy's weights: a checkpoint's, or the model's over random,
         # dropped or never loaded ones (colocated at sleep_level 2: RolloutConfig.engine_options)
         seconds = rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
-        logger.info(f"flexrl train: rollout engines given the policy's weights before step {start + 1} in {seconds:.1f} s")
+        logger.info(f"flexrl train: rollout engines given the policy's weights before step {start + 1} in "
+                    f"{seconds:.1f} s")
     trainer_config = prepared.run.flexrl.trainer
     if trainer_config.reference_offload_param:  # what the engines were built with, as the ranks report it
         on_host = policy.run(PolicyWorker.reference_params_on_host)
@@ -235,8 +236,9 @@ def policy_memory_hint(run: Any) -> str:
     trainer, rollout = run.flexrl.trainer, run.flexrl.rollout
     parts = []
     if offload.get("device") == "cpu":
-        parts.append(f"the offloaded optimizer (zero_optimization.offload_optimizer: ratio {offload.get('ratio', 1.0)}, "
-                     f"pin_memory {str(offload.get('pin_memory', False)).lower()}; a lower ratio keeps less of it there)")
+        parts.append("the offloaded optimizer (zero_optimization.offload_optimizer: ratio "
+                     f"{offload.get('ratio', 1.0)}, pin_memory {str(offload.get('pin_memory', False)).lower()}; "
+                     "a lower ratio keeps less of it there)")
     if params.get("device") == "cpu":
         parts.append("the policy's and the reference's parameters (zero_optimization.offload_param)")
     if trainer.reference_offload_param:
@@ -270,7 +272,8 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
     clock = time.perf_counter()
     started = connect_ray(ray_cpus(run, prepared.num_ranks))
     clock = _progress(f"Ray {'started' if started else 'joined'}", clock)
-    controller = policy = rollout = None
+    controller = policy = None
+    rollout: ColocatedRollout | SeparateRollout | None = None
     try:
         controller = DataController(prepared.records, prepared.data_config, trainer.timeout_s)
         clock = _progress(f"data loader ready over {len(prepared.records)} records", clock)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,8 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 def progress_line(metrics: dict[str, Any], max_steps: int) -> str:
     times = metrics["time_s"]
-    return (f"step {metrics['step'] + 1}/{max_steps} | reward {metrics['reward_mean']:.3f} ± {metrics['reward_std']:.3f}"
+    return (f"step {metrics['step'] + 1}/{max_steps} | reward {metrics['reward_mean']:.3f} ± "
+            f"{metrics['reward_std']:.3f}"
             f" | loss {metrics['loss']:+.4f} kl {metrics['kl']:.4f} clip {metrics['clip_frac']:.3f}"
             f" | len {metrics['response_length_mean']:.1f} | {times['step']:.1f} s (data {times.get('data', 0.0):.1f},"
             f" rollout {times['rollout']:.1f},"

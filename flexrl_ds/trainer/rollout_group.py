@@ -139,7 +139,8 @@ class SeparateRollout:
         if self.transport is None:
             ranks = ray_get_explained([host.channel_ranks.remote() for host in self.hosts],
                                       "rollout engines.channel_ranks", self.timeout_s)
-            address = policy.run(PolicyWorker.weight_channel_address, sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
+            address = policy.run(PolicyWorker.weight_channel_address, sum(ranks), self.timeout_s,
+                                 self.channel_on_gpu)[0]
             joins = [host.join_weight_channel.remote(address, first)
                      for host, first in zip(self.hosts, channel_first_ranks(ranks))]
             policy_joins = policy.run_async(PolicyWorker.join_weight_channel, address)
@@ -147,7 +148,8 @@ class SeparateRollout:
             self.transport = ray_get_explained([policy_joins[0]], "weight channel set-up", memory_hint=hint)[0]
             logger.info(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers")
         loads = [host.receive_weights.remote() for host in self.hosts]
-        _wait_all(loads + policy.run_async(PolicyWorker.send_weights, bucket_bytes), self.timeout_s, "weight sync", hint)
+        sends = policy.run_async(PolicyWorker.send_weights, bucket_bytes)
+        _wait_all(loads + sends, self.timeout_s, "weight sync", hint)
         return time.perf_counter() - started
 
     def shutdown(self) -> None:

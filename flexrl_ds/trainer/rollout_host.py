@@ -85,7 +85,7 @@ class RolloutHost:
             withdrawn = {prompt_name(key): bad.reason for key, bad in fetched.withdrawn.items()}
             for request, tensors in fetched.delivered():
                 pixels[(request.prompt, request.item_index)] = tensors["pixel_values"].float()
-        rollout_requests = []
+        rollout_requests: list[RolloutRequest] = []
         for job in jobs:
             if prompt_name(job.key) in withdrawn:
                 continue
@@ -93,9 +93,10 @@ class RolloutHost:
             if missing:
                 raise RuntimeError(f"step {step}: prompt {prompt_name(job.key)!r}: items {missing} were neither "
                                    "delivered nor withdrawn by the preprocessing actors")
-            items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt)
+            items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt)  # type: ignore[arg-type]
                      for index, (kind, grid, spgt) in enumerate(job.items)]
-            rollout_requests.extend(RolloutRequest(name, list(job.prompt_ids), items, seed) for name, seed in job.samples)
+            rollout_requests.extend(RolloutRequest(name, list(job.prompt_ids), items, seed)
+                                    for name, seed in job.samples)
         started = time.perf_counter()
         results = self.engine.generate(rollout_requests, params) if rollout_requests else []
         times["generate"] = time.perf_counter() - started

@@ -182,7 +182,7 @@ def split_domains(prompts: Sequence[PromptInputs], names: Sequence[str], num_dom
     units = [group for group in groups if group]
     if len(units) < num_domains:
         units = [[name] for group in units for name in group]
-    loads, owner = [0.0] * num_domains, {}
+    loads, owner = [0.0] * num_domains, dict[str, int]()
     costs = [sum(weight(n) for n in unit) for unit in units]
     for index in sorted(range(len(units)), key=lambda i: (-costs[i], i)):
         domain = min(range(num_domains), key=lambda d: (loads[d], d))
@@ -214,7 +214,8 @@ class LogprobGaps:
 def logprob_gaps(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> LogprobGaps:
     """The step's `LogprobGaps` (the engine's log-probs against the trainer's old-policy ones)."""
     prompts = samples.prompt_of()
-    per_sample, sums = {}, {}
+    per_sample: dict[str, Any] = {}
+    sums: dict[str, Any] = {}
     for name in samples.names:
         gaps = [abs(engine - trainer) for engine, trainer in zip(samples.engine_logprobs[name], trainer_logprobs[name])]
         per_sample[name] = sum(gaps) / max(len(gaps), 1)

@@ -47,7 +47,8 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
             f"flexrl.trainer.num_policy_ranks = {num_ranks}")
     if loader.global_batch % rl.mini_batches_per_step:
         raise ValueError(f"flexrl.rl.mini_batches_per_step {rl.mini_batches_per_step} does not divide "
-                         f"flexrl.data.loader.global_batch {loader.global_batch} (mini-batches hold whole prompt groups)")
+                         f"flexrl.data.loader.global_batch {loader.global_batch} (mini-batches hold whole prompt "
+                         "groups)")
     check_domains(flexrl, num_ranks)
     if loader.num_samples_per_prompt < 2:  # every estimator compares a sample with its group's others
         raise ValueError(f"flexrl.rl.advantage_estimator {rl.advantage_estimator!r} needs "
