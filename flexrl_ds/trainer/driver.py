@@ -34,7 +34,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,17 @@ from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PassJob, PolicyWorker
 from flexrl_ds.trainer.rollout_host import PromptJob
+if TYPE_CHECKING:
+    from flexrl_ds.models.flops import DecoderShape, VisionShape
+    from flexrl_ds.models.processing import SampleEncoder
+    from flexrl_ds.planning.config import SPConfig
+    from flexrl_ds.planning.cost_model import CostModel
+    from flexrl_ds.rl.config import GRPOConfig
+    from flexrl_ds.rl.reward_fn import RewardFn
+    from flexrl_ds.rollout.base import SamplingParams
+    from flexrl_ds.runtime.data_controller import DataController
+    from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup
+    from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
 from flexrl_ds.trainer.samples import (LogprobGaps, StepSamples, encode_prompts, logprob_gaps, media_of,
                                        parse_sample_name, sample_seed, sequence_token_limit, split_domains,
                                        split_mini_batches, too_long_prompts)
@@ -69,20 +80,20 @@ class TrainOptions:
     save_every: int
     save_last: bool
     save_rollouts: bool
-    sampling: Any
+    sampling: SamplingParams
     """`rollout.base.SamplingParams`."""
-    rl: Any
+    rl: GRPOConfig
     """`GRPOConfig`."""
-    sp: Any
+    sp: SPConfig
     """`SPConfig`."""
-    cost: Any
+    cost: CostModel
     """`planning.cost_model.CostModel` of the trained model."""
     num_ranks: int
     bucket_bytes: int
     run_config: dict
-    decoder: Any = None
+    decoder: DecoderShape | None = None
     """`models.flops.DecoderShape` of the trained model (for `mfu`)."""
-    vision: Any = None
+    vision: VisionShape | None = None
     """`models.flops.VisionShape` of its vision tower (for `mfu`); None for a text model."""
     peak_flops: float | None = None
     """The policy ranks' GPU's bf16 dense peak FLOP/s; None (no `mfu`) on CPU or an unknown GPU."""
@@ -97,8 +108,8 @@ class TrainOptions:
 class GRPOTrainer:
     """The loop of the module docstring over given groups."""
 
-    def __init__(self, options: TrainOptions, encoder: Any, reward_fn: Any, controller: Any, policy: Any,
-                 rollout: Any, log: StepLog):
+    def __init__(self, options: TrainOptions, encoder: SampleEncoder, reward_fn: RewardFn, controller: DataController,
+                 policy: RayWorkerGroup | SPMDWorkerGroup, rollout: ColocatedRollout | SeparateRollout, log: StepLog):
         self.o, self.encoder, self.reward_fn = options, encoder, reward_fn
         self.controller, self.policy, self.rollout, self.log = controller, policy, rollout, log
         self.paths = RunPaths(options.out_dir)
@@ -232,7 +243,7 @@ class GRPOTrainer:
         return {"texts": dict(zip(names, texts)), "num_reward_errors": len(scored.errors),
                 "zero_variance_groups": float((grouped.amax(1) == grouped.amin(1)).double().mean())}
 
-    def _plan(self, step: int, samples: StepSamples, names: list[str], what: str, sp: Any):
+    def _plan(self, step: int, samples: StepSamples, names: list[str], what: str, sp: SPConfig):
         """The pass's micro-batches (one unless the pass overflows `sp.max_tokens_per_rank`:
         planning/micro_batches.py), each one `PlanResult` per SP domain over its share of `names`;
         and every name's EncodedSample. `what` names the pass in the line said when it is cut."""

@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch.distributed as dist
@@ -40,6 +40,10 @@ from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
+if TYPE_CHECKING:
+    from flexrl_ds.loader.config import DataConfig
+    from flexrl_ds.rl.reward_fn import RewardFn
+    from flexrl_ds.runtime.data_controller import PixelSource
 from flexrl_ds.trainer.validation import (check_run, gradient_accumulation_dtype, ignored_settings, model_dtype,
                                          resolve_media_limits)
 
@@ -64,11 +68,12 @@ class Prepared:
     """A run's inputs, checked, before any worker starts."""
 
     run: Any
+    """The run config (`config.flexrl_config.RunConfig`; config/ imports trainer/, so not named here)."""
     args: TrainArgs
-    data_config: Any
+    data_config: DataConfig
     records: list
     encoder: SampleEncoder
-    reward_fn: Any
+    reward_fn: RewardFn
     num_ranks: int
     max_steps: int
     checkpoint: Path | None = None
@@ -113,7 +118,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
                     VisionShape.from_config(vision_config) if vision_config is not None else None)
 
 
-def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> PolicySetup:
+def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool) -> PolicySetup:
     return PolicySetup(
         model_dir=model_dir, ds_config=run.deepspeed, p_max=run.flexrl.sp.p_max, overlap=run.flexrl.sp.overlap,
         domain_size=run.flexrl.sp.domain_size,
@@ -185,7 +190,8 @@ def nothing_to_do(prepared: Prepared) -> bool:
     return True
 
 
-def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: Any, raw_config: dict) -> int:
+def drive(prepared: Prepared, controller: DataController, policy: RayWorkerGroup | SPMDWorkerGroup,
+          rollout: ColocatedRollout | SeparateRollout, raw_config: dict) -> int:
     """Resume if asked, run the steps, close the log."""
     checkpoint, start = prepared.checkpoint, prepared.start_step
     rollout_config = prepared.run.flexrl.rollout
@@ -196,7 +202,8 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
     if checkpoint is not None or rollout_config.engines_start_without_policy_weights(colocated):
         # the engines must start from the policy's weights: a checkpoint's, or the model's over random,
         # dropped or never loaded ones (colocated at sleep_level 2: RolloutConfig.engine_options)
-        seconds = rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
+        bucket_bytes = prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20
+        seconds = rollout.sync(policy, bucket_bytes)  # type: ignore[arg-type]  # separate engines: a Ray group
         logger.info(f"flexrl train: rollout engines given the policy's weights before step {start + 1} in "
                     f"{seconds:.1f} s")
     trainer_config = prepared.run.flexrl.trainer

@@ -14,13 +14,16 @@ the engine settings a colocated run does not use (printed, not refused). `launch
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexrl_ds.common.json_files import looked_for, read_json
 from flexrl_ds.models.zero3 import check_ds_config
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.trainer.samples import sequence_token_limit
+
+if TYPE_CHECKING:
+    from flexrl_ds.rollout.config import RolloutConfig
 
 
 def check_model_dir(model_dir: str) -> None:
@@ -144,7 +147,7 @@ def check_sequence_room(flexrl: Any, model_dir: str, num_ranks: int) -> None:
                          f"({limit.explained(sp.max_tokens_per_rank)}), so no prompt fits next to the longest response")
 
 
-def resolve_media_limits(rollout: Any, records: list) -> Any:
+def resolve_media_limits(rollout: RolloutConfig, records: list) -> RolloutConfig:
     """The rollout config with what the chosen backend's options derive from the run's records filled
     in (`BackendOptions.resolved_for`: vllm's per-prompt image/video limits), the same object where
     nothing changes; a ValueError names a record they cannot serve."""
