@@ -5,3 +5,7 @@ Ulysses degrees on nested device groups) on DeepSpeed ZeRO-3 with Ray orchestrat
 """
 
 __version__ = "0.1.0"
+
+from flexrl_ds.common import logs as _logs
+
+_logs.setup()  # console logging at FLEXRL_LOG_LEVEL (default INFO): the lines flexrl_ds prints

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine (scripts/install.sh) and run the whole CPU test suite.
+# Set up a fresh machine (scripts/install.sh), lint and type-check (ruff, mypy), and run the whole CPU
+# test suite.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -7,6 +8,11 @@ cd "$root"
 bash scripts/install.sh
 export DS_ACCELERATOR=cpu RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Lint and types first (config in pyproject.toml): either failing fails the command.
+echo "[test] ruff check"
+.venv/bin/ruff check .
+echo "[test] mypy (flexrl_ds/)"
+.venv/bin/mypy
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

@@ -15,6 +15,7 @@ memory is the device's (CPU: none measured) peak above the weights themselves, p
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import time
 import traceback
@@ -27,6 +28,8 @@ from flexrl_ds.models.weights import group_by_bytes, tensor_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.runtime.weight_channel import BETWEEN_GPUS, HOST_MEMORY, SAME_GPU, ChannelAddress, WeightChannel
 from flexrl_ds.runtime.worker_group import open_store
+
+logger = logging.getLogger(__package__)
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ def _rank_process(rank: int, size: int, ports, gpu: int | None, gpu_transports: 
         if rank == 0:
             channel.send(group_by_bytes(weights, tensor_bytes, int(config.bucket_mib * 2**20)))
         else:
-            channel.load_each(lambda bucket: [targets[name].copy_(tensor) for name, tensor in bucket])
+            channel.load_each(lambda bucket: [targets[name].copy_(tensor) for name, tensor in bucket])  # type: ignore[arg-type]
         device_mod.synchronize(info)
         stamps.append((started, time.time()))
     extra = (device_mod.max_memory_allocated(info) - base) / 2**30
@@ -163,8 +166,8 @@ def run_channel_bench(config: ChannelBenchConfig) -> list[dict]:
     for asked, (placement, gpu_transports) in placements(device_mod.num_gpus(), config.receivers).items():
         result = run_transport(config, placement, gpu_transports)
         rows.append(asdict(result) | {"asked": asked})
-        print(f"[bench channel] {asked}: agreed {result.transport}, {config.total_gib:g} GiB per sync in "
-              f"{', '.join(f'{s:.2f}' for s in result.sync_s)} s ({result.gib_per_s:.1f} GiB/s best); "
-              f"extra GiB sender {result.extra_gib_sender:.2f}, receiver {result.extra_gib_receiver:.2f}; "
-              f"receivers' checksums match the sender's: {result.checksums_match}", flush=True)
+        logger.info(f"[bench channel] {asked}: agreed {result.transport}, {config.total_gib:g} GiB per sync in "
+                    f"{', '.join(f'{s:.2f}' for s in result.sync_s)} s ({result.gib_per_s:.1f} GiB/s best); "
+                    f"extra GiB sender {result.extra_gib_sender:.2f}, receiver {result.extra_gib_receiver:.2f}; "
+                    f"receivers' checksums match the sender's: {result.checksums_match}")
     return rows

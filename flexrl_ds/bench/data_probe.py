@@ -35,7 +35,8 @@ class ProbeBenchResult:
 
     def table(self) -> str:
         return "\n".join([
-            f"records: {self.num_records} ({self.num_good} good), {self.vision_tokens_per_record:.0f} vision tokens/record",
+            f"records: {self.num_records} ({self.num_good} good), "
+            f"{self.vision_tokens_per_record:.0f} vision tokens/record",
             f"{'':24}{'probe (controller)':>20}{'materialise':>16}{'ratio':>10}",
             f"{'seconds / record':<24}{self.probe_s_per_record:>20.5f}{self.materialize_s_per_record:>16.5f}"
             f"{self.materialize_s_per_record / max(self.probe_s_per_record, 1e-12):>10.1f}",

@@ -213,7 +213,7 @@ def _write_video_opencv(path: str | Path, frames_NCHW: torch.Tensor, fps: float)
     import cv2
 
     height, width = frames_NCHW.shape[-2:]
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))  # type: ignore[attr-defined]
     try:
         for frame in frames_NCHW.permute(0, 2, 3, 1).numpy():
             writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))

@@ -201,7 +201,7 @@ class _Measured:
 def _send(loader: Any, workers: Any, step: Any, dealing: Any) -> None:
     """Deal the step's samples to the workers (`dealing.shares`) and start their prefetch."""
     shares = dealing.shares(step.sample_ids())
-    workers.run_each_async("prefetch", [(loader.assignment(step, requests_for_samples(step, share)),)
+    workers.run_each_async(BenchWorker.prefetch, [(loader.assignment(step, requests_for_samples(step, share)),)
                                         for share in shares])
 
 
@@ -221,7 +221,7 @@ def _run_steps(label: str, config: LoaderBenchConfig, loader: Any, workers: Any,
             loaded_at = time.time()
             _send(loader, workers, upcoming, dealing)
             sent_at = time.time()
-            outs = ray.get(workers.run_async("run_step", step.step, config.compute_ms))
+            outs = ray.get(workers.run_async(BenchWorker.run_step, step.step, config.compute_ms))
             results_at = time.time()
             loader.release(step)
             measured.pixel_bytes += sum(out["bytes"] for out in outs)
@@ -276,7 +276,7 @@ def run_one(mode: str, config: LoaderBenchConfig, batch: int, num_actors: int) -
                              num_cpus_per_rank=WORKER_CPUS, name="bench workers", timeout_s=pool_config.timeout_s)
     dealing = RankDealing(tuple(workers.node_ids), loader_config.num_samples_per_prompt)
     loader, pool = _build_loader(mode, records, data_config, loader_config, pool_config, dealing)
-    rss.pids = workers.run("pid") + ([s["pid"] for s in pool.stats()] if pool else [])
+    rss.pids = workers.run(BenchWorker.pid) + ([s["pid"] for s in pool.stats()] if pool else [])
     label = f"{mode} B={batch} K={num_actors}"
     measured = _run_steps(label, config, loader, workers, rss, dealing)
     if pool is not None:

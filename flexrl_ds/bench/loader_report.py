@@ -13,7 +13,8 @@ def format_table(results: list[RunResult]) -> str:
     worst-case ms the data was ready before the step needed it (negative: late)."""
     header = (f"{'mode':8} {'B':>4} {'K':>3} {'exposed ms/step':>16} {'worker wait ms':>15} {'ctrl loader ms':>15} "
               f"{'call ms':>8} {'return ms':>10} {'ready early ms':>15} "
-              f"{'ctrl MB/step':>13} {'pixel MB/step':>14} {'cross-node MB/step':>19} {'ctrl RSS peak MB':>17} {'total RSS MB':>13} {'samples/s':>10}")
+              f"{'ctrl MB/step':>13} {'pixel MB/step':>14} {'cross-node MB/step':>19} {'ctrl RSS peak MB':>17} "
+              f"{'total RSS MB':>13} {'samples/s':>10}")
     lines = [header]
     for r in results:
         phases = r.phases_ms

@@ -37,7 +37,8 @@ def _resolve(args):
     for key, value in overrides.items():
         if key != "oversize" and key not in ("cost_model", "calibration") and value <= 0:
             raise ValueError(f"--{key.replace('_', '-')}: must be positive, got {value}")
-    sp = dataclasses.replace(base, logprob_max_tokens_per_rank=None, **overrides)  # these tools plan under the plain cap
+    # these tools plan under the plain cap
+    sp = dataclasses.replace(base, logprob_max_tokens_per_rank=None, **overrides)
     calibration = None if sp.calibration == "none" else sp.calibration
     device_name = args.device
     if calibration == "auto" and device_name is None:
@@ -233,8 +234,9 @@ def bench_planner(args) -> int:
     say = (lambda text: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
     grid = {"counts": args.counts or SEQUENCE_COUNTS, "world_sizes": args.world_sizes or WORLD_SIZES}
     if not args.no_timing:
-        out.timing = time_planner(cost, sp, args.timing_mix, args.repeats, **grid, options=options, progress=lambda r: say(
-            f"  timing N={r['num_sequences']} W={r['world_size']}: {r['plan_ms']:.1f} ms"))
+        out.timing = time_planner(cost, sp, args.timing_mix, args.repeats, **grid, options=options,
+                                  progress=lambda r: say(f"  timing N={r['num_sequences']} W={r['world_size']}: "
+                                                         f"{r['plan_ms']:.1f} ms"))
     if not args.no_quality:
         out.quality = measure_quality(cost, sp, args.seeds, **grid, options=options, progress=lambda r: say(
             f"  quality {r['mix']} W={r['world_size']} N={r['num_sequences']}: eff {r['efficiency_min']:.3f}"))

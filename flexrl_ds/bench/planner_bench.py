@@ -108,7 +108,8 @@ def format_timing(rows: list[dict[str, Any]]) -> str:
 def format_quality(rows: list[dict[str, Any]]) -> str:
     lines = ["FlexUlysses plan quality (worst over seeds): efficiency / cost balance / attention balance / "
              "a2a vs SP=p_max (mean); * = lower bound set by the longest sequence; "
-             "! = no aligned plan reaches 0.97 (efficiency bound, metrics.py; the block partition and each sequence's share on its busiest rank); "
+             "! = no aligned plan reaches 0.97 (efficiency bound, metrics.py; the block partition and each "
+             "sequence's share on its busiest rank); "
              "with a calibration, the worst projected step time in ms follows"]
     counts = sorted({r["num_sequences"] for r in rows})
     for mix in dict.fromkeys(r["mix"] for r in rows):

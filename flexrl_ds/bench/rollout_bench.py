@@ -10,7 +10,8 @@ warm-up, each from cold caches; its best time gives its tokens/s (one 2 s timing
 between runs on a shared machine). The trainer's engines are then timed again, each timing after
 the engine slept and woke (`<engine>_after_sleep`): between steps a colocated engine frees the
 GPU for the update, so every step's rollout starts from what `wake` gives back. Then the HF
-model's weights are synced into the vLLM engine in buckets as a colocated policy rank does (`iter_weight_buckets` on the GPU -> `load_weights`), timed,
+model's weights are synced into the vLLM engine in buckets as a colocated policy rank does
+(`iter_weight_buckets` on the GPU -> `load_weights`), timed,
 and the engine's log-probs of greedy samples are compared with the HF model's on the same tokens:
 after the sync both hold the same weights.
 
@@ -39,7 +40,7 @@ from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 from flexrl_ds.models.weights import iter_weight_buckets, tensor_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
-from flexrl_ds.rollout.config import KV_CACHE_MODES
+from flexrl_ds.rollout.hf_options import KV_CACHE_MODES
 from flexrl_ds.rollout.hf_engine import HFRolloutEngine
 
 SHAPES = {
@@ -122,7 +123,7 @@ class RolloutBenchResult:
 def _model_dir(config: RolloutBenchConfig) -> Path:
     out = Path(config.work_dir) / f"model-{config.shape}"
     if not (out / "config.json").is_file():
-        make_tiny_model(TinyModelConfig(out_dir=str(out), **SHAPES[config.shape]), weights=False)
+        make_tiny_model(TinyModelConfig(out_dir=str(out), **SHAPES[config.shape]), weights=False)  # type: ignore[arg-type]
     return out
 
 
@@ -206,10 +207,10 @@ def measure_peaks(device: Any, repeats: int = 10) -> Peaks:
 
     size = 8192
     left, right = (torch.randn(size, size, dtype=torch.bfloat16, device=device) for _ in range(2))
-    flops = 2.0 * size**3 / best_seconds(lambda: left @ right)
+    flops = 2.0 * size**3 / best_seconds(lambda: left @ right)  # noqa: F821 - deleted below, after its use
     source = torch.empty(2 << 30, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    bytes_per_s = 2.0 * source.numel() / best_seconds(lambda: target.copy_(source))
+    bytes_per_s = 2.0 * source.numel() / best_seconds(lambda: target.copy_(source))  # noqa: F821 - as above
     del left, right, source, target
     device_mod.release_cached_memory(info)  # the engines started after this see the memory free
     return Peaks(flops, bytes_per_s)

@@ -91,7 +91,8 @@ def plot_rollout(result: dict[str, Any], path: str) -> None:
         ax.text(ceiling, len(rows) - 0.4, " roofline limit", color="tab:red", fontsize=8, va="bottom")
     ax.set_xlim(0, max([best for *_, best in rows] + [ceiling or 0]) * 1.35)
     ax.set_title(f"flexrl bench rollout, {config.get('shape', '?')} shape, {config.get('prompts', '?')} × "
-                 f"{config.get('prompt_len', '?')} → {config.get('new_tokens', '?')} tokens, {result.get('device', '?')}",
+                 f"{config.get('prompt_len', '?')} → {config.get('new_tokens', '?')} tokens, "
+                 f"{result.get('device', '?')}",
                  fontsize=10, loc="left")
     fig.tight_layout()
     fig.savefig(output_file(path), dpi=110)

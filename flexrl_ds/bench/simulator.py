@@ -126,8 +126,8 @@ def simulate(mix: str, world_size: int, gbs: int, n_samples: int, seeds: int, co
 def format_table(sim: SimulationResult) -> str:
     header = (f"{sim.mix}, {sim.world_size} ranks, {sim.gbs} prompts x {sim.n_samples} samples, "
               f"mean over {sim.seeds} seed(s)")
-    names = ("attn bal", "attn LB", "cost bal", "tok bal", "effic.", "eff UB", "a2a/SPmax", "packs", "step ms",
-             "comp ms", "a2a ms", "idle ms", "plan ms")
+    names = ["attn bal", "attn LB", "cost bal", "tok bal", "effic.", "eff UB", "a2a/SPmax", "packs", "step ms",
+             "comp ms", "a2a ms", "idle ms", "plan ms"]
     timed = any(values["step_time_s"] > 0 for values in sim.means.values())
     columns = [k for k in TABLE_METRICS if timed or not k.endswith("_s")]
     names = [n for n, k in zip(names, TABLE_METRICS) if k in columns]

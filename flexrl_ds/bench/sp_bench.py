@@ -13,6 +13,7 @@ table and returns the JSON record. The layer is a Qwen2-style block without rota
 from __future__ import annotations
 
 import json
+import logging
 import random
 import statistics
 import time
@@ -37,6 +38,8 @@ from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.sp.fixed_sp import FixedUlyssesAttention, fixed_sp_plan
 from flexrl_ds.sp.layout import build_rank_layout
 from flexrl_ds.sp.local_attention import CausalVarlenAttention, pick_backend
+
+logger = logging.getLogger(__package__)
 
 SHAPES = {
     # hidden, heads, kv heads, head_dim, MLP
@@ -175,7 +178,7 @@ def _time_system(name, plan, lengths, tree, layer, config, ctx) -> SystemResult:
     layout = build_rank_layout(plan, lengths, tree.local_rank, tree, num_heads=layer.heads,
                                num_kv_heads=layer.kv_heads)
     if name.startswith("fixed"):
-        attention = FixedUlyssesAttention()
+        attention: Any = FixedUlyssesAttention()
         backend_note = f"exchange={attention.backend}"
     else:
         attention = FlexUlyssesAttention(CausalVarlenAttention(), overlap=config.overlap)
@@ -228,7 +231,7 @@ def run_rank(config: SPBenchConfig) -> dict[str, Any] | None:
     results = []
     for name, (plan, plan_lengths) in plans.items():
         if ctx.launch.rank == 0:
-            print(f"[bench sp] {name}: {len(plan.packs)} packs, timing {config.iters} steps ...", flush=True)
+            logger.info(f"[bench sp] {name}: {len(plan.packs)} packs, timing {config.iters} steps ...")
         results.append(_time_system(name, plan, plan_lengths, tree, layer, config, ctx))
     dist.barrier()
     dist.destroy_process_group()

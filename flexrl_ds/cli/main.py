@@ -15,6 +15,8 @@ import importlib
 import os
 import sys
 
+from flexrl_ds.common import logs
+
 # Modules that register commands, in the order they appear in `flexrl --help`.
 COMMAND_MODULES = (
     "flexrl_ds.cli.planning",  # make-workload, plan, simulate, bench planner
@@ -40,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     # --no_local_rank; a rank's place comes from the LOCAL_RANK variable it also sets, so the flag is
     # accepted and unused.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log-level", type=str.upper, choices=logs.LEVELS, default=None,
+                        help=f"console log level (default: ${logs.ENV_VAR}, else {logs.DEFAULT_LEVEL}); WARNING "
+                             "keeps warnings and errors only. Exported to the processes the command starts")
     commands = parser.add_subparsers(dest="command", metavar="<command>")
     bench_parser = commands.add_parser("bench", help="benchmarks (`flexrl bench --help` lists them)")
     bench = bench_parser.add_subparsers(dest="bench_command", metavar="<benchmark>")
@@ -63,6 +68,7 @@ def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logs.setup(args.log_level)
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return 2

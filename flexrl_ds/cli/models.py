@@ -104,7 +104,8 @@ def _add_bench_update(bench) -> None:
         "update", help="one policy update's forward+backward: plain transformers vs FlexUlysses vs its ZeRO-3 engine",
         description="The same samples and weights, timed as plain transformers (one sample at a time), as "
                     "FlexUlyssesLM on one rank, and in the DeepSpeed ZeRO-3 engine of --config (plus its "
-                    "optimizer step, its no-grad forward, and the trainer's GRPO update step); seconds, model TFLOP/s, MFU on GPUs and each way's loss (flexrl_ds/bench/update_bench.py).")
+                    "optimizer step, its no-grad forward, and the trainer's GRPO update step); seconds, model "
+                    "TFLOP/s, MFU on GPUs and each way's loss (flexrl_ds/bench/update_bench.py).")
     update.add_argument("--model", required=True, help="HF model directory")
     update.add_argument("--data", required=True, help="records (.jsonl or .parquet): their prompts and media")
     update.add_argument("--config", required=True, help="run config (DeepSpeed JSON): the engine, and bf16 or not")
@@ -143,7 +144,8 @@ def _add_bench_zero3_trace(bench) -> None:
         "zero3-trace", help="host time of ZeRO-3's passes by stage3_max_reuse_distance (the first pass on a trace)",
         description="A chain of small blocks in a one-rank ZeRO-3 engine per reuse distance, timed over no-grad "
                     "passes: pass 1 records the module trace, pass 2 is the first on it (it works out, for every "
-                    "module, which parameters to keep gathered), the rest are steady (flexrl_ds/bench/zero3_trace_bench.py).")
+                    "module, which parameters to keep gathered), the rest are steady "
+                    "(flexrl_ds/bench/zero3_trace_bench.py).")
     trace.add_argument("--blocks", type=int, default=200, help="blocks of the chain (a norm and two linears each)")
     trace.add_argument("--width", type=int, default=64, help="width of each block's layers")
     trace.add_argument("--reuse", default="1e9,1e5,0",
@@ -153,7 +155,8 @@ def _add_bench_zero3_trace(bench) -> None:
 
 
 def _bench_zero3_trace(args: argparse.Namespace) -> int:
-    from flexrl_ds.bench.zero3_trace_bench import TraceBenchConfig, format_rows, run_trace_bench  # lazy: its run imports DeepSpeed
+    # lazy: its run imports DeepSpeed
+    from flexrl_ds.bench.zero3_trace_bench import TraceBenchConfig, format_rows, run_trace_bench
 
     try:
         distances = tuple(float(value) for value in args.reuse.split(",") if value.strip())

@@ -6,7 +6,8 @@ import argparse
 
 
 def register(commands, bench) -> None:
-    make = commands.add_parser("make-workload", help="generate a seeded GRPO workload file (mixes: flexrl_ds/bench/workloads.py)")
+    make = commands.add_parser("make-workload",
+                               help="generate a seeded GRPO workload file (mixes: flexrl_ds/bench/workloads.py)")
     make.add_argument("--mix", required=True, help="image-heavy | video-heavy | only-video")
     make.add_argument("--num", type=int, required=True, help="number of sequences")
     make.add_argument("--seed", type=int, default=0)

@@ -21,12 +21,14 @@ def register(commands, bench) -> None:
     rollout.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's share of the GPU")
     rollout.add_argument("--work-dir", default="/tmp/flexrl-rollout-bench", help="where the model config is written")
     rollout.add_argument("--repeats", type=int, default=3, help="timings per engine (the best is its figure)")
-    rollout.add_argument("--hf-kv-caches", default="dynamic,static", help="hf engine KV caches to time (dynamic,static)")
+    rollout.add_argument("--hf-kv-caches", default="dynamic,static",
+                         help="hf engine KV caches to time (dynamic,static)")
     rollout.add_argument("--json", help="write the result JSON here")
     rollout.add_argument("--plot", help="draw every engine's tokens/s into this PNG")
     rollout.add_argument("--from-json", help="no run: report and --plot a result JSON written before (no GPU needed)")
     rollout.set_defaults(func=_bench_rollout)
-    channel = bench.add_parser("channel", help="weight channel to separate engines: its transports timed against each other")
+    channel = bench.add_parser("channel",
+                               help="weight channel to separate engines: its transports timed against each other")
     channel.add_argument("--gib", type=float, default=6.0, help="bf16 weights per sync (GiB; 6: a 3B-shaped policy)")
     channel.add_argument("--tensor-mb", type=float, default=64.0, help="size of each tensor (MiB)")
     channel.add_argument("--bucket-mb", type=float, default=512.0, help="bucket size (MiB), as flexrl.trainer's")
@@ -71,7 +73,8 @@ def _saved_result(path: str) -> dict:
         raise SystemExit(f"--from-json {path}: not a `flexrl bench rollout` result (no {', '.join(missing)})")
     if not result["tokens_per_s"]:
         raise SystemExit(f"--from-json {path}: no engine timed")
-    untimed = [name for name in result["tokens_per_s"] if name not in result["timings_s"] or name not in result["seconds"]]
+    untimed = [name for name in result["tokens_per_s"]
+               if name not in result["timings_s"] or name not in result["seconds"]]
     if untimed:
         raise SystemExit(f"--from-json {path}: engines without timings: {', '.join(untimed)}")
     return result
@@ -86,8 +89,9 @@ def _bench_channel(args) -> int:
     # lazy: imports torch (`flexrl --help` stays fast)
     from flexrl_ds.bench.channel_bench import ChannelBenchConfig, run_channel_bench
 
-    rows = run_channel_bench(ChannelBenchConfig(total_gib=args.gib, tensor_mib=args.tensor_mb, bucket_mib=args.bucket_mb,
-                                                receivers=args.receivers, rounds=args.rounds))
+    rows = run_channel_bench(ChannelBenchConfig(total_gib=args.gib, tensor_mib=args.tensor_mb,
+                                                bucket_mib=args.bucket_mb, receivers=args.receivers,
+                                                rounds=args.rounds))
     if args.json:
         output_file(args.json).write_text(json.dumps(rows, indent=1))
     if not all(row["checksums_match"] for row in rows):

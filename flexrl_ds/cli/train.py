@@ -22,7 +22,8 @@ def register(commands, bench) -> None:
     train.add_argument("--model", required=True, help="HF model directory the policy starts from")
     train.add_argument("--data", required=True, help="dataset (.jsonl / .parquet; fields: docs/DATA_FORMAT.md)")
     train.add_argument("--out", required=True, help="output directory")
-    train.add_argument("--max-steps", type=int, default=None, help="GRPO steps in all (default: flexrl.trainer.max_steps)")
+    train.add_argument("--max-steps", type=int, default=None,
+                       help="GRPO steps in all (default: flexrl.trainer.max_steps)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
     train.add_argument("--spmd", action="store_true",
                        help="run as one rank of a launcher-started job (deepspeed --hostfile / torchrun)")

@@ -1,6 +1,8 @@
 """Lines a worker process says to whoever runs the job.
 
-`say(line)` prints the line where the process prints. That reaches a person in a launcher's
+`say(line)` logs the line at INFO through the `flexrl_ds.common` logger (common/logs.py: the console,
+at FLEXRL_LOG_LEVEL), as the process would print it; at a quieter level it is neither shown nor
+kept. That reaches a person in a launcher's
 processes (`deepspeed --hostfile`, torchrun), but not in a Ray actor: the drivers join Ray with
 `log_to_driver=False`, so that the ranks' own output (DeepSpeed's, transformers', vLLM's) stays in
 their log files (/tmp/ray/session_latest/logs on each node). So a Ray actor's body that hosts a
@@ -12,17 +14,22 @@ references the caller waits for itself, through `take_notes`), which prints them
 
 from __future__ import annotations
 
+import logging
 import threading
 
+logger = logging.getLogger(__package__)
 _lock = threading.Lock()
 _kept: list[str] | None = None
 """Lines said since the driver last took them; None where nothing keeps them (no Ray actor)."""
 
 
 def say(line: str, console: bool = True) -> None:
-    """Print `line` here, and keep it for the driver where this process is a Ray actor's.
-    `console=False`: only here (e.g. every rank but 0 of a line all ranks would say alike)."""
-    print(line, flush=True)
+    """Log `line` here at INFO, and keep it for the driver where this process is a Ray actor's.
+    `console=False`: only here (e.g. every rank but 0 of a line all ranks would say alike). At a log
+    level above INFO the line is dropped: the driver, at the same level, would not show it."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    logger.info(line)
     with _lock:
         if _kept is not None and console:
             _kept.append(line)

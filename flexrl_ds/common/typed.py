@@ -19,7 +19,7 @@ def from_dict(cls: type[T], data: Any, where: str) -> T:
     """Build dataclass `cls` from `data`, rejecting unknown keys and wrongly typed values."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(
@@ -65,7 +65,7 @@ def _convert(annotation: Any, value: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
         return dict(value)
     if dataclasses.is_dataclass(annotation):
-        return from_dict(annotation, value, where)
+        return from_dict(annotation, value, where)  # type: ignore[arg-type]
     if annotation is Any:
         return value
     if annotation is float:

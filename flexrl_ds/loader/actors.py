@@ -8,7 +8,8 @@
   numpy arrays, which Ray hands to readers zero-copy: `shippable_slice`), so the
   tensors live in the object store of the actor's node and are owned by the actor, and returns
   only the small `{SliceKey: ObjectRef}` map — or a `DecodeFailure` when a record that probed
-  fine fails to decode (corrupt frame data, file gone): never an exception. Workers fetch the objects directly. The actor holds
+  fine fails to decode (corrupt frame data, file gone): never an exception. Workers fetch the
+  objects directly. The actor holds
   the refs (its cache) until the controller releases the step. Two concurrency groups keep
   metadata probes from queueing behind long video decodes.
 - `PreprocessPool` (controller side): creates K actors per node (fractional `num_cpus`), pinned
@@ -61,7 +62,7 @@ def item_layouts(meta: Any, groups_per_chunk: int) -> tuple[ItemLayout, ...]:
 def _grid_tuple(grid: Any) -> tuple[int, int, int]:
     values = torch.as_tensor(grid).reshape(-1).tolist()
     assert len(values) == 3, f"grid_thw must hold 3 numbers, got {values}"
-    return tuple(int(v) for v in values)
+    return tuple(int(v) for v in values)  # type: ignore[return-value]
 
 
 class SliceMaker:
@@ -183,7 +184,7 @@ class PreprocessPool:
             for local in range(self.config.num_actors_per_node):
                 name = f"pre-{node_rank}-{local}"
                 self.actor_nodes[name] = node_id
-                self.actors[name] = PreprocessActor.options(
+                self.actors[name] = PreprocessActor.options(  # type: ignore[attr-defined]  # a Ray actor class
                     num_cpus=self.config.num_cpus_per_actor,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 ).remote(name, make_preprocessor, decode_delay_s)

@@ -175,7 +175,8 @@ def cut_request(layout: ItemLayout, request: SliceRequest, slices: dict[SliceKey
         lo, hi = max(request.t_start, chunk_start), min(stop, chunk_stop)
         rows = slices[SliceKey(request.prompt, request.item_index, chunk)]["pixel_values"]
         pieces.append(rows[(lo - chunk_start) * per_group : (hi - chunk_start) * per_group])
-    return {"pixel_values": owned_rows(pieces), "grid_thw": (stop - request.t_start, layout.grid_thw[1], layout.grid_thw[2])}
+    return {"pixel_values": owned_rows(pieces),
+            "grid_thw": (stop - request.t_start, layout.grid_thw[1], layout.grid_thw[2])}
 
 
 def owned_rows(pieces: Sequence[Any]) -> torch.Tensor:

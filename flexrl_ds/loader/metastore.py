@@ -87,7 +87,7 @@ def make_layout(item_index: int, kind: str, grid_thw: tuple[int, int, int], grou
     """Layout of one item; images are a single slice whatever `groups_per_chunk` says."""
     grid = tuple(int(v) for v in grid_thw)
     per_chunk = grid[0] if kind == "image" else groups_per_chunk
-    return ItemLayout(item_index, kind, grid, tuple(chunk_ranges(grid[0], per_chunk)))
+    return ItemLayout(item_index, kind, grid, tuple(chunk_ranges(grid[0], per_chunk)))  # type: ignore[arg-type]
 
 
 @dataclass

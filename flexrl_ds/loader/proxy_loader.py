@@ -14,7 +14,8 @@ to records that probed fine but failed to decode: the step handed out is final.
 (the Materializer counts the bytes it pulls across nodes). Decode tasks go to actors near where
 the pixels will be used (`routing.route_near`; what is knowable at dispatch time is discussed
 there): `destinations(key)` when the caller knows its dealing rule, else the nodes that have
-asked for pixels so far (`consumer_node` of each `assignment`), weighted by the rows they asked for. `repair(prompt, generation)` re-routes the prompts of a dead actor to live ones
+asked for pixels so far (`consumer_node` of each `assignment`), weighted by the rows they asked
+for. `repair(prompt, generation)` re-routes the prompts of a dead actor to live ones
 (idempotent: concurrent repairs of one failure re-route once) and is what Materializers call; in a
 multi-process job workers reach it through `loader_service.LoaderService` / `RemoteRepair`.
 
@@ -363,7 +364,8 @@ class ProxyLoader:
         return PromptSource(key, entry.layouts, entry.generation, task_ref=entry.task_ref,
                             owner_node=self._actor_nodes.get(entry.owner, ""))
 
-    def assignment(self, step: LoaderStep, requests: Sequence[SliceRequest], consumer_node: str = "") -> WorkerAssignment:
+    def assignment(self, step: LoaderStep, requests: Sequence[SliceRequest],
+                   consumer_node: str = "") -> WorkerAssignment:
         """A worker's share of `step`: its requests plus a reference per prompt (no pixels).
         `consumer_node`: the worker's Ray node id (learned as a destination of later decodes)."""
         with self._lock:

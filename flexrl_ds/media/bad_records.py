@@ -237,7 +237,8 @@ def select_steps(entries: Sequence[Entry], policy: str, global_batch: int | None
     global_batch = global_batch or len(entries)
     order = EpochOrder(len(entries), seed=seed, shuffle=shuffle)
     chooser = BadRecordPolicy(policy, order, lambda rows: [entries[row] for row in rows])
-    steps, report = [], StepReport()
+    steps: list[Any] = []
+    report = StepReport()
     while order.num_unused >= global_batch:
         _, samples, step_report = chooser.compose(len(steps), global_batch)
         steps.append(samples)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flexrl_ds.common.typed import from_dict
 from flexrl_ds.media.processor_files import processor_settings
@@ -30,6 +30,10 @@ TRANSPARENCY_MODES = ("auto", "white", "drop")
 """`image_io.load_image_rgb` transparency handling (kept equal to ("auto",) + image_io.TRANSPARENCY_POLICIES)."""
 BAD_RECORD_POLICIES = ("skip", "replace", "error")
 """The one list of bad-record policies (semantics: `flexrl_ds/media/bad_records.py`)."""
+
+
+_Media = TypeVar("_Media", bound="MediaConfig")
+"""A MediaConfig or a class deriving from it (`DataConfig`): what `with_processor_dir` returns."""
 
 
 @dataclass
@@ -131,7 +135,7 @@ class MediaConfig:
         """Validated construction from the JSON `flexrl.data` object."""
         return from_dict(cls, raw, where=where)
 
-    def with_processor_dir(self, model_dir: str | Path) -> MediaConfig:
+    def with_processor_dir(self: _Media, model_dir: str | Path) -> _Media:
         """This config with the pixel settings of a saved HF processor (processor_config.json,
         preprocessor_config.json, video_preprocessor_config.json, found as transformers 5.x finds
         them): sizes, patch/merge/temporal patch, mean/std, rescale factor, normalisation, frame

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from flexrl_ds.media.bad_records import BadRecordCounts, BadRecordPolicy, StepReport, is_bad, select_steps
 from flexrl_ds.media.preprocess import SamplePreprocessor
@@ -84,10 +85,10 @@ def apply_policy(entries: list[SampleMeta | BadRecord], policy: str, global_batc
                  seed: int = 0, shuffle: bool = False) -> ProbedDataset:
     """Compose the steps of one epoch from probed entries (dataset order) under `policy`."""
     steps, report, chooser = select_steps(entries, policy, global_batch, seed, shuffle)
-    bad = [entry for entry in entries if is_bad(entry)]
+    bad: list[Any] = [entry for entry in entries if is_bad(entry)]
     if policy == "error" and bad:  # a bad row outside every window (the epoch's remainder)
         raise ValueError(f"record {bad[0].id!r}: {bad[0].reason} (flexrl.data.bad_record_policy is 'error')")
-    good = [entry for entry in entries if not is_bad(entry)]
+    good: list[Any] = [entry for entry in entries if not is_bad(entry)]
     return ProbedDataset(steps=steps, bad=bad, policy=policy, replacements=dict(report.replacements),
                          good=good, chooser=chooser, report=report)
 

@@ -151,7 +151,8 @@ def patchify(frames_NCHW: torch.Tensor, patch_size: int, merge_size: int, tempor
     return blocks.reshape(num_groups * grid_h * grid_w, channels * temporal_patch_size * patch_size * patch_size)
 
 
-def unpatchify(rows: torch.Tensor, grid_thw, patch_size: int, merge_size: int, temporal_patch_size: int) -> torch.Tensor:
+def unpatchify(rows: torch.Tensor, grid_thw, patch_size: int, merge_size: int,
+               temporal_patch_size: int) -> torch.Tensor:
     """`patchify` undone: rows (t*h*w, 3*T*p*p) of grid (t, h, w) -> frames (t*T, 3, h*p, w*p)."""
     t, h, w = (int(v) for v in grid_thw)
     p, m, T = patch_size, merge_size, temporal_patch_size

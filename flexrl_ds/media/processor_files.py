@@ -143,7 +143,8 @@ def _common_fields(settings: ProcessorSettings) -> dict[str, Any]:
     settings.require("do_resize", True, "every image and frame is resized to a multiple of patch_size * merge_size")
     settings.require("resample", BICUBIC, "bicubic resize")
     settings.require("do_convert_rgb", True, "images are always converted to RGB")
-    fields = {name: _positive_int(settings, name) for name in ("patch_size", "merge_size", "temporal_patch_size")}
+    fields: dict[str, Any] = {name: _positive_int(settings, name)
+                              for name in ("patch_size", "merge_size", "temporal_patch_size")}
     for name in ("image_mean", "image_std"):
         fields[name] = _channel_values(settings, name)
     fields["rescale_factor"] = _positive_number(settings, "rescale_factor") if _boolean(settings, "do_rescale") else 1.0

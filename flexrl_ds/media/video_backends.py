@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -139,7 +139,7 @@ def _first_line(error: Exception) -> str:
     return text[:200]
 
 
-VIDEO_BACKENDS: dict[str, type] = {backend.name: backend for backend in (TorchcodecBackend, OpenCVBackend)}
+VIDEO_BACKENDS: dict[str, Any] = {backend.name: backend for backend in (TorchcodecBackend, OpenCVBackend)}
 """The video backends by name, in the order `auto` tries them. A backend class has a `name`, an
 `install_hint` and `__init__(num_threads)`, raising ImportError (or torchcodec's RuntimeError) where
 its decoder's libraries are missing. A new backend is one class above and one entry here (the names

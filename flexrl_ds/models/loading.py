@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import transformers
 
 
-def model_class(config) -> type:
+def model_class(config) -> Any:
     """AutoModelForImageTextToText for VLMs (a config with a vision_config), AutoModelForCausalLM else."""
     if getattr(config, "vision_config", None) is not None:
         return transformers.AutoModelForImageTextToText

@@ -190,7 +190,8 @@ class UpdateInputs:
 def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig,
                denoms: Denominators) -> TrainStepResult:
     """Per micro-batch: forward (with the tokens' entropy: in the loss when entropy_coef > 0, else
-    only logged, computed without a graph), GRPO loss over the mini-batch's denominators, `engine.backward`; the gradients add
+    only logged, computed without a graph), GRPO loss over the mini-batch's denominators,
+    `engine.backward`; the gradients add
     up (DeepSpeed's accumulation boundary is set on the last micro-batch only), then one
     `engine.step()`. The statistics are the micro-batches' sums.
 

@@ -136,7 +136,8 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
                    response_key: str = "response") -> dict[str, EncodedSample]:
     """EncodedSample per good record of a dataset file (file order); bad records are reported and skipped.
 
-    Records need the text to score under `response_key` ("response", "answer", or any other field). Media go through the ShadowLoader's
+    Records need the text to score under `response_key` ("response", "answer", or any other field).
+    Media go through the ShadowLoader's
     `SamplePreprocessor` with the geometry of the model's saved processor.
     """
     encoder = SampleEncoder(model_dir)
@@ -159,7 +160,7 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
             if isinstance(meta, BadRecord):
                 record = meta
             else:
-                items = [VisionItem(item.kind, tensors[index].pixel_values.float(), tuple(item.grid_thw),
+                items = [VisionItem(item.kind, tensors[index].pixel_values.float(), tuple(item.grid_thw),  # type: ignore[arg-type]
                                     item.second_per_grid_t or 1.0) for index, item in enumerate(meta.items)]
         if isinstance(record, BadRecord):
             print(f"skipped record {record.id!r}: {record.reason}", file=log or sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ def write_scoring_dataset(folder: str | Path, num_records: int = 6, seed: int = 
     records = []
     for index in range(num_records):
         kind = ("image", "video", "mixed", "text")[index % 4] if with_video else ("image", "text")[index % 2]
-        record = {"id": f"r{index}", "images": [], "videos": [], "response": _text(rng, 3, 12)}
+        record: dict[str, Any] = {"id": f"r{index}", "images": [], "videos": [], "response": _text(rng, 3, 12)}
         prompt = []
         if kind in ("image", "mixed"):
             for image_index in range(1 if kind == "image" else 2):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -113,7 +113,7 @@ def save_hf_export(module: torch.nn.Module, out_dir: str | Path, model_dir: str 
     if rank != 0:
         join_weight_gathers(module, bucket_bytes)
         return
-    state = {}
+    state: dict[str, Any] = {}
     for bucket in iter_weight_buckets(module, bucket_bytes):
         state.update(bucket)
     out = Path(out_dir)

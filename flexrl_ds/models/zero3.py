@@ -186,7 +186,8 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     """A DeepSpeed ZeRO-3 engine around `FlexUlyssesLM(hf_model)`, configured by `ds_config` as written.
 
     torch.distributed (and deepspeed.comm) must be initialised. `attention` / `vision_group` /
-    `logits_chunk` / `temperature` / `vision_attention`: see `FlexUlyssesLM`. `train=False`: the reference model's inference engine.
+    `logits_chunk` / `temperature` / `vision_attention`: see `FlexUlyssesLM`. `train=False`: the
+    reference model's inference engine.
     `activation_checkpointing`: every decoder and vision layer is recomputed in backward
     (transformers' non-reentrant gradient checkpointing: ZeRO-3 gathers the layer's parameters
     again, and its FlexUlysses all-to-alls run again, in the same order on every rank).

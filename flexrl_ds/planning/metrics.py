@@ -206,7 +206,7 @@ def with_step_time(metrics: PlanMetrics, plan: Plan, workload, cost, overlap: bo
         return metrics
     tokens = {s.id: s.tokens for s in workload.sequences}
     step = plan_step_time(plan, tokens, cost.step, cost.num_heads, cost.num_kv_heads, cost.shapes.head_dim, overlap)
-    return replace(metrics, **step.summary())
+    return replace(metrics, **step.summary())  # type: ignore[arg-type]
 
 
 def plan_metrics(plan: Plan, tokens_by_id: Mapping[str, int], c: float, num_heads: int | None = None,

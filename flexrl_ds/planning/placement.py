@@ -22,6 +22,7 @@ raising the busiest block's cost. `split_block` (split.py) does (2) by recursive
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import numpy as np
 
@@ -149,7 +150,7 @@ def _improve(blocks: np.ndarray, values: np.ndarray, dim: int, ceilings: np.ndar
             return
         givers = _sample(np.nonzero(blocks == top)[0])
         give = values[:, givers]
-        best = (peak * (1 - SLACK), None)
+        best: tuple[Any, Any] = (peak * (1 - SLACK), None)
         # Moves: one giver to another block.
         new = sums[:, None, :] + give[:, :, None]
         ok = np.all(new[guard] <= ceilings[guard, None, None], axis=0)

@@ -39,7 +39,8 @@ class Workload:
     def to_json(self) -> dict[str, Any]:
         return {
             "sequences": [
-                {"id": s.id, "tokens": s.tokens, "vision_tokens": s.vision_tokens, "images": s.images, "frames": s.frames}
+                {"id": s.id, "tokens": s.tokens, "vision_tokens": s.vision_tokens, "images": s.images,
+                 "frames": s.frames}
                 for s in self.sequences
             ]
         }
@@ -230,9 +231,9 @@ def _validate_rank_order(plan: Plan) -> None:
         for pack_id in plan.rank_order.get(rank, ()):
             pack = packs[pack_id]
             per_group.setdefault((pack.degree, pack.ranks[0]), []).append(pack_id)
-        for key, order in per_group.items():
-            if reference.setdefault(key, order) != order:
+        for key, group_order in per_group.items():
+            if reference.setdefault(key, group_order) != group_order:
                 raise ValueError(
                     f"plan: packs of degree {key[0]} on ranks starting at {key[1]} run in different "
-                    f"orders on different ranks ({reference[key]} vs {order} on rank {rank})"
+                    f"orders on different ranks ({reference[key]} vs {group_order} on rank {rank})"
                 )

@@ -42,13 +42,15 @@ Head rule (`PlannerOptions.head_rule`): Ulysses scatters query heads over the gr
 (default) allows every power-of-two degree ≤ min(p_max, num_heads) (every rank needs a query head;
 the plan's `degree_cap` says which limit bound); when d does not divide num_heads the executor
 uses an uneven-heads all-to-all (some ranks get one more head: planning/heads.py). "divisible"
-only allows degrees that divide num_heads (Qwen2.5-VL-7B: 28 heads → at most 4). KV heads fewer than d are replicated so each
+only allows degrees that divide num_heads (Qwen2.5-VL-7B: 28 heads → at most 4). KV heads fewer
+than d are replicated so each
 rank holds the KV heads its query heads use; KV heads more than d are scattered like query heads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -201,7 +203,7 @@ def nested_layout(tokens: np.ndarray, c: float, allowed: tuple[int, ...], world_
     values, overheads, attention_room = terms
     if not attention_room:
         options = replace(options, attention_goal=float("inf"))
-    shares = {d: head_shares(*(heads or (None, None)), d) for d in allowed}
+    shares = {d: head_shares(*(heads or (None, None)), d) for d in allowed}  # type: ignore[call-arg]
     items = Items(values, tokens < options.min_shard_tokens, np.ones(len(tokens), dtype=np.int64),
                   np.zeros(len(tokens), dtype=np.int64), shares=shares, overhead=overheads)
     # Blocks are balanced on what a block's busiest rank does at fixed SP under the true head split
@@ -338,8 +340,10 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
     metrics = compute_metrics(tokens, degrees, starts, world_size=world_size, p_max=allowed[-1],
                               c=cost.c, num_packs=len(plan.packs), num_heads=cost.num_heads,
                               num_kv_heads=cost.num_kv_heads)
-    metrics = replace(metrics, **step.summary()) if step is not None else \
-        with_step_time(metrics, plan, planned, cost, sp.overlap)
+    if step is not None:
+        metrics = replace(metrics, **step.summary())  # type: ignore[arg-type]
+    else:
+        metrics = with_step_time(metrics, plan, planned, cost, sp.overlap)
     plan = replace(plan, extra=_plan_extra(metrics, world_size, cost, sp, options, allowed, limits, dropped, truncated))
     return PlanResult(plan, planned, metrics, dropped, truncated, limits)
 
@@ -411,8 +415,8 @@ def fixed_sp_time_floor(tokens: np.ndarray, degree: int, world_size: int, cost: 
     num_groups = world_size // degree
     if groups is None:
         packs = int(long.sum()) + int(np.ceil(float(tokens[~long].sum()) / limits.H_pack))
-        calls = min(packs, num_groups) if degree == 1 else packs
-        return cost.step.num_layers * (share * float(attention.sum()) / num_groups + c * calls / num_groups
+        few_calls = min(packs, num_groups) if degree == 1 else packs
+        return cost.step.num_layers * (share * float(attention.sum()) / num_groups + c * few_calls / num_groups
                                        + s * float(tokens.sum()) / world_size)
     sums = [np.bincount(groups, weights=w, minlength=num_groups) for w in (attention, tokens, long * 1.0,
                                                                             np.where(long, 0.0, tokens))]
@@ -428,7 +432,10 @@ def layout_step_time(tokens: list[int], degrees: np.ndarray, starts: np.ndarray,
     """`plan_step_time(build_plan(...))` of a layout (same packs, same HSF order, same figures:
     token sums are integers, exact in float64) from the packs' token sums alone. `packed`: the
     layout's `packed_groups`, if already computed."""
-    members, pack_of, degree, first = [], [], [], []
+    members: list[Any] = []
+    pack_of: list[Any] = []
+    degree: list[Any] = []
+    first: list[Any] = []
     for group_degree, start, pack_members in packed or packed_groups(degrees, starts, tokens, limits):
         pack_of += [len(degree)] * len(pack_members)
         members += pack_members

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -190,7 +191,7 @@ def _bisect(items: Items, rest: list[int], left_room, right_room):
         else:
             right.append(i)
             rc, ra, rt = rc + c, ra + a, rt + t
-    loads = [[lc, la, lt], [rc, ra, rt]]
+    loads: Any = [[lc, la, lt], [rc, ra, rt]]
     if _excess(loads, scale)[0] > 0 and len(rest) > 1:
         repair = _repair_small if len(rest) <= SMALL_REPAIR else _repair
         left, right, loads = repair(items, left, right, loads, scale)

@@ -150,7 +150,7 @@ def _as_score(value: object) -> float | str:
     if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
         return f"returned {value!r} ({type(value).__name__}), not a number"
     try:
-        score = float(value)
+        score = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError) as error:
         return f"returned {value!r}, not a number ({error})"
     return score if math.isfinite(score) else f"returned {score}, not a finite number"
@@ -160,7 +160,7 @@ def _validated(result: object, ids: list[str]) -> tuple[list[float], dict[str, s
     """Scores of one call's result for samples `ids`, and the errors of those that are bad."""
     unordered_or_text = isinstance(result, (str, bytes, dict, set, frozenset))
     try:
-        values = None if unordered_or_text else list(result)
+        values = None if unordered_or_text else list(result)  # type: ignore[call-overload]
     except TypeError:
         values = None
     if values is None:

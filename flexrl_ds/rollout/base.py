@@ -9,14 +9,19 @@ depend on the batch's shape, so a token drawn near a boundary of its distributio
 rollout/sampling.py; vLLM with `seeding` "off" draws from its own stream.)
 
 `engine_class(backend)` resolves `ROLLOUT_BACKENDS[backend]` lazily: asking for "hf" never imports
-vLLM, and the vllm backend is only imported where it is asked for.
+vLLM, and the vllm backend is only imported where it is asked for. Each backend's options
+(`options_class(backend)`, a `BackendOptions`, in a light module of its own that imports no engine)
+own what differs between backends: sleep level, the engine's keyword options, checks against the run
+and its records, whether it needs GPUs. `RolloutConfig` reaches them through this registry, so
+nothing outside a backend's own modules asks which backend runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Literal, NamedTuple, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -26,11 +31,65 @@ if TYPE_CHECKING:
 
 MAX_SEED = 2**63 - 1
 
+
+class RolloutBackend(NamedTuple):
+    """Where a backend's two classes live, as "module:Class" (imported on demand)."""
+
+    engine: str
+    """Its engine (a `RolloutEngine`)."""
+    options: str
+    """Its options (a `BackendOptions` dataclass): a light module, imported with the run config."""
+
+
 ROLLOUT_BACKENDS = {
-    "hf": "flexrl_ds.rollout.hf_engine:HFRolloutEngine",
-    "vllm": "flexrl_ds.rollout.vllm_engine:VLLMEngine",
+    "hf": RolloutBackend("flexrl_ds.rollout.hf_engine:HFRolloutEngine", "flexrl_ds.rollout.hf_options:HFOptions"),
+    "vllm": RolloutBackend("flexrl_ds.rollout.vllm_engine:VLLMEngine", "flexrl_ds.rollout.vllm_options:VLLMOptions"),
 }
-"""Backend name (`flexrl.rollout.backend`) -> "module:class" of its engine, imported on demand."""
+"""Backend name (`flexrl.rollout.backend`) -> its engine and options classes. Adding a backend is one
+line here, its engine module and its options module (docs/ARCHITECTURE.md)."""
+
+SLEEP_LEVELS = (1, 2)
+"""Every backend's `sleep_level` values: 1 keeps the engine's weights in host memory while it
+sleeps, 2 frees them (the next weight sync writes every one)."""
+
+
+def check_sleep_level(backend: str, level: int) -> None:
+    """Refuse a sleep level other than SLEEP_LEVELS, naming the key `flexrl.rollout.<backend>.sleep_level`."""
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"flexrl.rollout.{backend}.sleep_level: 1 or 2, got {level}")
+
+
+class BackendOptions:
+    """What a backend's options (section `flexrl.rollout.<backend>`, a dataclass deriving from this)
+    decide for a run. The defaults suit a backend with nothing special; override what differs."""
+
+    needs_gpu: ClassVar[bool] = False
+    """Whether the backend's engines run only on GPUs (a CPU machine refuses it before any worker starts)."""
+    sleep_level: int
+    """While the policy trains (colocated engines): 1 keeps the engine's weights in host memory, 2
+    frees them (SLEEP_LEVELS). A dataclass field of every backend's options, checked by `check_sleep_level`."""
+
+    def engine_options(self, rollout: RolloutConfig, skip_weights: bool) -> dict[str, Any]:
+        """Keyword arguments of the engine beyond the common ones. `skip_weights`: the engine frees its
+        weights as soon as it starts (`RolloutConfig.engines_drop_weights_at_start`), so it need not
+        read the model directory's."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def starts_with_random_weights(self) -> bool:
+        """Whether an engine starts with weights other than the model directory's, whatever the sleep level."""
+        return False
+
+    def logprob_diff_caveat(self, rollout: RolloutConfig) -> str | None:
+        """Why the engines' log-probs differ from the trainer's even with the right weights, or None."""
+        return None
+
+    def check_placement(self, rollout: RolloutConfig, colocated: bool) -> None:
+        """Refuse (ValueError naming the key) engines these options cannot run where the run puts them."""
+
+    def resolved_for(self, records: Sequence[Any]) -> BackendOptions:
+        """These options with what they derive from the run's records filled in (self if nothing),
+        or a ValueError naming a record they cannot serve."""
+        return self
 
 
 @dataclass(frozen=True)
@@ -146,11 +205,23 @@ class RolloutEngine(Protocol):
         ...
 
 
-def engine_class(backend: str) -> type:
-    """The engine class of a backend name, imported only now (vLLM is never imported for "hf")."""
+def check_backend(backend: str) -> None:
+    """Refuse a backend name that is not registered, naming the key."""
     if backend not in ROLLOUT_BACKENDS:
         raise ValueError(f"flexrl.rollout.backend: {backend!r} is not one of {', '.join(ROLLOUT_BACKENDS)}")
-    module_name, class_name = ROLLOUT_BACKENDS[backend].split(":")
+
+
+def options_class(backend: str) -> type[BackendOptions]:
+    """The options class of a backend name (its module imports no engine)."""
+    check_backend(backend)
+    module_name, class_name = ROLLOUT_BACKENDS[backend].options.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def engine_class(backend: str) -> type:
+    """The engine class of a backend name, imported only now (vLLM is never imported for "hf")."""
+    check_backend(backend)
+    module_name, class_name = ROLLOUT_BACKENDS[backend].engine.split(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:

@@ -4,7 +4,8 @@ or static (`HFOptions.kv_cache`).
 Requests that share one prompt (identical `prompt_ids` and items: the n GRPO samples of a prompt) form
 a group of rows that needs no padding; groups (by prompt length) are packed whole into `generate` calls
 of at most `max_batch_sequences` rows, shorter prompts left-padded (`pad_prompts=False`: one call per
-group). The tests check that a padded batch gives the same tokens as prompts run alone. `generate` runs greedily with `SeededSampler` as its logits processor: the sampler
+group). The tests check that a padded batch gives the same tokens as prompts run alone. `generate`
+runs greedily with `SeededSampler` as its logits processor: the sampler
 draws each row's token from that row's seeded stream (temperature, top-k, top-p) and forces it, so a
 sample's response depends only on its prompt, the weights, the sampling settings and its seed.
 
@@ -29,7 +30,7 @@ from flexrl_ds.models.processing import EncodedSample, VisionItem
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel.device import detect
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
-from flexrl_ds.rollout.config import HFOptions
+from flexrl_ds.rollout.hf_options import HFOptions
 from flexrl_ds.rollout.sampling import SeededSampler
 
 

@@ -15,7 +15,8 @@ Requests become vLLM token prompts with the ShadowLoader's pixels (`vllm_inputs.
 is checked: vLLM's own vision expansion must give the trainer's prompt token for token, i.e. as many
 vision tokens per item as the trainer's grids (a grid of the same size in another shape, or other
 video timing, would pass this check; the GPU tests compare vLLM's grids and positions, and
-`rollout_logprob_diff` would show it in a run). Seeding (`VLLMOptions.seeding`): "sample" gives each request its sample's seed,
+`rollout_logprob_diff` would show it in a run). Seeding (`VLLMOptions.seeding`): "sample" gives
+each request its sample's seed,
 so its response depends on that seed, not on the batch; "off" leaves the seeds to vLLM (0.26's
 model runner draws them from numpy's global generator). Log-probs are taken at the engine's
 `logprob_temperature` (the run's sampling temperature: vllm_inputs.py `logprobs_mode`); the
@@ -36,10 +37,11 @@ import vllm
 
 from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
-from flexrl_ds.rollout.config import SEEDING_MODES
+from flexrl_ds.rollout.vllm_options import SEEDING_MODES
 from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt, check_expanded_prompt,
                                            check_request_temperature, logprobs_mode, sampling_kwargs, to_result)
 from flexrl_ds.rollout.vllm_workers import EXTENSION as WORKER_EXTENSION
+from flexrl_ds.rollout.vllm_workers import WeightReceiverExtension
 from flexrl_ds.runtime.weight_channel import ChannelAddress
 
 
@@ -83,7 +85,8 @@ class VLLMEngine:
                 worker_extension_cls=WORKER_EXTENSION)
         config = self.llm.llm_engine.model_config.hf_config
         self.is_vision_language = getattr(config, "vision_config", None) is not None
-        self.tokens = VisionTokens(int(getattr(config, "image_token_id", -1)), int(getattr(config, "video_token_id", -1)))
+        self.tokens = VisionTokens(int(getattr(config, "image_token_id", -1)),
+                                   int(getattr(config, "video_token_id", -1)))
         self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)),
                                                         pin_frame_cap=_processor_knows_frame_cap())
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -149,7 +152,8 @@ class VLLMEngine:
     def join_weight_channel(self, address: ChannelAddress, first_rank: int) -> None:
         """Separate engines: every worker joins policy rank 0's channel as receiver first_rank + its
         rank (rollout/vllm_workers.py); blocks until the whole channel has joined."""
-        joined = self.llm.collective_rpc("flexrl_join_weight_channel", args=(asdict(address), first_rank))
+        join = WeightReceiverExtension.flexrl_join_weight_channel.__name__
+        joined = self.llm.collective_rpc(join, args=(asdict(address), first_rank))
         expected = list(range(first_rank, first_rank + self.tensor_parallel_size))
         if sorted(joined) != expected:
             raise RuntimeError(f"vLLM engine: its workers joined the weight channel as ranks {sorted(joined)}, not "
@@ -159,7 +163,7 @@ class VLLMEngine:
         """Separate engines: one sync's buckets, loaded by the workers as they arrive; returns the
         tensors loaded (per worker: each loads every tensor and keeps its shard)."""
         self._wake_weights()
-        counts = self.llm.collective_rpc("flexrl_receive_weights")
+        counts = self.llm.collective_rpc(WeightReceiverExtension.flexrl_receive_weights.__name__)
         if len(set(counts)) != 1:
             raise RuntimeError(f"vLLM engine: its workers loaded different numbers of tensors in one sync: {counts}")
         return int(counts[0])

@@ -143,7 +143,8 @@ def sampling_kwargs(params: SamplingParams, seed: int | None) -> dict[str, Any]:
     Only `params.eos_token_ids` stop a response (ignore_eos: not the tokenizer's own EOS); the sampled
     token's log-probability is returned with each token (of which distribution: `logprobs_mode`)."""
     kwargs: dict[str, Any] = {
-        "n": 1, "seed": None if seed is None else int(seed), "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+        "n": 1, "seed": None if seed is None else int(seed), "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
         "top_p": params.top_p, "top_k": params.top_k, "ignore_eos": True,
         "stop_token_ids": list(params.eos_token_ids), "logprobs": 0, "skip_special_tokens": False,
         "detokenize": False,

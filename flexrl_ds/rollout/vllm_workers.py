@@ -33,5 +33,5 @@ class WeightReceiverExtension:
 
     def flexrl_receive_weights(self) -> int:
         """Load one sync's buckets as they arrive; returns the tensors loaded."""
-        model = self.get_model()  # type: ignore[attr-defined]  (vLLM's Worker)
+        model = self.get_model()  # type: ignore[attr-defined]  # vLLM's Worker has it
         return self.flexrl_channel.load_each(lambda bucket: model.load_weights(iter(bucket)))

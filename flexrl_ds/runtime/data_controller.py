@@ -145,7 +145,8 @@ class DataController:
         self.num_samples_per_prompt = data_config.loader.num_samples_per_prompt
         name = f"flexrl-loader-{uuid.uuid4().hex[:12]}"
         namespace = ray.get_runtime_context().namespace
-        self.service = LoaderService.options(name=name, namespace=namespace, max_concurrency=8).remote(
+        self.service = LoaderService.options(  # type: ignore[attr-defined]  # a Ray actor class
+            name=name, namespace=namespace, max_concurrency=8).remote(
             list(records), functools.partial(SamplePreprocessor, data_config), data_config)
         ray.get(self.service.wait_ready.remote(), timeout=timeout_s)
         self.pixels = PixelSource(name, namespace, data_config.bad_record_policy, timeout_s)

@@ -11,7 +11,7 @@ An exception raised by the worker's own code is not a lost worker and passes unc
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from flexrl_ds.runtime.host_memory import ray_kill_share
 

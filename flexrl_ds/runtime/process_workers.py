@@ -7,8 +7,9 @@ with `factory(WorkerPlace(rank, ...), **kwargs)` — the rendezvous store hosted
 `local_rank` = rank. `flexrl logprobs --loader local` runs its ranks on it.
 
 Construction returns at once: the ranks build their workers (join the process group, load the
-model) while the caller prepares the first call. `run(method, *args)` / `run_each(method,
-per_rank)` then call the method on every rank and return the results in rank order. A worker
+model) while the caller prepares the first call. `run(Worker.method, *args)` / `run_each(Worker.method,
+per_rank)` then call the method (given as itself, not its name: `remote_name`) on every rank and
+return the results in rank order. A worker
 that fails (in its constructor or in a call), a rank process that dies, or no answer within
 `timeout_s` fails the call with a RuntimeError naming the rank (with its traceback); the group is
 then stopped (its other ranks may be waiting in a collective) and refuses further calls.
@@ -22,7 +23,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from flexrl_ds.runtime.worker_group import WorkerPlace, open_store
+from flexrl_ds.runtime.worker_group import WorkerPlace, open_store, remote_name
 
 _CONSTRUCT = -1
 """Call id of a rank's report about building its worker (only failures are reported)."""
@@ -53,13 +54,15 @@ class ProcessWorkerGroup:
         if num_ranks < 1:
             raise ValueError(f"{name}: a worker group needs at least one rank, got {num_ranks}")
         self.name, self.num_ranks, self.timeout_s = name, num_ranks, timeout_s
+        self.worker_class = factory if isinstance(factory, type) else None
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(list(preload))
         self._store = open_store("127.0.0.1", num_ranks, timeout_s)  # the ranks' rendezvous, while they live
         port = self._store.port
         self._calls = [context.Queue() for _ in range(num_ranks)]
         self._results = context.Queue()
-        self._next_call, self._broken = 0, None
+        self._next_call = 0
+        self._broken: str | None = None
         places = [WorkerPlace(rank, num_ranks, "127.0.0.1", port, local_rank=rank) for rank in range(num_ranks)]
         self._procs = [context.Process(target=_serve, args=(place, factory, kwargs or {}, calls, self._results),
                                        daemon=True, name=f"{name}-{place.rank}")
@@ -67,23 +70,24 @@ class ProcessWorkerGroup:
         for proc in self._procs:
             proc.start()
 
-    def run(self, method: str, *args, **kwargs) -> list:
+    def run(self, method: Callable[..., Any], *args, **kwargs) -> list:
         """`method(*args, **kwargs)` on every rank (the same arguments); results in rank order."""
         return self._call(method, [(args, kwargs)] * self.num_ranks)
 
-    def run_each(self, method: str, per_rank: Sequence[tuple]) -> list:
+    def run_each(self, method: Callable[..., Any], per_rank: Sequence[tuple]) -> list:
         """`method(*per_rank[r])` on rank r; results in rank order."""
         assert len(per_rank) == self.num_ranks, (len(per_rank), self.num_ranks)
         return self._call(method, [(tuple(args), {}) for args in per_rank])
 
-    def _call(self, method: str, per_rank: list[tuple[tuple, dict]]) -> list:
+    def _call(self, method: Callable[..., Any], per_rank: list[tuple[tuple, dict]]) -> list:
+        name = remote_name(self.worker_class, method)
         if self._broken is not None:
             raise RuntimeError(f"{self.name}: the group is stopped ({self._broken})")
         call_id, self._next_call = self._next_call, self._next_call + 1
         for calls, (args, kwargs) in zip(self._calls, per_rank):
-            calls.put((call_id, method, args, kwargs))
+            calls.put((call_id, name, args, kwargs))
         try:
-            return self._collect(call_id, method)
+            return self._collect(call_id, name)
         except RuntimeError as error:
             self._broken = str(error).splitlines()[0]
             self.shutdown(grace_s=1.0)

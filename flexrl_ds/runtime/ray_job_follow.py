@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from dataclasses import dataclass
 from typing import TextIO
 
 from ray.job_submission import JobStatus, JobSubmissionClient
+
+logger = logging.getLogger(__package__)
 
 
 @dataclass
@@ -64,8 +67,8 @@ async def follow_job(client, job_id: str, out: TextIO = sys.stdout,
     if len(stored) > printed.chars:
         printed.write(stored[printed.chars:])
     if printed.stream_error:
-        print(f"[ray_job_follow] the log stream of {job_id} failed ({printed.stream_error}); "
-              "the rest of the log was read from the job's stored log", file=sys.stderr)
+        logger.warning(f"[ray_job_follow] the log stream of {job_id} failed ({printed.stream_error}); "
+                       "the rest of the log was read from the job's stored log")
     return status.value
 
 
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job_id", help="the submission id")
     args = parser.parse_args(argv)
     status = asyncio.run(follow_job(JobSubmissionClient(args.address), args.job_id))
-    print(f"[train_ray_job] job {args.job_id}: {status}")
+    logger.info(f"[train_ray_job] job {args.job_id}: {status}")
     return 0 if status == "SUCCEEDED" else 1
 
 

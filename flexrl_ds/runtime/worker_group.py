@@ -17,12 +17,15 @@ its bind.
 
 Both give `run(method, *args, **kwargs) -> [result of rank 0, ..., rank N-1]` with the same
 arguments on every rank (collective methods, e.g. a ZeRO-3 forward), and `run_each(method,
-per_rank_args)` with one argument tuple per rank.
+per_rank_args)` with one argument tuple per rank. `method` is the worker class's method itself
+(`group.run(PolicyWorker.logprobs, job)`), never its name: the group sends its `__name__` and
+refuses a method of another class (`remote_name`).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -30,6 +33,8 @@ import torch.distributed as dist
 
 from flexrl_ds.common import notes
 from flexrl_ds.runtime.lost_workers import ray_get_explained
+
+logger = logging.getLogger(__package__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,19 @@ class WorkerPlace:
     """Rank on this node (selects the GPU)."""
     node_id: str = ""
     """Ray node id (hex) the worker runs on ("" outside Ray): where its pixels should be decoded."""
+
+
+def remote_name(worker_class: type | None, method: Callable[..., Any]) -> str:
+    """The name a group sends to its ranks for `method`, a method of the worker class
+    (`PolicyWorker.logprobs`); a TypeError for a name given as a string or a method of another class.
+    `worker_class` None (a group built by a factory function): any function is taken."""
+    if isinstance(method, str) or not hasattr(method, "__name__"):
+        raise TypeError(f"worker group: pass the worker's method itself (e.g. Worker.{method}), not {method!r}")
+    name = method.__name__
+    if worker_class is not None and getattr(worker_class, name, None) != method:
+        raise TypeError(f"worker group: {getattr(method, '__qualname__', name)} is not a method of the group's "
+                        f"worker class {worker_class.__name__}")
+    return name
 
 
 def open_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
@@ -130,13 +148,14 @@ def answered(refs: list, timeout_s: float) -> list:
 
 
 def print_said_lines(said: Sequence[Sequence[str]]) -> None:
-    """Print each actor's lines, in actor order; a line several actors said, once."""
+    """Log each actor's lines at INFO (they were kept at the actors' level, FLEXRL_LOG_LEVEL as here),
+    in actor order; a line several actors said, once."""
     printed: set[str] = set()
     for lines in said:
         for line in lines:
             if line not in printed:
                 printed.add(line)
-                print(line, flush=True)
+                logger.info(line)
 
 
 class _Host(notes.NoteKeeper):
@@ -184,6 +203,7 @@ class RayWorkerGroup:
         if num_ranks < 1:
             raise ValueError(f"{name}: a worker group needs at least one rank, got {num_ranks}")
         self.name, self.num_ranks, self.timeout_s, self.memory_hint = name, num_ranks, timeout_s, memory_hint
+        self.worker_class = factory if isinstance(factory, type) else None
         bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
         self.placement = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK")
         ray.get(self.placement.ready(), timeout=timeout_s)
@@ -223,32 +243,34 @@ class RayWorkerGroup:
             raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
                                "(a hang or a crash on some rank)") from None
 
-    def _start(self, host_method: str, method: str, calls: Sequence[tuple[tuple, dict]]) -> list:
-        """`_Host.<host_method>(method, args, kwargs)` on each rank with its (args, kwargs)."""
-        return [getattr(actor, host_method).remote(method, args, kwargs)
+    def _start(self, host_method: str, method: Callable[..., Any], calls: Sequence[tuple[tuple, dict]]) -> list:
+        """`_Host.<host_method>(method's name, args, kwargs)` on each rank with its (args, kwargs)."""
+        name = remote_name(self.worker_class, method)
+        return [getattr(actor, host_method).remote(name, args, kwargs)
                 for actor, (args, kwargs) in zip(self.actors, calls)]
 
     def _each(self, per_rank: Sequence[tuple]) -> list[tuple[tuple, dict]]:
         assert len(per_rank) == self.num_ranks, (len(per_rank), self.num_ranks)
         return [(tuple(args), {}) for args in per_rank]
 
-    def run_async(self, method: str, *args, **kwargs) -> list:
+    def run_async(self, method: Callable[..., Any], *args, **kwargs) -> list:
         """Start `method(*args, **kwargs)` on every rank; the Ray references, in rank order. The
         caller waits for them, and prints what the ranks said (`print_worker_notes`)."""
         return self._start("call", method, [(args, kwargs)] * self.num_ranks)
 
-    def run(self, method: str, *args, **kwargs) -> list:
+    def run(self, method: Callable[..., Any], *args, **kwargs) -> list:
         """`method(*args, **kwargs)` on every rank (the same arguments); results in rank order."""
-        return self._get(self._start("call_and_take_notes", method, [(args, kwargs)] * self.num_ranks), method)
+        calls = [(args, kwargs)] * self.num_ranks
+        return self._get(self._start("call_and_take_notes", method, calls), method.__name__)
 
-    def run_each_async(self, method: str, per_rank: Sequence[tuple]) -> list:
+    def run_each_async(self, method: Callable[..., Any], per_rank: Sequence[tuple]) -> list:
         """Start `method(*per_rank[r])` on rank r; the Ray references, in rank order (calls from one
         caller run on each rank in the order they were started)."""
         return self._start("call", method, self._each(per_rank))
 
-    def run_each(self, method: str, per_rank: Sequence[tuple]) -> list:
+    def run_each(self, method: Callable[..., Any], per_rank: Sequence[tuple]) -> list:
         """`method(*per_rank[r])` on rank r; results in rank order."""
-        return self._get(self._start("call_and_take_notes", method, self._each(per_rank)), method)
+        return self._get(self._start("call_and_take_notes", method, self._each(per_rank)), method.__name__)
 
     def shutdown(self) -> None:
         import ray
@@ -289,13 +311,15 @@ class SPMDWorkerGroup:
         dist.gather_object(result, gathered, dst=0, group=self.group)
         return gathered
 
-    def run(self, method: str, *args, **kwargs) -> list:
+    def run(self, method: Callable[..., Any], *args, **kwargs) -> list:
         assert self.rank == 0, "only rank 0 drives an SPMD group"
-        return self._execute(self._broadcast((method, [args] * self.num_ranks, kwargs)))
+        name = remote_name(type(self.worker), method)
+        return self._execute(self._broadcast((name, [args] * self.num_ranks, kwargs)))
 
-    def run_each(self, method: str, per_rank: Sequence[tuple]) -> list:
+    def run_each(self, method: Callable[..., Any], per_rank: Sequence[tuple]) -> list:
         assert self.rank == 0 and len(per_rank) == self.num_ranks
-        return self._execute(self._broadcast((method, [tuple(a) for a in per_rank], {})))
+        name = remote_name(type(self.worker), method)
+        return self._execute(self._broadcast((name, [tuple(a) for a in per_rank], {})))
 
     def serve(self) -> None:
         """Ranks other than 0: execute rank 0's calls until it shuts the group down."""

@@ -57,7 +57,7 @@ def fixed_sp_plan(seq_lengths: Mapping[str, int], world_size: int, degree: int,
             seq_ids = seq_ids + [pad_id]
         ranks = tuple(range(group * degree, (group + 1) * degree))
         packs.append(Pack(id=group, degree=degree, ranks=ranks, sequences=tuple(seq_ids)))
-    rank_order = {r: (r // degree,) for r in range(world_size)}
+    rank_order: dict[int, tuple[int, ...]] = {r: (r // degree,) for r in range(world_size)}
     plan = Plan(world_size=world_size, p_max=degree, packs=tuple(packs), rank_order=rank_order)
     return plan, lengths
 

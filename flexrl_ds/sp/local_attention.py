@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ def torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling: float | None, ca
     varlen_attn = _torch_varlen_fn()
     cu = _bounds_tensor(cu_seqlens, q.device)
     params = _torch_varlen_params()
-    kwargs = {"scale": scaling}
+    kwargs: dict[str, Any] = {"scale": scaling}
     kwargs.update({"is_causal": causal} if "is_causal" in params else {"window_size": (-1, 0 if causal else -1)})
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:

@@ -28,8 +28,8 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import logging
 import pickle
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +49,8 @@ from flexrl_ds.runtime.process_workers import ProcessWorkerGroup
 from flexrl_ds.runtime.worker_group import RayWorkerGroup
 from flexrl_ds.tools import logprob_worker, shadow_step
 from flexrl_ds.tools.logprob_worker import PRELOAD, LogprobWorker, RankSetup
+
+logger = logging.getLogger(__package__)
 
 # Ray is imported only by the shadow loader's functions: `--loader local` (and `auto` where Ray is
 # not importable) runs without it.
@@ -131,7 +133,7 @@ def sp_settings(run_config: str | None, p_max: int) -> SPConfig:
         return SPConfig(p_max=p_max)
     sp = load_run_config(run_config).flexrl.sp
     for line in unused_sp_settings(sp, p_max):
-        print(f"flexrl logprobs: {line} ({run_config})", flush=True)
+        logger.info(f"flexrl logprobs: {line} ({run_config})")
     return dataclasses.replace(sp.for_logprob_passes(), p_max=p_max, overlap=True)
 
 
@@ -238,16 +240,16 @@ def _run_shadow(config: LogprobsConfig):
         controller = DataController(records, data_config, config.timeout_s)
         stack.callback(controller.close)
         num_actors = pool.num_actors_per_node * num_alive_nodes()
-        print(f"Ray {'started' if started_ray else 'joined'} in {joined - started:.1f} s; {num_actors} "
-              f"preprocessing actors ready in {time.perf_counter() - joined:.1f} s", flush=True)
+        logger.info(f"Ray {'started' if started_ray else 'joined'} in {joined - started:.1f} s; {num_actors} "
+                    f"preprocessing actors ready in {time.perf_counter() - joined:.1f} s")
         ranks, step = _start_ranks_while_loading(config, controller, encoder, stack)
         results, usage = _plan_and_run(config, step.samples, ranks, pixels=controller.pixels,
                                        step=step.step.step, prompt_keys=step.prompt_keys)
         stats = controller.stats()
         usage.num_rerouted = int(stats["num_rerouted"])
         if usage.num_rerouted:
-            print(f"preprocessing actors died after the step was decoded: the ranks' fetches re-routed "
-                  f"{usage.num_rerouted} prompts to live actors through the loader service", file=sys.stderr)
+            logger.warning(f"preprocessing actors died after the step was decoded: the ranks' fetches re-routed "
+                           f"{usage.num_rerouted} prompts to live actors through the loader service")
         usage.controller_bytes += int(stats["bytes_through_controller"])
         return step.samples, results, usage, num_actors
 
@@ -268,8 +270,8 @@ def _start_ranks_while_loading(config: LogprobsConfig, controller, encoder, stac
     stack.callback(stop_ranks)
     loading = time.perf_counter()
     step = shadow_step.load_step(controller, encoder, config.response_key, config.data_path)
-    print(f"probed and decoded {len(step.samples)} records on the actors in "
-          f"{time.perf_counter() - loading:.1f} s; pixels stay in their object stores", flush=True)
+    logger.info(f"probed and decoded {len(step.samples)} records on the actors in "
+                f"{time.perf_counter() - loading:.1f} s; pixels stay in their object stores")
     return starting.result(), step
 
 
@@ -343,9 +345,8 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], ranks,
                                 sp_settings(config.run_config, config.resolved_p_max))
     if config.plan_out:
         plan.save(config.plan_out)
-    print(f"planned {len(samples)} sequences ({sum(s.length for s in samples.values())} tokens) on "
-          f"{config.num_procs} ranks: degrees {sorted({p.degree for p in plan.packs})}, {len(plan.packs)} packs",
-          flush=True)
+    logger.info(f"planned {len(samples)} sequences ({sum(s.length for s in samples.values())} tokens) on "
+                f"{config.num_procs} ranks: degrees {sorted({p.degree for p in plan.packs})}, {len(plan.packs)} packs")
     job = logprob_worker.LogprobJob(model_dir=config.model_dir, dtype=config.dtype, plan_json=plan.to_json(),
                                     samples=samples, timeout_s=config.timeout_s, **pixels)
     usage = DataUsage(controller_pixel_bytes=pixel_bytes_in(samples))
@@ -354,7 +355,7 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], ranks,
         per_rank = [(logprob_worker.rank_logprobs(job, rank=0, group_tree=None, stats=stats), stats)]
         usage.controller_bytes = len(pickle.dumps(samples))
     else:
-        per_rank = ranks.run("logprobs", job)
+        per_rank = ranks.run(LogprobWorker.logprobs, job)
         usage.num_rank_jobs = config.num_procs
         usage.controller_bytes = len(pickle.dumps(job)) * config.num_procs
     usage.rank_pixel_bytes = int(sum(stats.get("pixel_bytes", 0) for _, stats in per_rank))

@@ -20,7 +20,7 @@ the ranks need:
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,8 @@ from flexrl_ds.media.processor_files import has_processor_files
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.media.types import BadRecord
 from flexrl_ds.models.processing import SampleEncoder, VisionItem, _field, missing_response_hint, no_text_to_score
+
+logger = logging.getLogger(__package__)
 
 
 @dataclass
@@ -110,7 +112,7 @@ def load_step(controller: Any, encoder: Any, response_key: str, data_path: str) 
     step = controller.next_step()
     bad_records = list(step.report.get("bad_records", []))
     for bad in bad_records:
-        print(f"skipped record {bad['id']!r}: {bad['reason']}", file=sys.stderr)
+        logger.warning(f"skipped record {bad['id']!r}: {bad['reason']}")
     if not step.prompts:
         hint = missing_response_hint([bad["reason"] for bad in bad_records], response_key)
         raise ValueError(f"{data_path}: no usable records{hint}")

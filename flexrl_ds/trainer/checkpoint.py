@@ -4,7 +4,8 @@
 under ZeRO-3 each rank's model-states file carries that rank's torch / numpy / Python RNG states in
 its client state, `rng_<rank>`) and `trainer_state.json`: the
 step it ends, the loader position (steps drawn) and the run config it was written with. The driver
-draws no random numbers: every sampling seed derives from (seed, step, slot, k). `latest_checkpoint(out)` finds the newest complete one
+draws no random numbers: every sampling seed derives from (seed, step, slot, k).
+`latest_checkpoint(out)` finds the newest complete one
 (a checkpoint is complete once its trainer_state.json exists: it is written last).
 """
 

@@ -88,7 +88,8 @@ class TrainerConfig:
         if self.num_cpus_per_rank <= 0 or self.num_gpus_per_rank < 0:
             raise ValueError("flexrl.trainer.num_cpus_per_rank must be > 0 and num_gpus_per_rank >= 0")
         if self.weight_sync_bucket_mb < 1:
-            raise ValueError(f"flexrl.trainer.weight_sync_bucket_mb: must be at least 1, got {self.weight_sync_bucket_mb}")
+            raise ValueError("flexrl.trainer.weight_sync_bucket_mb: must be at least 1, got "
+                             f"{self.weight_sync_bucket_mb}")
         if self.profile_step is not None and self.profile_step < 0:
             raise ValueError(f"flexrl.trainer.profile_step: must be >= 0, got {self.profile_step}")
         if self.vision_attention not in VISION_ATTENTION:

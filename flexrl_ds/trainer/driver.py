@@ -1,7 +1,8 @@
 """The GRPO driver: one step = data → rollout → reward → plan → log-probs → advantages → update → sync.
 
 `GRPOTrainer(run, options, policy, rollout, controller)` runs the GRPO step loop
-(docs/ARCHITECTURE.md "One GRPO step, end to end") with the groups it is given (trainer/launch.py builds them: Ray actors under `flexrl train`, the launcher's
+(docs/ARCHITECTURE.md "One GRPO step, end to end") with the groups it is given (trainer/launch.py
+builds them: Ray actors under `flexrl train`, the launcher's
 processes under `deepspeed --hostfile`). Per step it moves token ids, lengths, rewards and plans —
 never pixels: the rollout hosts and the policy ranks pull their own from the preprocessing actors.
 
@@ -29,10 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,11 +49,24 @@ from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
 from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
 from flexrl_ds.trainer.metrics import StepLog
-from flexrl_ds.trainer.policy_worker import PassJob
+from flexrl_ds.trainer.policy_worker import PassJob, PolicyWorker
 from flexrl_ds.trainer.rollout_host import PromptJob
+if TYPE_CHECKING:
+    from flexrl_ds.models.flops import DecoderShape, VisionShape
+    from flexrl_ds.models.processing import SampleEncoder
+    from flexrl_ds.planning.config import SPConfig
+    from flexrl_ds.planning.cost_model import CostModel
+    from flexrl_ds.rl.config import GRPOConfig
+    from flexrl_ds.rl.reward_fn import RewardFn
+    from flexrl_ds.rollout.base import SamplingParams
+    from flexrl_ds.runtime.data_controller import DataController
+    from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup
+    from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
 from flexrl_ds.trainer.samples import (LogprobGaps, StepSamples, encode_prompts, logprob_gaps, media_of,
                                        parse_sample_name, sample_seed, sequence_token_limit, split_domains,
                                        split_mini_batches, too_long_prompts)
+
+logger = logging.getLogger(__package__)
 
 
 @dataclass
@@ -65,20 +80,20 @@ class TrainOptions:
     save_every: int
     save_last: bool
     save_rollouts: bool
-    sampling: Any
+    sampling: SamplingParams
     """`rollout.base.SamplingParams`."""
-    rl: Any
+    rl: GRPOConfig
     """`GRPOConfig`."""
-    sp: Any
+    sp: SPConfig
     """`SPConfig`."""
-    cost: Any
+    cost: CostModel
     """`planning.cost_model.CostModel` of the trained model."""
     num_ranks: int
     bucket_bytes: int
     run_config: dict
-    decoder: Any = None
+    decoder: DecoderShape | None = None
     """`models.flops.DecoderShape` of the trained model (for `mfu`)."""
-    vision: Any = None
+    vision: VisionShape | None = None
     """`models.flops.VisionShape` of its vision tower (for `mfu`); None for a text model."""
     peak_flops: float | None = None
     """The policy ranks' GPU's bf16 dense peak FLOP/s; None (no `mfu`) on CPU or an unknown GPU."""
@@ -93,8 +108,8 @@ class TrainOptions:
 class GRPOTrainer:
     """The loop of the module docstring over given groups."""
 
-    def __init__(self, options: TrainOptions, encoder: Any, reward_fn: Any, controller: Any, policy: Any,
-                 rollout: Any, log: StepLog):
+    def __init__(self, options: TrainOptions, encoder: SampleEncoder, reward_fn: RewardFn, controller: DataController,
+                 policy: RayWorkerGroup | SPMDWorkerGroup, rollout: ColocatedRollout | SeparateRollout, log: StepLog):
         self.o, self.encoder, self.reward_fn = options, encoder, reward_fn
         self.controller, self.policy, self.rollout, self.log = controller, policy, rollout, log
         self.paths = RunPaths(options.out_dir)
@@ -102,8 +117,8 @@ class GRPOTrainer:
     def run(self) -> list[dict[str, Any]]:
         profiled = self.o.profile_step
         if profiled is not None and not self.o.start_step <= profiled < self.o.max_steps:
-            print(f"profile: flexrl.trainer.profile_step {profiled} is not one of this run's steps "
-                  f"{self.o.start_step}..{self.o.max_steps - 1}: nothing is profiled", flush=True)
+            logger.info(f"profile: flexrl.trainer.profile_step {profiled} is not one of this run's steps "
+                        f"{self.o.start_step}..{self.o.max_steps - 1}: nothing is profiled")
         rows = []
         for step in range(self.o.start_step, self.o.max_steps):
             rows.append(self.train_step(step))
@@ -126,15 +141,15 @@ class GRPOTrainer:
         reward_info = self._timed(times, "reward", self._reward, samples)
         profiling = step == self.o.profile_step
         if profiling:
-            self.policy.run("start_profile")
+            self.policy.run(PolicyWorker.start_profile)
         inference = self._phase(times, peaks, "inference", self._inference, step, samples)
         update = self._phase(times, peaks, "update", self._update, step, samples, inference)
         times["sync"] = self._phase({}, peaks, "sync", self.rollout.sync, self.policy, self.o.bucket_bytes)
         if profiling:
-            written = self.policy.run("stop_profile", str(self.paths.out_dir / "profile"), step)
-            print(f"profile: step {step}: log-prob, update and sync phases of each policy rank in {written[0]} "
-                  f"... ({len(written)} ranks; .json.gz beside each: the trace for ui.perfetto.dev)", flush=True)
-        self.policy.run("release_pixels")
+            written = self.policy.run(PolicyWorker.stop_profile, str(self.paths.out_dir / "profile"), step)
+            logger.info(f"profile: step {step}: log-prob, update and sync phases of each policy rank in {written[0]} "
+                        f"... ({len(written)} ranks; .json.gz beside each: the trace for ui.perfetto.dev)")
+        self.policy.run(PolicyWorker.release_pixels)
         self.controller.release(step)
         times["step"] = time.perf_counter() - started
         gaps = logprob_gaps(samples, inference["old"])
@@ -155,13 +170,13 @@ class GRPOTrainer:
 
     def _phase(self, times: dict[str, float], peaks: dict[str, dict[str, float]], name: str, function, *args):
         """`_timed`, and the phase's peak memory (the largest over the policy ranks) into peaks[name]."""
-        self.policy.run("reset_peaks")
+        self.policy.run(PolicyWorker.reset_peaks)
         result = self._timed(times, name, function, *args)
-        peaks[name] = _max_peaks(self.policy.run("peaks"))
+        peaks[name] = _max_peaks(self.policy.run(PolicyWorker.peaks))
         if peaks[name]["alloc_retries"]:
-            print(f"memory: {name}: torch's device allocator found no free cached block "
-                  f"{peaks[name]['alloc_retries']:.0f} time(s) and freed its whole cache to retry (each a "
-                  "synchronising pause; the phase's memory is near the device's limit)", flush=True)
+            logger.info(f"memory: {name}: torch's device allocator found no free cached block "
+                        f"{peaks[name]['alloc_retries']:.0f} time(s) and freed its whole cache to retry (each a "
+                        "synchronising pause; the phase's memory is near the device's limit)")
         warn_host_memory(name, peaks[name], self.o.memory_hint)
         return result
 
@@ -175,8 +190,8 @@ class GRPOTrainer:
         why = limit.explained(self.o.sp.max_tokens_per_rank)
         for prompt in prompts:
             if prompt.name in reasons:
-                print(f"data: step {step}: prompt {prompt.name!r} (record {prompt.record.id!r}) not rolled out: "
-                      f"{reasons[prompt.name]} ({why})", flush=True)
+                logger.info(f"data: step {step}: prompt {prompt.name!r} (record {prompt.record.id!r}) not rolled out: "
+                            f"{reasons[prompt.name]} ({why})")
         kept = [prompt for prompt in prompts if prompt.name not in reasons]
         if not kept:
             raise RunInputError(f"step {step}: every prompt is too long ({len(prompts)} prompts, e.g. "
@@ -197,7 +212,7 @@ class GRPOTrainer:
         info.update(rollout_time_s=output.times_s, rollout_pixel_mb=output.pixel_bytes / 2**20,
                     rollout_engine_peak_gb=output.engine_peak_bytes / 2**30)
         for name, reason in withdrawn.items():
-            print(f"data: step {step}: prompt {name!r} withdrawn after hand-out, not trained on: {reason}", flush=True)
+            logger.info(f"data: step {step}: prompt {name!r} withdrawn after hand-out, not trained on: {reason}")
         kept = [p for p in prompts if p.name not in withdrawn]
         samples = StepSamples(kept, {r.sample_key: list(r.response_ids) for r in results},
                               {r.sample_key: list(r.logprobs) for r in results},
@@ -212,7 +227,7 @@ class GRPOTrainer:
         records = [record_fields(prompts[n].record) for n in names]
         scored = score_batch(self.reward_fn, texts, records, names)
         for message in scored.messages():
-            print(f"reward: {message}", flush=True)
+            logger.info(f"reward: {message}")
         if scored.all_failed():
             first = scored.raised_by or next(iter(scored.errors))
             where = f" (raised at {scored.raised_at})" if scored.raised_at else ""
@@ -228,7 +243,7 @@ class GRPOTrainer:
         return {"texts": dict(zip(names, texts)), "num_reward_errors": len(scored.errors),
                 "zero_variance_groups": float((grouped.amax(1) == grouped.amin(1)).double().mean())}
 
-    def _plan(self, step: int, samples: StepSamples, names: list[str], what: str, sp: Any):
+    def _plan(self, step: int, samples: StepSamples, names: list[str], what: str, sp: SPConfig):
         """The pass's micro-batches (one unless the pass overflows `sp.max_tokens_per_rank`:
         planning/micro_batches.py), each one `PlanResult` per SP domain over its share of `names`;
         and every name's EncodedSample. `what` names the pass in the line said when it is cut."""
@@ -242,16 +257,16 @@ class GRPOTrainer:
             largest = max(sum(encoded[n].length for n in share) for share in shares)
             setting = "max_tokens_per_rank" if sp.max_tokens_per_rank == self.o.sp.max_tokens_per_rank else \
                 "logprob_max_tokens_per_rank"
-            print(f"plan: step {step}: {what}: {len(names)} samples do not plan in one pass under flexrl.sp.{setting} "
-                  f"{sp.max_tokens_per_rank} x {domain_size} ranks (the largest SP domain's share holds {largest} "
-                  f"tokens): run as {len(micro_batches)} micro-batches", flush=True)
+            logger.info(f"plan: step {step}: {what}: {len(names)} samples do not plan in one pass under "
+                        f"flexrl.sp.{setting} {sp.max_tokens_per_rank} x {domain_size} ranks (the largest SP "
+                        f"domain's share holds {largest} tokens): run as {len(micro_batches)} micro-batches")
         for domain, share in enumerate(shares):
             idle = [str(index) for index, results in enumerate(micro_batches) if not results[domain].plan.packs]
             if idle:
                 cause = (f"it has {len(share)} samples for {len(micro_batches)} micro-batches" if share
                          else "no sample of the pass fell to it")
-                print(f"plan: step {step}: {what}: SP domain {domain} idles in micro-batch(es) {', '.join(idle)} "
-                      f"(numbered from 0, as the plan files; {cause})", flush=True)
+                logger.info(f"plan: step {step}: {what}: SP domain {domain} idles in micro-batch(es) {', '.join(idle)} "
+                            f"(numbered from 0, as the plan files; {cause})")
         return micro_batches, encoded
 
     def _save_plans(self, micro_batches, step: int, suffix: str = "") -> None:
@@ -279,15 +294,15 @@ class GRPOTrainer:
         """One log-prob pass on the ranks, timed into times[name]: its log-probs by sample, and the
         slowest rank's seconds by part ("batches", "forward"; both the one rank's: a rank that built
         its batches sooner waits longer in the forward's collectives)."""
-        per_rank = self._timed(times, name, self.policy.run, "logprobs", job)
+        per_rank = self._timed(times, name, self.policy.run, PolicyWorker.logprobs, job)
         _, slowest = max(per_rank, key=lambda result: sum(result[1].values()))
         return assemble(job.samples, [pieces for pieces, _ in per_rank]), dict(slowest)
 
     def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
         asked = self.o.rl.mini_batches_per_step
         if len(samples.prompts) < asked:  # prompts set aside or withdrawn: one mini-batch per prompt left
-            print(f"data: step {step}: {len(samples.prompts)} prompts left of the step's, so as many mini-batches "
-                  f"instead of flexrl.rl.mini_batches_per_step = {asked}", flush=True)
+            logger.info(f"data: step {step}: {len(samples.prompts)} prompts left of the step's, so as many "
+                        f"mini-batches instead of flexrl.rl.mini_batches_per_step = {asked}")
         batches = split_mini_batches(samples.prompts, samples.names, min(asked, len(samples.prompts)))
         per_batch = []
         same_cap = self.o.sp.for_logprob_passes().max_tokens_per_rank == self.o.sp.max_tokens_per_rank
@@ -295,8 +310,8 @@ class GRPOTrainer:
             if len(batches) == 1 and same_cap:  # the whole step, as the log-prob pass planned it
                 micro_batches, encoded = inference["micro_batches"], inference["encoded"]
                 if len(micro_batches) > 1:
-                    print(f"plan: step {step}: update: the log-prob pass's {len(micro_batches)} micro-batches, "
-                          f"their gradients {self._accumulation()}", flush=True)
+                    logger.info(f"plan: step {step}: update: the log-prob pass's {len(micro_batches)} micro-batches, "
+                                f"their gradients {self._accumulation()}")
             else:
                 micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index} (gradients "
                                                     f"{self._accumulation()})", self.o.sp)
@@ -305,7 +320,7 @@ class GRPOTrainer:
                           old_logprobs={n: inference["old"][n] for n in names},
                           ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},
                           advantages={n: samples.advantages[n] for n in names})
-            stats = self.policy.run("train", job)[0]  # all-reduced: the same on every rank
+            stats = self.policy.run(PolicyWorker.train, job)[0]  # all-reduced: the same on every rank
             per_batch.append({**stats, "micro_batches": len(micro_batches)})
         return per_batch
 
@@ -390,10 +405,10 @@ class GRPOTrainer:
         """checkpoints/step_N (DeepSpeed on every rank, then the trainer state) and hf/step_N."""
         directory = self.paths.checkpoint(step)
         directory.mkdir(parents=True, exist_ok=True)
-        self.policy.run("save_checkpoint", str(directory), {"step": step})
-        self.policy.run("export_hf", str(self.paths.hf_export(step)))
+        self.policy.run(PolicyWorker.save_checkpoint, str(directory), {"step": step})
+        self.policy.run(PolicyWorker.export_hf, str(self.paths.hf_export(step)))
         write_trainer_state(directory, step, step + 1, self.o.run_config)
-        print(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}", flush=True)
+        logger.info(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}")
 
 
 def _plans_json(micro_batches) -> list[list[dict]]:
@@ -415,8 +430,8 @@ def report_bad_records(step: int, report: dict[str, Any], trained_on: int) -> in
     its fate, media/bad_records.py FATE_*); raise when no prompt of the step is left. Returns their number."""
     bad = report.get("bad_records", [])
     for record in bad:
-        print(f"data: step {step}: bad record {record['id']!r} ({record['stage']}): {record['reason']}; "
-              f"{record['fate']}", flush=True)
+        logger.info(f"data: step {step}: bad record {record['id']!r} ({record['stage']}): {record['reason']}; "
+                    f"{record['fate']}")
     if not trained_on:
         reasons = "; ".join(f"{r['id']!r}: {r['reason']}" for r in bad[:5]) + (" ..." if len(bad) > 5 else "")
         raise RunInputError(f"step {step}: every record drawn for it was bad ({reasons}); "
@@ -438,9 +453,10 @@ def warn_host_memory(phase: str, peaks: dict[str, float], memory_hint: str = "")
     `launch.policy_memory_hint`)."""
     share = peaks.get("peak_host_used_share", 0.0)
     if share > host_memory.warn_share():
-        print(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, {share:.0%} of a "
-              f"policy rank's node; Ray's memory monitor kills workers above {host_memory.ray_kill_share():.0%}."
-              + (f" {memory_hint}" if memory_hint else ""), flush=True)
+        logger.info(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, "
+                    f"{share:.0%} of a policy rank's node; Ray's memory monitor kills workers above "
+                    f"{host_memory.ray_kill_share():.0%}."
+                    + (f" {memory_hint}" if memory_hint else ""))
 
 
 INFERENCE_PARTS = ("plan", "old", "reference", "batches", "forward")

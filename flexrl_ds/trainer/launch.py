@@ -12,12 +12,12 @@ Everything that can be checked is checked before any worker starts (trainer/vali
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch.distributed as dist
@@ -40,8 +40,14 @@ from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
+if TYPE_CHECKING:
+    from flexrl_ds.loader.config import DataConfig
+    from flexrl_ds.rl.reward_fn import RewardFn
+    from flexrl_ds.runtime.data_controller import PixelSource
 from flexrl_ds.trainer.validation import (check_run, gradient_accumulation_dtype, ignored_settings, model_dtype,
                                          resolve_media_limits)
+
+logger = logging.getLogger(__package__)
 
 
 @dataclass
@@ -62,11 +68,12 @@ class Prepared:
     """A run's inputs, checked, before any worker starts."""
 
     run: Any
+    """The run config (`config.flexrl_config.RunConfig`; config/ imports trainer/, so not named here)."""
     args: TrainArgs
-    data_config: Any
+    data_config: DataConfig
     records: list
     encoder: SampleEncoder
-    reward_fn: Any
+    reward_fn: RewardFn
     num_ranks: int
     max_steps: int
     checkpoint: Path | None = None
@@ -84,7 +91,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     trainer = run.flexrl.trainer
     num_ranks = num_ranks or trainer.num_policy_ranks
     for note in ignored_settings(run.flexrl, spmd_world=num_ranks if args.spmd else None):
-        print(note, flush=True)  # first: the checks below judge the run by what replaced them
+        logger.info(note)  # first: the checks below judge the run by what replaced them
     check_run(run, args.model_dir, num_ranks)
     ray_address()  # a job server's URL in RAY_ADDRESS is refused here, before anything starts
     check_out_dir(Path(args.out_dir), args.resume)
@@ -97,7 +104,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     notes = replaced_by_processor(run.flexrl.data, data_config, args.model_dir)
     for note in notes + [run.flexrl.rollout.logprob_diff_caveat() or ""]:
         if note:
-            print(note, flush=True)
+            logger.info(note)
     encoder = SampleEncoder(args.model_dir)
     reward_fn = load_reward_fn(run.flexrl.rl.reward_fn, base_dir=str(Path(args.config_path).resolve().parent))
     max_steps = args.max_steps if args.max_steps is not None else trainer.max_steps
@@ -111,7 +118,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
                     VisionShape.from_config(vision_config) if vision_config is not None else None)
 
 
-def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> PolicySetup:
+def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool) -> PolicySetup:
     return PolicySetup(
         model_dir=model_dir, ds_config=run.deepspeed, p_max=run.flexrl.sp.p_max, overlap=run.flexrl.sp.overlap,
         domain_size=run.flexrl.sp.domain_size,
@@ -143,7 +150,8 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         sampling=SamplingParams.from_config(run.flexrl.rollout, eos_ids, vision_token_ids(prepared.args.model_dir)),
         rl=run.flexrl.rl, sp=run.flexrl.sp,
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
-        run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision, peak_flops=peak_bf16_flops(device_name),
+        run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision,
+        peak_flops=peak_bf16_flops(device_name),
         profile_step=trainer.profile_step, grad_accum_dtype=gradient_accumulation_dtype(run.deepspeed),
         memory_hint=policy_memory_hint(run))
 
@@ -161,16 +169,14 @@ def resume_point(args: TrainArgs) -> tuple[Path | None, int]:
         return None, 0
     checkpoint = latest_checkpoint(Path(args.out_dir))
     if checkpoint is None:
-        print(f"--resume: no checkpoint under {args.out_dir}/checkpoints; starting from the first step",
-              flush=True)
+        logger.info(f"--resume: no checkpoint under {args.out_dir}/checkpoints; starting from the first step")
         return None, 0
     state = read_trainer_state(checkpoint)
-    print(f"--resume: continuing after step {state['step'] + 1} (files: step_{state['step']}) from {checkpoint}",
-          flush=True)
+    logger.info(f"--resume: continuing after step {state['step'] + 1} (files: step_{state['step']}) from {checkpoint}")
     if isinstance(state.get("run_config"), dict):
         note = resume_config_note(state["run_config"], read_json(args.config_path, "config file"))
         if note:
-            print(note, flush=True)
+            logger.info(note)
     return checkpoint, state["step"] + 1
 
 
@@ -179,45 +185,47 @@ def nothing_to_do(prepared: Prepared) -> bool:
     start = prepared.start_step
     if start < prepared.max_steps:
         return False
-    print(f"nothing to do: the checkpoint is after step {start}/{prepared.max_steps} (files: step_{start - 1}); "
-          "raise --max-steps to train on", flush=True)
+    logger.info(f"nothing to do: the checkpoint is after step {start}/{prepared.max_steps} (files: step_{start - 1}); "
+                "raise --max-steps to train on")
     return True
 
 
-def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: Any, raw_config: dict) -> int:
+def drive(prepared: Prepared, controller: DataController, policy: RayWorkerGroup | SPMDWorkerGroup,
+          rollout: ColocatedRollout | SeparateRollout, raw_config: dict) -> int:
     """Resume if asked, run the steps, close the log."""
     checkpoint, start = prepared.checkpoint, prepared.start_step
     rollout_config = prepared.run.flexrl.rollout
     if checkpoint is not None:
-        policy.run("load_checkpoint", str(checkpoint))
+        policy.run(PolicyWorker.load_checkpoint, str(checkpoint))
         controller.skip_steps(start)
     colocated = isinstance(rollout, ColocatedRollout)
     if checkpoint is not None or rollout_config.engines_start_without_policy_weights(colocated):
         # the engines must start from the policy's weights: a checkpoint's, or the model's over random,
         # dropped or never loaded ones (colocated at sleep_level 2: RolloutConfig.engine_options)
-        seconds = rollout.sync(policy, prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20)
-        print(f"flexrl train: rollout engines given the policy's weights before step {start + 1} in {seconds:.1f} s",
-              flush=True)
+        bucket_bytes = prepared.run.flexrl.trainer.weight_sync_bucket_mb * 2**20
+        seconds = rollout.sync(policy, bucket_bytes)  # type: ignore[arg-type]  # separate engines: a Ray group
+        logger.info(f"flexrl train: rollout engines given the policy's weights before step {start + 1} in "
+                    f"{seconds:.1f} s")
     trainer_config = prepared.run.flexrl.trainer
     if trainer_config.reference_offload_param:  # what the engines were built with, as the ranks report it
-        on_host = policy.run("reference_params_on_host")
-        print(f"flexrl train: the reference model's parameters wait in host memory (DeepSpeed offload_param) on "
-              f"{sum(on_host)} of {len(on_host)} policy ranks", flush=True)
+        on_host = policy.run(PolicyWorker.reference_params_on_host)
+        logger.info(f"flexrl train: the reference model's parameters wait in host memory (DeepSpeed offload_param) on "
+                    f"{sum(on_host)} of {len(on_host)} policy ranks")
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
                   tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
-    options = train_options(prepared, raw_config, device_name=policy.run("accelerator_name")[0])
+    options = train_options(prepared, raw_config, device_name=policy.run(PolicyWorker.accelerator_name)[0])
     try:
         GRPOTrainer(options, prepared.encoder, prepared.reward_fn, controller, policy, rollout, log).run()
     finally:
         log.close()
-    print(f"flexrl train: done; metrics in {Path(prepared.args.out_dir) / 'metrics.jsonl'}", flush=True)
+    logger.info(f"flexrl train: done; metrics in {Path(prepared.args.out_dir) / 'metrics.jsonl'}")
     return 0
 
 
 def _progress(what: str, since: float) -> float:
     """Say what is ready and how long it took; returns now (the next part's start)."""
     now = time.perf_counter()
-    print(f"flexrl train: {what} in {now - since:.1f} s", flush=True)
+    logger.info(f"flexrl train: {what} in {now - since:.1f} s")
     return now
 
 
@@ -235,15 +243,16 @@ def policy_memory_hint(run: Any) -> str:
     trainer, rollout = run.flexrl.trainer, run.flexrl.rollout
     parts = []
     if offload.get("device") == "cpu":
-        parts.append(f"the offloaded optimizer (zero_optimization.offload_optimizer: ratio {offload.get('ratio', 1.0)}, "
-                     f"pin_memory {str(offload.get('pin_memory', False)).lower()}; a lower ratio keeps less of it there)")
+        parts.append("the offloaded optimizer (zero_optimization.offload_optimizer: ratio "
+                     f"{offload.get('ratio', 1.0)}, pin_memory {str(offload.get('pin_memory', False)).lower()}; "
+                     "a lower ratio keeps less of it there)")
     if params.get("device") == "cpu":
         parts.append("the policy's and the reference's parameters (zero_optimization.offload_param)")
     if trainer.reference_offload_param:
         parts.append("the reference model's parameters (flexrl.trainer.reference_offload_param)")
     if trainer.colocate and trainer.offload_states_in_rollout:
         parts.append("the policy's states while its engine generates (flexrl.trainer.offload_states_in_rollout)")
-    options = rollout.hf if rollout.backend == "hf" else rollout.vllm
+    options = rollout.options
     if trainer.colocate and options.sleep_level == 1:
         parts.append(f"the engine's weights while it sleeps (flexrl.rollout.{rollout.backend}.sleep_level 1)")
     if not parts:
@@ -270,7 +279,8 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
     clock = time.perf_counter()
     started = connect_ray(ray_cpus(run, prepared.num_ranks))
     clock = _progress(f"Ray {'started' if started else 'joined'}", clock)
-    controller = policy = rollout = None
+    controller = policy = None
+    rollout: ColocatedRollout | SeparateRollout | None = None
     try:
         controller = DataController(prepared.records, prepared.data_config, trainer.timeout_s)
         clock = _progress(f"data loader ready over {len(prepared.records)} records", clock)
@@ -297,7 +307,8 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
             ray.shutdown()
 
 
-WORKER_ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG")
+WORKER_ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG",
+                   "FLEXRL_LOG_LEVEL")
 WORKER_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "VLLM_")
 """The driver's settings that policy ranks and rollout engines get as theirs: on a Ray cluster started
 elsewhere they would otherwise run with the cluster's (NCCL's must match at both ends of a group)."""
@@ -317,7 +328,7 @@ def _quietly(function) -> None:
     try:
         function()
     except Exception as error:  # shutdown after a failure: report, keep the original error
-        print(f"flexrl train: shutdown step failed: {error}", file=sys.stderr)
+        logger.warning(f"flexrl train: shutdown step failed: {error}")
 
 
 SPMD_NOTHING_TO_DO = "nothing to do"

@@ -10,11 +10,13 @@ mean, loss, KL, response length, per-phase time and peak memory per step).
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from pathlib import Path
 from typing import Any
 
 from flexrl_ds.runtime.host_memory import ray_kill_share
+
+logger = logging.getLogger(__package__)
 
 PHASES = ("data", "rollout", "reward", "inference", "update", "sync", "step")
 """Keys of `time_s`: where a step's wall time went (`step` is the whole step)."""
@@ -34,7 +36,8 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 def progress_line(metrics: dict[str, Any], max_steps: int) -> str:
     times = metrics["time_s"]
-    return (f"step {metrics['step'] + 1}/{max_steps} | reward {metrics['reward_mean']:.3f} ± {metrics['reward_std']:.3f}"
+    return (f"step {metrics['step'] + 1}/{max_steps} | reward {metrics['reward_mean']:.3f} ± "
+            f"{metrics['reward_std']:.3f}"
             f" | loss {metrics['loss']:+.4f} kl {metrics['kl']:.4f} clip {metrics['clip_frac']:.3f}"
             f" | len {metrics['response_length_mean']:.1f} | {times['step']:.1f} s (data {times.get('data', 0.0):.1f},"
             f" rollout {times['rollout']:.1f},"
@@ -73,7 +76,7 @@ class StepLog:
             self.writer.flush()
         if self.wandb is not None:
             self.wandb.log(scalars, step=metrics["step"])
-        print(progress_line(metrics, max_steps), flush=True)
+        logger.info(progress_line(metrics, max_steps))
 
     def close(self) -> None:
         if self.writer is not None:
@@ -88,7 +91,7 @@ def _tensorboard(directory: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        print("flexrl train: tensorboard is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+        logger.warning("flexrl train: tensorboard is not installed; metrics go to metrics.jsonl only")
         return None
     return SummaryWriter(str(directory))
 
@@ -97,8 +100,7 @@ def _wandb(project: str, run_name: str):
     try:
         import wandb
     except ImportError:
-        print(f"flexrl train: wandb is not installed; flexrl.trainer.wandb_project={project!r} ignored",
-              file=sys.stderr)
+        logger.warning(f"flexrl train: wandb is not installed; flexrl.trainer.wandb_project={project!r} ignored")
         return None
     return wandb.init(project=project, name=run_name)
 

@@ -29,7 +29,7 @@ import random
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import torch
@@ -54,6 +54,11 @@ from flexrl_ds.runtime.worker_group import WorkerPlace, join_process_group, node
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.rollout_host import RolloutHost
 
+if TYPE_CHECKING:
+    from flexrl_ds.rl.config import GRPOConfig
+    from flexrl_ds.rollout.base import SamplingParams
+    from flexrl_ds.runtime.data_controller import PixelSource
+
 
 @dataclass(frozen=True)
 class PolicySetup:
@@ -65,9 +70,9 @@ class PolicySetup:
     """The run config without its `flexrl` section: handed to DeepSpeed as written."""
     p_max: int
     """Largest Ulysses degree (`flexrl.sp.p_max`): the nested groups built."""
-    rl: Any
+    rl: GRPOConfig
     """`GRPOConfig` (flexrl.rl)."""
-    pixels: Any
+    pixels: PixelSource
     """The run's `PixelSource`."""
     dtype: str = "float32"
     """Model dtype (bfloat16 when the DeepSpeed config enables bf16)."""
@@ -360,7 +365,7 @@ class PolicyWorker:
             sent = 0
         return {"sync_s": time.perf_counter() - started, "bytes": float(sent)}
 
-    def generate(self, step: int, jobs: list, params: Any):
+    def generate(self, step: int, jobs: list, params: SamplingParams):
         """Colocated rollout of this rank's share of the step's prompts. On a GPU the policy's states
         leave the device first (`_offload_states`) and torch's cached blocks go back to it: a vLLM
         engine allocates outside torch's cache, so blocks cached for the update would be lost to it.

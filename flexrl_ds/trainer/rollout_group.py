@@ -12,15 +12,24 @@ Both return the step's merged `RolloutOutput` from `generate` and the seconds a 
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import ray
 
 from flexrl_ds.common import notes
 from flexrl_ds.runtime.lost_workers import ray_get_explained
 from flexrl_ds.runtime.worker_group import print_worker_notes
+from flexrl_ds.trainer.policy_worker import PolicyWorker
 from flexrl_ds.trainer.rollout_host import PromptJob, RolloutHost, RolloutOutput, spread_jobs
+
+if TYPE_CHECKING:
+    from flexrl_ds.rollout.base import SamplingParams
+    from flexrl_ds.runtime.data_controller import PixelSource
+    from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup
+
+logger = logging.getLogger(__package__)
 
 
 def merge_outputs(outputs: Sequence[RolloutOutput]) -> RolloutOutput:
@@ -51,16 +60,16 @@ def _wait_all(refs: list, timeout_s: float, what: str, memory_hint: str = "") ->
 class ColocatedRollout:
     """Engines inside the policy ranks."""
 
-    def __init__(self, policy: Any):
+    def __init__(self, policy: RayWorkerGroup | SPMDWorkerGroup):
         self.policy = policy
 
-    def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> RolloutOutput:
+    def generate(self, step: int, jobs: Sequence[PromptJob], params: SamplingParams) -> RolloutOutput:
         shares = spread_jobs(jobs, self.policy.num_ranks)
-        return merge_outputs(self.policy.run_each("generate", [(step, share, params) for share in shares]))
+        return merge_outputs(self.policy.run_each(PolicyWorker.generate, [(step, share, params) for share in shares]))
 
-    def sync(self, policy: Any, bucket_bytes: int) -> float:
+    def sync(self, policy: RayWorkerGroup | SPMDWorkerGroup, bucket_bytes: int) -> float:
         started = time.perf_counter()
-        policy.run("sync_rollout", bucket_bytes)
+        policy.run(PolicyWorker.sync_rollout, bucket_bytes)
         return time.perf_counter() - started
 
     def shutdown(self) -> None:
@@ -86,7 +95,7 @@ class _RolloutActor(notes.NoteKeeper, RolloutHost):
 class SeparateRollout:
     """`num_engines` Ray actors hosting one engine each."""
 
-    def __init__(self, num_engines: int, backend: str, model_dir: str, pixels: Any, dtype: str,
+    def __init__(self, num_engines: int, backend: str, model_dir: str, pixels: PixelSource, dtype: str,
                  num_cpus: float, num_gpus: float, max_batch_sequences: int, timeout_s: float,
                  engine_options: dict[str, Any] | None = None, gpus_per_policy_rank: float = 0.0,
                  env: dict[str, str] | None = None):
@@ -106,7 +115,7 @@ class SeparateRollout:
         self.hosts = [actor.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env).remote(
             backend, model_dir, pixels, dtype, None, max_batch_sequences, engine_options) for _ in range(num_engines)]
 
-    def generate(self, step: int, jobs: Sequence[PromptJob], params: Any) -> RolloutOutput:
+    def generate(self, step: int, jobs: Sequence[PromptJob], params: SamplingParams) -> RolloutOutput:
         shares = spread_jobs(jobs, len(self.hosts))
         refs = [host.generate.remote(step, share, params) for host, share in zip(self.hosts, shares) if share]
         try:
@@ -114,7 +123,7 @@ class SeparateRollout:
         finally:
             print_worker_notes(self.hosts)
 
-    def sync(self, policy: Any, bucket_bytes: int) -> float:
+    def sync(self, policy: RayWorkerGroup, bucket_bytes: int) -> float:
         """Policy rank 0 broadcasts each gathered bucket to every engine over the weight channel
         (set up on the first sync); the engines load them as they arrive."""
         if self.channel_broken is not None:
@@ -129,21 +138,23 @@ class SeparateRollout:
         finally:  # the policy's ranks too: rank 0's channel lines were said in calls no group waited on
             print_worker_notes(self.hosts + list(getattr(policy, "actors", [])))
 
-    def _sync(self, policy: Any, bucket_bytes: int) -> float:
+    def _sync(self, policy: RayWorkerGroup, bucket_bytes: int) -> float:
         started = time.perf_counter()
         hint = getattr(policy, "memory_hint", "")  # its ranks are among those waited on
         if self.transport is None:
             ranks = ray_get_explained([host.channel_ranks.remote() for host in self.hosts],
                                       "rollout engines.channel_ranks", self.timeout_s)
-            address = policy.run("weight_channel_address", sum(ranks), self.timeout_s, self.channel_on_gpu)[0]
+            address = policy.run(PolicyWorker.weight_channel_address, sum(ranks), self.timeout_s,
+                                 self.channel_on_gpu)[0]
             joins = [host.join_weight_channel.remote(address, first)
                      for host, first in zip(self.hosts, channel_first_ranks(ranks))]
-            policy_joins = policy.run_async("join_weight_channel", address)
+            policy_joins = policy.run_async(PolicyWorker.join_weight_channel, address)
             _wait_all(joins + policy_joins, self.timeout_s, "weight channel set-up", hint)
             self.transport = ray_get_explained([policy_joins[0]], "weight channel set-up", memory_hint=hint)[0]
-            print(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers", flush=True)
+            logger.info(f"weight channel: {self.transport}, policy rank 0 to {sum(ranks)} engine receivers")
         loads = [host.receive_weights.remote() for host in self.hosts]
-        _wait_all(loads + policy.run_async("send_weights", bucket_bytes), self.timeout_s, "weight sync", hint)
+        sends = policy.run_async(PolicyWorker.send_weights, bucket_bytes)
+        _wait_all(loads + sends, self.timeout_s, "weight sync", hint)
         return time.perf_counter() - started
 
     def shutdown(self) -> None:

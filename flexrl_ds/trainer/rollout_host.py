@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from flexrl_ds.loader.materializer import SliceRequest
 from flexrl_ds.loader.metastore import PromptKey
@@ -22,6 +22,9 @@ from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams, engine_class
 from flexrl_ds.runtime.data_controller import prompt_name
 from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
+
+if TYPE_CHECKING:
+    from flexrl_ds.runtime.data_controller import PixelSource
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,8 @@ requests and Ray's transfers are in none of them."""
 class RolloutHost:
     """One rollout engine and its pixel pulls."""
 
-    def __init__(self, backend: str, model_dir: str, pixels: Any, dtype: str = "float32", device: Any = None,
-                 max_batch_sequences: int = 64, engine_options: dict[str, Any] | None = None):
+    def __init__(self, backend: str, model_dir: str, pixels: PixelSource | None, dtype: str = "float32",
+                 device: Any = None, max_batch_sequences: int = 64, engine_options: dict[str, Any] | None = None):
         """pixels: the run's `PixelSource` (data_controller.py); engine_options:
         `RolloutConfig.engine_options(colocated=...)` (inside a policy rank or not)."""
         self.engine = engine_class(backend)(model_dir, dtype=dtype, device=device,
@@ -85,7 +88,7 @@ class RolloutHost:
             withdrawn = {prompt_name(key): bad.reason for key, bad in fetched.withdrawn.items()}
             for request, tensors in fetched.delivered():
                 pixels[(request.prompt, request.item_index)] = tensors["pixel_values"].float()
-        rollout_requests = []
+        rollout_requests: list[RolloutRequest] = []
         for job in jobs:
             if prompt_name(job.key) in withdrawn:
                 continue
@@ -93,9 +96,10 @@ class RolloutHost:
             if missing:
                 raise RuntimeError(f"step {step}: prompt {prompt_name(job.key)!r}: items {missing} were neither "
                                    "delivered nor withdrawn by the preprocessing actors")
-            items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt)
+            items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt)  # type: ignore[arg-type]
                      for index, (kind, grid, spgt) in enumerate(job.items)]
-            rollout_requests.extend(RolloutRequest(name, list(job.prompt_ids), items, seed) for name, seed in job.samples)
+            rollout_requests.extend(RolloutRequest(name, list(job.prompt_ids), items, seed)
+                                    for name, seed in job.samples)
         started = time.perf_counter()
         results = self.engine.generate(rollout_requests, params) if rollout_requests else []
         times["generate"] = time.perf_counter() - started

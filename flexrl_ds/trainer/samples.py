@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -25,6 +25,12 @@ from flexrl_ds.loader.metastore import PromptKey, SampleId
 from flexrl_ds.models.processing import EncodedSample, VisionItem
 from flexrl_ds.planning.planner import PlannerOptions, allowed_degrees, degree_cap
 from flexrl_ds.runtime.data_controller import ControllerStep, prompt_name, sample_name
+
+if TYPE_CHECKING:
+    from flexrl_ds.media.types import Record, SampleMeta
+    from flexrl_ds.models.processing import SampleEncoder
+    from flexrl_ds.planning.config import SPConfig
+    from flexrl_ds.planning.cost_model import CostModel
 
 
 @dataclass
@@ -35,7 +41,7 @@ class PromptInputs:
     """(step, slot)."""
     name: str
     """`prompt_name(key)`, e.g. "s3p1"."""
-    record: Any
+    record: Record
     """The dataset `Record`."""
     prompt_ids: list[int]
     """Chat-rendered prompt with expanded vision pads."""
@@ -45,14 +51,14 @@ class PromptInputs:
     """Its n samples' ids, e.g. ["s3p1k0", "s3p1k1"]."""
 
 
-def placeholder_items(meta: Any, share_key: str) -> list[VisionItem]:
+def placeholder_items(meta: SampleMeta, share_key: str) -> list[VisionItem]:
     """VisionItems of a probed sample: shape-only placeholders, shared by the prompt's samples."""
-    return [VisionItem(item.kind, meta.item_placeholder(index), tuple(item.grid_thw), item.second_per_grid_t or 1.0,
-                       share_key=f"{share_key}/{index}")
+    return [VisionItem(item.kind, meta.item_placeholder(index), tuple(item.grid_thw),  # type: ignore[arg-type]
+                       item.second_per_grid_t or 1.0, share_key=f"{share_key}/{index}")
             for index, item in enumerate(meta.items)]
 
 
-def encode_prompts(encoder: Any, step: ControllerStep) -> list[PromptInputs]:
+def encode_prompts(encoder: SampleEncoder, step: ControllerStep) -> list[PromptInputs]:
     """The step's prompts as token ids (the driver's tokenizer; metadata only)."""
     out = []
     for prompt in step.prompts:
@@ -84,7 +90,7 @@ class SequenceLimit:
                 f"{settings}, or lower flexrl.rollout.max_response_length")
 
 
-def sequence_token_limit(sp: Any, cost: Any, domain_size: int) -> SequenceLimit | None:
+def sequence_token_limit(sp: SPConfig, cost: CostModel, domain_size: int) -> SequenceLimit | None:
     """What a sequence may hold under `sp.max_tokens_per_rank`; None without that cap."""
     if sp.max_tokens_per_rank is None:
         return None
@@ -182,7 +188,7 @@ def split_domains(prompts: Sequence[PromptInputs], names: Sequence[str], num_dom
     units = [group for group in groups if group]
     if len(units) < num_domains:
         units = [[name] for group in units for name in group]
-    loads, owner = [0.0] * num_domains, {}
+    loads, owner = [0.0] * num_domains, dict[str, int]()
     costs = [sum(weight(n) for n in unit) for unit in units]
     for index in sorted(range(len(units)), key=lambda i: (-costs[i], i)):
         domain = min(range(num_domains), key=lambda d: (loads[d], d))
@@ -215,7 +221,8 @@ class LogprobGaps:
 def logprob_gaps(samples: StepSamples, trainer_logprobs: dict[str, list[float]]) -> LogprobGaps:
     """The step's `LogprobGaps` (the engine's log-probs against the trainer's old-policy ones)."""
     prompts = samples.prompt_of()
-    per_sample, sums = {}, {}
+    per_sample: dict[str, Any] = {}
+    sums: dict[str, Any] = {}
     for name in samples.names:
         gaps = [abs(engine - trainer) for engine, trainer in zip(samples.engine_logprobs[name], trainer_logprobs[name])]
         per_sample[name] = sum(gaps) / max(len(gaps), 1)

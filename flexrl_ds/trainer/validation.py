@@ -13,16 +13,17 @@ the engine settings a colocated run does not use (printed, not refused). `launch
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexrl_ds.common.json_files import looked_for, read_json
-from flexrl_ds.media.types import Record
 from flexrl_ds.models.zero3 import check_ds_config
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.trainer.samples import sequence_token_limit
+
+if TYPE_CHECKING:
+    from flexrl_ds.rollout.config import RolloutConfig
 
 
 def check_model_dir(model_dir: str) -> None:
@@ -49,7 +50,8 @@ def check_batch(flexrl: Any, num_ranks: int) -> None:
             f"flexrl.trainer.num_policy_ranks = {num_ranks}")
     if loader.global_batch % rl.mini_batches_per_step:
         raise ValueError(f"flexrl.rl.mini_batches_per_step {rl.mini_batches_per_step} does not divide "
-                         f"flexrl.data.loader.global_batch {loader.global_batch} (mini-batches hold whole prompt groups)")
+                         f"flexrl.data.loader.global_batch {loader.global_batch} (mini-batches hold whole prompt "
+                         "groups)")
     check_domains(flexrl, num_ranks)
     if loader.num_samples_per_prompt < 2:  # every estimator compares a sample with its group's others
         raise ValueError(f"flexrl.rl.advantage_estimator {rl.advantage_estimator!r} needs "
@@ -90,18 +92,9 @@ def check_domains(flexrl: Any, num_ranks: int) -> None:
 
 
 def check_engine_placement(flexrl: Any) -> None:
-    """A tensor-parallel vLLM engine is a separate engine with one whole GPU per shard."""
-    rollout, trainer = flexrl.rollout, flexrl.trainer
-    size = rollout.vllm.tensor_parallel_size
-    if rollout.backend != "vllm" or size == 1:
-        return
-    if trainer.colocate:
-        raise ValueError(f"flexrl.rollout.vllm.tensor_parallel_size: {size} needs separate engines "
-                         f"(flexrl.trainer.colocate false); a colocated engine holds the whole model in its rank")
-    if rollout.num_gpus_per_engine != size:
-        raise ValueError(f"flexrl.rollout.num_gpus_per_engine: a tensor-parallel engine takes one whole GPU "
-                         f"per shard, so it must equal flexrl.rollout.vllm.tensor_parallel_size ({size}); "
-                         f"got {rollout.num_gpus_per_engine}")
+    """The chosen backend's engines can run where the run puts them (its options say: a
+    tensor-parallel vLLM engine is a separate engine with one whole GPU per shard)."""
+    flexrl.rollout.options.check_placement(flexrl.rollout, colocated=flexrl.trainer.colocate)
 
 
 SEPARATE_ENGINE_SETTINGS = ("num_engines", "num_cpus_per_engine", "num_gpus_per_engine")
@@ -137,8 +130,9 @@ def check_run(run: Any, model_dir: str, num_ranks: int) -> None:
     check_batch(run.flexrl, num_ranks)
     check_ds_config(run.deepspeed, num_ranks, train=True)
     check_engine_placement(run.flexrl)
-    if run.flexrl.rollout.backend == "vllm" and not device_mod.detect().is_gpu:
-        raise ValueError("flexrl.rollout.backend 'vllm' needs GPUs; this machine has none (use 'hf')")
+    if run.flexrl.rollout.options.needs_gpu and not device_mod.detect().is_gpu:
+        raise ValueError(f"flexrl.rollout.backend {run.flexrl.rollout.backend!r} needs GPUs; this machine has none "
+                         "(use 'hf')")
     check_sequence_room(run.flexrl, model_dir, num_ranks)
 
 
@@ -153,30 +147,11 @@ def check_sequence_room(flexrl: Any, model_dir: str, num_ranks: int) -> None:
                          f"({limit.explained(sp.max_tokens_per_rank)}), so no prompt fits next to the longest response")
 
 
-def resolve_media_limits(rollout: Any, records: list) -> Any:
-    """vllm: the engine's per-prompt image/video limits for this dataset (its usable records; bad
-    rows carry no media). A limit left None becomes the most any record has (at least 1: vLLM sizes
-    its encoder budget by it, so no more than the data needs); a limit set explicitly must hold
-    every record (vLLM would fail the whole generate call of a step with one such prompt), else
-    ValueError naming the record. Returns the rollout config with both limits set (unchanged for
-    other backends)."""
-    if rollout.backend != "vllm":
-        return rollout
-    limits = {}
-    for kind in ("image", "video"):
-        name = f"max_{kind}s_per_prompt"
-        limit = getattr(rollout.vllm, name)
-        counts = {record.id: sum(1 for item in record.items if item.kind == kind) for record in records
-                  if isinstance(record, Record)}  # bad rows are kept for the loader's policy, without media
-        if limit is None:
-            limits[name] = max([1, *counts.values()])
-            continue
-        for record_id, count in counts.items():
-            if count > limit:
-                raise ValueError(f"record {record_id!r}: {count} {kind}s, more than flexrl.rollout.vllm.{name} = "
-                                 f"{limit} (raise it, leave it unset to size it from the data, or drop the record)")
-        limits[name] = limit
-    return dataclasses.replace(rollout, vllm=dataclasses.replace(rollout.vllm, **limits))
+def resolve_media_limits(rollout: RolloutConfig, records: list) -> RolloutConfig:
+    """The rollout config with what the chosen backend's options derive from the run's records filled
+    in (`BackendOptions.resolved_for`: vllm's per-prompt image/video limits), the same object where
+    nothing changes; a ValueError names a record they cannot serve."""
+    return rollout.with_options(rollout.options.resolved_for(records))
 
 
 def model_dtype(ds_config: dict) -> str:

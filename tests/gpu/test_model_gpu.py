@@ -123,7 +123,7 @@ def test_logprobs_cli_two_gpus_equals_hf(tmp_path):
             assert line["input_ids"] == ids and line["response_start"] == start
             worst = max(worst, (torch.tensor(line["logprobs"]) - expected).abs().max().item())
         degrees = sorted({p["degree"] for p in json.loads((tmp_path / f"plan_{name}.json").read_text())["packs"]})
-        print(f"logprobs --nproc 2 ({name} plan, degrees {degrees}): {sum(len(l['logprobs']) for l in lines)} "
+        print(f"logprobs --nproc 2 ({name} plan, degrees {degrees}): {sum(len(line['logprobs']) for line in lines)} "
               f"tokens, max |logprob - HF| {worst:.3g}")
         for line in lines:
             torch.testing.assert_close(torch.tensor(line["logprobs"]), reference[line["id"]][2], atol=5e-5, rtol=1e-5)

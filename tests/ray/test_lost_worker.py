@@ -30,9 +30,9 @@ def test_a_rank_that_dies_is_said_in_one_line(ray_session):
     group = RayWorkerGroup(DyingWorker, 2, num_cpus_per_rank=0.25, name="policy", timeout_s=60.0,
                            memory_hint="never said: this is no memory kill")
     try:
-        assert group.run("ping") == [0, 1]
+        assert group.run(DyingWorker.ping) == [0, 1]
         with pytest.raises(RuntimeError, match=r"^policy\.die: a worker died \(") as raised:
-            group.run("die")
+            group.run(DyingWorker.die)
         assert isinstance(raised.value.__cause__, ray.exceptions.RayActorError)  # Ray's report kept
         said = str(raised.value)  # no memory kill: neither said so nor the memory hint given
         assert "memory monitor" not in said and "never said" not in said and len(said.splitlines()) == 1

@@ -40,18 +40,18 @@ def test_the_ranks_lines_are_printed_by_the_driver(ray_session, capsys):
     group = RayWorkerGroup(SayingWorker, 2, num_cpus_per_rank=0.25, name="sayers", timeout_s=60.0)
     try:
         assert capsys.readouterr().out.splitlines() == ["rank 0: built", "rank 1: built"]
-        assert group.run("greet") == [0, 1]
+        assert group.run(SayingWorker.greet) == [0, 1]
         assert capsys.readouterr().out.splitlines() == ["every rank: hello", "rank 0: hello", "rank 1: hello"]
-        assert group.run("greet") == [0, 1]  # said again: printed again, nothing left from before
+        assert group.run(SayingWorker.greet) == [0, 1]  # said again: printed again, nothing left from before
         assert capsys.readouterr().out.count("every rank: hello") == 1
-        assert group.run_each("greet", [(), ()]) == [0, 1]  # the lines come back with the results
+        assert group.run_each(SayingWorker.greet, [(), ()]) == [0, 1]  # the lines come back with the results
         assert capsys.readouterr().out.splitlines() == ["every rank: hello", "rank 0: hello", "rank 1: hello"]
         assert ray.get([actor.take_notes.remote() for actor in group.actors]) == [[], []]  # nothing left behind
         with pytest.raises(Exception, match="on purpose"):
-            group.run("fail")
+            group.run(SayingWorker.fail)
         assert capsys.readouterr().out.splitlines() == ["rank 0: about to fail", "rank 1: about to fail"]
         with pytest.raises(Exception, match="rank 1 on purpose"):  # rank 0's lines came back with its result
-            group.run("fail_on_rank_1")
+            group.run(SayingWorker.fail_on_rank_1)
         assert capsys.readouterr().out.splitlines() == ["rank 0: started", "rank 1: started"]
     finally:
         group.shutdown()

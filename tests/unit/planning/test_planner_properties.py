@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from brute_force import tokens_per_rank
 from hypothesis import HealthCheck, given, settings

@@ -57,7 +57,7 @@ class GroupWorker:
 
 def test_ranks_join_one_process_group_through_the_store_the_group_holds():
     with ProcessWorkerGroup(GroupWorker, 3, name="pg", timeout_s=60) as group:
-        answers = group.run("rank_sum")
+        answers = group.run(GroupWorker.rank_sum)
         assert [total for total, _ in answers] == [sum(range(3))] * 3
         (port,) = {port for _, port in answers}
         # The rendezvous port stays bound by the group's store: no other process can take it.
@@ -67,29 +67,41 @@ def test_ranks_join_one_process_group_through_the_store_the_group_holds():
 
 def test_run_and_run_each_return_results_in_rank_order():
     with ProcessWorkerGroup(EchoWorker, 3, {"offset": 10}, name="echo", timeout_s=60) as group:
-        places = group.run("where", extra=1)
+        places = group.run(EchoWorker.where, extra=1)
         assert [p[:2] for p in places] == [(0, 3), (1, 3), (2, 3)]
         assert len({p[2] for p in places}) == 1 and {p[3] for p in places} == {11}  # one rendezvous
-        assert group.run_each("add", [(100,), (200,), (300,)]) == [100, 201, 302]
+        assert group.run_each(EchoWorker.add, [(100,), (200,), (300,)]) == [100, 201, 302]
 
 
 def test_a_failing_rank_is_named_and_stops_the_group():
     with ProcessWorkerGroup(EchoWorker, 2, name="echo", timeout_s=60) as group:
         with pytest.raises(RuntimeError, match=r"echo.fail_on failed on rank 1 \(fail_on\):(.|\n)*boom"):
-            group.run("fail_on", 1)
+            group.run(EchoWorker.fail_on, 1)
         with pytest.raises(RuntimeError, match="stopped"):
-            group.run("add", 1)
+            group.run(EchoWorker.add, 1)
 
 
 def test_constructor_failure_and_dead_process_are_named():
     with ProcessWorkerGroup(EchoWorker, 2, {"fail_on_rank": 0}, name="echo", timeout_s=60) as group:
         with pytest.raises(RuntimeError, match=r"rank 0 \(building its worker\)(.|\n)*refuses to start"):
-            group.run("add", 1)
+            group.run(EchoWorker.add, 1)
     with ProcessWorkerGroup(EchoWorker, 2, name="echo", timeout_s=60) as group:
         with pytest.raises(RuntimeError, match="rank 1: its process exited with code 3"):
-            group.run("exit_on", 1)
+            group.run(EchoWorker.exit_on, 1)
 
 
 def test_at_least_one_rank():
     with pytest.raises(ValueError, match="at least one rank"):
         ProcessWorkerGroup(EchoWorker, 0)
+
+
+def test_a_method_is_given_as_itself_and_must_be_the_workers():
+    """`run(EchoWorker.add, ...)`, never `run("add", ...)`; a method of another class is refused before
+    any rank is asked, and the group keeps working."""
+    with ProcessWorkerGroup(EchoWorker, 2, name="echo", timeout_s=60) as group:
+        with pytest.raises(TypeError, match="method itself"):
+            group.run("add", 1)
+        with pytest.raises(TypeError, match="GroupWorker.rank_sum is not a method of the group's worker class "
+                                            "EchoWorker"):
+            group.run_each(GroupWorker.rank_sum, [(), ()])
+        assert group.run(EchoWorker.add, 1) == [1, 2]

@@ -34,7 +34,7 @@ class _PolicyFailingToSend:
 
     def run_async(self, method, *args):
         self.calls += 1
-        raise RuntimeError(f"policy.{method}: rank 1 died\n(traceback)")
+        raise RuntimeError(f"policy.{method.__name__}: rank 1 died\n(traceback)")
 
 
 def test_a_failed_sync_leaves_the_channel_refusing_further_syncs():
