@@ -4,6 +4,8 @@
 # STEPS steps (default 2) on images and videos. The run config is the shape's shipped one-H200 file,
 # ds_configs/grpo_vl{3b,7b}_1xh200.json, with the switches below on top.
 #   SHAPE=3b (default): all ZeRO-3 states on the GPU.
+#   VOCAB_SIZE=n: the model's vocabulary rows (default 151,936: Qwen2.5-VL's, the tokenizer grown with
+#     generated filler tokens, models/vocabulary.py; the runs before 2026-12-05 had the tiny tokenizer's 640).
 #   SHAPE=7b: ZeRO-3 with 60% of the optimizer offloaded to pinned host memory (`offload_optimizer.ratio`,
 #     `pin_memory`; host memory ~ 4 B/param of fp32 gradient buffer for all parameters + ratio x 16 B/param of
 #     master weights, moments and gradients: 101 GiB in use at 0.6 for 7.1B parameters, ~132 GiB at 1.0,
@@ -89,15 +91,19 @@ export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 work=/tmp/flexrl-trainer
 mkdir -p "$work"
 start=$(date +%s)
-# Qwen2.5-VL decoder and vision shapes (the vocabulary is the tiny tokenizer's, ~640 rows instead of
-# 151,936): 3b ~2.9B parameters, 7b ~7.2B. Weights are made on the GPU in bf16 and saved.
-[ -f "$work/m$shape/model.safetensors.index.json" ] || [ -f "$work/m$shape/model.safetensors" ] || \
-  python3 - "$work/m$shape" "$shape" <<'PY'
+# Qwen2.5-VL decoder, vision and vocabulary shapes: VOCAB_SIZE rows (default 151,936, Qwen2.5-VL's: a
+# locally built byte-level BPE grown with filler tokens, models/vocabulary.py; until 2026-12-05 the runs
+# had the tiny tokenizer's ~640 rows). Weights are made on the GPU in bf16 and saved.
+vocab=${VOCAB_SIZE:-151936}
+model="$work/m$shape-v$vocab"
+[ -f "$model/model.safetensors.index.json" ] || [ -f "$model/model.safetensors" ] || \
+  python3 - "$model" "$shape" "$vocab" <<'PY'
 import sys
 import torch, transformers
 from flexrl_ds.bench.rollout_bench import SHAPES
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
-out = make_tiny_model(TinyModelConfig(out_dir=sys.argv[1], **SHAPES[sys.argv[2]]), weights=False)
+shape = dict(SHAPES[sys.argv[2]], vocab_size=int(sys.argv[3]))
+out = make_tiny_model(TinyModelConfig(out_dir=sys.argv[1], **shape), weights=False)
 torch.manual_seed(0)
 with torch.device("cuda"):
     model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
@@ -167,7 +173,7 @@ json.dump(config, open(path, "w"), indent=1)
 PY
 cp "$work/config.json" "$out/config.json"
 if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs FlexUlysses vs its ZeRO-3 engine
-  python3 -m flexrl_ds bench update --model "$work/m$shape" --data "$data/train.jsonl" --config "$work/config.json" \
+  python3 -m flexrl_ds bench update --model "$model" --data "$data/train.jsonl" --config "$work/config.json" \
     --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $([ "${CKPT:-0}" = 1 ] && echo --checkpointing) ${UPDATE_BENCH_ARGS:-} \
     $([ "${UPDATE_BENCH_PROFILE:-0}" = 1 ] && echo --profile "$out/update_profile") \
     --json "$out/update_bench.json" > "$out/update_bench.log" 2>&1 || echo "bench update failed: exit $?" >> "$out/update_bench.log"
@@ -183,7 +189,7 @@ fi
 sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
 rm -rf "$out/run"  # a new run each time (flexrl train refuses an --out holding another run's steps)
-python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m$shape" --data "$data/train.jsonl" \
+python3 -m flexrl_ds train --config "$work/config.json" --model "$model" --data "$data/train.jsonl" \
   --out "$out/run" --max-steps "$steps" 2>&1 | tee "$out/train.log" | grep -v "Loading weights" | tail -40
 if [ "${ZERO3_TRACE_WARNINGS:-0}" = 1 ]; then  # from the workers' Ray logs (the driver prints only said lines)
   grep -h "Invalidate trace cache" /tmp/ray/session_latest/logs/*.out 2>/dev/null | cut -c1-200 \
