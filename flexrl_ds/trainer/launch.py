@@ -123,7 +123,7 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
         vision_attention=run.flexrl.trainer.vision_attention,
         offload_states_in_rollout=run.flexrl.trainer.offload_states_in_rollout,
         reference_offload_param=run.flexrl.trainer.reference_offload_param,
-        logprob_temperature=run.flexrl.rollout.temperature,
+        logprob_temperature=run.flexrl.rollout.temperature, logprob_chunk_bytes=run.flexrl.sp.logprob_chunk_bytes,
         rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {})
 
 

@@ -98,6 +98,8 @@ class PolicySetup:
     logprob_temperature: float = 1.0
     """`flexrl.rollout.temperature`: the policy's and the reference's log-probs are those of their logits
     divided by it, the distribution the rollout samples from (before top-k / top-p)."""
+    logprob_chunk_bytes: int = 1 << 30
+    """`flexrl.sp.logprob_chunk_bytes`: the byte budget of one LM-head chunk (models/logprob_chunks.py)."""
 
 
 @dataclass
@@ -180,7 +182,8 @@ class PolicyWorker:
                                   vision_group=self.tree.domain_group, train=train,
                                   activation_checkpointing=train and self.setup.activation_checkpointing,
                                   temperature=self.setup.logprob_temperature,
-                                  vision_attention=self.setup.vision_attention)
+                                  vision_attention=self.setup.vision_attention,
+                                  logits_chunk_bytes=self.setup.logprob_chunk_bytes)
 
     # ---- passes -------------------------------------------------------------------------------
     def _batches(self, job: PassJob) -> list:
