@@ -4,6 +4,10 @@
 # STEPS steps (default 2) on images and videos. The run config is the shape's shipped one-H200 file,
 # ds_configs/grpo_vl{3b,7b}_1xh200.json, with the switches below on top.
 #   SHAPE=3b (default): all ZeRO-3 states on the GPU.
+#   CARD=h100|h200: which shipped one-GPU file, ds_configs/grpo_vl{3b,7b}_1x{h100,h200}.json (default: h100
+#     on a GPU of under 100 GiB, else h200). The 80 GB files (ds_configs/README.md) checkpoint activations, cap
+#     a micro-batch at 16,384 tokens per rank, move the policy's states off the GPU while vLLM generates and
+#     offload part of the optimizer (3B: 30%; 7B: 60%, and no reference model: flexrl.rl.init_kl_coef 0).
 #   VOCAB_SIZE=n: the model's vocabulary rows (default 151,936: Qwen2.5-VL's, the tokenizer grown with
 #     generated filler tokens, models/vocabulary.py; the runs before 2026-12-05 had the tiny tokenizer's 640).
 #   SHAPE=7b: ZeRO-3 with 60% of the optimizer offloaded to pinned host memory (`offload_optimizer.ratio`,
@@ -64,7 +68,8 @@
 #     64 samples (docs/BENCHMARKS.md "seventeenth run"): give the call that much more.
 #   VISION_ATTENTION=sdpa: the vision tower's attention as transformers runs it, one SDPA call per
 #     window (`flexrl.trainer.vision_attention`; default varlen: one call per layer).
-#   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
+#   CKPT=0|1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward;
+#     default: the file's).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
 #   UPDATE_BENCH=1: instead of training, `flexrl bench update` (its five ways, flexrl_ds/bench/update_bench.py) on the data's 16 prompts x 4 samples with
@@ -86,6 +91,9 @@ mkdir -p "$out"
 backend=${BACKEND:-hf}
 steps=${STEPS:-2}
 shape=${SHAPE:-3b}
+export CARD=${CARD:-$( [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 102400 ] \
+  && echo h100 || echo h200)}
+echo "card: $CARD (ds_configs/grpo_vl${shape}_1x$CARD.json)"
 source tests/gpu/gpu_env.sh
 export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 work=/tmp/flexrl-trainer
@@ -122,13 +130,14 @@ python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" "$(nvidia-smi
 import json, os, sys
 path, backend, shape, colocate, gpus = sys.argv[1:]
 gpus = int(gpus)
-# The shipped one-H200 config of the shape (ds_configs/README.md), with this run's choices on top.
-config = json.load(open(f"ds_configs/grpo_vl{shape}_1xh200.json"))
+# The shipped one-GPU config of the shape and card (ds_configs/README.md), with this run's choices on top.
+config = json.load(open(f"ds_configs/grpo_vl{shape}_1x{os.environ.get('CARD', 'h200')}.json"))
 if "PROFILE_STEP" in os.environ:  # torch.profiler over that step's log-prob, update and sync phases
     config["flexrl"]["trainer"]["profile_step"] = int(os.environ["PROFILE_STEP"])
 config["flexrl"]["trainer"].update(save_every=0,
-                                   save_last=os.environ.get("SAVE") == "1",  # the disk holds few checkpoints
-                                   activation_checkpointing=os.environ.get("CKPT") == "1")
+                                   save_last=os.environ.get("SAVE") == "1")  # the disk holds few checkpoints
+if "CKPT" in os.environ:  # else the file's (the 80 GB files checkpoint, the H200 files do not)
+    config["flexrl"]["trainer"]["activation_checkpointing"] = os.environ["CKPT"] == "1"
 if "VISION_ATTENTION" in os.environ:  # varlen (one call per layer) or sdpa (per window)
     config["flexrl"]["trainer"]["vision_attention"] = os.environ["VISION_ATTENTION"]
 if os.environ.get("REF_OFFLOAD") == "1":  # the reference's parameters in host memory
