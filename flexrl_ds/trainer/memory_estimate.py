@@ -227,9 +227,11 @@ def phase_advice(estimate: MemoryEstimate, phase: str) -> list[str]:
         options.append((saved, "flexrl.trainer.offload_states_in_rollout: true"))
     if phase == "rollout" and i.engine == "vllm":
         room = estimate.device_bytes - (estimate.total(phase) - terms["engine awake"])
-        fraction = max(0.0, room / estimate.device_bytes - 0.01)
-        options.append((terms["engine awake"] - int(fraction * estimate.device_bytes),
-                        f"flexrl.rollout.vllm.gpu_memory_utilization: at most {fraction:.2f}"))
+        fraction = room / estimate.device_bytes - 0.01
+        weights = i.params * i.dtype_bytes / estimate.device_bytes
+        if fraction > weights + 0.02:  # the engine needs its weights and some KV cache
+            options.append((terms["engine awake"] - int(fraction * estimate.device_bytes),
+                            f"flexrl.rollout.vllm.gpu_memory_utilization: at most {fraction:.2f}"))
     if terms.get("reference parameters"):
         options.append((terms["reference parameters"], "flexrl.trainer.reference_offload_param: true"))
     if phase in ("update", "logprobs", "sync") and i.optimizer_offload_ratio < 1.0:
@@ -258,8 +260,8 @@ def activation_advice(i: MemoryInputs, over: int) -> list[tuple[int, str]]:
                         "flexrl.trainer.activation_checkpointing: true"))
     if i.update_tokens > 0 and now > 0:
         per_token = now / i.update_tokens
-        cap = max(256, int((now - max(over, 0)) / per_token) // 256 * 256)
-        if cap < i.update_tokens:
+        cap = int((now - max(over, 0)) / per_token) // 256 * 256
+        if 256 <= cap < i.update_tokens:  # a cap that alone makes the phase fit
             options.append((int((i.update_tokens - cap) * per_token), f"flexrl.sp.max_tokens_per_rank: {cap}"))
     return options
 
