@@ -295,3 +295,8 @@ def device_memory_bytes() -> int | None:
         return int(float(lines[0]) * 2**20)  # MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return torch.cuda.get_device_properties(0).total_memory
+
+
+def device_total_bytes(info: DeviceInfo) -> int | None:
+    """This process's GPU's memory in bytes (a rank, whose CUDA context exists); None on CPU."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if info.is_gpu else None
