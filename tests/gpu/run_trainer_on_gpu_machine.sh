@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GRPO trainer on one GPU (issues 9, 10): a Qwen2.5-VL-shaped model with random bf16 weights, a
 # rollout backend (BACKEND=hf | vllm, default hf) colocated with the ZeRO-3 policy and reference,
-# STEPS steps (default 2) on images and videos. The run config is the shape's shipped one-H200 file,
-# ds_configs/grpo_vl{3b,7b}_1xh200.json, with the switches below on top.
-#   SHAPE=3b (default): all ZeRO-3 states on the GPU.
+# STEPS steps (default 2) on images and videos. The run config is the shape's shipped one-GPU file of
+# the card, ds_configs/grpo_vl{3b,7b}_1x{h200,h100}.json (CARD below), with the switches below on top.
+#   SHAPE=3b (default): with the H200 file all ZeRO-3 states on the GPU.
 #   CARD=h100|h200: which shipped one-GPU file, ds_configs/grpo_vl{3b,7b}_1x{h100,h200}.json (default: h100
 #     on a GPU of under 100 GiB, else h200). The 80 GB files (ds_configs/README.md) checkpoint activations, cap
 #     a micro-batch at 16,384 tokens per rank, move the policy's states off the GPU while vLLM generates and
@@ -73,7 +73,8 @@
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
 #   UPDATE_BENCH=1: instead of training, `flexrl bench update` (its five ways, flexrl_ds/bench/update_bench.py) on the data's 16 prompts x 4 samples with
-#     RESPONSE_LENGTH (default 350) random response tokens (CKPT=1: checkpointed): one update's forward
+#     RESPONSE_LENGTH (default 350) random response tokens (checkpointed where the run config says: the 80 GB
+#     files, or CKPT=1): one update's forward
 #     and backward as plain transformers, as FlexUlyssesLM, and in the run config's ZeRO-3 engine
 #     (OUT/update_bench.txt and .json; the whole output in OUT/update_bench.log). UPDATE_BENCH_ARGS:
 #     more arguments, e.g. "--ways flexrl,zero3 --repeats 2". UPDATE_BENCH_PROFILE=1: one more zero3
@@ -183,7 +184,7 @@ PY
 cp "$work/config.json" "$out/config.json"
 if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs FlexUlysses vs its ZeRO-3 engine
   python3 -m flexrl_ds bench update --model "$model" --data "$data/train.jsonl" --config "$work/config.json" \
-    --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $([ "${CKPT:-0}" = 1 ] && echo --checkpointing) ${UPDATE_BENCH_ARGS:-} \
+    --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $(python3 -c "import json, sys; print('--checkpointing' if json.load(open(sys.argv[1]))['flexrl']['trainer']['activation_checkpointing'] else '')" "$work/config.json") ${UPDATE_BENCH_ARGS:-} \
     $([ "${UPDATE_BENCH_PROFILE:-0}" = 1 ] && echo --profile "$out/update_profile") \
     --json "$out/update_bench.json" > "$out/update_bench.log" 2>&1 || echo "bench update failed: exit $?" >> "$out/update_bench.log"
   grep "bench update" "$out/update_bench.log" | tee "$out/update_bench.txt"
