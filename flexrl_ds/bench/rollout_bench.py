@@ -1,7 +1,7 @@
 """`flexrl bench rollout`: the trainer's rollout engines on the same prompts, and a colocated weight sync.
 
-One process, one GPU: a model of a named shape (Qwen2.5-VL-7B/3B layers with the tiny tokenizer's
-vocabulary) is built with random bf16 weights on the GPU; the `hf` engine samples from that model
+One process, one GPU: a model of a named shape (Qwen2.5-VL-7B/3B layers and their 151,936-row
+vocabulary, models/vocabulary.py) is built with random bf16 weights on the GPU; the `hf` engine samples from that model
 and the `vllm` engine from its own copy (`load_format="dummy"`), both through the trainer's
 `RolloutEngine` interface on identical text prompts (random token ids) with EOS off, so every
 response is exactly `new_tokens` long. vLLM is timed per seeding mode (per sample, none)
@@ -37,6 +37,7 @@ from flexrl_ds.models.flex_model import reference_logprobs
 from flexrl_ds.models.loading import ordinary_token_bound
 from flexrl_ds.models.processing import EncodedSample
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+from flexrl_ds.models.vocabulary import QWEN_VL_VOCAB_SIZE
 from flexrl_ds.models.weights import iter_weight_buckets, tensor_bytes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
@@ -45,12 +46,15 @@ from flexrl_ds.rollout.hf_engine import HFRolloutEngine
 
 SHAPES = {
     "7b": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28,
-               intermediate_size=18944, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16),
+               intermediate_size=18944, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16,
+               vocab_size=QWEN_VL_VOCAB_SIZE),
     "3b": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, num_hidden_layers=36,
-               intermediate_size=11008, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16),
+               intermediate_size=11008, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16,
+               vocab_size=QWEN_VL_VOCAB_SIZE),
     "tiny": dict(),
 }
-"""Model shapes (TinyModelConfig fields): Qwen2.5-VL-7B and -3B decoder and vision tower."""
+"""Model shapes (TinyModelConfig fields): Qwen2.5-VL-7B and -3B decoder, vision tower and vocabulary
+(151,936 rows; until 2026-12-05 the tiny tokenizer's 640)."""
 
 
 @dataclass
@@ -121,7 +125,8 @@ class RolloutBenchResult:
 
 
 def _model_dir(config: RolloutBenchConfig) -> Path:
-    out = Path(config.work_dir) / f"model-{config.shape}"
+    vocab = SHAPES[config.shape].get("vocab_size")  # a folder of an older, tiny-vocabulary build is not reused
+    out = Path(config.work_dir) / (f"model-{config.shape}" + (f"-v{vocab}" if vocab else ""))
     if not (out / "config.json").is_file():
         make_tiny_model(TinyModelConfig(out_dir=str(out), **SHAPES[config.shape]), weights=False)  # type: ignore[arg-type]
     return out

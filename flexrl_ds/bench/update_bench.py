@@ -374,7 +374,8 @@ class _Recorder:
 
 def trainer_module_options(run) -> dict[str, Any]:
     """The module settings the trainer's policy takes from the run config (trainer/launch.py)."""
-    return {"temperature": run.flexrl.rollout.temperature, "vision_attention": run.flexrl.trainer.vision_attention}
+    return {"temperature": run.flexrl.rollout.temperature, "vision_attention": run.flexrl.trainer.vision_attention,
+            "logits_chunk_bytes": run.flexrl.sp.logprob_chunk_bytes}
 
 
 def one_rank_sp(sp: SPConfig) -> SPConfig:

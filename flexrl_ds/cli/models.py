@@ -9,16 +9,7 @@ from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 
 
 def register(commands, bench) -> None:
-    tiny = commands.add_parser(
-        "make-tiny-model",
-        help="write a tiny random Qwen2.5-VL / Qwen2 model with a locally built tokenizer and processor",
-        description="Tiny random model for tests and demos (no hub access): loads with "
-                    "AutoModelForImageTextToText (qwen2.5-vl) or AutoModelForCausalLM (qwen2).",
-    )
-    tiny.add_argument("--out", required=True, help="output directory")
-    tiny.add_argument("--arch", default="qwen2.5-vl", choices=("qwen2.5-vl", "qwen2"))
-    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    tiny.set_defaults(func=_make_tiny_model)
+    _add_make_tiny_model(commands)
 
     logprobs = commands.add_parser(
         "logprobs",
@@ -69,8 +60,25 @@ def register(commands, bench) -> None:
     vision.set_defaults(func=_bench_vision)
 
 
+def _add_make_tiny_model(commands) -> None:
+    tiny = commands.add_parser(
+        "make-tiny-model",
+        help="write a tiny random Qwen2.5-VL / Qwen2 model with a locally built tokenizer and processor",
+        description="Tiny random model for tests and demos (no hub access): loads with "
+                    "AutoModelForImageTextToText (qwen2.5-vl) or AutoModelForCausalLM (qwen2).",
+    )
+    tiny.add_argument("--out", required=True, help="output directory")
+    tiny.add_argument("--arch", default="qwen2.5-vl", choices=("qwen2.5-vl", "qwen2"))
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    tiny.add_argument("--vocab-size", type=int, default=None,
+                      help="tokenizer entries and embedding / LM-head rows: the trained BPE grown with generated "
+                           "filler tokens (151936: Qwen2.5-VL's and Qwen3-VL's); default: the tiny BPE's ~614, "
+                           "rows rounded up to 64")
+    tiny.set_defaults(func=_make_tiny_model)
+
+
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    out = make_tiny_model(TinyModelConfig(out_dir=args.out, arch=args.arch, seed=args.seed))
+    out = make_tiny_model(TinyModelConfig(out_dir=args.out, arch=args.arch, seed=args.seed, vocab_size=args.vocab_size))
     print(f"wrote tiny {args.arch} model, tokenizer and processor files to {out}")
     return 0
 

@@ -28,6 +28,34 @@ def register(commands, bench) -> None:
     train.add_argument("--spmd", action="store_true",
                        help="run as one rank of a launcher-started job (deepspeed --hostfile / torchrun)")
     train.set_defaults(func=_train)
+    _add_estimate_memory(commands)
+
+
+def _add_estimate_memory(commands) -> None:
+    estimate = commands.add_parser(
+        "estimate-memory",
+        help="a run's device memory per phase (rollout, log-probs, update, sync), before it starts",
+        description="What `flexrl train` checks before any worker starts (flexrl.trainer.memory_check): per phase, "
+                    "the ZeRO-3 states, the reference, the colocated engine, ZeRO-3's gathered parameters, the "
+                    "activations at the planned tokens per rank and the log-prob chunk, on one policy rank's device "
+                    "(trainer/memory_estimate.py). Exit code 0 when it fits, 1 when not.")
+    estimate.add_argument("--config", required=True, help="DeepSpeed JSON with a 'flexrl' section")
+    estimate.add_argument("--model", required=True, help="HF model directory (only its config.json is read)")
+    estimate.add_argument("--device-memory-gb", type=float, default=None,
+                          help="device memory in GiB (default: flexrl.trainer.device_memory_gb, else this machine's GPU)")
+    estimate.add_argument("--ranks", type=int, default=None, help="policy ranks (default: flexrl.trainer.num_policy_ranks)")
+    estimate.add_argument("--prompt-tokens", type=int, default=0,
+                          help="tokens of a prompt, vision tokens included (default 0: the responses alone)")
+    estimate.set_defaults(func=_estimate_memory)
+
+
+def _estimate_memory(args) -> int:
+    from flexrl_ds.trainer.memory_check import estimate_run  # lazy: imports torch and transformers
+
+    run = load_run_config(args.config)
+    text, fits = estimate_run(run, args.model, args.ranks, args.device_memory_gb, args.prompt_tokens)
+    print(text)
+    return 0 if fits else 1
 
 
 def _train(args) -> int:

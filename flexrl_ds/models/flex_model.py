@@ -12,9 +12,11 @@ embeds the local tokens, encodes this rank's vision units and routes their embed
 runs the HF model on `inputs_embeds` with FlexUlysses attention (the layout travels as the
 `flexrl_step` forward keyword, see flexrl_ds/models/hf_adapter.py) and returns per-token log-probs of
 the targets (and their distributions' entropy when asked) under the logits divided by the sampling
-temperature (the distribution the rollout drew from, before top-k / top-p), computed `logits_chunk` tokens at a time:
-full (tokens, vocab) fp32 logits never exist, with or without grad (each chunk is checkpointed, so
-backward recomputes one chunk's logits at a time).
+temperature (the distribution the rollout drew from, before top-k / top-p), computed in chunks of as many
+tokens as `logits_chunk_bytes` allows (models/logprob_chunks.py: each target's logit minus the row's
+log-sum-exp, no log-softmax): full (tokens, vocab) logits never exist, with or without grad (each chunk is
+checkpointed, so backward recomputes one chunk's logits at a time, and its gradient needs no saved
+(tokens, vocab) block).
 
 Collectives are the same on every rank: a rank without tokens still runs every module once (on one
 placeholder token) and joins the exchanges of the packs it belongs to with zero tokens; under ZeRO-3
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from flexrl_ds.models import hf_adapter
+from flexrl_ds.models import hf_adapter, logprob_chunks
 from flexrl_ds.models.positions import local_position_ids, mm_token_type_ids, sequence_positions
 from flexrl_ds.models.vision_balance import (VisionRoute, assign_units, build_route, encode_and_route,
                                              representatives, vision_units)
@@ -207,12 +209,15 @@ class TokenOutputs(NamedTuple):
 class FlexUlyssesLM(torch.nn.Module):
     """HF causal LM + FlexUlysses: `forward(batch, with_entropy=False) -> TokenOutputs`."""
 
-    def __init__(self, hf_model, attention=None, vision_group=None, logits_chunk: int = 4096, zero_group=None,
-                 temperature: float = 1.0, vision_attention: str = "varlen"):
+    def __init__(self, hf_model, attention=None, vision_group=None, logits_chunk: int | None = None, zero_group=None,
+                 temperature: float = 1.0, vision_attention: str = "varlen",
+                 logits_chunk_bytes: int = logprob_chunks.DEFAULT_CHUNK_BYTES):
         """attention: a FlexUlyssesAttention (default one with overlap). vision_group: the SP domain's
         process group for the vision embedding exchange (`GroupTree.domain_group`; None: the default
-        group, which only fits a job of one domain: a mismatch raises at the exchange). logits_chunk:
-        tokens per lm_head chunk (bounds the (tokens, vocab) logits memory, with and without grad).
+        group, which only fits a job of one domain: a mismatch raises at the exchange). logits_chunk_bytes:
+        the byte budget of one lm_head chunk's (tokens, vocab) working set, with and without grad
+        (`flexrl.sp.logprob_chunk_bytes`; models/logprob_chunks.py); logits_chunk: at most this many
+        tokens per chunk besides (None: the budget alone decides).
         zero_group: the group over which lm_head's weight is partitioned (ZeRO-3; set by
         `zero3.build_engine`): every rank of it runs the same number of chunks. None: no such sync.
         temperature: the logits are divided by it before the log-softmax (the rollout's sampling
@@ -220,11 +225,14 @@ class FlexUlyssesLM(torch.nn.Module):
         vision_attention: the vision tower's, "varlen" (one call per layer) or "sdpa" (transformers'
         per-window calls); see models/hf_adapter.py."""
         super().__init__()
-        if logits_chunk < 1:
+        if logits_chunk is not None and logits_chunk < 1:
             raise ValueError(f"logits_chunk: must be at least 1, got {logits_chunk}")
+        if logits_chunk_bytes < 1:
+            raise ValueError(f"logits_chunk_bytes: must be at least 1, got {logits_chunk_bytes}")
         if not temperature > 0:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         self.logits_chunk = logits_chunk
+        self.logits_chunk_bytes = logits_chunk_bytes
         self.temperature = temperature
         self.zero_group = zero_group
         self.unread_config_keys: tuple[str, ...] = ()
@@ -273,10 +281,17 @@ class FlexUlyssesLM(torch.nn.Module):
         zero = zero + logprobs.sum() * 0.0 + (entropy.sum() * 0.0 if entropy is not None else 0.0)
         return TokenOutputs(logprobs, entropy, zero)
 
-    def num_chunks(self, num_tokens: int, device=None) -> int:
-        """lm_head chunks this rank runs: its own count (at least 1: every module runs on every rank),
-        or the maximum over `zero_group`."""
-        count = max(1, -(-num_tokens // self.logits_chunk))
+    def chunk_tokens(self, logits_dtype: torch.dtype) -> int:
+        """Tokens per lm_head chunk: the most whose working set fits `logits_chunk_bytes`, at most
+        `logits_chunk`."""
+        vocab = self.hf_model.get_output_embeddings().weight.shape[0]
+        size = logprob_chunks.chunk_tokens(self.logits_chunk_bytes, vocab, logits_dtype)
+        return min(size, self.logits_chunk) if self.logits_chunk is not None else size
+
+    def num_chunks(self, num_tokens: int, size: int, device=None) -> int:
+        """lm_head chunks of `size` tokens this rank runs: its own count (at least 1: every module runs
+        on every rank), or the maximum over `zero_group`."""
+        count = max(1, -(-num_tokens // size))
         if self.zero_group is None or not dist.is_initialized():
             return count
         value = torch.tensor([count], dtype=torch.long, device=device)
@@ -284,9 +299,9 @@ class FlexUlyssesLM(torch.nn.Module):
         return int(value.item())
 
     def _token_outputs(self, hidden, targets, with_entropy: bool, entropy_grad: bool = True):
-        """Per-token target log-probs (and entropy), `logits_chunk` tokens at a time."""
-        size = self.logits_chunk
-        count = self.num_chunks(hidden.shape[0], hidden.device)
+        """Per-token target log-probs (and entropy), `chunk_tokens` tokens at a time."""
+        size = self.chunk_tokens(hidden.dtype)
+        count = self.num_chunks(hidden.shape[0], size, hidden.device)
         # split, not a slice per chunk: the backward is one concatenation, not a full-size zero-filled
         # gradient per chunk; ranks short of the group's chunk count run empty chunks
         hidden_pieces, target_pieces = list(hidden.split(size)), list(targets.split(size))
@@ -302,12 +317,9 @@ class FlexUlyssesLM(torch.nn.Module):
         return logprobs, (torch.cat([ent for _, ent in outs]) if with_entropy else None)
 
     def _chunk(self, hidden, targets, with_entropy: bool, entropy_grad: bool = True):
-        logprobs = torch.log_softmax(self.hf_model.lm_head(hidden).float() / self.temperature, dim=-1)
-        target = logprobs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
-        if not with_entropy:
-            return target, None
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            return target, -(logprobs.exp() * logprobs).sum(dim=-1)
+        logprobs, entropy = logprob_chunks.target_logprobs(self.hf_model.lm_head(hidden), targets, self.temperature,
+                                                           with_entropy, entropy_grad)
+        return logprobs.float(), (entropy.float() if entropy is not None else None)
 
 
 def reference_logprobs(model, sample, temperature: float = 1.0) -> torch.Tensor:

@@ -7,7 +7,9 @@ works where torchvision is installed (transformers' Qwen2-VL *video* processor n
 environment has none: PyPI's torchvision wheel is CUDA-linked). flexrl_ds.models.processing builds the
 same model inputs without torchvision.
 
-The tokenizer is a byte-level BPE trained at build time on a small fixed corpus (deterministic), with
+The tokenizer is a byte-level BPE trained at build time on a small fixed corpus (deterministic), grown
+to `vocab_size` entries with generated filler tokens where one is given (models/vocabulary.py: 151,936
+for the real Qwen2.5-VL / Qwen3-VL shapes), with
 Qwen's special tokens (<|im_start|>, <|vision_start|>, <|image_pad|>, <|video_pad|>, ...) and a chat
 template that renders images/videos as `<|vision_start|><|image_pad|><|vision_end|>` like Qwen2.5-VL's.
 Shapes are chosen to exercise the hard cases of FlexUlysses: 10 query heads and 2 KV heads (uneven
@@ -20,6 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from flexrl_ds.models.vocabulary import with_filler_tokens
 
 ARCHES = ("qwen2.5-vl", "qwen2")
 
@@ -81,6 +85,10 @@ class TinyModelConfig:
     """Seed of the random weights."""
     bpe_vocab_size: int = 600
     """Size of the trained byte-level BPE vocabulary (before special tokens)."""
+    vocab_size: int | None = None
+    """Tokenizer entries and embedding / LM-head rows, filled with generated tokens past the trained
+    BPE (models/vocabulary.py; 151,936: Qwen2.5-VL's and Qwen3-VL's). None: the trained BPE and the
+    special tokens only (~614), rows rounded up to a multiple of 64."""
     hidden_size: int = 80
     """LLM hidden size (= num_attention_heads * head_dim)."""
     num_attention_heads: int = 10
@@ -109,6 +117,9 @@ class TinyModelConfig:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        if self.vocab_size is not None and self.vocab_size < self.bpe_vocab_size + len(SPECIAL_TOKENS):
+            raise ValueError(f"--vocab-size: at least {self.bpe_vocab_size + len(SPECIAL_TOKENS)} (the trained BPE and "
+                             f"{len(SPECIAL_TOKENS)} special tokens), got {self.vocab_size}")
         if self.vision_hidden_size % self.vision_num_heads:
             raise ValueError("vision_hidden_size must be divisible by vision_num_heads")
         head_dim = self.hidden_size // self.num_attention_heads
@@ -144,6 +155,8 @@ def build_tokenizer(config: TinyModelConfig):
     corpus = [" ".join(_CORPUS_WORDS[i:] + _CORPUS_WORDS[:i]) for i in range(len(_CORPUS_WORDS))]
     corpus += ["0123456789 .,;:!?()[]{}+-*/=<>\n"] * 8
     backend.train_from_iterator(corpus, trainer=trainer)
+    if config.vocab_size is not None:  # the specials come after the fillers, as in Qwen's vocabulary
+        backend = with_filler_tokens(backend, config.vocab_size - len(SPECIAL_TOKENS))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
@@ -200,7 +213,7 @@ def build_model_config(config: TinyModelConfig, tokenizer):
     """The HF config of the model `build_model` makes (benchmarks build large shapes from it on a GPU)."""
     import transformers
 
-    vocab_size = (len(tokenizer) + 63) // 64 * 64
+    vocab_size = config.vocab_size or (len(tokenizer) + 63) // 64 * 64
     text = _text_kwargs(config, vocab_size, tokenizer)
     if config.arch == "qwen2":
         return transformers.Qwen2Config(**text, rope_theta=10000.0)

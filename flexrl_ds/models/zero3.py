@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from flexrl_ds.common import notes
 from flexrl_ds.models.flex_model import FlexUlyssesLM
+from flexrl_ds.models.logprob_chunks import DEFAULT_CHUNK_BYTES
 
 INFERENCE_DROPPED_KEYS = ("optimizer", "scheduler")
 """Blocks an inference engine (train=False) does not use."""
@@ -181,13 +182,13 @@ def _meant(name: str, known: list[str]) -> str:
 
 
 def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_group=None, train: bool = True,
-                 logits_chunk: int = 4096, activation_checkpointing: bool = False, temperature: float = 1.0,
-                 vision_attention: str = "varlen"):
+                 logits_chunk: int | None = None, activation_checkpointing: bool = False, temperature: float = 1.0,
+                 vision_attention: str = "varlen", logits_chunk_bytes: int = DEFAULT_CHUNK_BYTES):
     """A DeepSpeed ZeRO-3 engine around `FlexUlyssesLM(hf_model)`, configured by `ds_config` as written.
 
     torch.distributed (and deepspeed.comm) must be initialised. `attention` / `vision_group` /
-    `logits_chunk` / `temperature` / `vision_attention`: see `FlexUlyssesLM`. `train=False`: the
-    reference model's inference engine.
+    `logits_chunk` / `logits_chunk_bytes` / `temperature` / `vision_attention`: see `FlexUlyssesLM`.
+    `train=False`: the reference model's inference engine.
     `activation_checkpointing`: every decoder and vision layer is recomputed in backward
     (transformers' non-reentrant gradient checkpointing: ZeRO-3 gathers the layer's parameters
     again, and its FlexUlysses all-to-alls run again, in the same order on every rank).
@@ -203,7 +204,8 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     if activation_checkpointing:
         enable_activation_checkpointing(hf_model)
     module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk,
-                           temperature=temperature, vision_attention=vision_attention)
+                           temperature=temperature, vision_attention=vision_attention,
+                           logits_chunk_bytes=logits_chunk_bytes)
     parameters = [p for p in module.parameters() if p.requires_grad] if train else None
     config = AskedKeys(config)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=parameters, config=config)

@@ -278,3 +278,25 @@ def release_shared(info: DeviceInfo) -> None:
     """Sender: free the memory of shared tensors that every opener has released (no-op on CPU)."""
     if info.is_gpu:
         torch.cuda.ipc_collect()
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of the first GPU this process sees, in bytes, without creating a CUDA context here
+    (nvidia-smi; the driver of a run must not take device memory from its ranks); None without GPUs."""
+    import subprocess
+
+    if not gpu_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    command = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        lines = subprocess.run(command + (["-i", visible] if visible else []), capture_output=True, text=True,
+                               timeout=30, check=True).stdout.split()
+        return int(float(lines[0]) * 2**20)  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return torch.cuda.get_device_properties(0).total_memory
+
+
+def device_total_bytes(info: DeviceInfo) -> int | None:
+    """This process's GPU's memory in bytes (a rank, whose CUDA context exists); None on CPU."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if info.is_gpu else None

@@ -43,6 +43,10 @@ class SPConfig:
     planner's step-time model)."""
     oversize: str = "error"
     """What to do with a sequence that cannot fit at p_max under the token cap: error|drop|truncate."""
+    logprob_chunk_bytes: int = 1 << 30
+    """Byte budget of one LM-head chunk's [tokens x vocabulary] working set, forward and backward
+    (models/logprob_chunks.py): the chunk holds as many tokens as fit it (1 GiB: 588 tokens over a
+    151,936-row vocabulary in bf16). The policy's, the reference's and `flexrl logprobs`' passes."""
 
     def for_logprob_passes(self) -> "SPConfig":
         """These settings with the log-prob passes' cap in `max_tokens_per_rank`."""
@@ -68,5 +72,7 @@ class SPConfig:
                              f"flexrl.sp.max_tokens_per_rank ({self.max_tokens_per_rank}), which it loosens")
         if self.h_pack is not None and self.H_pack is not None and self.h_pack > self.H_pack:
             raise ValueError(f"flexrl.sp.h_pack ({self.h_pack}) exceeds flexrl.sp.H_pack ({self.H_pack})")
+        if self.logprob_chunk_bytes < 1:
+            raise ValueError(f"flexrl.sp.logprob_chunk_bytes: must be positive, got {self.logprob_chunk_bytes}")
         if self.oversize not in ("error", "drop", "truncate"):
             raise ValueError(f"flexrl.sp.oversize: {self.oversize!r} is not one of error, drop, truncate")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
+from flexrl_ds.common import RunInputError
 from flexrl_ds.runtime.host_memory import ray_kill_share
 
 MEMORY_KILL_WORDS = ("low on memory", "memory monitor", "out of memory issue", "memory_usage_threshold",
@@ -77,10 +78,15 @@ def raise_lost_worker(error: BaseException, what: str, memory_hint: str = "") ->
 
 
 def ray_get_explained(refs: list, what: str, timeout_s: float | None = None, memory_hint: str = "") -> list:
-    """`ray.get(refs)`, a worker Ray lost raised as its one-line account (`raise_lost_worker`)."""
+    """`ray.get(refs)`, a worker Ray lost raised as its one-line account (`raise_lost_worker`), and a
+    worker's `RunInputError` (e.g. trainer/device_oom.py's) as the worker raised it."""
     import ray
 
     try:
         return ray.get(refs, timeout=timeout_s)
     except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
         raise_lost_worker(error, what, memory_hint)
+    except ray.exceptions.RayTaskError as error:
+        if isinstance(error.cause, RunInputError):  # the run's own input, said by the worker in one line
+            raise error.cause from None
+        raise

@@ -53,6 +53,8 @@ class LogprobJob:
     """Loader step the pixels belong to (with `pixels`)."""
     prompt_keys: dict[str, PromptKey] = field(default_factory=dict)
     """Sequence id -> its prompt's key, where its pixels live (with `pixels`)."""
+    logprob_chunk_bytes: int = 1 << 30
+    """`flexrl.sp.logprob_chunk_bytes` of `--config`: the byte budget of one LM-head chunk."""
 
 
 def rank_logprobs(job: LogprobJob, rank: int, group_tree=None, device=None,
@@ -99,7 +101,7 @@ def _forward(job: LogprobJob, plan, rank: int, placement, device, pixels, model=
     else:
         assert job.pixels is None or batch.route is None or not batch.route.my_units, "units without a fetch"
     with torch.no_grad():
-        logprobs = FlexUlyssesLM(model)(batch).logprobs
+        logprobs = FlexUlyssesLM(model, logits_chunk_bytes=job.logprob_chunk_bytes)(batch).logprobs
     return logprobs, batch
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 VISION_ATTENTION = ("varlen", "sdpa")
+MEMORY_CHECKS = ("refuse", "warn", "off")
 
 
 @dataclass
@@ -64,6 +65,13 @@ class TrainerConfig:
     twice the parameters' bytes, compared across leases) and log-prob passes 0-1.2 s slower a step;
     with the optimizer offloaded at ratio 0.6 the node's 125 GiB did not hold both, at 0.5 it did
     (112 GiB), without a faster step than 0.6 alone."""
+    memory_check: str = "refuse"
+    """Before any worker starts, the run's device memory per phase is estimated (trainer/memory_estimate.py;
+    `flexrl estimate-memory` prints it): "refuse" stops a run whose estimate exceeds the device, naming
+    the settings to change; "warn" says so and starts; "off" skips it. Only where there is a GPU, or
+    `device_memory_gb` is set."""
+    device_memory_gb: float | None = None
+    """The device memory the estimate checks against, in GiB; None: the GPU's own."""
     weight_sync_bucket_mb: int = 512
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0
@@ -95,5 +103,9 @@ class TrainerConfig:
         if self.vision_attention not in VISION_ATTENTION:
             raise ValueError(f"flexrl.trainer.vision_attention: one of {', '.join(VISION_ATTENTION)}, got "
                              f"{self.vision_attention!r}")
+        if self.memory_check not in MEMORY_CHECKS:
+            raise ValueError(f"flexrl.trainer.memory_check: one of {', '.join(MEMORY_CHECKS)}, got {self.memory_check!r}")
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            raise ValueError(f"flexrl.trainer.device_memory_gb: must be positive, got {self.device_memory_gb}")
         if self.timeout_s <= 0:
             raise ValueError(f"flexrl.trainer.timeout_s: must be positive, got {self.timeout_s}")

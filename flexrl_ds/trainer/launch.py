@@ -37,6 +37,7 @@ from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
 from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_trainer_state, resume_config_note
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
+from flexrl_ds.trainer.memory_check import check_memory
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
@@ -93,6 +94,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     for note in ignored_settings(run.flexrl, spmd_world=num_ranks if args.spmd else None):
         logger.info(note)  # first: the checks below judge the run by what replaced them
     check_run(run, args.model_dir, num_ranks)
+    check_memory(run, args.model_dir, num_ranks)  # refused here if it cannot fit the device (memory_check)
     ray_address()  # a job server's URL in RAY_ADDRESS is refused here, before anything starts
     check_out_dir(Path(args.out_dir), args.resume)
     data_config = run.flexrl.data.with_processor_dir(args.model_dir)
@@ -130,7 +132,7 @@ def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool)
         vision_attention=run.flexrl.trainer.vision_attention,
         offload_states_in_rollout=run.flexrl.trainer.offload_states_in_rollout,
         reference_offload_param=run.flexrl.trainer.reference_offload_param,
-        logprob_temperature=run.flexrl.rollout.temperature,
+        logprob_temperature=run.flexrl.rollout.temperature, logprob_chunk_bytes=run.flexrl.sp.logprob_chunk_bytes,
         rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {})
 
 

@@ -24,6 +24,7 @@ per step (`StepSlices`: the reference's and the update's passes reuse what the f
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
@@ -52,6 +53,7 @@ from flexrl_ds.runtime.rank_pixels import StepSlices, fetched_items, unit_reques
 from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
 from flexrl_ds.runtime.worker_group import WorkerPlace, join_process_group, node_address, open_store
 from flexrl_ds.sp.attention import FlexUlyssesAttention
+from flexrl_ds.trainer.device_oom import naming_device_oom
 from flexrl_ds.trainer.rollout_host import RolloutHost
 
 if TYPE_CHECKING:
@@ -103,6 +105,8 @@ class PolicySetup:
     logprob_temperature: float = 1.0
     """`flexrl.rollout.temperature`: the policy's and the reference's log-probs are those of their logits
     divided by it, the distribution the rollout samples from (before top-k / top-p)."""
+    logprob_chunk_bytes: int = 1 << 30
+    """`flexrl.sp.logprob_chunk_bytes`: the byte budget of one LM-head chunk (models/logprob_chunks.py)."""
 
 
 @dataclass
@@ -134,6 +138,25 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _phase_peak_bytes(rank) -> int:
+    """The phase's peak device memory in use (every allocator), or torch's where higher."""
+    usage = getattr(rank, "device_usage", None)
+    return max(usage.peak_bytes() if usage is not None else 0, device_mod.max_memory_allocated(rank.device_info))
+
+
+def phase(name: str):
+    """A policy rank's phase method: a device out-of-memory error inside it ends the run with one line
+    naming the phase, its peak and the settings to change (trainer/device_oom.py)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            with naming_device_oom(name, self.rank, functools.partial(_phase_peak_bytes, self),
+                                   lambda: device_mod.device_total_bytes(self.device_info)):
+                return method(self, *args, **kwargs)
+        return run
+    return wrap
 
 
 class PolicyWorker:
@@ -185,7 +208,8 @@ class PolicyWorker:
                                   vision_group=self.tree.domain_group, train=train,
                                   activation_checkpointing=train and self.setup.activation_checkpointing,
                                   temperature=self.setup.logprob_temperature,
-                                  vision_attention=self.setup.vision_attention)
+                                  vision_attention=self.setup.vision_attention,
+                                  logits_chunk_bytes=self.setup.logprob_chunk_bytes)
 
     # ---- passes -------------------------------------------------------------------------------
     def _batches(self, job: PassJob) -> list:
@@ -223,6 +247,7 @@ class PolicyWorker:
                              f"decode after the step was planned: {fetched.withdrawn_reasons()}")
         self.slices.add(step, requests, fetched.tensors)
 
+    @phase("logprobs")
     def logprobs(self, job: PassJob) -> tuple[dict[str, list], dict[str, float]]:
         """This rank's pieces of next-token log-probs (no grad) of the policy or the reference, and
         its seconds: {"batches": building the micro-batches (the pixel pulls included), "forward":
@@ -240,6 +265,7 @@ class PolicyWorker:
                 pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].tolist()))
         return pieces, {"batches": built - started, "forward": time.perf_counter() - built}
 
+    @phase("update")
     def train(self, job: PassJob) -> dict[str, float]:
         """One mini-batch update (models/policy_update.train_step); the mini-batch's statistics
         (all-reduced: the same on every rank) and the global grad norm."""
@@ -305,6 +331,7 @@ class PolicyWorker:
                 **{key: float(now[key] - before[key]) for key in now}}
 
     # ---- weights ------------------------------------------------------------------------------
+    @phase("sync")
     def sync_rollout(self, bucket_bytes: int) -> dict[str, float]:
         """Colocated: every rank gathers the policy's weights in buckets into its own engine. A rank
         whose engine fails to load a bucket still joins the remaining gathers (the other ranks wait on
@@ -345,6 +372,7 @@ class PolicyWorker:
         self.channel = WeightChannel(address, 0, self.channel_store)
         return self.channel.transport
 
+    @phase("sync")
     def send_weights(self, bucket_bytes: int) -> dict[str, float]:
         """Separate engines: every rank gathers the buckets (collective); rank 0 copies each one and
         broadcasts it over the weight channel as it is gathered (runtime/weight_channel.py). If the
@@ -365,6 +393,7 @@ class PolicyWorker:
             sent = 0
         return {"sync_s": time.perf_counter() - started, "bytes": float(sent)}
 
+    @phase("rollout")
     def generate(self, step: int, jobs: list, params: SamplingParams):
         """Colocated rollout of this rank's share of the step's prompts. On a GPU the policy's states
         leave the device first (`_offload_states`) and torch's cached blocks go back to it: a vLLM
@@ -372,7 +401,7 @@ class PolicyWorker:
         The output's `engine_peak_bytes` is the device's peak from the wake to the end of generation."""
         assert self.rollout is not None, "generate on a policy rank without a colocated engine"
         started = time.perf_counter()
-        offloaded, waking = started, False
+        offloaded, waking, failed = started, False, True
         try:
             if self.device_info.is_gpu:
                 self._offload_states()
@@ -383,19 +412,29 @@ class PolicyWorker:
             woken = time.perf_counter()
             output = self.rollout.generate(step, jobs, params)
             output.engine_peak_bytes = self.device_usage.end_window()
+            failed = False
         finally:
             generated = time.perf_counter()
-            slept = self._sleep_and_reload(waking)
+            slept = self._sleep_and_reload(waking, failed)
         output.times_s.update(offload=offloaded - started, wake=woken - offloaded, sleep=slept - generated,
                               reload=time.perf_counter() - slept)
         return output
 
-    def _sleep_and_reload(self, engine_woke: bool) -> float:
+    def _sleep_and_reload(self, engine_woke: bool, rollout_failed: bool = False) -> float:
         """After a rollout, also a failed one: the engine sleeps again if it was asked to wake, then the
-        policy's states come back, also when that sleep fails. Returns when the sleep ended."""
+        policy's states come back, also when that sleep fails. After a failed rollout a failed sleep is
+        said, not raised: the rollout's error is the one the run ends with (a wake that ran out of
+        memory leaves vLLM unable to sleep). Returns when the sleep ended."""
         try:
             if engine_woke:
-                self.rollout.sleep()
+                try:
+                    self.rollout.sleep()
+                except Exception as error:
+                    if not rollout_failed:
+                        raise
+                    notes.say(f"rank {self.rank}: after the failed rollout the engine's sleep failed too "
+                              f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]})",
+                              console=self.rank == 0)
         finally:
             slept = time.perf_counter()
             if self.rollout_offload is not None and self.rollout_offload.offloaded():

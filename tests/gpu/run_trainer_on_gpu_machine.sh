@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # The GRPO trainer on one GPU (issues 9, 10): a Qwen2.5-VL-shaped model with random bf16 weights, a
 # rollout backend (BACKEND=hf | vllm, default hf) colocated with the ZeRO-3 policy and reference,
-# STEPS steps (default 2) on images and videos. The run config is the shape's shipped one-H200 file,
-# ds_configs/grpo_vl{3b,7b}_1xh200.json, with the switches below on top.
-#   SHAPE=3b (default): all ZeRO-3 states on the GPU.
+# STEPS steps (default 2) on images and videos. The run config is the shape's shipped one-GPU file of
+# the card, ds_configs/grpo_vl{3b,7b}_1x{h200,h100}.json (CARD below), with the switches below on top.
+#   SHAPE=3b (default): with the H200 file all ZeRO-3 states on the GPU.
+#   CARD=h100|h200: which shipped one-GPU file, ds_configs/grpo_vl{3b,7b}_1x{h100,h200}.json (default: h100
+#     on a GPU of under 100 GiB, else h200). The 80 GB files (ds_configs/README.md) checkpoint activations, cap
+#     a micro-batch at 16,384 tokens per rank, move the policy's states off the GPU while vLLM generates and
+#     offload part of the optimizer (3B: 30%; 7B: 60%, and no reference model: flexrl.rl.init_kl_coef 0).
+#   VOCAB_SIZE=n: the model's vocabulary rows (default 151,936: Qwen2.5-VL's, the tokenizer grown with
+#     generated filler tokens, models/vocabulary.py; the runs before 2026-12-05 had the tiny tokenizer's 640).
 #   SHAPE=7b: ZeRO-3 with 60% of the optimizer offloaded to pinned host memory (`offload_optimizer.ratio`,
 #     `pin_memory`; host memory ~ 4 B/param of fp32 gradient buffer for all parameters + ratio x 16 B/param of
 #     master weights, moments and gradients: 101 GiB in use at 0.6 for 7.1B parameters, ~132 GiB at 1.0,
@@ -64,11 +70,13 @@
 #     call that much more.
 #   VISION_ATTENTION=sdpa: the vision tower's attention as transformers runs it, one SDPA call per
 #     window (`flexrl.trainer.vision_attention`; default varlen: one call per layer).
-#   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
+#   CKPT=0|1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward;
+#     default: the file's).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
 #   UPDATE_BENCH=1: instead of training, `flexrl bench update` (its five ways, flexrl_ds/bench/update_bench.py) on the data's 16 prompts x 4 samples with
-#     RESPONSE_LENGTH (default 350) random response tokens (CKPT=1: checkpointed): one update's forward
+#     RESPONSE_LENGTH (default 350) random response tokens (checkpointed where the run config says: the 80 GB
+#     files, or CKPT=1): one update's forward
 #     and backward as plain transformers, as FlexUlyssesLM, and in the run config's ZeRO-3 engine
 #     (OUT/update_bench.txt and .json; the whole output in OUT/update_bench.log). UPDATE_BENCH_ARGS:
 #     more arguments, e.g. "--ways flexrl,zero3 --repeats 2". UPDATE_BENCH_PROFILE=1: one more zero3
@@ -86,20 +94,27 @@ mkdir -p "$out"
 backend=${BACKEND:-hf}
 steps=${STEPS:-2}
 shape=${SHAPE:-3b}
+export CARD=${CARD:-$( [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 102400 ] \
+  && echo h100 || echo h200)}
+echo "card: $CARD (ds_configs/grpo_vl${shape}_1x$CARD.json)"
 source tests/gpu/gpu_env.sh
 export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 work=/tmp/flexrl-trainer
 mkdir -p "$work"
 start=$(date +%s)
-# Qwen2.5-VL decoder and vision shapes (the vocabulary is the tiny tokenizer's, ~640 rows instead of
-# 151,936): 3b ~2.9B parameters, 7b ~7.2B. Weights are made on the GPU in bf16 and saved.
-[ -f "$work/m$shape/model.safetensors.index.json" ] || [ -f "$work/m$shape/model.safetensors" ] || \
-  python3 - "$work/m$shape" "$shape" <<'PY'
+# Qwen2.5-VL decoder, vision and vocabulary shapes: VOCAB_SIZE rows (default 151,936, Qwen2.5-VL's: a
+# locally built byte-level BPE grown with filler tokens, models/vocabulary.py; until 2026-12-05 the runs
+# had the tiny tokenizer's ~640 rows). Weights are made on the GPU in bf16 and saved.
+vocab=${VOCAB_SIZE:-151936}
+model="$work/m$shape-v$vocab"
+[ -f "$model/model.safetensors.index.json" ] || [ -f "$model/model.safetensors" ] || \
+  python3 - "$model" "$shape" "$vocab" <<'PY'
 import sys
 import torch, transformers
 from flexrl_ds.bench.rollout_bench import SHAPES
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
-out = make_tiny_model(TinyModelConfig(out_dir=sys.argv[1], **SHAPES[sys.argv[2]]), weights=False)
+shape = dict(SHAPES[sys.argv[2]], vocab_size=int(sys.argv[3]))
+out = make_tiny_model(TinyModelConfig(out_dir=sys.argv[1], **shape), weights=False)
 torch.manual_seed(0)
 with torch.device("cuda"):
     model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
@@ -118,13 +133,14 @@ python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" "$(nvidia-smi
 import json, os, sys
 path, backend, shape, colocate, gpus = sys.argv[1:]
 gpus = int(gpus)
-# The shipped one-H200 config of the shape (ds_configs/README.md), with this run's choices on top.
-config = json.load(open(f"ds_configs/grpo_vl{shape}_1xh200.json"))
+# The shipped one-GPU config of the shape and card (ds_configs/README.md), with this run's choices on top.
+config = json.load(open(f"ds_configs/grpo_vl{shape}_1x{os.environ.get('CARD', 'h200')}.json"))
 if "PROFILE_STEP" in os.environ:  # torch.profiler over that step's log-prob, update and sync phases
     config["flexrl"]["trainer"]["profile_step"] = int(os.environ["PROFILE_STEP"])
 config["flexrl"]["trainer"].update(save_every=0,
-                                   save_last=os.environ.get("SAVE") == "1",  # the disk holds few checkpoints
-                                   activation_checkpointing=os.environ.get("CKPT") == "1")
+                                   save_last=os.environ.get("SAVE") == "1")  # the disk holds few checkpoints
+if "CKPT" in os.environ:  # else the file's (the 80 GB files checkpoint, the H200 files do not)
+    config["flexrl"]["trainer"]["activation_checkpointing"] = os.environ["CKPT"] == "1"
 if "VISION_ATTENTION" in os.environ:  # varlen (one call per layer) or sdpa (per window)
     config["flexrl"]["trainer"]["vision_attention"] = os.environ["VISION_ATTENTION"]
 if os.environ.get("REF_OFFLOAD") == "1":  # the reference's parameters in host memory
@@ -169,8 +185,8 @@ json.dump(config, open(path, "w"), indent=1)
 PY
 cp "$work/config.json" "$out/config.json"
 if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs FlexUlysses vs its ZeRO-3 engine
-  python3 -m flexrl_ds bench update --model "$work/m$shape" --data "$data/train.jsonl" --config "$work/config.json" \
-    --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $([ "${CKPT:-0}" = 1 ] && echo --checkpointing) ${UPDATE_BENCH_ARGS:-} \
+  python3 -m flexrl_ds bench update --model "$model" --data "$data/train.jsonl" --config "$work/config.json" \
+    --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $(python3 -c "import json, sys; print('--checkpointing' if json.load(open(sys.argv[1]))['flexrl']['trainer']['activation_checkpointing'] else '')" "$work/config.json") ${UPDATE_BENCH_ARGS:-} \
     $([ "${UPDATE_BENCH_PROFILE:-0}" = 1 ] && echo --profile "$out/update_profile") \
     --json "$out/update_bench.json" > "$out/update_bench.log" 2>&1 || echo "bench update failed: exit $?" >> "$out/update_bench.log"
   grep "bench update" "$out/update_bench.log" | tee "$out/update_bench.txt"
@@ -185,7 +201,7 @@ fi
 sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
 rm -rf "$out/run"  # a new run each time (flexrl train refuses an --out holding another run's steps)
-python3 -m flexrl_ds train --config "$work/config.json" --model "$work/m$shape" --data "$data/train.jsonl" \
+python3 -m flexrl_ds train --config "$work/config.json" --model "$model" --data "$data/train.jsonl" \
   --out "$out/run" --max-steps "$steps" 2>&1 | tee "$out/train.log" | grep -v "Loading weights" | tail -40
 if [ "${ZERO3_TRACE_WARNINGS:-0}" = 1 ]; then  # from the workers' Ray logs (the driver prints only said lines)
   grep -h "Invalidate trace cache" /tmp/ray/session_latest/logs/*.out 2>/dev/null | cut -c1-200 \

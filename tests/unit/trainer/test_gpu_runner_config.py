@@ -18,7 +18,7 @@ RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
 RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "REF_OFFLOAD", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
                    "TEMPERATURE", "TOP_P", "TOP_K", "PROMPTS", "RESPONSE_LENGTH", "MAX_TOKENS_PER_RANK", "LOGPROB_MAX_TOKENS_PER_RANK", "PROFILE_STEP",
                    "VISION_ATTENTION", "PACK_BELOW", "PACK_BUDGET", "ZERO3_PERSISTENCE",
-                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS")
+                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS", "CARD")
 """Environment variables the runner's config step reads (cleared, then set by each test)."""
 
 
@@ -127,3 +127,14 @@ def test_separate_engines_share_one_gpu_or_take_whole_ones(tmp_path):
 def load_run_config_of(raw: dict, path: Path):
     path.write_text(json.dumps(raw))
     return load_run_config(path)
+
+
+@pytest.mark.parametrize("shape", ["3b", "7b"])
+def test_card_h100_takes_the_80gb_files(tmp_path, shape):
+    shipped = json.loads((ROOT / "ds_configs" / f"grpo_vl{shape}_1xh100.json").read_text())
+    raw = build(tmp_path, "vllm", shape, CARD="h100")
+    load_run_config(tmp_path / f"{shape}_vllm_1_1.json")
+    assert raw["zero_optimization"] == shipped["zero_optimization"]
+    assert raw["flexrl"]["trainer"]["activation_checkpointing"]  # the file's, CKPT unset
+    assert raw["flexrl"]["trainer"]["offload_states_in_rollout"]
+    assert not build(tmp_path, "vllm", shape, CARD="h100", CKPT="0")["flexrl"]["trainer"]["activation_checkpointing"]

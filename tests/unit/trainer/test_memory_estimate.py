@@ -1,0 +1,148 @@
+"""The device memory estimate (trainer/memory_estimate.py) against hand-computed cases, and the
+pre-start check and `flexrl estimate-memory` on a tiny model (trainer/memory_check.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from flexrl_ds.trainer.memory_estimate import (CONTEXT_BYTES, ENGINE_ASLEEP_BYTES, GIB, MemoryInputs,
+                                               activation_bytes, estimate_memory, policy_states,
+                                               states_kept_in_rollout)
+
+SMALL = dict(params=1000, hidden=8, layers=2, intermediate=16, kv_dim=4, largest_param=100, device_bytes=10**6)
+
+
+def test_policy_states_by_hand():
+    # 1000 bf16 parameters over 2 ranks: 2 B each, fp32 gradients 4 B, master + moments 12 B
+    assert policy_states(MemoryInputs(**SMALL, ranks=2)) == {
+        "policy parameters": 1000, "policy gradients": 2000, "optimizer states": 6000}
+    # half the optimizer in host memory: gradients and optimizer halve on the device; fp32 training: no master copy
+    assert policy_states(MemoryInputs(**SMALL, ranks=2, optimizer_offload_ratio=0.5)) == {
+        "policy parameters": 1000, "policy gradients": 1000, "optimizer states": 3000}
+    assert policy_states(MemoryInputs(**SMALL, dtype_bytes=4, master_weights=False, param_offload=True)) == {
+        "policy parameters": 0, "policy gradients": 4000, "optimizer states": 8000}
+
+
+def test_what_stays_on_the_device_while_the_engine_generates():
+    states = {"policy parameters": 1, "policy gradients": 2, "optimizer states": 3}
+    assert states_kept_in_rollout(MemoryInputs(**SMALL, offload_states_in_rollout=False), states) == states
+    assert states_kept_in_rollout(MemoryInputs(**SMALL, fused_adam=True), states) == {}
+    assert states_kept_in_rollout(MemoryInputs(**SMALL), states) == {"optimizer states": 3, "policy gradients": 2}
+    assert states_kept_in_rollout(MemoryInputs(**SMALL, optimizer_offload_ratio=0.5), states) == {
+        "policy gradients": 2, "optimizer states": 3}
+
+
+def test_activations_by_hand():
+    # per token and layer: 2 B x (12 x 8 hidden + 4 x 16 MLP + 4 x 4 KV) = 352 B
+    inputs = MemoryInputs(**SMALL, update_tokens=10)
+    assert activation_bytes(inputs) == 2 * 352 * 10
+    # checkpointed: one hidden state per layer (2 x 8 x 2 B) and one layer's whole set
+    assert activation_bytes(dataclasses.replace(inputs, checkpointing=True)) == (2 * 8 * 2 + 352) * 10
+
+
+def test_phases_by_hand():
+    inputs = MemoryInputs(**dict(SMALL, device_bytes=100 * GIB), gpu_memory_utilization=0.25, update_tokens=10,
+                          logprob_tokens=20, logprob_chunk_bytes=500, reduce_bucket_elements=50,
+                          prefetch_elements=10, reuse_elements=20, sub_group_elements=10**9, sync_bucket_bytes=300)
+    estimate = estimate_memory(inputs)
+    states = 2000 + 4000 + 12000  # one rank: parameters, fp32 gradients, master weights and moments
+    reference, gathered = 2000, (100 + 10 + 20) * 2
+    assert estimate.total("rollout") == 4000 + 12000 + reference + 25 * GIB + CONTEXT_BYTES
+    assert estimate.total("logprobs") == (states + reference + ENGINE_ASLEEP_BYTES + gathered + 500
+                                          + 2 * (6 * 8 + 3 * 16) * 20 + CONTEXT_BYTES)
+    step_grads = 1000 * 4  # the optimizer step's fp32 gradients of the (one) sub-group
+    assert estimate.total("update") == (states + reference + ENGINE_ASLEEP_BYTES + gathered + 50 * 2
+                                        + max(2 * 352 * 10 + 500, step_grads) + CONTEXT_BYTES)
+    assert estimate.total("sync") == states + reference + 2000 + 300 + gathered + CONTEXT_BYTES
+    assert estimate.fits() and not estimate.refused()
+    separate = estimate_memory(dataclasses.replace(inputs, engine=None))
+    assert set(separate.phases) == {"logprobs", "update"}
+
+
+def qwen_like(**changes) -> MemoryInputs:
+    """A 3B-like model on an 80 GB card (the issue's H100 case)."""
+    base = dict(params=3_960_000_000, hidden=2048, layers=36, intermediate=11008, kv_dim=256,
+                largest_param=311_000_000, device_bytes=int(79.6 * GIB), gpu_memory_utilization=0.3,
+                offload_states_in_rollout=False, update_tokens=52_000, logprob_tokens=52_000,
+                reuse_elements=200_000_000)
+    return MemoryInputs(**{**base, **changes})
+
+
+def test_a_run_over_the_device_is_refused_and_the_advice_makes_it_fit():
+    estimate = estimate_memory(qwen_like())
+    assert estimate.refused() and {"rollout", "update"} <= set(estimate.over())
+    rollout = estimate.advice("rollout")  # torch's AdamW: the move takes the parameters (7.4 GiB) off
+    assert any(line.startswith("flexrl.trainer.offload_states_in_rollout: true (saves ~7.4 GiB)") for line in rollout)
+    fused = estimate_memory(qwen_like(fused_adam=True)).advice("rollout")  # FusedAdam: every state moves
+    assert fused[0].startswith("flexrl.trainer.offload_states_in_rollout: true (saves ~66.4 GiB)")
+    update = estimate.advice("update")
+    assert any(line.startswith("flexrl.trainer.activation_checkpointing: true") for line in update)
+    # the states alone fill the device: no token cap can make it fit, so none is offered
+    assert not any(line.startswith("flexrl.sp.max_tokens_per_rank") for line in update)
+    offloaded = estimate_memory(qwen_like(optimizer_offload_ratio=0.3))
+    cap = next(line for line in offloaded.advice("update") if line.startswith("flexrl.sp.max_tokens_per_rank"))
+    tokens = int(cap.split(": ")[1].split(" ")[0])
+    # the suggested cap alone takes the activations under what the update's other terms leave
+    capped = estimate_memory(qwen_like(optimizer_offload_ratio=0.3, update_tokens=tokens))
+    assert capped.total("update") <= capped.device_bytes < estimate_memory(
+        qwen_like(optimizer_offload_ratio=0.3, update_tokens=tokens + 512)).total("update")
+    fixed = estimate_memory(qwen_like(offload_states_in_rollout=True, checkpointing=True, update_tokens=16384,
+                                      optimizer_offload_ratio=0.3))
+    assert fixed.fits(), fixed.format()
+
+
+def test_within_the_uncertainty_is_not_refused():
+    inputs = qwen_like(engine=None, checkpointing=True, update_tokens=16384, optimizer_offload_ratio=0.3)
+    total = max(estimate_memory(inputs).total(p) for p in ("update", "logprobs"))  # not the device's share
+    near = estimate_memory(dataclasses.replace(inputs, device_bytes=int(total / 1.02)))
+    assert not near.fits() and not near.refused() and "may fit" in near.format()
+    far = estimate_memory(dataclasses.replace(inputs, device_bytes=int(total / 1.05)))
+    assert far.refused()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+
+    return str(make_tiny_model(TinyModelConfig(out_dir=str(tmp_path_factory.mktemp("mem") / "vl")), weights=False))
+
+
+def run_config(tmp_path, **trainer):
+    from flexrl_ds.config.flexrl_config import load_run_config
+
+    raw = json.loads(open("ds_configs/grpo_tiny_cpu.json").read())
+    raw["flexrl"]["trainer"].update(trainer)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    return load_run_config(path), path
+
+
+def test_pre_start_check_refuses_warns_or_skips(tmp_path, tiny_model, capsys):
+    from flexrl_ds.trainer.memory_check import check_memory
+
+    run, _ = run_config(tmp_path, device_memory_gb=0.01)
+    with pytest.raises(ValueError, match=r"device memory: the \w+ phase needs .* Change .*flexrl\.") as error:
+        check_memory(run, tiny_model, 4)
+    assert "\n" not in str(error.value)
+    run, _ = run_config(tmp_path, device_memory_gb=0.01, memory_check="warn")
+    assert not check_memory(run, tiny_model, 4).fits()
+    assert capsys.readouterr().out.startswith("warning: device memory:")
+    run, _ = run_config(tmp_path, device_memory_gb=0.01, memory_check="off")
+    assert check_memory(run, tiny_model, 4) is None
+    run, _ = run_config(tmp_path, device_memory_gb=80)
+    assert check_memory(run, tiny_model, 4).fits()
+
+
+def test_estimate_memory_command(tmp_path, tiny_model, capsys):
+    from flexrl_ds.cli.main import main
+
+    _, path = run_config(tmp_path)
+    assert main(["estimate-memory", "--config", str(path), "--model", tiny_model, "--device-memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "update" in out and "fits" in out
+    assert main(["estimate-memory", "--config", str(path), "--model", tiny_model, "--device-memory-gb", "0.01",
+                 "--prompt-tokens", "100"]) == 1
+    assert "over in" in capsys.readouterr().out
