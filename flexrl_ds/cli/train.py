@@ -42,8 +42,10 @@ def _add_estimate_memory(commands) -> None:
     estimate.add_argument("--config", required=True, help="DeepSpeed JSON with a 'flexrl' section")
     estimate.add_argument("--model", required=True, help="HF model directory (only its config.json is read)")
     estimate.add_argument("--device-memory-gb", type=float, default=None,
-                          help="device memory in GiB (default: flexrl.trainer.device_memory_gb, else this machine's GPU)")
-    estimate.add_argument("--ranks", type=int, default=None, help="policy ranks (default: flexrl.trainer.num_policy_ranks)")
+                          help="device memory in GiB (default: flexrl.trainer.device_memory_gb, "
+                               "else this machine's GPU)")
+    estimate.add_argument("--ranks", type=int, default=None,
+                          help="policy ranks (default: flexrl.trainer.num_policy_ranks)")
     estimate.add_argument("--prompt-tokens", type=int, default=0,
                           help="tokens of a prompt, vision tokens included (default 0: the responses alone)")
     estimate.set_defaults(func=_estimate_memory)

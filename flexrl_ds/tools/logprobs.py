@@ -347,10 +347,10 @@ def _plan_and_run(config: LogprobsConfig, samples: dict[str, Any], ranks,
         plan.save(config.plan_out)
     logger.info(f"planned {len(samples)} sequences ({sum(s.length for s in samples.values())} tokens) on "
                 f"{config.num_procs} ranks: degrees {sorted({p.degree for p in plan.packs})}, {len(plan.packs)} packs")
-    chunk_bytes = load_run_config(config.run_config).flexrl.sp.logprob_chunk_bytes if config.run_config else None
     job = logprob_worker.LogprobJob(model_dir=config.model_dir, dtype=config.dtype, plan_json=plan.to_json(),
-                                    samples=samples, timeout_s=config.timeout_s, **pixels,
-                                    **({"logprob_chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+                                    samples=samples, timeout_s=config.timeout_s, **pixels)
+    if config.run_config:  # the run's LM-head chunk budget; else LogprobJob's default
+        job.logprob_chunk_bytes = load_run_config(config.run_config).flexrl.sp.logprob_chunk_bytes
     usage = DataUsage(controller_pixel_bytes=pixel_bytes_in(samples))
     if ranks is None:
         stats: dict[str, float] = {}

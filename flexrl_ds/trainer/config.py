@@ -104,7 +104,8 @@ class TrainerConfig:
             raise ValueError(f"flexrl.trainer.vision_attention: one of {', '.join(VISION_ATTENTION)}, got "
                              f"{self.vision_attention!r}")
         if self.memory_check not in MEMORY_CHECKS:
-            raise ValueError(f"flexrl.trainer.memory_check: one of {', '.join(MEMORY_CHECKS)}, got {self.memory_check!r}")
+            raise ValueError(f"flexrl.trainer.memory_check: one of {', '.join(MEMORY_CHECKS)}, "
+                             f"got {self.memory_check!r}")
         if self.device_memory_gb is not None and self.device_memory_gb <= 0:
             raise ValueError(f"flexrl.trainer.device_memory_gb: must be positive, got {self.device_memory_gb}")
         if self.timeout_s <= 0:

@@ -45,8 +45,9 @@ def is_device_oom(error: BaseException) -> bool:
 def oom_line(phase: str, rank: int, peak_bytes: int, total_bytes: int | None, error: BaseException) -> str:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
     device = f" of the device's {total_bytes / 2**30:.1f} GiB" if total_bytes else ""
-    return (f"rank {rank}: out of device memory in the {phase} phase (peak {peak_bytes / 2**30:.1f} GiB in use{device}; "
-            f"{first}). Change {PHASE_SETTINGS.get(phase, 'the batch')}; `flexrl estimate-memory` shows the phase's terms")
+    return (f"rank {rank}: out of device memory in the {phase} phase (peak {peak_bytes / 2**30:.1f} GiB "
+            f"in use{device}; {first}). Change {PHASE_SETTINGS.get(phase, 'the batch')}; "
+            "`flexrl estimate-memory` shows the phase's terms")
 
 
 @contextlib.contextmanager

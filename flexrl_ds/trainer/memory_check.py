@@ -77,13 +77,15 @@ def memory_inputs(run: Any, model_dir: str, num_ranks: int, device_bytes: int, p
     trainer, rollout = flexrl.trainer, flexrl.rollout
     engine = rollout.backend if trainer.colocate else None
     options = getattr(rollout, rollout.backend, None)
+    sizes: dict[str, Any] = dict(size or model_size(model_dir))
+    budget: dict[str, Any] = token_budget(flexrl, num_ranks, prompt_tokens)
     return MemoryInputs(
-        **(size or model_size(model_dir)), device_bytes=device_bytes, ranks=num_ranks, **zero3_inputs(run.deepspeed),
+        **sizes, device_bytes=device_bytes, ranks=num_ranks, **zero3_inputs(run.deepspeed),
         reference=flexrl.rl.init_kl_coef > 0, reference_offload=trainer.reference_offload_param, engine=engine,
         gpu_memory_utilization=float(getattr(options, "gpu_memory_utilization", 0.0) or 0.0),
         offload_states_in_rollout=trainer.offload_states_in_rollout, checkpointing=trainer.activation_checkpointing,
         logprob_chunk_bytes=flexrl.sp.logprob_chunk_bytes, sync_bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
-        **token_budget(flexrl, num_ranks, prompt_tokens))
+        **budget)
 
 
 def refusal(estimate: MemoryEstimate, prompt_tokens: int) -> str:
@@ -91,8 +93,9 @@ def refusal(estimate: MemoryEstimate, prompt_tokens: int) -> str:
     phase = estimate.over()[0]
     inputs = estimate.inputs
     assert inputs is not None
-    tokens = (f"{inputs.update_tokens} tokens per rank in an update micro-batch"
-              + ("" if prompt_tokens else ", counting the responses at flexrl.rollout.max_response_length and no prompt tokens"))
+    counted = "" if prompt_tokens else (", counting the responses at flexrl.rollout.max_response_length "
+                                        "and no prompt tokens")
+    tokens = f"{inputs.update_tokens} tokens per rank in an update micro-batch{counted}"
     advice = estimate.advice(phase)
     return (f"device memory: the {phase} phase needs ~{estimate.total(phase) / GIB:.1f} GiB of the device's "
             f"{estimate.device_bytes / GIB:.1f} GiB ({tokens}; `flexrl estimate-memory` shows every term). Change "

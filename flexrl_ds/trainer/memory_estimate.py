@@ -133,8 +133,8 @@ class MemoryEstimate:
             lines.append(f"{name:<28}" + "".join(
                 f"{self.phases[p][name] / GIB:>10.1f}" if name in self.phases[p] else f"{'':>10}" for p in phases))
         lines.append(f"{'total':<28}" + "".join(f"{self.total(p) / GIB:>10.1f}" for p in phases))
-        verdict = "fits" if self.fits() else (f"over in {', '.join(self.over())}"
-                                              + ("" if self.refused() else f", by less than {UNCERTAINTY:.0%}: may fit"))
+        near = "" if self.refused() else f", by less than {UNCERTAINTY:.0%}: may fit"
+        verdict = "fits" if self.fits() else f"over in {', '.join(self.over())}{near}"
         lines.append(f"device: {self.device_bytes / GIB:.1f} GiB; {verdict}")
         return "\n".join(lines)
 
@@ -246,9 +246,9 @@ def offload_advice(i: MemoryInputs, terms: dict[str, int], over: int) -> tuple[i
     on_device = terms["optimizer states"] + terms["policy gradients"]
     whole = on_device / (1.0 - i.optimizer_offload_ratio)  # what ratio 0 would keep on the device
     ratio = min(1.0, -(-(i.optimizer_offload_ratio + max(over, 0) / whole) * 20 // 1) / 20)
-    return (int(whole * (ratio - i.optimizer_offload_ratio)),
-            f"zero_optimization.offload_optimizer: device cpu, ratio {ratio:.2f} (~{whole * (ratio - i.optimizer_offload_ratio) / GIB:.0f} "
-            "GiB more host memory)")
+    moved = whole * (ratio - i.optimizer_offload_ratio)
+    return (int(moved), f"zero_optimization.offload_optimizer: device cpu, ratio {ratio:.2f} "
+                        f"(~{moved / GIB:.0f} GiB more host memory)")
 
 
 def activation_advice(i: MemoryInputs, over: int) -> list[tuple[int, str]]:
