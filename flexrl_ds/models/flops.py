@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from flexrl_ds.families.qwen2_5_vl import QWEN2_5_VL
 from flexrl_ds.planning.cost_model import LayerShapes
 
 
@@ -106,14 +107,14 @@ class VisionShape:
     window_merged: int
     """Merged tokens along one side of a window (window_size // patch_size // merge_size)."""
     out_hidden_size: int
+    num_mergers: int = 1
+    """Patch mergers run over every unit (Qwen3-VL: 1 + its DeepStack mergers)."""
 
     @classmethod
-    def from_config(cls, vision_config: Any) -> "VisionShape":
-        c = vision_config
-        return cls(int(c.hidden_size), int(c.intermediate_size), int(c.depth), len(c.fullatt_block_indexes),
-                   int(c.in_channels) * int(c.temporal_patch_size) * int(c.patch_size) ** 2,
-                   int(c.spatial_merge_size), int(c.window_size) // int(c.spatial_merge_size) // int(c.patch_size),
-                   int(c.out_hidden_size))
+    def from_config(cls, vision_config: Any, family: Any = None) -> "VisionShape":
+        """From a vision config, by its family's fields (`ModelFamily.vision_shape_fields`; None:
+        Qwen2.5-VL's, windows and full-attention blocks)."""
+        return cls(**(family or QWEN2_5_VL).vision_shape_fields(vision_config))
 
 
 def _window_sides(merged: int, window: int) -> list[int]:
@@ -131,7 +132,7 @@ def vision_unit_flops(shape: VisionShape, grid_h: int, grid_w: int) -> float:
     windowed = shape.depth - shape.full_attention_blocks
     attention = 4.0 * d * (windowed * window_keys + shape.full_attention_blocks * patches * patches)
     merged = patches // (merge * merge)
-    merger = 2.0 * merged * (merge ** 4 * d * d + merge * merge * d * shape.out_hidden_size)
+    merger = 2.0 * merged * (merge ** 4 * d * d + merge * merge * d * shape.out_hidden_size) * shape.num_mergers
     return 2.0 * patches * shape.patch_dim * d + shape.depth * block_matmuls + attention + merger
 
 
