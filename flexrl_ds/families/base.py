@@ -48,6 +48,9 @@ class ModelFamily:
     image_size_default: dict[str, int] = {}
     video_size_default: dict[str, int] = {}
 
+    video_budget_over_frames: bool = False
+    """The video processor's size bounds cover all of a video's frames (Qwen3-VL), not one frame."""
+
     def video_frame_positions(self, num_frames: int, video_fps: float, target_fps: float, min_frames: int,
                               max_frames: int, temporal_patch_size: int) -> list[int]:
         """Sampled positions (0-based, within the `num_frames` in range) of a video."""

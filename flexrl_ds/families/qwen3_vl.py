@@ -124,6 +124,7 @@ class Qwen3_VL(Qwen2_5_VL):
                                     min_frames=4, max_frames=768, max_video_tokens=768)
     video_size_default = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
     vision_start, vision_end = "<|vision_start|>", "<|vision_end|>"
+    video_budget_over_frames = True
 
     def video_frame_positions(self, num_frames, video_fps, target_fps, min_frames, max_frames, temporal_patch_size):
         positions = linspace_frame_positions(num_frames, video_fps, target_fps, min_frames, max_frames)

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from flexrl_ds.families import family_for
+from flexrl_ds.families.qwen2_5_vl import QWEN2_5_VL
 from flexrl_ds.media import image_io
 from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
@@ -46,11 +48,14 @@ class PixelGeometry:
     """Pass `cap_pixels_per_frame=False` with videos: the frames given are final (any per-video cap
     was applied by the ShadowLoader), so the processor must not shrink them again whatever its
     default. Set where the installed transformers knows the keyword."""
+    family: str = "qwen2_5_vl"
+    """The model family's `model_type` (flexrl_ds/families/): its video metadata and size bounds."""
 
     @classmethod
     def from_media_config(cls, config: Any, pin_frame_cap: bool = False) -> "PixelGeometry":
         return cls(config.patch_size, config.merge_size, config.temporal_patch_size, tuple(config.image_mean),
-                   tuple(config.image_std), config.rescale_factor, config.do_normalize, pin_frame_cap)
+                   tuple(config.image_std), config.rescale_factor, config.do_normalize, pin_frame_cap,
+                   config.processor_family)
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ def processor_kwargs(items: Sequence[VisionItem], geometry: PixelGeometry) -> di
     - `cap_pixels_per_frame` off (`geometry.pin_frame_cap`): nor are they to be shrunk again."""
     if not items:
         return {}
-    pixels = [item.grid_thw[1] * item.grid_thw[2] * geometry.patch_size ** 2 for item in items]
+    pixels = [_bounded_pixels(item, geometry) for item in items]
     kwargs: dict[str, Any] = {"size": {"shortest_edge": min(pixels), "longest_edge": max(pixels)}}
     videos = [item for item in items if item.kind == "video"]
     if videos:
@@ -117,12 +122,19 @@ def processor_kwargs(items: Sequence[VisionItem], geometry: PixelGeometry) -> di
     return kwargs
 
 
+def _bounded_pixels(item: VisionItem, geometry: PixelGeometry) -> int:
+    """The pixel count the processor's size bounds apply to: a frame's, or (Qwen3-VL's videos) all frames'."""
+    frame = item.grid_thw[1] * item.grid_thw[2] * geometry.patch_size ** 2
+    if item.kind == "video" and family_for(geometry.family).video_budget_over_frames:
+        return frame * item.grid_thw[0] * geometry.temporal_patch_size
+    return frame
+
+
 def video_metadata(item: VisionItem, geometry: PixelGeometry) -> dict[str, Any]:
-    """transformers' VideoMetadata fields of a video whose frames were all sampled at its fps."""
-    frames = item.grid_thw[0] * geometry.temporal_patch_size
-    fps = geometry.temporal_patch_size / item.second_per_grid_t
-    return {"total_num_frames": frames, "fps": fps, "duration": frames / fps, "frames_indices": list(range(frames)),
-            "height": item.grid_thw[1] * geometry.patch_size, "width": item.grid_thw[2] * geometry.patch_size}
+    """transformers' VideoMetadata fields of one video, by the family (`ModelFamily.vllm_video_metadata`):
+    Qwen2.5-VL's frames all sampled at fps = temporal_patch_size / second_per_grid_t (its mRoPE
+    temporal positions); Qwen3-VL's source fps and source frame indices (its prompt timestamps)."""
+    return family_for(geometry.family).vllm_video_metadata(item, geometry)
 
 
 def build_prompt(request: RolloutRequest, tokens: VisionTokens, geometry: PixelGeometry) -> dict[str, Any]:
@@ -206,21 +218,16 @@ def check_expanded_prompt(request: RolloutRequest, vllm_prompt_ids: Sequence[int
                      f"would see other vision grids than the trainer")
 
 
-VLLM_WEIGHT_PREFIXES = {
-    "model.language_model.": "language_model.model.",
-    "model.visual.": "visual.",
-    "lm_head.": "language_model.lm_head.",
-    "model.": "language_model.model.",
-    "visual.": "visual.",
-}
+VLLM_WEIGHT_PREFIXES = dict(QWEN2_5_VL.vllm_weight_prefixes)
 """Qwen2.5-VL parameter prefixes -> vLLM's module prefixes, as vLLM's Qwen2_5_VLForConditionalGeneration
 maps them when loading (first match wins): the in-memory names of transformers >= 4.52, which a sync
 sends, and the original checkpoint names, which `save_pretrained` still writes."""
 
 
-def vllm_weight_name(hf_name: str) -> str:
-    """Where vLLM's Qwen2.5-VL puts an HF parameter (a ValueError for names it would not load)."""
-    for prefix, target in VLLM_WEIGHT_PREFIXES.items():
+def vllm_weight_name(hf_name: str, family: str = "qwen2_5_vl") -> str:
+    """Where vLLM's model of the family puts an HF parameter (a ValueError for names it would not
+    load); Qwen3-VL's (dense and MoE) use Qwen2.5-VL's prefixes (`ModelFamily.vllm_weight_prefixes`)."""
+    for prefix, target in dict(family_for(family).vllm_weight_prefixes).items():
         if hf_name.startswith(prefix):
             return target + hf_name[len(prefix):]
     raise ValueError(f"weight {hf_name!r}: no vLLM Qwen2.5-VL module takes it (prefixes "

@@ -155,3 +155,28 @@ def test_flex_forward_equals_hf_and_needs_deepstack(q3):
         torch.testing.assert_close(got[piece], reference[seq_id], atol=2e-5, rtol=1e-5)
         gap = max(gap, (without[piece] - reference[seq_id]).abs().max().item())
     assert gap > 1e-3
+
+
+def test_vllm_request_carries_source_frames_and_fps_for_the_same_timestamps(q3):
+    """vLLM's Qwen3-VL builds each group's timestamp from the metadata's frame indices and fps (as
+    transformers' processor does): they give the prompt's timestamps, and the size bounds keep the grid."""
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    from flexrl_ds.families.qwen3_vl import group_timestamps
+    from flexrl_ds.media.config import MediaConfig
+    from flexrl_ds.models.processing import VisionItem
+    from flexrl_ds.rollout.vllm_inputs import PixelGeometry, processor_kwargs, video_metadata, vllm_weight_name
+
+    model_dir, model, _ = q3
+    geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(model_dir))
+    assert geometry.family == "qwen3_vl" and geometry.patch_size == 16
+    item = VisionItem("video", torch.zeros(0), (3, 4, 6), 1.0, frame_indices=(2, 9, 17, 24, 31), source_fps=12.5)
+    metadata = video_metadata(item, geometry)
+    theirs = Qwen3VLProcessor._calculate_timestamps(None, metadata["frames_indices"], metadata["fps"], 2)
+    assert theirs == group_timestamps(item.frame_indices, 12.5, 2) and len(theirs) == 3
+    size = processor_kwargs([item], geometry)["size"]
+    frames = metadata["total_num_frames"]
+    assert smart_resize(frames, 4 * 16, 6 * 16, 2, 32, size["shortest_edge"], size["longest_edge"]) == (64, 96)
+    assert all(vllm_weight_name(name, "qwen3_vl").startswith(("language_model.", "visual."))
+               for name, _ in model.named_parameters())
