@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from flexrl_ds.families.qwen2_5_vl import QWEN2_5_VL
-from flexrl_ds.planning.cost_model import LayerShapes
+from flexrl_ds.planning.cost_model import LayerShapes, active_intermediate_size
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,12 @@ class DecoderShape:
 
     @classmethod
     def from_config(cls, text_config: Any) -> "DecoderShape":
-        """From a HF text config (Qwen2 / Qwen2.5-VL's `get_text_config()`)."""
+        """From a HF text config (Qwen2 / Qwen2.5-VL's `get_text_config()`); a MoE's MLP width is
+        its active experts' (`cost_model.active_intermediate_size`)."""
         heads = int(text_config.num_attention_heads)
         head_dim = getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads
         return cls(int(text_config.hidden_size), heads, int(text_config.num_key_value_heads),
-                   int(text_config.num_hidden_layers), int(text_config.intermediate_size),
+                   int(text_config.num_hidden_layers), active_intermediate_size(vars(text_config)),
                    int(text_config.vocab_size), int(head_dim))
 
     def layer_shapes(self) -> LayerShapes:

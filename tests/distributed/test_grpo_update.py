@@ -358,29 +358,6 @@ def test_states_moved_for_a_rollout_and_back_train_as_if_never_moved(assets, dis
     the second step's parameters equal those of an engine that kept its states in place."""
     from flexrl_ds.models.zero3 import STATES_ANY_OPTIMIZER
 
-    check_grpo_step(assets, dist_pools, kind, reduction, offload, checkpointing)
-
-
-@pytest.fixture(scope="module")
-def qwen3_assets(tmp_path_factory):
-    from flexrl_ds.models.sample_data import write_scoring_dataset
-    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
-
-    root = tmp_path_factory.mktemp("grpo_update_qwen3")
-    data = write_scoring_dataset(root / "data", num_records=4, seed=5)  # image, video (2-3 frame groups), both, text
-    return {arch: (str(make_tiny_model(TinyModelConfig(out_dir=str(root / arch), arch=arch, seed=7))), str(data))
-            for arch in ("qwen3-vl", "qwen3-vl-moe")}
-
-
-@pytest.mark.parametrize("arch,checkpointing", [("qwen3-vl", False), ("qwen3-vl", True), ("qwen3-vl-moe", False)])
-def test_grpo_step_of_qwen3_vl_equals_plain_hf(qwen3_assets, dist_pools, arch, checkpointing):
-    """The same step for tiny Qwen3-VL (DeepStack rows through the vision exchange) and its MoE (sparse
-    blocks as ZeRO-3 leaf modules), degrees 1, 2 and 4."""
-    check_grpo_step(qwen3_assets[arch], dist_pools, "mixed", "token_mean", "none", checkpointing)
-
-
-def check_grpo_step(assets, dist_pools, kind, reduction, offload, checkpointing):
-    """The 4-rank ZeRO-3 step equals the plain-HF step (the test above)."""
     if offload == "cpu_adam_ratio":
         _build_cpu_adam()
     model_dir, data_path = assets

@@ -180,3 +180,17 @@ def test_vllm_request_carries_source_frames_and_fps_for_the_same_timestamps(q3):
     assert smart_resize(frames, 4 * 16, 6 * 16, 2, 32, size["shortest_edge"], size["longest_edge"]) == (64, 96)
     assert all(vllm_weight_name(name, "qwen3_vl").startswith(("language_model.", "visual."))
                for name, _ in model.named_parameters())
+
+
+def test_moe_flops_count_active_experts_only():
+    from types import SimpleNamespace
+
+    from flexrl_ds.models.flops import DecoderShape
+    from flexrl_ds.planning.cost_model import shapes_from_config
+
+    fields = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                  intermediate_size=999, vocab_size=100, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24)
+    assert DecoderShape.from_config(SimpleNamespace(**fields)).intermediate_size == 48
+    assert shapes_from_config({"text_config": fields}, "x").intermediate_size == 48
+    dense = {k: v for k, v in fields.items() if k not in ("num_experts", "num_experts_per_tok")}
+    assert DecoderShape.from_config(SimpleNamespace(**dense)).intermediate_size == 999
