@@ -48,6 +48,8 @@ class ModelFamily:
     image_size_default: dict[str, int] = {}
     video_size_default: dict[str, int] = {}
 
+    prompt_timestamps: bool = False
+    """Each video's temporal groups come with their timestamps as text (Qwen3-VL)."""
     video_budget_over_frames: bool = False
     """The video processor's size bounds cover all of a video's frames (Qwen3-VL), not one frame."""
 

@@ -125,6 +125,7 @@ class Qwen3_VL(Qwen2_5_VL):
     video_size_default = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
     vision_start, vision_end = "<|vision_start|>", "<|vision_end|>"
     video_budget_over_frames = True
+    prompt_timestamps = True
 
     def video_frame_positions(self, num_frames, video_fps, target_fps, min_frames, max_frames, temporal_patch_size):
         positions = linspace_frame_positions(num_frames, video_fps, target_fps, min_frames, max_frames)
@@ -203,7 +204,7 @@ class Qwen3_VL(Qwen2_5_VL):
         frames = item.grid_thw[0] * geometry.temporal_patch_size
         indices = list(item.frame_indices) + [item.frame_indices[-1]] * (frames - len(item.frame_indices))
         return {"total_num_frames": frames, "fps": float(item.source_fps), "duration": frames / item.source_fps,
-                "frames_indices": indices, "do_sample_frames": False,
+                "frames_indices": indices,
                 "height": item.grid_thw[1] * geometry.patch_size, "width": item.grid_thw[2] * geometry.patch_size}
 
 

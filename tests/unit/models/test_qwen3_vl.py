@@ -194,3 +194,39 @@ def test_moe_flops_count_active_experts_only():
     assert shapes_from_config({"text_config": fields}, "x").intermediate_size == 48
     dense = {k: v for k, v in fields.items() if k not in ("num_experts", "num_experts_per_tok")}
     assert DecoderShape.from_config(SimpleNamespace(**dense)).intermediate_size == 999
+
+
+def test_vllm_prompt_collapses_each_videos_frame_groups_to_the_template_wrapper(q3):
+    """vLLM's Qwen3-VL replaces the chat template's `<|vision_start|><|video_pad|><|vision_end|>` by the
+    groups, each timestamp encoded on its own: re-expanding the collapsed prompt that way gives the
+    trainer's prompt back; the video travels with its metadata."""
+    import transformers
+
+    from flexrl_ds.media.config import MediaConfig
+    from flexrl_ds.models.processing import SampleEncoder, VisionItem
+    from flexrl_ds.rollout.base import RolloutRequest
+    from flexrl_ds.rollout.vllm_inputs import PixelGeometry, VisionTokens, build_prompt
+
+    model_dir, model, _ = q3
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(model_dir))
+    config = model.config
+    tokens = VisionTokens(config.image_token_id, config.video_token_id, config.vision_start_token_id,
+                          config.vision_end_token_id)
+    video = VisionItem("video", torch.zeros(3 * 2 * 4, 1536), (3, 2, 4), 1.0, frame_indices=(0, 4, 8, 12, 16),
+                       source_fps=8.0)
+    image = VisionItem("image", torch.zeros(4 * 4, 1536), (1, 4, 4))
+    ids = SampleEncoder(model_dir).encode_prompt("r", "<video>\nhow many? <image>", [video, image])
+    prompt = build_prompt(RolloutRequest("s", ids, [video, image], 0), tokens, geometry, encode)
+    collapsed = prompt["prompt_token_ids"]
+    wrapper = [tokens.vision_start, tokens.video, tokens.vision_end]
+    at = next(i for i in range(len(collapsed)) if collapsed[i:i + 3] == wrapper)
+    groups = []
+    for stamp in (0.25, 1.25, 2.0):  # (0 + 4) / 2 / 8, (8 + 12) / 2 / 8, (16 + 16) / 2 / 8 (padded)
+        groups += encode(f"<{stamp:.1f} seconds>") + [tokens.vision_start] + [tokens.video] * 2 + [tokens.vision_end]
+    expanded = collapsed[:at] + groups + collapsed[at + 3:]
+    image_at = expanded.index(tokens.image)
+    assert expanded[:image_at + 1] + [tokens.image] * 3 + expanded[image_at + 1:] == ids
+    frames, metadata = prompt["multi_modal_data"]["video"][0]
+    assert frames.shape[0] == 6 and metadata["frames_indices"] == [0, 4, 8, 12, 16, 16] and metadata["fps"] == 8.0
