@@ -98,9 +98,17 @@ class ModelFamily:
 
     def run_decoder(self, hf_model: Any, embeds_1LH: Any, position_ids: Any, extras: DecoderExtras | None,
                     **kwargs) -> Any:
-        """The decoder over `inputs_embeds`; returns the last hidden states (1, L, hidden)."""
-        return hf_model.model(inputs_embeds=embeds_1LH, position_ids=position_ids, use_cache=False,
-                              **kwargs).last_hidden_state
+        """The decoder over `inputs_embeds`; returns its output (`last_hidden_state` (1, L, hidden))."""
+        return hf_model.model(inputs_embeds=embeds_1LH, position_ids=position_ids, use_cache=False, **kwargs)
+
+    def router_logits(self, output: Any) -> list | None:
+        """A sparse decoder's router logits of `run_decoder`'s output, one (tokens, experts) tensor per
+        sparse layer; None for a dense model."""
+        return None
+
+    def router_top_k(self, config: Any) -> int:
+        """Experts per token of a sparse decoder."""
+        raise NotImplementedError
 
     def reference_inputs(self, model: Any, sample: Any) -> dict:
         """What the HF processor would hand the model for one sample (batch of 1)."""

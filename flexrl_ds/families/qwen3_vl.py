@@ -184,7 +184,7 @@ class Qwen3_VL(Qwen2_5_VL):
         deepstack = {} if extras is None else {"visual_pos_masks": extras.vision_mask,
                                                "deepstack_visual_embeds": extras.features}
         return hf_model.model.language_model(inputs_embeds=embeds_1LH, position_ids=position_ids, use_cache=False,
-                                             **deepstack, **kwargs).last_hidden_state
+                                             **deepstack, **kwargs)
 
     def reference_inputs(self, model, sample):
         """Pixels, grids and `mm_token_type_ids`: HF computes its own rope index (what positions equal)."""

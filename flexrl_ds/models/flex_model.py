@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from flexrl_ds.families import family_of
 from flexrl_ds.families.base import DecoderExtras
 from flexrl_ds.models import hf_adapter
+from flexrl_ds.models.moe import router_stats
 from flexrl_ds.models.positions import local_position_ids, sequence_positions
 from flexrl_ds.models.vision_balance import (VisionRoute, assign_units, build_route, encode_and_route,
                                              representatives, vision_units)
@@ -231,6 +232,9 @@ class FlexUlyssesLM(torch.nn.Module):
         self.logits_chunk = logits_chunk
         self.temperature = temperature
         self.zero_group = zero_group
+        self.last_router_stats = None
+        """A sparse decoder's `moe.RouterStats` over this rank's tokens in the latest forward (its
+        router's auxiliary loss, models/moe.py); None for a dense model."""
         self.unread_config_keys: tuple[str, ...] = ()
         """Keys of the DeepSpeed config DeepSpeed never read (set by `zero3.build_engine`)."""
         self.hf_model = hf_adapter.use_flex_ulysses(hf_model, vision_attention)
@@ -281,14 +285,18 @@ class FlexUlyssesLM(torch.nn.Module):
             positions = torch.zeros((*positions.shape[:-1], 1), dtype=torch.long)
         step = hf_adapter.FlexStep(batch.layout, self.attention, idle=idle)
         with region("decoder"):
-            hidden = self.family.run_decoder(self.hf_model, embeds.unsqueeze(0), positions.to(embeds.device), extras,
-                                             **{hf_adapter.STEP_KWARG: step})[0]
+            output = self.family.run_decoder(self.hf_model, embeds.unsqueeze(0), positions.to(embeds.device), extras,
+                                             **{hf_adapter.STEP_KWARG: step})
+        hidden, router = output.last_hidden_state[0], self.family.router_logits(output)
+        router = None if router is None else router_stats(router, self.family.router_top_k(self.hf_model.config),
+                                                          0 if idle else None)
         if idle:
             zero = zero + hidden.float().sum() * 0.0
             hidden = hidden[:0]
         with region("lm_head"):
             logprobs, entropy = self._token_outputs(hidden, batch.targets.to(hidden.device), with_entropy, entropy_grad)
         zero = zero + logprobs.sum() * 0.0 + (entropy.sum() * 0.0 if entropy is not None else 0.0)
+        self.last_router_stats = router
         return TokenOutputs(logprobs, entropy, zero)
 
     def num_chunks(self, num_tokens: int, device=None) -> int:

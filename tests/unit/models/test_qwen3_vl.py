@@ -230,3 +230,24 @@ def test_vllm_prompt_collapses_each_videos_frame_groups_to_the_template_wrapper(
     assert expanded[:image_at + 1] + [tokens.image] * 3 + expanded[image_at + 1:] == ids
     frames, metadata = prompt["multi_modal_data"]["video"][0]
     assert frames.shape[0] == 6 and metadata["frames_indices"] == [0, 4, 8, 12, 16, 16] and metadata["fps"] == 8.0
+
+
+def test_router_aux_loss_equals_transformers_and_idle_rows_are_left_out():
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+
+    from flexrl_ds.models.moe import router_aux_term, router_stats
+
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.randn(13, 6, generator=gen, requires_grad=True) for _ in range(3)]
+    term, value = router_aux_term(router_stats(layers, top_k=2))
+    expected = load_balancing_loss_func(tuple(layers), 6, 2)
+    assert value == pytest.approx(float(expected), rel=1e-6)
+    term.backward()
+    ours = [layer.grad.clone() for layer in layers]
+    for layer in layers:
+        layer.grad = None
+    expected.backward()
+    for mine, theirs in zip(ours, layers):
+        torch.testing.assert_close(mine, theirs.grad, rtol=1e-5, atol=1e-7)
+    _, idle = router_aux_term(router_stats(layers, top_k=2, num_rows=0))
+    assert idle == 0.0
