@@ -82,7 +82,7 @@ PRESETS: dict[str, LayerShapes] = {
 }
 
 PATCHES_PER_VISION_TOKEN = 4
-"""Qwen2.5-VL merges 2×2 patches (14 px) into one LLM token (28 px)."""
+"""Qwen2.5-VL (14 px patches) and Qwen3-VL (16 px) merge 2×2 patches into one LLM token."""
 
 
 @dataclass(frozen=True)

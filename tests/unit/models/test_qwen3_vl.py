@@ -251,3 +251,16 @@ def test_router_aux_loss_equals_transformers_and_idle_rows_are_left_out():
         torch.testing.assert_close(mine, theirs.grad, rtol=1e-5, atol=1e-7)
     _, idle = router_aux_term(router_stats(layers, top_k=2, num_rows=0))
     assert idle == 0.0
+
+
+def test_train_and_logprobs_refuse_an_unshardable_family_before_any_worker(tmp_path, capsys):
+    from flexrl_ds.cli.main import main
+    from flexrl_ds.trainer.validation import check_model_dir
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5", "vision_config": {}, "text_config": {}}')
+    with pytest.raises(ValueError, match="'qwen3_5' cannot be trained by flexrl_ds yet: .*Gated DeltaNet"):
+        check_model_dir(str(tmp_path))
+    capsys.readouterr()
+    assert main(["logprobs", "--model", str(tmp_path), "--data", str(tmp_path / "none.jsonl"), "--nproc", "4",
+                 "--out", str(tmp_path / "out.jsonl"), "--loader", "local"]) == 2
+    assert "'qwen3_5' cannot be trained" in capsys.readouterr().err
