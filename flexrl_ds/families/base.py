@@ -58,7 +58,8 @@ class ModelFamily:
         """Sampled positions (0-based, within the `num_frames` in range) of a video."""
         raise NotImplementedError
 
-    def video_frame_size(self, height: int, width: int, num_sampled: int, config: Any, max_pixels: int) -> tuple[int, int]:
+    def video_frame_size(self, height: int, width: int, num_sampled: int, config: Any,
+                         max_pixels: int) -> tuple[int, int]:
         """(height, width) every sampled frame is resized to. `config`: a `MediaConfig`."""
         raise NotImplementedError
 

@@ -114,7 +114,8 @@ def processor_settings(model_dir: str | Path) -> dict[str, Any]:
     for name, value in common.items():
         if video_common[name] != value:
             raise ValueError(f"{video.where}: {name} is {video_common[name]} but {value} in {image.where} "
-                             f"(a key left out means the {family.display_name} class default); ShadowLoader applies one "
+                             f"(a key left out means the {family.display_name} class default); ShadowLoader "
+                             f"applies one "
                              f"value to images and videos")
     for settings in (image, video):
         _check_type(settings, "image_processor_type", family.image_processor_types)

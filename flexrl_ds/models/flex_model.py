@@ -1,4 +1,5 @@
-"""An HF causal LM (a vision-language model of flexrl_ds/families/, or a text LM) running one FlexUlysses step on one rank.
+"""An HF causal LM (a vision-language model of flexrl_ds/families/, or a text LM) running one FlexUlysses
+step on one rank.
 
 `place_rank` is the rank's one metadata pass over a step: from the HF config, the plan and the
 step's samples it builds the rank's layout and its vision route (which units it encodes, where their

@@ -234,7 +234,8 @@ def build_model_config(config: TinyModelConfig, tokenizer):
 
 
 def _vision_token_ids(tokenizer) -> dict:
-    return dict(image_token_id=_token_id(tokenizer, "<|image_pad|>"), video_token_id=_token_id(tokenizer, "<|video_pad|>"),
+    return dict(image_token_id=_token_id(tokenizer, "<|image_pad|>"),
+                video_token_id=_token_id(tokenizer, "<|video_pad|>"),
                 vision_start_token_id=_token_id(tokenizer, "<|vision_start|>"),
                 vision_end_token_id=_token_id(tokenizer, "<|vision_end|>"))
 

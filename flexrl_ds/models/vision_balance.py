@@ -3,8 +3,8 @@
 The vision tower's cost follows patches, not text, and has nothing to do with which rank holds which
 LLM tokens. So (1) every image and every temporal patch group of a video becomes a *unit*
 (Qwen2.5-VL's vision tower attends within one temporal group only, Qwen3-VL's within one frame group:
-a video with grid (t, h, w) encodes exactly like t grids (1, h, w)); (2) `assign_units` spreads units over the domain's ranks by patch
-count (largest first onto the least loaded rank, deterministic); (3) each rank encodes only its
+a video with grid (t, h, w) encodes exactly like t grids (1, h, w)); (2) `assign_units` spreads units
+over the domain's ranks by patch count (largest first onto the least loaded rank, deterministic); (3) each rank encodes only its
 units; (4) merged embeddings travel with ONE autograd all-to-all over the domain to the ranks that
 hold those token positions in the FlexUlysses layout (the backward is the reverse all-to-all).
 

@@ -83,8 +83,8 @@ class VLLMEngine:
                 worker_extension_cls=WORKER_EXTENSION)
         config = self.llm.llm_engine.model_config.hf_config
         self.is_vision_language = getattr(config, "vision_config", None) is not None
-        self.tokens = VisionTokens(*(int(getattr(config, name, -1)) for name in ("image_token_id", "video_token_id",
-                                                                              "vision_start_token_id", "vision_end_token_id")))
+        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        self.tokens = VisionTokens(*(int(getattr(config, name, -1)) for name in names))
         self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)),
                                                         pin_frame_cap=_processor_knows_frame_cap())
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)

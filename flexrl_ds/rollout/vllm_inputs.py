@@ -158,7 +158,8 @@ def collapse_timestamped_videos(request: RolloutRequest, tokens: VisionTokens, g
         if item.kind != "video":
             continue
         t, h, w = item.grid_thw
-        stamps = [encode(f"<{stamp:.1f} seconds>") for stamp in family.group_timestamps(item, geometry.temporal_patch_size)]
+        stamps = [encode(f"<{stamp:.1f} seconds>")
+                  for stamp in family.group_timestamps(item, geometry.temporal_patch_size)]
         frame = [tokens.vision_start] + [tokens.video] * (h * w // geometry.merge_size ** 2) + [tokens.vision_end]
         groups = [token for stamp in stamps for token in stamp + frame]
         first_pad = ids.index(tokens.video, cursor) if tokens.video in ids[cursor:] else -1

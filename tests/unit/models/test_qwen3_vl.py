@@ -69,8 +69,10 @@ def test_video_frames_and_grid_equal_hf_video_processor(q3, frames, fps, height,
     model_dir = q3[0]
     saved = json.loads((Path(model_dir) / "video_preprocessor_config.json").read_text())
     saved.update(cap_pixels_per_frame=cap, max_video_tokens=20)
-    hf = Qwen3VLVideoProcessor(**{k: v for k, v in saved.items() if k not in ("video_processor_type", "processor_class")})
-    config = dataclasses.replace(MediaConfig().with_processor_dir(model_dir), video_max_total_tokens=20 if cap else None)
+    hf = Qwen3VLVideoProcessor(**{k: v for k, v in saved.items()
+                                  if k not in ("video_processor_type", "processor_class")})
+    config = dataclasses.replace(MediaConfig().with_processor_dir(model_dir),
+                                 video_max_total_tokens=20 if cap else None)
     meta = plan_video(MediaItem("video", "x.mp4"), MediaInfo(width=width, height=height, num_frames=frames, fps=fps),
                       config)
     indices = hf.sample_frames(VideoMetadata(total_num_frames=frames, fps=fps), fps=saved["fps"])
