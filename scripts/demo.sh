@@ -2,7 +2,8 @@
 # The main job on a fresh CPU machine: install, then a tiny GRPO run end to end.
 #   data:   a generated dataset with images and H.264 videos (flexrl make-dataset --task keyword):
 #           each prompt asks the model to answer with one word, which is the record's answer;
-#   model:  a tiny random Qwen2.5-VL (flexrl make-tiny-model);
+#   model:  a tiny random Qwen2.5-VL (flexrl make-tiny-model; `scripts/demo.sh --arch qwen3-vl` for a
+#           tiny Qwen3-VL: timestamped video frame groups, DeepStack);
 #   reward: built-in "keyword_letters": half the share of the response's letters that are letters
 #           of the keyword, half the share of the response spelled by copies of the keyword. Random
 #           text earns ~0.1; a model that writes the keyword earns 1 — a task a random model can
@@ -18,14 +19,17 @@ cd "$root"
 bash scripts/install.sh
 export DS_ACCELERATOR=cpu RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+arch=qwen2.5-vl
+if [ "${1:-}" = "--arch" ]; then arch=$2; fi
 out=runs/demo
+[ "$arch" = qwen2.5-vl ] || out=runs/demo-$arch
 rm -rf "$out/run"
 mkdir -p "$out"
 flexrl=".venv/bin/flexrl"
 step() { echo; echo "=== $* ==="; }
 
-step "1/3 A tiny random Qwen2.5-VL and a video-heavy keyword dataset with real media"
-[ -f "$out/tiny-vl/config.json" ] || $flexrl make-tiny-model --out "$out/tiny-vl" --arch qwen2.5-vl
+step "1/3 A tiny random $arch and a video-heavy keyword dataset with real media"
+[ -f "$out/tiny-vl/config.json" ] || $flexrl make-tiny-model --out "$out/tiny-vl" --arch "$arch"
 [ -f "$out/data/train.jsonl" ] || $flexrl make-dataset --mix video-heavy --num 12 --scale medium --seed 0 \
   --task keyword --out "$out/data"
 

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from flexrl_ds.families import family_of
 from flexrl_ds.common.output_files import output_file
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.models import zero3
@@ -136,7 +137,8 @@ def model_flops(model_config: Any, samples: dict[str, Any], shared_media: bool) 
     vision_config = getattr(model_config, "vision_config", None)
     if vision_config is None:
         return total
-    return total + vision_flops(VisionShape.from_config(vision_config), encoded_grids(samples.items(), shared_media))
+    vision = VisionShape.from_config(vision_config, family_of(model_config))
+    return total + vision_flops(vision, encoded_grids(samples.items(), shared_media))
 
 
 def batches_flops(model_config: Any, batches: list, samples: dict[str, Any]) -> float:

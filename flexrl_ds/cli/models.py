@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from flexrl_ds.common.output_files import output_file
-from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+from flexrl_ds.models.tiny import ARCHES, TinyModelConfig, make_tiny_model
 
 
 def register(commands, bench) -> None:
@@ -63,12 +63,12 @@ def register(commands, bench) -> None:
 def _add_make_tiny_model(commands) -> None:
     tiny = commands.add_parser(
         "make-tiny-model",
-        help="write a tiny random Qwen2.5-VL / Qwen2 model with a locally built tokenizer and processor",
+        help="write a tiny random Qwen2.5-VL / Qwen3-VL / Qwen2 model with a locally built tokenizer and processor",
         description="Tiny random model for tests and demos (no hub access): loads with "
-                    "AutoModelForImageTextToText (qwen2.5-vl) or AutoModelForCausalLM (qwen2).",
+                    "AutoModelForImageTextToText (qwen2.5-vl, qwen3-vl, qwen3-vl-moe) or AutoModelForCausalLM (qwen2).",
     )
     tiny.add_argument("--out", required=True, help="output directory")
-    tiny.add_argument("--arch", default="qwen2.5-vl", choices=("qwen2.5-vl", "qwen2"))
+    tiny.add_argument("--arch", default="qwen2.5-vl", choices=ARCHES)
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.add_argument("--vocab-size", type=int, default=None,
                       help="tokenizer entries and embedding / LM-head rows: the trained BPE grown with generated "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from flexrl_ds.common.typed import from_dict
+from flexrl_ds.families import REGISTRY
 from flexrl_ds.media.processor_files import processor_settings
 
 OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -85,6 +86,9 @@ class MediaConfig:
     """Resize kernel: pil (HF PIL backend) | torch (HF torchvision backend: antialiased bicubic on
     tensors) | auto (what transformers picks here: torch if torchvision is importable, else pil).
     Videos always use torch, as HF's video processor does."""
+    processor_family: str = "qwen2_5_vl"
+    """Whose processor rules the geometry follows (a `model_type` of flexrl_ds/families/: qwen2_5_vl,
+    qwen3_vl, ...); set from the model's files by `with_processor_dir`."""
     media_root: str | None = None
     """Folder under which absolute media paths are accepted; None: absolute paths are rejected."""
     bad_record_policy: str = "skip"
@@ -111,6 +115,7 @@ class MediaConfig:
             raise ValueError(f"flexrl.data.decoder_threads: must be >= 0, got {self.decoder_threads}")
         if self.video_fps <= 0:
             raise ValueError(f"flexrl.data.video_fps: must be positive, got {self.video_fps}")
+        _check_choice("processor_family", self.processor_family, tuple(REGISTRY))
         _check_choice("video_backend", self.video_backend, VIDEO_BACKENDS)
         _check_choice("resize_impl", self.resize_impl, RESIZE_IMPLS)
         _check_choice("bad_record_policy", self.bad_record_policy, BAD_RECORD_POLICIES)

@@ -25,6 +25,11 @@ Qwen2-VL processors read:
   `fps` itself, in the role qwen-vl-utils plays for a processor saved with `do_sample_frames=false`).
   Keys transformers' Qwen2-VL processors do not know are ignored as transformers ignores them.
 
+The rules are those of the model's family (flexrl_ds/families/: the directory's config.json
+`model_type`, else the saved `processor_class`): its processor classes and their defaults, e.g.
+Qwen3-VL's `Qwen3VLVideoProcessor` (patch 16, mean/std 0.5; its sizes bound a whole video's pixels).
+The family's name is returned as `processor_family`.
+
 A value that must be honoured and is `null` is rejected: transformers' image backends read a null
 differently (the PIL backend as off/None, the torchvision backend as the class default).
 """
@@ -33,16 +38,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from flexrl_ds import families
+from flexrl_ds.families.qwen2_5_vl import QWEN2_5_VL
 IMAGE_FILE = "preprocessor_config.json"
 VIDEO_FILE = "video_preprocessor_config.json"
 PROCESSOR_FILE = "processor_config.json"
 
-SUPPORTED_IMAGE_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
-SUPPORTED_VIDEO_PROCESSORS = ("Qwen2VLVideoProcessor",)
+SUPPORTED_IMAGE_PROCESSORS = QWEN2_5_VL.image_processor_types
+SUPPORTED_VIDEO_PROCESSORS = QWEN2_5_VL.video_processor_types
+"""Qwen2.5-VL's; another family's are its module's (`ModelFamily.video_processor_types`)."""
 BICUBIC = 3
 """`PIL.Image.Resampling.BICUBIC`, the only `resample` ShadowLoader's resize kernels implement."""
 
@@ -59,16 +67,11 @@ COMMON_KEYS = ("patch_size", "merge_size", "temporal_patch_size", "image_mean", 
 SIZE_KEYS = ("size", "min_pixels", "max_pixels")
 VIDEO_KEYS = ("fps", "min_frames", "max_frames", "num_frames", "cap_pixels_per_frame", "max_video_tokens")
 TYPE_KEYS = ("image_processor_type", "video_processor_type")
-CLASS_DEFAULTS: dict[str, Any] = {
-    "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-    "do_resize": True, "resample": BICUBIC, "do_convert_rgb": True,
-    "min_frames": 4, "max_frames": 768, "max_video_tokens": 128000,
-}
-"""Qwen2-VL image/video processor class attributes used when a file leaves a key out."""
-IMAGE_SIZE_DEFAULT = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}
-VIDEO_SIZE_DEFAULT = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
+CLASS_DEFAULTS: dict[str, Any] = QWEN2_5_VL.processor_defaults
+"""Qwen2-VL image/video processor class attributes used when a file leaves a key out (another
+family's: its `ModelFamily.processor_defaults` / `video_processor_defaults`)."""
+IMAGE_SIZE_DEFAULT = QWEN2_5_VL.image_size_default
+VIDEO_SIZE_DEFAULT = QWEN2_5_VL.video_size_default
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,13 @@ class ProcessorSettings:
     """File (and nested key) the settings were read from, e.g. `.../preprocessor_config.json`."""
     values: dict[str, Any]
     """The JSON object as saved."""
+    defaults: dict[str, Any] | None = None
+    """The processor class's attributes (None: Qwen2-VL's, `CLASS_DEFAULTS`)."""
 
     def get(self, key: str) -> Any:
         """The saved value, or the class default when absent; null is rejected."""
         if key not in self.values:
-            return CLASS_DEFAULTS.get(key)
+            return (CLASS_DEFAULTS if self.defaults is None else self.defaults).get(key)
         value = self.values[key]
         if value is None:
             raise ValueError(f"{self.where}: {key} is null; transformers' image backends read a null "
@@ -101,21 +106,42 @@ class ProcessorSettings:
 def processor_settings(model_dir: str | Path) -> dict[str, Any]:
     """`MediaConfig` field values from the processor files in `model_dir` (see the module docstring)."""
     image, video = find_settings(Path(model_dir))
+    family = processor_family(Path(model_dir), image, video)
+    image = replace(image, defaults=family.processor_defaults)
+    video = replace(video, defaults=family.video_processor_defaults or family.processor_defaults)
     common = _common_fields(image)
     video_common = _common_fields(video)
     for name, value in common.items():
         if video_common[name] != value:
             raise ValueError(f"{video.where}: {name} is {video_common[name]} but {value} in {image.where} "
-                             f"(a key left out means the Qwen2-VL class default); ShadowLoader applies one "
+                             f"(a key left out means the {family.display_name} class default); ShadowLoader "
+                             f"applies one "
                              f"value to images and videos")
     for settings in (image, video):
-        _check_type(settings, "image_processor_type", SUPPORTED_IMAGE_PROCESSORS)
-    _check_type(video, "video_processor_type", SUPPORTED_VIDEO_PROCESSORS)
-    fields = dict(common)
-    fields["image_min_pixels"], fields["image_max_pixels"] = _pixel_limits(image, IMAGE_SIZE_DEFAULT)
-    fields["video_min_pixels"], fields["video_max_pixels"] = _pixel_limits(video, VIDEO_SIZE_DEFAULT)
+        _check_type(settings, "image_processor_type", family.image_processor_types)
+    _check_type(video, "video_processor_type", family.video_processor_types)
+    fields = dict(common, processor_family=family.model_type)
+    fields["image_min_pixels"], fields["image_max_pixels"] = _pixel_limits(image, family.image_size_default)
+    fields["video_min_pixels"], fields["video_max_pixels"] = _pixel_limits(video, family.video_size_default)
     fields.update(_video_fields(video))
     return fields
+
+
+def processor_family(model_dir: Path, image: ProcessorSettings, video: ProcessorSettings):
+    """The family whose processor rules apply: the model's (config.json `model_type`) where the folder
+    is a model directory, else the one whose processor class the files name (`processor_class`),
+    else Qwen2.5-VL's."""
+    if (model_dir / "config.json").is_file():
+        family = families.family_of_dir(model_dir)
+        if family.has_vision:
+            return family
+    named = {settings.values.get("processor_class") for settings in (image, video)}
+    named.add((_read_json(model_dir / PROCESSOR_FILE) or {}).get("processor_class"))
+    for model_type in families.REGISTRY:
+        family = families.family_for(model_type)
+        if named & set(family.processor_classes):
+            return family
+    return QWEN2_5_VL
 
 
 def has_processor_files(model_dir: str | Path) -> bool:

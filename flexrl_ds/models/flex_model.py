@@ -1,4 +1,5 @@
-"""An HF causal LM (Qwen2.5-VL or Qwen2) running one FlexUlysses step on one rank.
+"""An HF causal LM (a vision-language model of flexrl_ds/families/, or a text LM) running one FlexUlysses
+step on one rank.
 
 `place_rank` is the rank's one metadata pass over a step: from the HF config, the plan and the
 step's samples it builds the rank's layout and its vision route (which units it encodes, where their
@@ -9,7 +10,9 @@ all ranks agree without communicating.
 
 `FlexUlyssesLM` is a plain `nn.Module` around the HF model (so DeepSpeed can wrap it): its forward
 embeds the local tokens, encodes this rank's vision units and routes their embeddings into place,
-runs the HF model on `inputs_embeds` with FlexUlysses attention (the layout travels as the
+runs the HF decoder on `inputs_embeds` (the family's call, `ModelFamily.run_decoder`; with Qwen3-VL's
+DeepStack rows, which travel with the merged vision rows, added after its first decoder layers at this
+rank's vision tokens) with FlexUlysses attention (the layout travels as the
 `flexrl_step` forward keyword, see flexrl_ds/models/hf_adapter.py) and returns per-token log-probs of
 the targets (and their distributions' entropy when asked) under the logits divided by the sampling
 temperature (the distribution the rollout drew from, before top-k / top-p), computed in chunks of as many
@@ -34,8 +37,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from flexrl_ds.families import family_of
+from flexrl_ds.families.base import DecoderExtras
 from flexrl_ds.models import hf_adapter, logprob_chunks
-from flexrl_ds.models.positions import local_position_ids, mm_token_type_ids, sequence_positions
+from flexrl_ds.models.moe import RouterStats, router_stats
+from flexrl_ds.models.positions import local_position_ids, sequence_positions
 from flexrl_ds.models.vision_balance import (VisionRoute, assign_units, build_route, encode_and_route,
                                              representatives, vision_units)
 from flexrl_ds.parallel.profiling import region
@@ -235,14 +241,19 @@ class FlexUlyssesLM(torch.nn.Module):
         self.logits_chunk_bytes = logits_chunk_bytes
         self.temperature = temperature
         self.zero_group = zero_group
+        self.last_router_stats: RouterStats | None = None
+        """A sparse decoder's `moe.RouterStats` over this rank's tokens in the latest forward (its
+        router's auxiliary loss, models/moe.py); None for a dense model."""
         self.unread_config_keys: tuple[str, ...] = ()
         """Keys of the DeepSpeed config DeepSpeed never read (set by `zero3.build_engine`)."""
         self.hf_model = hf_adapter.use_flex_ulysses(hf_model, vision_attention)
+        self.family = family_of(hf_model.config)
         self.attention = attention if attention is not None else FlexUlyssesAttention()
         self.vision_group = vision_group
 
-    def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local input embeddings with routed vision embeddings in place; and the zero term."""
+    def embed(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, DecoderExtras | None]:
+        """Local input embeddings with routed vision embeddings in place; the zero term; and the
+        decoder's extra vision inputs (DeepStack rows in local token order), None where the family has none."""
         embed_tokens = self.hf_model.get_input_embeddings()
         device = embed_tokens.weight.device
         ids = batch.input_ids
@@ -251,34 +262,50 @@ class FlexUlyssesLM(torch.nn.Module):
         embeds = embed_tokens(ids.to(device))
         zero = embeds.new_zeros(())
         if batch.route is None:
-            return embeds, zero
-        visual = self.hf_model.model.visual
+            return embeds, zero, None
+        visual = self.family.vision_tower(self.hf_model)
         merge = self.hf_model.config.vision_config.spatial_merge_size
         with region("vision_tower"):  # its forward; a profile's backward ops are not regions
-            rows, zero = encode_and_route(visual, batch.route, batch.items, self.vision_group, merge)
+            rows, zero = encode_and_route(visual, batch.route, batch.items, self.vision_group, merge,
+                                          self.family.encode_vision)
         index = batch.route.recv_local_index.to(device)
-        embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
-        return embeds, zero
+        hidden = embeds.shape[-1]
+        embeds = embeds.index_copy(0, index, rows[:, :hidden].to(embeds.dtype))
+        return embeds, zero, self._extras(rows[:, hidden:], index, embeds)
+
+    def _extras(self, extra_rows: torch.Tensor, index: torch.Tensor, embeds: torch.Tensor) -> DecoderExtras | None:
+        """The family's extra rows (k levels side by side) as a local vision mask and k tensors in local order."""
+        levels = self.family.num_extra_features(self.hf_model.config)
+        if levels == 0:
+            return None
+        mask = torch.zeros(embeds.shape[0], dtype=torch.bool, device=embeds.device)
+        mask[index] = True
+        ordered = extra_rows.index_select(0, torch.argsort(index)).to(embeds.dtype)
+        return DecoderExtras(mask.unsqueeze(0), list(ordered.chunk(levels, dim=-1)))
 
     def forward(self, batch: StepBatch, with_entropy: bool = False, entropy_grad: bool = True) -> TokenOutputs:
         """Target log-probs of the local tokens (and their distributions' entropy with `with_entropy`:
         differentiable with `entropy_grad`, else a statistic computed without a graph, which spares
         a backward through the (tokens, vocab) softmax)."""
-        embeds, zero = self.embed(batch)
+        embeds, zero, extras = self.embed(batch)
         idle = batch.layout.num_local_tokens == 0
         positions = batch.position_ids
         if idle:  # one placeholder token at position 0 runs every module (ZeRO-3 gathers are collective)
             positions = torch.zeros((*positions.shape[:-1], 1), dtype=torch.long)
         step = hf_adapter.FlexStep(batch.layout, self.attention, idle=idle)
         with region("decoder"):
-            hidden = self.hf_model.model(inputs_embeds=embeds.unsqueeze(0), position_ids=positions.to(embeds.device),
-                                         use_cache=False, **{hf_adapter.STEP_KWARG: step}).last_hidden_state[0]
+            output = self.family.run_decoder(self.hf_model, embeds.unsqueeze(0), positions.to(embeds.device), extras,
+                                             **{hf_adapter.STEP_KWARG: step})
+        hidden, router = output.last_hidden_state[0], self.family.router_logits(output)
+        router = None if router is None else router_stats(router, self.family.router_top_k(self.hf_model.config),
+                                                          0 if idle else None)
         if idle:
             zero = zero + hidden.float().sum() * 0.0
             hidden = hidden[:0]
         with region("lm_head"):
             logprobs, entropy = self._token_outputs(hidden, batch.targets.to(hidden.device), with_entropy, entropy_grad)
         zero = zero + logprobs.sum() * 0.0 + (entropy.sum() * 0.0 if entropy is not None else 0.0)
+        self.last_router_stats = router
         return TokenOutputs(logprobs, entropy, zero)
 
     def chunk_tokens(self, logits_dtype: torch.dtype) -> int:
@@ -335,23 +362,8 @@ def reference_logprobs(model, sample, temperature: float = 1.0) -> torch.Tensor:
 
 
 def reference_inputs(model, sample) -> dict:
-    """What the HF processor would hand the model for one sample (batch of 1), with the sequence's
-    mRoPE `position_ids` (3, 1, L) of models/positions.py: transformers' own rope index differs
-    across 5.x releases for videos, and the trainer, the `hf` engine and vLLM must agree."""
-    kwargs: dict[str, Any] = {"input_ids": sample.input_ids.unsqueeze(0)}
-    if not hf_adapter.is_vision_language(model):
-        return kwargs
-    dtype = next(model.parameters()).dtype
-    images = [i for i in sample.items if i.kind == "image"]
-    videos = [i for i in sample.items if i.kind == "video"]
-    if images:
-        kwargs["pixel_values"] = torch.cat([i.pixel_values for i in images]).to(dtype)
-        kwargs["image_grid_thw"] = torch.tensor([list(i.grid_thw) for i in images])
-    if videos:
-        kwargs["pixel_values_videos"] = torch.cat([i.pixel_values for i in videos]).to(dtype)
-        kwargs["video_grid_thw"] = torch.tensor([list(i.grid_thw) for i in videos])
-        kwargs["second_per_grid_ts"] = torch.tensor([i.second_per_grid_t for i in videos])
-    kwargs["mm_token_type_ids"] = mm_token_type_ids(kwargs["input_ids"], model.config.image_token_id,
-                                                    model.config.video_token_id)
-    kwargs["position_ids"] = sequence_positions(model, sample.input_ids, sample.items).unsqueeze(1)
-    return kwargs
+    """What the HF processor would hand the model for one sample (batch of 1), by the model's family
+    (`ModelFamily.reference_inputs`): Qwen2.5-VL's with the sequence's mRoPE `position_ids` (3, 1, L) of
+    models/positions.py (transformers' own rope index differs across 5.x releases for videos, and the
+    trainer, the `hf` engine and vLLM must agree); Qwen3-VL's without (transformers computes its own)."""
+    return family_of(model.config).reference_inputs(model, sample)

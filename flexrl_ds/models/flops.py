@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from flexrl_ds.planning.cost_model import LayerShapes
+from flexrl_ds.families.qwen2_5_vl import QWEN2_5_VL
+from flexrl_ds.planning.cost_model import LayerShapes, active_intermediate_size
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,12 @@ class DecoderShape:
 
     @classmethod
     def from_config(cls, text_config: Any) -> "DecoderShape":
-        """From a HF text config (Qwen2 / Qwen2.5-VL's `get_text_config()`)."""
+        """From a HF text config (Qwen2 / Qwen2.5-VL's `get_text_config()`); a MoE's MLP width is
+        its active experts' (`cost_model.active_intermediate_size`)."""
         heads = int(text_config.num_attention_heads)
         head_dim = getattr(text_config, "head_dim", None) or int(text_config.hidden_size) // heads
         return cls(int(text_config.hidden_size), heads, int(text_config.num_key_value_heads),
-                   int(text_config.num_hidden_layers), int(text_config.intermediate_size),
+                   int(text_config.num_hidden_layers), active_intermediate_size(vars(text_config)),
                    int(text_config.vocab_size), int(head_dim))
 
     def layer_shapes(self) -> LayerShapes:
@@ -106,14 +108,14 @@ class VisionShape:
     window_merged: int
     """Merged tokens along one side of a window (window_size // patch_size // merge_size)."""
     out_hidden_size: int
+    num_mergers: int = 1
+    """Patch mergers run over every unit (Qwen3-VL: 1 + its DeepStack mergers)."""
 
     @classmethod
-    def from_config(cls, vision_config: Any) -> "VisionShape":
-        c = vision_config
-        return cls(int(c.hidden_size), int(c.intermediate_size), int(c.depth), len(c.fullatt_block_indexes),
-                   int(c.in_channels) * int(c.temporal_patch_size) * int(c.patch_size) ** 2,
-                   int(c.spatial_merge_size), int(c.window_size) // int(c.spatial_merge_size) // int(c.patch_size),
-                   int(c.out_hidden_size))
+    def from_config(cls, vision_config: Any, family: Any = None) -> "VisionShape":
+        """From a vision config, by its family's fields (`ModelFamily.vision_shape_fields`; None:
+        Qwen2.5-VL's, windows and full-attention blocks)."""
+        return cls(**(family or QWEN2_5_VL).vision_shape_fields(vision_config))
 
 
 def _window_sides(merged: int, window: int) -> list[int]:
@@ -131,7 +133,7 @@ def vision_unit_flops(shape: VisionShape, grid_h: int, grid_w: int) -> float:
     windowed = shape.depth - shape.full_attention_blocks
     attention = 4.0 * d * (windowed * window_keys + shape.full_attention_blocks * patches * patches)
     merged = patches // (merge * merge)
-    merger = 2.0 * merged * (merge ** 4 * d * d + merge * merge * d * shape.out_hidden_size)
+    merger = 2.0 * merged * (merge ** 4 * d * d + merge * merge * d * shape.out_hidden_size) * shape.num_mergers
     return 2.0 * patches * shape.patch_dim * d + shape.depth * block_matmuls + attention + merger
 
 

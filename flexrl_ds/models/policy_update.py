@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from flexrl_ds.models.flex_model import StepBatch, TokenOutputs
+from flexrl_ds.models.moe import router_aux_term
 from flexrl_ds.models.zero3 import data_parallel_size
 from flexrl_ds.parallel.profiling import region
 from flexrl_ds.rl.config import GRPOConfig
@@ -105,6 +106,10 @@ class RankStats:
     """Sum over response tokens of the k3 estimate of KL(old || policy)."""
     num_tokens: float = 0.0
     """Response tokens on this rank."""
+    router_aux_loss: float = 0.0
+    """Share of a sparse decoder's router auxiliary loss (models/moe.py; the shares sum to its value)."""
+    router_passes: float = 0.0
+    """Forwards that reported router statistics (0: a dense model, no `router_aux_loss` metric)."""
 
     def __add__(self, other: "RankStats") -> "RankStats":
         return RankStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(RankStats)})
@@ -112,8 +117,9 @@ class RankStats:
 
 def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.Tensor,
                    ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, config: GRPOConfig,
-                   denoms: Denominators, dp_world_size: int) -> tuple[torch.Tensor, RankStats]:
-    """(loss for `engine.backward`, this rank's summed statistics); per-token inputs are (local,)."""
+                   denoms: Denominators, dp_world_size: int, router=None) -> tuple[torch.Tensor, RankStats]:
+    """(loss for `engine.backward`, this rank's summed statistics); per-token inputs are (local,).
+    `router`: the forward's `moe.RouterStats` (a sparse decoder; collective over all ranks), else None."""
     logprobs = outputs.logprobs
     device = logprobs.device
     index, valid, seq_ids = _pieces_index(batch)
@@ -133,11 +139,15 @@ def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.
         entropy = reduce_masked(rows(outputs.entropy), mask_PL, config.loss_reduction, **reduce_args)
         if config.entropy_coef > 0:  # otherwise a statistic only: no backward through it
             loss = loss - config.entropy_coef * entropy
+    aux = router_aux_term(router)[0] if router is not None else torch.zeros((), device=device)
+    if config.router_aux_loss_coef > 0:
+        loss = loss + config.router_aux_loss_coef * aux
     num_tokens = stats.num_tokens
     summed = RankStats(loss=float(loss.detach()), pg_loss=stats.policy_loss, kl=stats.kl_loss,
                        entropy=float(entropy.detach()), clip_count=stats.clip_fraction * num_tokens,
                        dual_clip_count=stats.dual_clip_fraction * num_tokens,
-                       approx_kl_sum=stats.approx_kl * num_tokens, num_tokens=float(num_tokens))
+                       approx_kl_sum=stats.approx_kl * num_tokens, num_tokens=float(num_tokens),
+                       router_aux_loss=float(aux.detach()), router_passes=float(router is not None))
     return loss * dp_world_size + outputs.zero, summed
 
 
@@ -151,10 +161,13 @@ def reduce_stats(stats: RankStats, group=None, device=None) -> dict[str, float]:
         dist.all_reduce(values, group=group)
     total = dict(zip(names, values.tolist()))
     tokens = max(total["num_tokens"], 1.0)
-    return {"loss": total["loss"], "pg_loss": total["pg_loss"], "kl": total["kl"], "entropy": total["entropy"],
-            "clip_frac": total["clip_count"] / tokens, "dual_clip_frac": total["dual_clip_count"] / tokens,
-            "approx_kl": total["approx_kl_sum"] / tokens,
-            "num_tokens": total["num_tokens"]}
+    metrics = {"loss": total["loss"], "pg_loss": total["pg_loss"], "kl": total["kl"], "entropy": total["entropy"],
+               "clip_frac": total["clip_count"] / tokens, "dual_clip_frac": total["dual_clip_count"] / tokens,
+               "approx_kl": total["approx_kl_sum"] / tokens,
+               "num_tokens": total["num_tokens"]}
+    if total["router_passes"] > 0:  # a sparse MoE decoder: its micro-batches' auxiliary losses, summed
+        metrics["router_aux_loss"] = total["router_aux_loss"]
+    return metrics
 
 
 def no_grad_logprobs(engine, batch: StepBatch) -> torch.Tensor:
@@ -208,7 +221,8 @@ def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig
             outputs = engine(inputs.batch, with_entropy=True, entropy_grad=config.entropy_coef > 0)
         with region("loss"):
             loss, stats = rank_grpo_loss(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
-                                         inputs.advantages, config, denoms, data_parallel_size(engine))
+                                         inputs.advantages, config, denoms, data_parallel_size(engine),
+                                         engine.module.last_router_stats)
         with region("backward"):
             engine.backward(loss)
         total = total + stats

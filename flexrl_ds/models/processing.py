@@ -1,12 +1,13 @@
-"""Model inputs of records for Qwen2.5-VL / Qwen2: token ids with expanded vision pads + pixel rows.
+"""Model inputs of records for a vision-language model or a text LM: token ids with expanded vision pads + pixel rows.
 
 transformers' `Qwen2_5_VLProcessor` cannot be built where torchvision is missing (its video processor
 requires it), so this module composes the same pieces: the model directory's tokenizer and chat
 template (`SampleEncoder`), and the ShadowLoader's processor-equivalent preprocessing
 (`flexrl_ds.media`: `read_dataset`, `SamplePreprocessor` configured from the model's processor JSON)
-for the pixels (`encode_records`). Placeholder expansion follows the HF processor: each rendered
-`<|image_pad|>` / `<|video_pad|>` becomes `t*h*w / merge_size**2` copies; the response is tokenized
-separately and appended (its first token starts at `response_start`).
+for the pixels (`encode_records`). Placeholder expansion follows the HF processor of the model's family
+(`ModelFamily.expand_pads`, flexrl_ds/families/): for Qwen2.5-VL each rendered `<|image_pad|>` /
+`<|video_pad|>` becomes `t*h*w / merge_size**2` copies; Qwen3-VL's videos become timestamped frame
+groups. The response is tokenized separately and appended (its first token starts at `response_start`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from flexrl_ds.families import family_for
+from flexrl_ds.families.base import TEXT
 from flexrl_ds.planning.plan import SequenceSpec
 
 from flexrl_ds.media.config import MediaConfig
@@ -29,8 +32,6 @@ from flexrl_ds.media.types import BadMediaError, BadRecord
 MARKER = re.compile(r"<(image|video)>")
 IMAGE, VIDEO = "image", "video"
 TOKEN_TYPE = {IMAGE: 1, VIDEO: 2}
-PAD = re.compile(r"(<\|image_pad\|>|<\|video_pad\|>)")
-PAD_KIND = {"<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO}
 
 
 @dataclass
@@ -48,6 +49,16 @@ class VisionItem:
     share_key: str | None = None
     """Items with the same key have identical pixels (e.g. "<prompt id>/<item index>" for the GRPO
     samples of one prompt): a step encodes them once. None: never shared."""
+    frame_indices: tuple[int, ...] = ()
+    """Video: the sampled frames' indices in the source file (Qwen3-VL's prompt timestamps, vLLM's metadata)."""
+    source_fps: float | None = None
+    """Video: the source file's frame rate."""
+
+    @classmethod
+    def from_meta(cls, meta_item, pixel_values, share_key: str | None = None) -> "VisionItem":
+        """The item of a probed `ItemMeta` (media/types.py) with these pixel rows (or a placeholder)."""
+        return cls(meta_item.kind, pixel_values, tuple(meta_item.grid_thw), meta_item.second_per_grid_t or 1.0,
+                   share_key, tuple(meta_item.frame_indices), meta_item.info.fps)
 
     @property
     def num_patches(self) -> int:
@@ -94,7 +105,10 @@ class SampleEncoder:
 
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         self.has_vision = has_processor_files(model_dir)
-        self.merge_size = int(processor_settings(model_dir)["merge_size"]) if self.has_vision else 2
+        settings = processor_settings(model_dir) if self.has_vision else {}
+        self.merge_size = int(settings.get("merge_size", 2))
+        self.temporal_patch_size = int(settings.get("temporal_patch_size", 2))
+        self.family = family_for(settings["processor_family"]) if self.has_vision else TEXT
 
     def encode_items(self, record_id: str, prompt: str, response: str, items: list[VisionItem]) -> EncodedSample:
         prompt_ids = self.encode_prompt(record_id, prompt, items)
@@ -116,20 +130,8 @@ class SampleEncoder:
                 parts.append({"type": piece})
         messages = [{"role": "user", "content": parts}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        text = self._expand_pads(record_id, text, items)
+        text = self.family.expand_pads(record_id, text, items, self.merge_size, self.temporal_patch_size)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _expand_pads(self, record_id: str, text: str, items: list[VisionItem]) -> str:
-        """Each rendered pad token becomes one pad per merged vision token of its item (in order)."""
-        pieces = PAD.split(text)
-        pads = pieces[1::2]
-        if [PAD_KIND[p] for p in pads] != [item.kind for item in items]:
-            raise ValueError(f"record {record_id!r}: rendered prompt has vision pads {pads} but the "
-                             f"media items are {[item.kind for item in items]}")
-        out = list(pieces)
-        for index, item in enumerate(items):
-            out[2 * index + 1] = pads[index] * item.num_tokens(self.merge_size)
-        return "".join(out)
 
 
 def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
@@ -160,8 +162,8 @@ def encode_records(model_dir: str | Path, data_path: str | Path, log=None,
             if isinstance(meta, BadRecord):
                 record = meta
             else:
-                items = [VisionItem(item.kind, tensors[index].pixel_values.float(), tuple(item.grid_thw),  # type: ignore[arg-type]
-                                    item.second_per_grid_t or 1.0) for index, item in enumerate(meta.items)]
+                items = [VisionItem.from_meta(item, tensors[index].pixel_values.float())
+                         for index, item in enumerate(meta.items)]
         if isinstance(record, BadRecord):
             print(f"skipped record {record.id!r}: {record.reason}", file=log or sys.stderr)
             skipped.append(record.reason)

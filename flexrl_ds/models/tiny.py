@@ -1,4 +1,4 @@
-"""Tiny random Qwen2.5-VL / Qwen2 models with a locally built tokenizer and processor (no hub).
+"""Tiny random Qwen2.5-VL / Qwen3-VL (dense, MoE) / Qwen2 models with a locally built tokenizer and processor (no hub).
 
 `make_tiny_model(TinyModelConfig(out_dir=...))` writes a directory that loads with
 `AutoModelForImageTextToText.from_pretrained(dir)` (qwen2.5-vl) or `AutoModelForCausalLM` (qwen2), and
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from flexrl_ds.models.vocabulary import with_filler_tokens
 
-ARCHES = ("qwen2.5-vl", "qwen2")
+ARCHES = ("qwen2.5-vl", "qwen2", "qwen3-vl", "qwen3-vl-moe")
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -80,7 +80,9 @@ class TinyModelConfig:
     out_dir: str
     """Directory to write (created; existing files are overwritten)."""
     arch: str = "qwen2.5-vl"
-    """'qwen2.5-vl' (Qwen2_5_VLForConditionalGeneration) or 'qwen2' (Qwen2ForCausalLM)."""
+    """'qwen2.5-vl' (Qwen2_5_VLForConditionalGeneration), 'qwen3-vl' (Qwen3VLForConditionalGeneration:
+    patch 16, DeepStack after the first decoder layers), 'qwen3-vl-moe' (Qwen3VLMoeForConditionalGeneration)
+    or 'qwen2' (Qwen2ForCausalLM)."""
     seed: int = 0
     """Seed of the random weights."""
     bpe_vocab_size: int = 600
@@ -200,12 +202,11 @@ def build_model(config: TinyModelConfig, tokenizer):
 
     model_config = build_model_config(config, tokenizer)
     torch.manual_seed(config.seed)
-    if config.arch == "qwen2":
-        return transformers.Qwen2ForCausalLM(model_config)
-    return transformers.Qwen2_5_VLForConditionalGeneration(model_config)
+    return getattr(transformers, ARCH_CLASSES[config.arch])(model_config)
 
 
-ARCH_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration"}
+ARCH_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+                "qwen3-vl": "Qwen3VLForConditionalGeneration", "qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration"}
 """The HF model class of each `--arch`."""
 
 
@@ -217,6 +218,8 @@ def build_model_config(config: TinyModelConfig, tokenizer):
     text = _text_kwargs(config, vocab_size, tokenizer)
     if config.arch == "qwen2":
         return transformers.Qwen2Config(**text, rope_theta=10000.0)
+    if config.arch.startswith("qwen3-vl"):
+        return _qwen3_vl_config(config, text, tokenizer)
     text_config = dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "mrope_section": config.mrope_section})
     vision_config = dict(
@@ -243,6 +246,33 @@ def build_model_config(config: TinyModelConfig, tokenizer):
     )
 
 
+def _vision_token_ids(tokenizer) -> dict:
+    return dict(image_token_id=_token_id(tokenizer, "<|image_pad|>"),
+                video_token_id=_token_id(tokenizer, "<|video_pad|>"),
+                vision_start_token_id=_token_id(tokenizer, "<|vision_start|>"),
+                vision_end_token_id=_token_id(tokenizer, "<|vision_end|>"))
+
+
+def _qwen3_vl_config(config: TinyModelConfig, text: dict, tokenizer):
+    """Qwen3-VL (dense or MoE): interleaved mRoPE, explicit head_dim, DeepStack from the first two
+    vision blocks into the first two decoder layers; the MoE has 4 experts, 2 per token, in every layer."""
+    import transformers
+
+    text_config = dict(text, head_dim=config.head_dim,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                        "mrope_section": config.mrope_section, "mrope_interleaved": True})
+    if config.arch == "qwen3-vl-moe":
+        text_config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=config.intermediate_size // 2,
+                           decoder_sparse_step=1)
+    vision_config = dict(depth=config.vision_depth, hidden_size=config.vision_hidden_size,
+                         intermediate_size=2 * config.vision_hidden_size, num_heads=config.vision_num_heads,
+                         patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=config.hidden_size,
+                         num_position_embeddings=64, deepstack_visual_indexes=list(range(min(2, config.vision_depth))))
+    cls = transformers.Qwen3VLMoeConfig if config.arch == "qwen3-vl-moe" else transformers.Qwen3VLConfig
+    return cls(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False,
+               **_vision_token_ids(tokenizer))
+
+
 def processor_configs(config: TinyModelConfig) -> dict[str, dict]:
     """preprocessor_config.json and video_preprocessor_config.json contents (Qwen2-VL processors).
 
@@ -256,9 +286,16 @@ def processor_configs(config: TinyModelConfig) -> dict[str, dict]:
         "size": {"shortest_edge": config.min_pixels, "longest_edge": config.max_pixels},
         "resample": 3, "processor_class": "Qwen2_5_VLProcessor",
     }
+    if config.arch.startswith("qwen3-vl"):  # patch 16, mean/std 0.5; a video's size bounds all its frames
+        common.update(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3, processor_class="Qwen3VLProcessor",
+                      size={"shortest_edge": config.min_pixels * 32 * 32 // (28 * 28),
+                            "longest_edge": config.max_pixels * 32 * 32 // (28 * 28)})
     image = dict(common, image_processor_type="Qwen2VLImageProcessor")
     video = dict(common, video_processor_type="Qwen2VLVideoProcessor", do_sample_frames=False,
                  fps=2.0, min_frames=2, max_frames=64)
+    if config.arch.startswith("qwen3-vl"):
+        video.update(video_processor_type="Qwen3VLVideoProcessor", cap_pixels_per_frame=False,
+                     size={"shortest_edge": 2 * config.min_pixels, "longest_edge": 16 * config.max_pixels})
     return {"preprocessor_config.json": image, "video_preprocessor_config.json": video}
 
 
@@ -277,11 +314,12 @@ def make_tiny_model(config: TinyModelConfig, weights: bool = True) -> Path:
         model_config.architectures = [ARCH_CLASSES[config.arch]]  # a saved model records it; loaders read it
         model_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    if config.arch == "qwen2.5-vl":
+    if config.arch != "qwen2":
         for name, content in processor_configs(config).items():
             (out / name).write_text(json.dumps(content, indent=1) + "\n")
         (out / "processor_config.json").write_text(
-            json.dumps({"processor_class": "Qwen2_5_VLProcessor"}, indent=1) + "\n")
+            json.dumps({"processor_class": processor_configs(config)["preprocessor_config.json"]["processor_class"]},
+                       indent=1) + "\n")
         (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "flexrl_tiny.json").write_text(json.dumps({"arch": config.arch, "seed": config.seed}) + "\n")
     return out

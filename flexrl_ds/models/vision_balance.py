@@ -2,11 +2,11 @@
 
 The vision tower's cost follows patches, not text, and has nothing to do with which rank holds which
 LLM tokens. So (1) every image and every temporal patch group of a video becomes a *unit*
-(Qwen2.5-VL's vision tower attends within one temporal group only: a video with grid (t, h, w) encodes
-exactly like t grids (1, h, w)); (2) `assign_units` spreads units over the domain's ranks by patch
-count (largest first onto the least loaded rank, deterministic); (3) each rank encodes only its
-units; (4) merged embeddings travel with ONE autograd all-to-all over the domain to the ranks that
-hold those token positions in the FlexUlysses layout (the backward is the reverse all-to-all).
+(Qwen2.5-VL's vision tower attends within one temporal group only, Qwen3-VL's within one frame group:
+a video with grid (t, h, w) encodes exactly like t grids (1, h, w)); (2) `assign_units` spreads units
+over the domain's ranks by patch count (largest first onto the least loaded rank, deterministic); (3)
+each rank encodes only its units; (4) merged embeddings travel with ONE autograd all-to-all over the
+domain to the ranks that hold those token positions in the FlexUlysses layout (the backward is the reverse all-to-all).
 
 Planning (`vision_units`, `assign_units`, `build_route`) is pure and identical on every rank (it only
 reads the step's shared metadata); `encode_and_route` executes. Under ZeRO-3 every rank must run the
@@ -183,8 +183,13 @@ def unit_pixels(unit: VisionUnit, item) -> torch.Tensor:
 
 
 def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], group,
-                     merge_size: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                     merge_size: int = 2, encode=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode this rank's units and exchange merged rows; returns (received rows, zero term).
+
+    encode: `(visual, pixels, grids) -> (merged rows, extra rows or None)`, the family's tower call
+    (`ModelFamily.encode_vision`; None: `visual(...).pooler_output`). Extra rows (DeepStack features,
+    (tokens, k*hidden)) travel in the same exchange, concatenated after the merged rows' hidden axis:
+    the received rows are then (rows, (1+k)*hidden).
 
     group: the SP domain's process group (`GroupTree.domain_group`), whose ranks in group order are
     the domain-local ranks the route's split lists index; None means the default (world) group and
@@ -202,7 +207,12 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
         patch_dim = visual.config.in_channels * visual.config.temporal_patch_size * visual.config.patch_size ** 2
         pixels = torch.zeros(side * side, patch_dim)
         grids = torch.tensor([[1, side, side]], dtype=torch.long)
-    merged = visual(pixels.to(device=param.device, dtype=param.dtype), grid_thw=grids.to(param.device)).pooler_output
+    pixels, grids = pixels.to(device=param.device, dtype=param.dtype), grids.to(param.device)
+    if encode is None:
+        merged = visual(pixels, grid_thw=grids).pooler_output
+    else:
+        merged, extra = encode(visual, pixels, grids)
+        merged = merged if extra is None else torch.cat([merged, extra.to(merged.dtype)], dim=-1)
     zero_term = merged.sum() * 0.0
     send = merged.index_select(0, route.send_index.to(merged.device)) if route.my_units else merged[:0]
     if exchange_group_size(route, group) == 1:

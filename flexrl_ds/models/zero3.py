@@ -192,7 +192,10 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     `activation_checkpointing`: every decoder and vision layer is recomputed in backward
     (transformers' non-reentrant gradient checkpointing: ZeRO-3 gathers the layer's parameters
     again, and its FlexUlysses all-to-alls run again, in the same order on every rank).
-    The module's `zero_group` is set to the group its parameters are partitioned over.
+    The module's `zero_group` is set to the group its parameters are partitioned over. A family's
+    sparse MoE blocks (`ModelFamily.zero3_leaf_modules`) become ZeRO-3 leaf modules (DeepSpeed
+    `set_z3_leaf_modules`): gathered whole, so ranks whose tokens route to different experts run the
+    same parameter gathers.
     """
     import deepspeed
 
@@ -206,6 +209,11 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk,
                            temperature=temperature, vision_attention=vision_attention,
                            logits_chunk_bytes=logits_chunk_bytes)
+    leaves = module.family.zero3_leaf_modules(hf_model)
+    if leaves:  # a sparse MoE block is gathered whole: ranks routing to other experts gather the same
+        from deepspeed.utils import set_z3_leaf_modules  # lazy: DeepSpeed is imported inside build_engine
+
+        set_z3_leaf_modules(module, leaves)
     parameters = [p for p in module.parameters() if p.requires_grad] if train else None
     config = AskedKeys(config)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=parameters, config=config)

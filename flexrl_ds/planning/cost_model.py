@@ -82,7 +82,7 @@ PRESETS: dict[str, LayerShapes] = {
 }
 
 PATCHES_PER_VISION_TOKEN = 4
-"""Qwen2.5-VL merges 2×2 patches (14 px) into one LLM token (28 px)."""
+"""Qwen2.5-VL (14 px patches) and Qwen3-VL (16 px) merge 2×2 patches into one LLM token."""
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,18 @@ def shapes_from_config(raw: Mapping[str, Any], source: str) -> LayerShapes:
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     kv_heads = merged.get("num_key_value_heads") or heads
     head_dim = merged.get("head_dim") or hidden // heads
-    return LayerShapes(hidden, need("intermediate_size"), heads, int(kv_heads), int(head_dim),
+    return LayerShapes(hidden, active_intermediate_size(merged, need), heads, int(kv_heads), int(head_dim),
                        need("num_hidden_layers"))
+
+
+def active_intermediate_size(fields: Mapping[str, Any], need=None) -> int:
+    """The MLP width a token runs through: `intermediate_size`, or for a sparse MoE (`num_experts`)
+    its active experts' `moe_intermediate_size` x `num_experts_per_tok` (every layer sparse; the
+    router's h x experts matmul left out): active-parameter FLOPs."""
+    need = need or (lambda key: int(fields[key]))
+    if fields.get("num_experts") and fields.get("num_experts_per_tok"):
+        return need("moe_intermediate_size") * need("num_experts_per_tok")
+    return need("intermediate_size")
 
 
 def load_calibration(path: str | Path) -> Calibration:

@@ -53,6 +53,9 @@ class GRPOConfig:
     planned with FlexUlysses."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (loss -= entropy_coef * mean token entropy); 0: off."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of a sparse MoE decoder's router auxiliary (load-balancing) loss in the loss; 0: only
+    reported (metric `router_aux_loss`, MoE models only)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("kl_estimator", KL_ESTIMATORS),
@@ -71,6 +74,8 @@ class GRPOConfig:
             raise ValueError(f"flexrl.rl.init_kl_coef: must be >= 0, got {self.init_kl_coef}")
         if self.mini_batches_per_step < 1:
             raise ValueError(f"flexrl.rl.mini_batches_per_step: must be at least 1, got {self.mini_batches_per_step}")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"flexrl.rl.router_aux_loss_coef: must be >= 0, got {self.router_aux_loss_coef}")
         if not self.entropy_coef >= 0:
             raise ValueError(f"flexrl.rl.entropy_coef: must be >= 0, got {self.entropy_coef}")
         if self.kl_clamp is not None and not self.kl_clamp > 0:

@@ -85,8 +85,8 @@ class VLLMEngine:
                 worker_extension_cls=WORKER_EXTENSION)
         config = self.llm.llm_engine.model_config.hf_config
         self.is_vision_language = getattr(config, "vision_config", None) is not None
-        self.tokens = VisionTokens(int(getattr(config, "image_token_id", -1)),
-                                   int(getattr(config, "video_token_id", -1)))
+        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        self.tokens = VisionTokens(*(int(getattr(config, name, -1)) for name in names))
         self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)),
                                                         pin_frame_cap=_processor_knows_frame_cap())
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -116,6 +116,10 @@ class VLLMEngine:
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], sampling, use_tqdm=False)
         return sum(len(output.outputs[0].token_ids) for output in outputs)
 
+    def _encode(self, text: str) -> list[int]:
+        """The engine tokenizer's ids of `text`, without special tokens (Qwen3-VL's timestamps)."""
+        return list(self.llm.get_tokenizer().encode(text, add_special_tokens=False))
+
     def _prompts(self, requests: Sequence[RolloutRequest]) -> list[dict[str, Any]]:
         """vLLM prompts; the n samples of a prompt share one (their items are the same objects)."""
         built: dict[tuple, dict[str, Any]] = {}
@@ -128,7 +132,7 @@ class VLLMEngine:
                                  f"tokens, the engine serves {self.max_model_len} (flexrl.rollout.vllm.max_model_len)")
             key = (tuple(request.prompt_ids), tuple(id(item.pixel_values) for item in request.items))
             if key not in built:
-                built[key] = build_prompt(request, self.tokens, self.geometry)
+                built[key] = build_prompt(request, self.tokens, self.geometry, self._encode)
             prompts.append(built[key])
         return prompts
 

@@ -18,11 +18,14 @@ How a request becomes a vLLM prompt, so that vLLM makes exactly the ShadowLoader
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from flexrl_ds.families import family_for
+from flexrl_ds.families.qwen2_5_vl import QWEN2_5_VL
 from flexrl_ds.media import image_io
 from flexrl_ds.models.processing import VisionItem
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
@@ -46,11 +49,14 @@ class PixelGeometry:
     """Pass `cap_pixels_per_frame=False` with videos: the frames given are final (any per-video cap
     was applied by the ShadowLoader), so the processor must not shrink them again whatever its
     default. Set where the installed transformers knows the keyword."""
+    family: str = "qwen2_5_vl"
+    """The model family's `model_type` (flexrl_ds/families/): its video metadata and size bounds."""
 
     @classmethod
     def from_media_config(cls, config: Any, pin_frame_cap: bool = False) -> "PixelGeometry":
         return cls(config.patch_size, config.merge_size, config.temporal_patch_size, tuple(config.image_mean),
-                   tuple(config.image_std), config.rescale_factor, config.do_normalize, pin_frame_cap)
+                   tuple(config.image_std), config.rescale_factor, config.do_normalize, pin_frame_cap,
+                   config.processor_family)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,9 @@ class VisionTokens:
 
     image: int
     video: int
+    vision_start: int = -1
+    """`<|vision_start|>` (Qwen3-VL's timestamped video groups are collapsed back to the chat template's wrapper)."""
+    vision_end: int = -1
 
 
 def item_media(item: VisionItem, geometry: PixelGeometry) -> np.ndarray:
@@ -74,10 +83,12 @@ def item_media(item: VisionItem, geometry: PixelGeometry) -> np.ndarray:
     return hwc[0] if item.kind == "image" else hwc
 
 
-def collapse_vision_pads(request: RolloutRequest, tokens: VisionTokens, merge_size: int) -> list[int]:
+def collapse_vision_pads(request: RolloutRequest, tokens: VisionTokens, merge_size: int,
+                         video_runs: bool = True) -> list[int]:
     """The prompt with each item's run of pad tokens collapsed to one pad (vLLM expands it again).
 
-    Every run must be one item's merged tokens, in prompt order: else a ValueError names the sample."""
+    Every run must be one item's merged tokens, in prompt order: else a ValueError names the sample.
+    video_runs False: the videos are already collapsed to one pad each (`collapse_timestamped_videos`)."""
     kinds = {tokens.image: "image", tokens.video: "video"}
     collapsed: list[int] = []
     runs: list[tuple[str, int]] = []
@@ -89,7 +100,8 @@ def collapse_vision_pads(request: RolloutRequest, tokens: VisionTokens, merge_si
         if kind is not None:
             runs.append((kind, 1))
         collapsed.append(token)
-    expected = [(item.kind, item.num_tokens(merge_size)) for item in request.items]
+    expected = [(item.kind, item.num_tokens(merge_size) if video_runs or item.kind == "image" else 1)
+                for item in request.items]
     if runs != expected:
         raise ValueError(f"rollout request {request.sample_key!r}: vision pad runs {runs} in prompt_ids do not "
                          f"match its items {expected} (kind, merged tokens) in order")
@@ -106,7 +118,7 @@ def processor_kwargs(items: Sequence[VisionItem], geometry: PixelGeometry) -> di
     - `cap_pixels_per_frame` off (`geometry.pin_frame_cap`): nor are they to be shrunk again."""
     if not items:
         return {}
-    pixels = [item.grid_thw[1] * item.grid_thw[2] * geometry.patch_size ** 2 for item in items]
+    pixels = [_bounded_pixels(item, geometry) for item in items]
     kwargs: dict[str, Any] = {"size": {"shortest_edge": min(pixels), "longest_edge": max(pixels)}}
     videos = [item for item in items if item.kind == "video"]
     if videos:
@@ -117,21 +129,68 @@ def processor_kwargs(items: Sequence[VisionItem], geometry: PixelGeometry) -> di
     return kwargs
 
 
+def _bounded_pixels(item: VisionItem, geometry: PixelGeometry) -> int:
+    """The pixel count the processor's size bounds apply to: a frame's, or (Qwen3-VL's videos) all frames'."""
+    frame = item.grid_thw[1] * item.grid_thw[2] * geometry.patch_size ** 2
+    if item.kind == "video" and family_for(geometry.family).video_budget_over_frames:
+        return frame * item.grid_thw[0] * geometry.temporal_patch_size
+    return frame
+
+
 def video_metadata(item: VisionItem, geometry: PixelGeometry) -> dict[str, Any]:
-    """transformers' VideoMetadata fields of a video whose frames were all sampled at its fps."""
-    frames = item.grid_thw[0] * geometry.temporal_patch_size
-    fps = geometry.temporal_patch_size / item.second_per_grid_t
-    return {"total_num_frames": frames, "fps": fps, "duration": frames / fps, "frames_indices": list(range(frames)),
-            "height": item.grid_thw[1] * geometry.patch_size, "width": item.grid_thw[2] * geometry.patch_size}
+    """transformers' VideoMetadata fields of one video, by the family (`ModelFamily.vllm_video_metadata`):
+    Qwen2.5-VL's frames all sampled at fps = temporal_patch_size / second_per_grid_t (its mRoPE
+    temporal positions); Qwen3-VL's source fps and source frame indices (its prompt timestamps)."""
+    return family_for(geometry.family).vllm_video_metadata(item, geometry)
 
 
-def build_prompt(request: RolloutRequest, tokens: VisionTokens, geometry: PixelGeometry) -> dict[str, Any]:
-    """A vLLM `TokensPrompt` (a dict) for one request."""
-    prompt: dict[str, Any] = {"prompt_token_ids": collapse_vision_pads(request, tokens, geometry.merge_size)}
+def collapse_timestamped_videos(request: RolloutRequest, tokens: VisionTokens, geometry: PixelGeometry,
+                                encode: Callable[[str], list[int]]) -> RolloutRequest:
+    """The request with each Qwen3-VL video's frame groups (`<t seconds>` + vision_start + pads +
+    vision_end each) collapsed to the chat template's `<|vision_start|><|video_pad|><|vision_end|>`,
+    which vLLM's Qwen3-VL replaces by the groups again, encoding each timestamp on its own (`encode`:
+    the tokenizer's, without special tokens). A video whose groups are not exactly those tokens (a
+    first timestamp merged with the text before it, as a whole-text tokenizer may do) is a ValueError
+    naming the sample: vLLM would see another prompt than the trainer."""
+    family = family_for(geometry.family)
+    ids, out, cursor = list(request.prompt_ids), [], 0
+    for index, item in enumerate(request.items):
+        if item.kind != "video":
+            continue
+        t, h, w = item.grid_thw
+        stamps = [encode(f"<{stamp:.1f} seconds>")
+                  for stamp in family.group_timestamps(item, geometry.temporal_patch_size)]
+        frame = [tokens.vision_start] + [tokens.video] * (h * w // geometry.merge_size ** 2) + [tokens.vision_end]
+        groups = [token for stamp in stamps for token in stamp + frame]
+        first_pad = ids.index(tokens.video, cursor) if tokens.video in ids[cursor:] else -1
+        start = first_pad - 1 - len(stamps[0])
+        if first_pad < 0 or start < cursor or ids[start:start + len(groups)] != groups:
+            raise ValueError(f"rollout request {request.sample_key!r}: video {index}'s frame groups in prompt_ids are "
+                             "not the timestamp and vision tokens vLLM makes of them (is the first timestamp "
+                             "tokenized together with the text before it?)")
+        out += ids[cursor:start] + [tokens.vision_start, tokens.video, tokens.vision_end]
+        cursor = start + len(groups)
+    return dataclasses.replace(request, prompt_ids=out + ids[cursor:])
+
+
+def build_prompt(request: RolloutRequest, tokens: VisionTokens, geometry: PixelGeometry,
+                 encode: Callable[[str], list[int]] | None = None) -> dict[str, Any]:
+    """A vLLM `TokensPrompt` (a dict) for one request. `encode`: the tokenizer's (text -> ids), needed
+    for a family with prompt timestamps (Qwen3-VL), whose videos also carry their metadata with the frames."""
+    family = family_for(geometry.family)
+    timestamped = family.prompt_timestamps and any(item.kind == "video" for item in request.items)
+    if timestamped:
+        assert encode is not None, "a Qwen3-VL video request needs the tokenizer's encode"
+        request = collapse_timestamped_videos(request, tokens, geometry, encode)
+    prompt: dict[str, Any] = {"prompt_token_ids": collapse_vision_pads(request, tokens, geometry.merge_size,
+                                                                       video_runs=not timestamped)}
     if request.items:
-        media: dict[str, list[np.ndarray]] = {}
+        media: dict[str, list[Any]] = {}
         for item in request.items:
-            media.setdefault(item.kind, []).append(item_media(item, geometry))
+            frames: Any = item_media(item, geometry)
+            if item.kind == "video" and family.prompt_timestamps:  # vLLM's Qwen3-VL reads them from the item
+                frames = (frames, video_metadata(item, geometry))
+            media.setdefault(item.kind, []).append(frames)
         prompt["multi_modal_data"] = media
         prompt["mm_processor_kwargs"] = processor_kwargs(request.items, geometry)
     return prompt
@@ -207,21 +266,16 @@ def check_expanded_prompt(request: RolloutRequest, vllm_prompt_ids: Sequence[int
                      f"would see other vision grids than the trainer")
 
 
-VLLM_WEIGHT_PREFIXES = {
-    "model.language_model.": "language_model.model.",
-    "model.visual.": "visual.",
-    "lm_head.": "language_model.lm_head.",
-    "model.": "language_model.model.",
-    "visual.": "visual.",
-}
+VLLM_WEIGHT_PREFIXES = dict(QWEN2_5_VL.vllm_weight_prefixes)
 """Qwen2.5-VL parameter prefixes -> vLLM's module prefixes, as vLLM's Qwen2_5_VLForConditionalGeneration
 maps them when loading (first match wins): the in-memory names of transformers >= 4.52, which a sync
 sends, and the original checkpoint names, which `save_pretrained` still writes."""
 
 
-def vllm_weight_name(hf_name: str) -> str:
-    """Where vLLM's Qwen2.5-VL puts an HF parameter (a ValueError for names it would not load)."""
-    for prefix, target in VLLM_WEIGHT_PREFIXES.items():
+def vllm_weight_name(hf_name: str, family: str = "qwen2_5_vl") -> str:
+    """Where vLLM's model of the family puts an HF parameter (a ValueError for names it would not
+    load); Qwen3-VL's (dense and MoE) use Qwen2.5-VL's prefixes (`ModelFamily.vllm_weight_prefixes`)."""
+    for prefix, target in dict(family_for(family).vllm_weight_prefixes).items():
         if hf_name.startswith(prefix):
             return target + hf_name[len(prefix):]
     raise ValueError(f"weight {hf_name!r}: no vLLM Qwen2.5-VL module takes it (prefixes "

@@ -30,7 +30,8 @@ from flexrl_ds.runtime.rank_pixels import RankPixels
 from flexrl_ds.runtime.worker_group import WorkerPlace, join_process_group
 
 PRELOAD = ("torch", "torch.distributed", "transformers", "flexrl_ds.models.flex_model",
-           "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.qwen2.modeling_qwen2")
+           "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.qwen3_vl.modeling_qwen3_vl",
+           "transformers.models.qwen2.modeling_qwen2")
 """Modules the forkserver of a `ProcessWorkerGroup` imports once for all ranks."""
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from flexrl_ds.common.output_files import output_file
+from flexrl_ds.families import family_of_dir
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.models.processing import encode_records
 from flexrl_ds.parallel import device as device_mod
@@ -185,6 +186,8 @@ class LogprobsReport:
 def run_logprobs(config: LogprobsConfig) -> LogprobsReport:
     """Run the whole tool."""
     start = time.perf_counter()
+    if Path(config.model_dir, "config.json").is_file():
+        family_of_dir(config.model_dir)  # a family flexrl_ds cannot shard is refused before any rank starts
     if config.resolved_loader == "shadow":
         samples, results, usage, num_actors = _run_shadow(config)
     else:

@@ -89,8 +89,7 @@ def scorable(records: list[Any], response_key: str, has_vision: bool) -> list[An
 
 def placeholder_items(meta: Any) -> list[Any]:
     """VisionItems of a probed sample with shape-only placeholders instead of pixel rows."""
-    return [VisionItem(item.kind, meta.item_placeholder(index), tuple(item.grid_thw), item.second_per_grid_t or 1.0)
-            for index, item in enumerate(meta.items)]
+    return [VisionItem.from_meta(item, meta.item_placeholder(index)) for index, item in enumerate(meta.items)]
 
 
 @dataclass

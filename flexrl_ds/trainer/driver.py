@@ -204,7 +204,8 @@ class GRPOTrainer:
         (`rollout_time_s`, `ROLLOUT_PARTS`), the pixels the hosts pulled (`rollout_pixel_mb`) and, for
         engines inside policy ranks on GPUs, the device's peak while they were awake (`rollout_engine_peak_gb`)."""
         jobs = [PromptJob(p.key, tuple(p.prompt_ids),
-                          tuple((i.kind, tuple(i.grid_thw), float(i.second_per_grid_t)) for i in p.items),
+                          tuple((i.kind, tuple(i.grid_thw), float(i.second_per_grid_t), tuple(i.frame_indices),
+                                 i.source_fps) for i in p.items),
                           tuple((name, sample_seed(self.o.seed, parse_sample_name(name))) for name in p.sample_names))
                 for p in prompts]
         output = self.rollout.generate(step, jobs, self.o.sampling)

@@ -23,6 +23,7 @@ import ray
 import torch.distributed as dist
 import transformers
 
+from flexrl_ds.families import family_of
 from flexrl_ds.common.json_files import read_json
 from flexrl_ds.media.config import replaced_by_processor
 from flexrl_ds.media.records import read_dataset
@@ -117,7 +118,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     vision_config = getattr(model_config, "vision_config", None)
     return Prepared(run, args, data_config, records, encoder, reward_fn, num_ranks, max_steps, checkpoint, start_step,
                     DecoderShape.from_config(model_config.get_text_config()),
-                    VisionShape.from_config(vision_config) if vision_config is not None else None)
+                    None if vision_config is None else VisionShape.from_config(vision_config, family_of(model_config)))
 
 
 def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool) -> PolicySetup:

@@ -35,8 +35,9 @@ class PromptJob:
     """(step, slot): where its pixels live."""
     prompt_ids: tuple[int, ...]
     """Chat-rendered prompt with expanded vision pads."""
-    items: tuple[tuple[str, tuple[int, int, int], float], ...]
-    """(kind, grid_thw, second_per_grid_t) per media item, in prompt order."""
+    items: tuple[tuple, ...]
+    """(kind, grid_thw, second_per_grid_t[, frame_indices, source_fps]) per media item, in prompt order
+    (a video's source frames and fps: Qwen3-VL's timestamps for vLLM)."""
     samples: tuple[tuple[str, int], ...]
     """(sample name, sampling seed) of each of its n samples."""
 
@@ -96,8 +97,8 @@ class RolloutHost:
             if missing:
                 raise RuntimeError(f"step {step}: prompt {prompt_name(job.key)!r}: items {missing} were neither "
                                    "delivered nor withdrawn by the preprocessing actors")
-            items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt)  # type: ignore[arg-type]
-                     for index, (kind, grid, spgt) in enumerate(job.items)]
+            items = [VisionItem(kind, pixels[(job.key, index)], tuple(grid), spgt, None, *video)  # type: ignore[arg-type]
+                     for index, (kind, grid, spgt, *video) in enumerate(job.items)]
             rollout_requests.extend(RolloutRequest(name, list(job.prompt_ids), items, seed)
                                     for name, seed in job.samples)
         started = time.perf_counter()

@@ -53,8 +53,7 @@ class PromptInputs:
 
 def placeholder_items(meta: SampleMeta, share_key: str) -> list[VisionItem]:
     """VisionItems of a probed sample: shape-only placeholders, shared by the prompt's samples."""
-    return [VisionItem(item.kind, meta.item_placeholder(index), tuple(item.grid_thw),  # type: ignore[arg-type]
-                       item.second_per_grid_t or 1.0, share_key=f"{share_key}/{index}")
+    return [VisionItem.from_meta(item, meta.item_placeholder(index), share_key=f"{share_key}/{index}")
             for index, item in enumerate(meta.items)]
 
 

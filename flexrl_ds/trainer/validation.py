@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flexrl_ds.common.json_files import looked_for, read_json
+from flexrl_ds.families import family_of_dir
 from flexrl_ds.models.zero3 import check_ds_config
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.planning.cost_model import load_cost_model
@@ -36,8 +37,10 @@ def check_model_dir(model_dir: str) -> None:
     config = read_json(path / "config.json", "model config")
     if isinstance(config, dict) and "vision_config" not in config:
         raise ValueError(f"--model {model_dir}: a text-only model (model_type {config.get('model_type')!r}, no "
-                         "vision_config); flexrl train trains vision-language models of the Qwen2.5-VL class "
+                         "vision_config); flexrl train trains vision-language models "
+                         "(Qwen2.5-VL, Qwen3-VL, Qwen3-VL MoE) "
                          "(`flexrl make-tiny-model --arch qwen2.5-vl` writes a tiny random one)")
+    family_of_dir(path)  # a family flexrl_ds cannot shard is refused here, naming it and why
 
 
 def check_batch(flexrl: Any, num_ranks: int) -> None:

@@ -202,9 +202,12 @@ def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
     entropy reduced as the loss is, the share of tokens the dual clip capped)."""
     model = _load(model_dir)
     c = rl
-    per_sequence, entropies, dual_clipped = [], [], []
+    per_sequence, entropies, dual_clipped, routers = [], [], [], []
+    moe = getattr(model.config.get_text_config(), "num_experts", None) is not None
     for seq_id, sample in samples.items():
-        logits = model(**_inputs(model, sample)).logits[0].float()
+        output = model(**_inputs(model, sample), **({"output_router_logits": True} if moe else {}))
+        logits = output.logits[0].float()
+        routers.append(output.router_logits if moe else None)
         logp_all = torch.log_softmax(logits[:-1], dim=-1)[sample.response_start - 1:]
         targets = sample.input_ids[sample.response_start:]
         terms, entropy_terms = [], []
@@ -229,6 +232,14 @@ def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
             return sum(t for terms in per_token for t in terms) / sum(len(terms) for terms in per_token)
         return sum(sum(terms) / len(terms) for terms in per_token) / len(per_token)
     loss = reduce(per_sequence)
+    aux = None
+    if moe:  # transformers' auxiliary loss over every sample's router rows, layer by layer
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+
+        text = model.config.get_text_config()
+        layers = tuple(torch.cat([r[layer] for r in routers]) for layer in range(len(routers[0])))
+        aux = load_balancing_loss_func(layers, text.num_experts, text.num_experts_per_tok)
+        loss = loss + c.get("router_aux_loss_coef", 0.0) * aux
     loss.backward()
     params = [p for p in model.parameters()]
     norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None))
@@ -236,7 +247,7 @@ def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
     torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY).step()
     num_tokens = sum(len(terms) for terms in per_sequence)
     return (float(loss.detach()), norm, {name: p.detach() for name, p in model.named_parameters()}, reduce(entropies),
-            sum(dual_clipped) / num_tokens)
+            sum(dual_clipped) / num_tokens, None if aux is None else float(aux.detach()))
 
 
 def _inputs(model, sample):
@@ -259,6 +270,31 @@ def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kin
     the idle plan the empty ranks' placeholder, run again). micro: the mini-batch cut into two
     micro-batches whose gradients accumulate into the one optimizer step (as the trainer runs a
     mini-batch over flexrl.sp.max_tokens_per_rank): still the single-pass reference's step."""
+    check_grpo_step(assets, dist_pools, kind, reduction, offload, checkpointing)
+
+
+@pytest.fixture(scope="module")
+def qwen3_assets(tmp_path_factory):
+    from flexrl_ds.models.sample_data import write_scoring_dataset
+    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+
+    root = tmp_path_factory.mktemp("grpo_update_qwen3")
+    data = write_scoring_dataset(root / "data", num_records=4, seed=5)  # image, video (2-3 frame groups), both, text
+    return {arch: (str(make_tiny_model(TinyModelConfig(out_dir=str(root / arch), arch=arch, seed=7))), str(data))
+            for arch in ("qwen3-vl", "qwen3-vl-moe")}
+
+
+@pytest.mark.parametrize("arch,checkpointing,aux_coef", [("qwen3-vl", False, 0.0), ("qwen3-vl", True, 0.0),
+                                                         ("qwen3-vl-moe", False, 0.0), ("qwen3-vl-moe", False, 0.5)])
+def test_grpo_step_of_qwen3_vl_equals_plain_hf(qwen3_assets, dist_pools, arch, checkpointing, aux_coef):
+    """The same step for tiny Qwen3-VL (DeepStack rows through the vision exchange) and its MoE (sparse
+    blocks as ZeRO-3 leaf modules), degrees 1, 2 and 4. The MoE's router auxiliary loss is reported
+    as transformers computes it over all samples' router rows, and with aux_coef > 0 is in the loss."""
+    check_grpo_step(qwen3_assets[arch], dist_pools, "mixed", "token_mean", "none", checkpointing, aux_coef)
+
+
+def check_grpo_step(assets, dist_pools, kind, reduction, offload, checkpointing, aux_coef=0.0):
+    """The 4-rank ZeRO-3 step equals the plain-HF step (the test above)."""
     if offload == "cpu_adam_ratio":
         _build_cpu_adam()
     model_dir, data_path = assets
@@ -266,9 +302,12 @@ def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kin
     plans = make_micro_plans(list(samples)) if kind == "micro" else [make_plan(list(samples), kind)]
     values = fixed_values(model_dir, samples)
     rl = {**RL, "loss_reduction": reduction, "entropy_coef": 0.0 if kind == "idle" else RL["entropy_coef"]}
+    if aux_coef:
+        rl["router_aux_loss_coef"] = aux_coef
     per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, [p.to_json() for p in plans], values, rl,
                                      offload, checkpointing, timeout_s=240)
-    ref_loss, ref_norm, ref_params, ref_entropy, ref_dual_clip_frac = reference_step(model_dir, samples, values, rl)
+    ref_loss, ref_norm, ref_params, ref_entropy, ref_dual_clip_frac, ref_aux = reference_step(model_dir, samples,
+                                                                                              values, rl)
     if kind == "idle":  # ranks 2, 3: no token, but a member of the degree-4 pack
         assert [(r["num_local"] == 0, r["num_packs"]) for r in per_rank][2:] == [(True, 1), (True, 1)]
     for r in per_rank:  # with checkpointing each layer that ran forward runs again in backward
@@ -280,6 +319,7 @@ def test_grpo_step_on_zero3_flex_ulysses_equals_plain_hf(assets, dist_pools, kin
     assert all(r["metrics"] == metrics for r in per_rank)
     assert metrics["num_tokens"] == sum(x.length - x.response_start for x in samples.values())
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    assert metrics.get("router_aux_loss") == (None if ref_aux is None else pytest.approx(ref_aux, rel=1e-5))
     assert metrics["entropy"] == pytest.approx(ref_entropy, rel=1e-5) and ref_entropy > 0
     assert metrics["dual_clip_frac"] == pytest.approx(ref_dual_clip_frac, rel=1e-6) and ref_dual_clip_frac > 0
     assert 0 < metrics["clip_frac"] < 1

@@ -93,3 +93,40 @@ def test_inspect_data_reads_the_flexrl_data_section(dataset, tmp_path, capsys):
     assert oversized and all("oversized" in r["reason"] and "max_vision_tokens_per_sample=20" in r["reason"]
                              for r in oversized)
     assert all(r["vision_tokens"] <= 20 for r in results if r["ok"])
+
+
+def test_inspect_data_with_a_qwen3_vl_model_predicts_its_processors_tokens(dataset, tmp_path, capsys):
+    """`--model` of a tiny Qwen3-VL: each record's vision tokens are those of transformers' own Qwen3-VL
+    processors (the image processor at patch 16; the video processor's frame sampling and whole-video
+    pixel budget over the source frame count and fps)."""
+    import transformers
+    from torchcodec.decoders import VideoDecoder
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    model = tmp_path / "q3"
+    assert main(["make-tiny-model", "--out", str(model), "--arch", "qwen3-vl"]) == 0
+    capsys.readouterr()
+    assert main(["inspect-data", "--data", str(dataset / "train.jsonl"), "--model", str(model), "--json"]) == 0
+    results = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    image_processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(model)
+    saved = json.loads((model / "video_preprocessor_config.json").read_text())
+    video_processor = Qwen3VLVideoProcessor(**{k: v for k, v in saved.items()
+                                               if k not in ("video_processor_type", "processor_class")})
+    image_kwargs = {"patch_size": 16, "merge_size": 2, "size": dict(image_processor.size)}
+    videos = 0
+    for row in map(json.loads, (dataset / "train.jsonl").read_text().splitlines()):
+        from PIL import Image
+
+        patches = 0
+        for path in row["images"]:
+            width, height = Image.open(dataset / path).size
+            patches += image_processor.get_number_of_image_patches(height, width, image_kwargs)
+        for path in row["videos"]:
+            meta = VideoDecoder(str(dataset / path)).metadata
+            frames = video_processor.sample_frames(VideoMetadata(total_num_frames=meta.num_frames,
+                                                                 fps=meta.average_fps), fps=saved["fps"])
+            patches += video_processor.get_num_of_video_patches(len(frames), meta.height, meta.width)
+            videos += 1
+        assert results[row["id"]]["vision_tokens"] == patches // 4, row["id"]
+    assert videos > 0

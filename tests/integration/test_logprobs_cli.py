@@ -19,6 +19,7 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("logprobs")
     assert main(["make-tiny-model", "--out", str(root / "model"), "--seed", "9"]) == 0
+    assert main(["make-tiny-model", "--out", str(root / "model-qwen3-vl"), "--seed", "9", "--arch", "qwen3-vl"]) == 0
     data = write_scoring_dataset(root / "data", num_records=8, seed=6)
     return root, data
 
@@ -34,16 +35,18 @@ def _reference(model_dir, data):
         return {s: (x.input_ids.tolist(), x.response_start, reference_logprobs(model, x)) for s, x in samples.items()}
 
 
-@pytest.mark.parametrize("nproc,given_plan", [(1, False), (4, True)])
-def test_logprobs_cli_equals_hf(setup, nproc, given_plan):
+@pytest.mark.parametrize("nproc,given_plan,model", [(1, False, "model"), (4, True, "model"),
+                                                   (4, True, "model-qwen3-vl")])
+def test_logprobs_cli_equals_hf(setup, nproc, given_plan, model):
     """nproc 1: planner's plan; nproc 4: a given plan mixing degrees 4, 2 and 1 (the planner picks
-    degree 4 for everything on inputs this small)."""
+    degree 4 for everything on inputs this small). model-qwen3-vl: a tiny Qwen3-VL (timestamped
+    multi-group videos, DeepStack)."""
     from flexrl_ds.models.sample_data import random_plan_for
 
     root, data = setup
-    reference = _reference(root / "model", data)
-    out, plan_out = root / f"out{nproc}.jsonl", root / f"plan{nproc}.json"
-    argv = ["logprobs", "--model", str(root / "model"), "--data", str(data), "--nproc", str(nproc),
+    reference = _reference(root / model, data)
+    out, plan_out = root / f"out{nproc}{model}.jsonl", root / f"plan{nproc}{model}.json"
+    argv = ["logprobs", "--model", str(root / model), "--data", str(data), "--nproc", str(nproc),
             "--out", str(out), "--plan-out", str(plan_out), "--loader", "local"]
     if given_plan:
         plan = random_plan_for({s: len(ids) for s, (ids, _, _) in reference.items()}, nproc, nproc, seed=5)
