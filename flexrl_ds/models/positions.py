@@ -11,8 +11,8 @@ transformers' `get_rope_index`, a (1, h, w) grid per image and video frame group
 as vLLM computes it): text tokens advance all three coordinates together; a vision item's tokens, in
 (t, h, w) order, get (start + T(t), start + h, start + w) with `start` the next free position,
 where T(t) = t for images and Qwen2-VL videos and floor(t * second_per_grid_t * tokens_per_second)
-for Qwen2.5-VL videos; the text after an item starts at the item's largest position + 1. It is computed here, not by transformers'
-`get_rope_index`, because that one changed across transformers 5.x: 5.17 truncates
+for Qwen2.5-VL videos; the text after an item starts at the item's largest position + 1. It is computed
+here, not by transformers' `get_rope_index`, because that one changed across transformers 5.x: 5.17 truncates
 second_per_grid_t to an integer first, and 5.x starts the text after a video at start + max(h, w)
 even when the video's temporal positions reach further. Against a vLLM engine that gave a
 log-prob gap of ~1 nat per token on such videos (docs/notes/one-h200-runs-2026-12-01.md, "One H200,
