@@ -158,7 +158,8 @@ def states_kept_in_rollout(i: MemoryInputs, states: dict[str, int]) -> dict[str,
         return {}
     # torch's AdamW: DeepSpeed moves the parameters and their bf16 gradients, not the fp32 states
     # (master weights, moments, the fp32 gradient partitions: 99.0 GiB measured in a 3B rollout on
-    # one H200 at gpu_memory_utilization 0.3, against 98 GiB estimated; docs/BENCHMARKS.md, "Memory settings and what each costs")
+    # one H200 at gpu_memory_utilization 0.3, against 98 GiB estimated; docs/BENCHMARKS.md, "Memory
+    # settings and what each costs")
     return {name: states[name] for name in ("optimizer states", "policy gradients")}
 
 
