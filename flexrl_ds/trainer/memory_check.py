@@ -14,7 +14,8 @@ import math
 from typing import Any
 
 from flexrl_ds.parallel import device as device_mod
-from flexrl_ds.trainer.memory_estimate import GIB, MemoryEstimate, MemoryInputs, estimate_memory
+from flexrl_ds.runtime import host_memory as node_memory
+from flexrl_ds.trainer.memory_estimate import GIB, MemoryEstimate, MemoryInputs, estimate_memory, host_memory
 
 
 def model_size(model_dir: str) -> dict[str, int]:
@@ -83,6 +84,7 @@ def memory_inputs(run: Any, model_dir: str, num_ranks: int, device_bytes: int, p
         **sizes, device_bytes=device_bytes, ranks=num_ranks, **zero3_inputs(run.deepspeed),
         reference=flexrl.rl.init_kl_coef > 0, reference_offload=trainer.reference_offload_param, engine=engine,
         gpu_memory_utilization=float(getattr(options, "gpu_memory_utilization", 0.0) or 0.0),
+        engine_sleep_level=int(getattr(options, "sleep_level", 2)),
         offload_states_in_rollout=trainer.offload_states_in_rollout, checkpointing=trainer.activation_checkpointing,
         logprob_chunk_bytes=flexrl.sp.logprob_chunk_bytes, sync_bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
         **budget)
@@ -114,12 +116,31 @@ def check_memory(run: Any, model_dir: str, num_ranks: int) -> MemoryEstimate | N
     if device_bytes is None:
         return None
     estimate = estimate_memory(memory_inputs(run, model_dir, num_ranks, device_bytes))
+    host_line = host_warning(estimate, max(1, min(num_ranks, device_mod.num_gpus())))
+    if host_line:
+        print(f"warning: {host_line}", flush=True)
     if not estimate.fits():
         line = refusal(estimate, 0)
         if trainer.memory_check == "refuse" and estimate.refused():
             raise ValueError(line)
         print(f"warning: {line}", flush=True)
     return estimate
+
+
+def host_warning(estimate: MemoryEstimate, ranks_per_node: int) -> str:
+    """A line when the ranks of one node would fill its host memory past Ray's kill share (an estimate:
+    said, not refused); "" otherwise."""
+    assert estimate.inputs is not None
+    inputs = estimate.inputs
+    shares = host_memory(inputs)
+    total = sum(shares.values()) + (ranks_per_node - 1) * (sum(shares.values()) - shares["base"])
+    limit = node_memory.ray_kill_share() * node_memory.bytes_total()
+    if total <= limit:
+        return ""
+    return (f"host memory: ~{total / GIB:.0f} GiB estimated for {ranks_per_node} rank(s) on this node, over Ray's kill "
+            f"line at {limit / GIB:.0f} GiB ({', '.join(f'{k} {v / GIB:.0f}' for k, v in shares.items())} GiB a rank): "
+            "a lower zero_optimization.offload_optimizer ratio, flexrl.trainer.offload_states_in_rollout false or "
+            "flexrl.trainer.reference_offload_param false takes host memory off")
 
 
 def estimate_run(run: Any, model_dir: str, ranks: int | None, device_memory_gb: float | None,
@@ -140,4 +161,7 @@ def estimate_run(run: Any, model_dir: str, ranks: int | None, device_memory_gb: 
              f"({prompt_tokens} prompt tokens + flexrl.rollout.max_response_length per sample)", estimate.format()]
     for phase in estimate.over():
         lines.append(f"{phase}: " + ("; or ".join(estimate.advice(phase)) or "no setting found"))
+    host_line = host_warning(estimate, num_ranks)
+    if host_line and gb is None:  # this machine's host memory is the run's only where its GPU is measured here
+        lines.append(host_line)
     return "\n".join(lines), estimate.fits()

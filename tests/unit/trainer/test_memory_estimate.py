@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from flexrl_ds.trainer.memory_estimate import (CONTEXT_BYTES, ENGINE_ASLEEP_BYTES, GIB, MemoryInputs,
-                                               activation_bytes, estimate_memory, policy_states,
-                                               states_kept_in_rollout)
+from flexrl_ds.trainer.memory_estimate import (CONTEXT_BYTES, ENGINE_ASLEEP_BYTES, GIB, HOST_BASE_BYTES,
+                                               MemoryInputs, activation_bytes, estimate_memory, host_memory,
+                                               policy_states, states_kept_in_rollout)
 
 SMALL = dict(params=1000, hidden=8, layers=2, intermediate=16, kv_dim=4, largest_param=100, device_bytes=10**6)
 
@@ -33,6 +33,15 @@ def test_what_stays_on_the_device_while_the_engine_generates():
     assert states_kept_in_rollout(MemoryInputs(**SMALL), states) == {"optimizer states": 3, "policy gradients": 2}
     assert states_kept_in_rollout(MemoryInputs(**SMALL, optimizer_offload_ratio=0.5), states) == {
         "policy gradients": 2, "optimizer states": 3}
+
+
+def test_host_memory_by_hand():
+    # 60% of the optimizer offloaded: a 4 B fp32 gradient buffer for all 1000 parameters + 16 B for 600
+    inputs = MemoryInputs(**SMALL, optimizer_offload_ratio=0.6, reference_offload=True, engine_sleep_level=1)
+    assert host_memory(inputs) == {"base": HOST_BASE_BYTES, "offloaded optimizer": 4000 + 9600,
+                                   "reference parameters": 3500, "states moved for the rollout": 2000,
+                                   "engine weights asleep": 2000}
+    assert host_memory(MemoryInputs(**SMALL, engine=None)) == {"base": HOST_BASE_BYTES}
 
 
 def test_activations_by_hand():
