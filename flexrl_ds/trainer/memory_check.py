@@ -15,7 +15,8 @@ from typing import Any
 
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.runtime import host_memory as node_memory
-from flexrl_ds.trainer.memory_estimate import GIB, MemoryEstimate, MemoryInputs, estimate_memory, host_memory
+from flexrl_ds.trainer.memory_estimate import (GIB, UNCERTAINTY, MemoryEstimate, MemoryInputs, estimate_memory,
+                                               host_memory)
 
 
 def model_size(model_dir: str) -> dict[str, int]:
@@ -106,7 +107,8 @@ def refusal(estimate: MemoryEstimate, prompt_tokens: int) -> str:
 
 
 def check_memory(run: Any, model_dir: str, num_ranks: int) -> MemoryEstimate | None:
-    """Refuse (ValueError) or warn about a run whose estimate exceeds the device, per
+    """Refuse (ValueError) or warn about a run whose estimate exceeds the device (or, where this
+    machine's GPU is the one checked, the node's host memory past Ray's kill share), per
     `flexrl.trainer.memory_check`; None where there is nothing to check against (no GPU here and no
     `flexrl.trainer.device_memory_gb`) or the check is off."""
     trainer = run.flexrl.trainer
@@ -116,7 +118,10 @@ def check_memory(run: Any, model_dir: str, num_ranks: int) -> MemoryEstimate | N
     if device_bytes is None:
         return None
     estimate = estimate_memory(memory_inputs(run, model_dir, num_ranks, device_bytes))
-    host_line = host_warning(estimate, max(1, min(num_ranks, device_mod.num_gpus())))
+    host_line, host_refused = host_verdict(estimate, max(1, min(num_ranks, device_mod.num_gpus())))
+    # this machine's host memory is the ranks' only where its GPU is the one checked (no device_memory_gb)
+    if host_line and host_refused and trainer.memory_check == "refuse" and not trainer.device_memory_gb:
+        raise ValueError(f"{host_line}. flexrl.trainer.memory_check: \"warn\" starts it anyway.")
     if host_line:
         print(f"warning: {host_line}", flush=True)
     if not estimate.fits():
@@ -128,19 +133,24 @@ def check_memory(run: Any, model_dir: str, num_ranks: int) -> MemoryEstimate | N
 
 
 def host_warning(estimate: MemoryEstimate, ranks_per_node: int) -> str:
-    """A line when the ranks of one node would fill its host memory past Ray's kill share (an estimate:
-    said, not refused); "" otherwise."""
+    """A line when the ranks of one node would fill its host memory past Ray's kill share; "" otherwise."""
+    return host_verdict(estimate, ranks_per_node)[0]
+
+
+def host_verdict(estimate: MemoryEstimate, ranks_per_node: int) -> tuple[str, bool]:
+    """`host_warning`'s line, and whether the estimate is past Ray's kill share by more than the
+    estimate's `UNCERTAINTY` (Ray would kill a rank: `check_memory` refuses the run)."""
     assert estimate.inputs is not None
     inputs = estimate.inputs
     shares = host_memory(inputs)
     total = sum(shares.values()) + (ranks_per_node - 1) * (sum(shares.values()) - shares["base"])
     limit = node_memory.ray_kill_share() * node_memory.bytes_total()
     if total <= limit:
-        return ""
+        return "", False
     return (f"host memory: ~{total / GIB:.0f} GiB estimated for {ranks_per_node} rank(s) on this node, over Ray's kill "
             f"line at {limit / GIB:.0f} GiB ({', '.join(f'{k} {v / GIB:.0f}' for k, v in shares.items())} GiB a rank): "
             "a lower zero_optimization.offload_optimizer ratio, flexrl.trainer.offload_states_in_rollout false or "
-            "flexrl.trainer.reference_offload_param false takes host memory off")
+            "flexrl.trainer.reference_offload_param false takes host memory off"), total > limit * (1 + UNCERTAINTY)
 
 
 def estimate_run(run: Any, model_dir: str, ranks: int | None, device_memory_gb: float | None,

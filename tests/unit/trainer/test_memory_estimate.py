@@ -145,6 +145,27 @@ def test_pre_start_check_refuses_warns_or_skips(tmp_path, tiny_model, capsys):
     assert check_memory(run, tiny_model, 4).fits()
 
 
+def test_pre_start_check_refuses_a_run_past_the_host_kill_line(tmp_path, tiny_model, capsys, monkeypatch):
+    """On the GPU's own node (no device_memory_gb), a host-memory estimate past Ray's kill share by more
+    than the estimate's uncertainty is refused like a device overflow; "warn" starts it with the line."""
+    from flexrl_ds.trainer import memory_check
+
+    monkeypatch.setattr(memory_check.device_mod, "device_memory_bytes", lambda: 80 * 2**30)
+    monkeypatch.setattr(memory_check.device_mod, "num_gpus", lambda: 1)
+    monkeypatch.setattr(memory_check.node_memory, "bytes_total", lambda: 2**20)  # a 1 MiB host
+    run, _ = run_config(tmp_path)
+    with pytest.raises(ValueError, match=r"host memory: .* over Ray's kill line .*offload") as error:
+        memory_check.check_memory(run, tiny_model, 1)
+    assert "\n" not in str(error.value)
+    run, _ = run_config(tmp_path, memory_check="warn")
+    assert memory_check.check_memory(run, tiny_model, 1).fits()
+    assert capsys.readouterr().out.startswith("warning: host memory:")
+    monkeypatch.setattr(memory_check.node_memory, "bytes_total", lambda: 2**40)  # a 1 TiB host
+    run, _ = run_config(tmp_path)
+    assert memory_check.check_memory(run, tiny_model, 1).fits()
+    assert "host memory" not in capsys.readouterr().out
+
+
 def test_estimate_memory_command(tmp_path, tiny_model, capsys):
     from flexrl_ds.cli.main import main
 
