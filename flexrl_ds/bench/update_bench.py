@@ -5,7 +5,11 @@ tokens; `samples_per_prompt` copies of a prompt share its media, as a GRPO step'
 same weights, one forward and backward of the loss -(sum of the response tokens' log-probs) / their
 number, timed in up to six ways (the best of `repeats` after one warm-up each):
 - `hf`: transformers alone, one sample at a time (batch 1, sdpa: its vision tower's windows one by
-  one), the gradients adding up: the baseline;
+  one), the gradients adding up: the naive baseline;
+- `hf_batched`: transformers alone as a careful user writes it (bench/hf_baseline.py): samples
+  sorted by length in right-padded micro-batches of at most `hf_batch_tokens` padded tokens, sdpa,
+  the loss through lm_head in checkpointed chunks (activation checkpointing as the other ways:
+  `--checkpointing`); its model TFLOP/s count the real tokens only, so padding shows as time;
 - `flexrl`: `FlexUlyssesLM` on one rank (the planner's packs under the run config's `flexrl.sp`,
   cut into micro-batches under its token cap, as the trainer plans them; varlen attention in both
   towers; a prompt's media encoded once per micro-batch), no DeepSpeed;
@@ -39,6 +43,7 @@ from typing import Any, Callable
 
 import torch
 
+from flexrl_ds.bench.hf_baseline import hf_batched_pass
 from flexrl_ds.common.output_files import output_file
 from flexrl_ds.config.flexrl_config import load_run_config
 from flexrl_ds.models import zero3
@@ -59,7 +64,7 @@ from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.validation import model_dtype
 
 
-WAYS = ("hf", "flexrl", "zero3", "logprob", "grpo")
+WAYS = ("hf", "hf_batched", "flexrl", "zero3", "logprob", "grpo")
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ class UpdateBenchConfig:
     """Which of `WAYS` to time (zero3 includes zero3_step; zero3, logprob and grpo share one engine)."""
     profile_dir: str | None = None
     """Profile one more zero3 forward+backward and step here (module docstring); needs zero3 in `ways`."""
+    hf_batch_tokens: int = 16384
+    """hf_batched: padded tokens (rows × longest row) of one micro-batch."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.ways) - set(WAYS))
@@ -85,6 +92,8 @@ class UpdateBenchConfig:
             raise ValueError(f"--ways: {', '.join(unknown) or 'none given'}: choose from {', '.join(WAYS)}")
         if self.response_length < 1 or self.samples_per_prompt < 1 or self.repeats < 1:
             raise ValueError("--response-length, --samples-per-prompt and --repeats must be at least 1")
+        if self.hf_batch_tokens < 1:
+            raise ValueError(f"--hf-batch-tokens must be at least 1, got {self.hf_batch_tokens}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"--max-prompts must be at least 1, got {self.max_prompts}")
         if self.profile_dir and "zero3" not in self.ways:
@@ -239,6 +248,11 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
                                    config.repeats)
         record("hf", seconds, loss, 3 * model_flops(model.config, samples, shared_media=False))
         model.zero_grad(set_to_none=True)  # the next ways start without its gradients
+    if "hf_batched" in config.ways:
+        seconds, loss = _best_time(context.info, hf_batched_pass(model, samples, run.flexrl.rollout.temperature,
+                                                                 config.hf_batch_tokens), config.repeats)
+        record("hf_batched", seconds, loss, 3 * model_flops(model.config, samples, shared_media=False))
+        model.zero_grad(set_to_none=True)
     batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp))
     logprob_batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp.for_logprob_passes()))
     result.micro_batches = {"update": len(batches), "logprob": len(logprob_batches)}

@@ -1,6 +1,7 @@
-"""`flexrl bench update` (flexrl_ds/bench/update_bench.py) in a process of its own: the three ways of
-computing the update's forward and backward give the same loss as a plain per-sample reference
-written here, over the samples the bench says it built."""
+"""`flexrl bench update` (flexrl_ds/bench/update_bench.py) in a process of its own: the ways of
+computing the update's forward and backward (per-sample and padded-batch transformers among them)
+give the same loss as a plain per-sample reference written here, over the samples the bench says
+it built."""
 
 from __future__ import annotations
 
@@ -60,9 +61,9 @@ def test_every_way_computes_the_reference_loss(bench_assets):
     root, model_dir, data = bench_assets
     result = _bench(model_dir, data, ROOT / "ds_configs" / "grpo_tiny_cpu.json", root / "result.json", "--checkpointing")
     expected = _reference_loss(model_dir, data, 40, 3)
-    assert set(result["loss"]) == {"hf", "flexrl", "zero3", "logprob"}
+    assert set(result["loss"]) == {"hf", "hf_batched", "flexrl", "zero3", "logprob"}
     assert set(result["seconds"]) == set(result["loss"]) | {"zero3_step", "grpo"}
-    for way in ("hf", "flexrl", "zero3", "logprob"):
+    for way in ("hf", "hf_batched", "flexrl", "zero3", "logprob"):
         assert result["loss"][way] == pytest.approx(expected, rel=1e-5), way
         assert result["seconds"][way] > 0 and f"bench update: {way}:" in result["stdout"]
     assert result["num_samples"] == 12 and result["seconds"]["zero3_step"] > 0 and result["seconds"]["grpo"] > 0

@@ -65,7 +65,7 @@
 #   CKPT=1: activation checkpointing (`flexrl.trainer.activation_checkpointing`: layers recomputed in backward).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
-#   UPDATE_BENCH=1: instead of training, `flexrl bench update` (its five ways, flexrl_ds/bench/update_bench.py) on the data's 16 prompts x 4 samples with
+#   UPDATE_BENCH=1: instead of training, `flexrl bench update` (its six ways, flexrl_ds/bench/update_bench.py) on the data's 16 prompts x 4 samples with
 #     RESPONSE_LENGTH (default 350) random response tokens (CKPT=1: checkpointed): one update's forward
 #     and backward as plain transformers, as FlexUlyssesLM, and in the run config's ZeRO-3 engine
 #     (OUT/update_bench.txt and .json; the whole output in OUT/update_bench.log). UPDATE_BENCH_ARGS:
