@@ -20,6 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from flexrl_ds.models.flex_model import reference_inputs
+from flexrl_ds.parallel.profiling import region
 
 
 def padded_micro_batches(lengths: dict[str, int], budget_tokens: int) -> list[list[str]]:
@@ -79,11 +80,13 @@ def batched_response_logprobs(model, samples: list, temperature: float, chunk_to
     device = next(model.parameters()).device
     inputs, spans = padded_inputs(model, samples)
     inputs = {name: value.to(device) for name, value in inputs.items()}
-    hidden = model.model(**inputs).last_hidden_state
+    with region("decoder"):  # the trainer's region names: a profile compares them (forward only)
+        hidden = model.model(**inputs).last_hidden_state
     # Position t predicts token t + 1: a row's response tokens [start, length) from [start - 1, length - 1).
     states = torch.cat([hidden[row, start - 1:length - 1] for row, (start, length) in enumerate(spans)])
     targets = torch.cat([inputs["input_ids"][row, start:length] for row, (start, length) in enumerate(spans)])
-    return chunked_target_logprobs(model.get_output_embeddings(), states, targets, temperature, chunk_tokens)
+    with region("lm_head"):
+        return chunked_target_logprobs(model.get_output_embeddings(), states, targets, temperature, chunk_tokens)
 
 
 def hf_batched_pass(model, samples: dict[str, Any], temperature: float, budget_tokens: int,

@@ -25,7 +25,9 @@ number, timed in up to six ways (the best of `repeats` after one warm-up each):
 With `profile_dir`, one more zero3 forward+backward and optimizer step run under torch.profiler
 after the timed ones (parallel/profiling.py): `<profile_dir>/zero3.txt` (regions
 `flexrl/zero3_forward_backward` and `flexrl/zero3_optimizer_step`, the ops with the most device and
-host time) and the trace beside it; where an offloaded optimizer's time goes, for one.
+host time) and the trace beside it; where an offloaded optimizer's time goes, for one. With
+hf_batched among the ways, one more hf_batched run too: `<profile_dir>/hf_batched.txt` (its
+`decoder` and `lm_head` regions named as the trainer's).
 Each reports seconds, model TFLOP/s (models/flops.py: the language model and the vision tower as
 each way encodes it) and, on a GPU with a known peak, MFU; and, but for grpo, its loss, the same
 for all (a check that they compute the same thing, up to the dtype's rounding).
@@ -243,16 +245,7 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
         zero3.enable_activation_checkpointing(model)
     model.train()
     record = _Recorder(result, progress)
-    if "hf" in config.ways:
-        seconds, loss = _best_time(context.info, hf_pass(model, samples, run.flexrl.rollout.temperature),
-                                   config.repeats)
-        record("hf", seconds, loss, 3 * model_flops(model.config, samples, shared_media=False))
-        model.zero_grad(set_to_none=True)  # the next ways start without its gradients
-    if "hf_batched" in config.ways:
-        seconds, loss = _best_time(context.info, hf_batched_pass(model, samples, run.flexrl.rollout.temperature,
-                                                                 config.hf_batch_tokens), config.repeats)
-        record("hf_batched", seconds, loss, 3 * model_flops(model.config, samples, shared_media=False))
-        model.zero_grad(set_to_none=True)
+    _hf_ways(context.info, model, samples, run.flexrl.rollout.temperature, config, record)
     batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp))
     logprob_batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp.for_logprob_passes()))
     result.micro_batches = {"update": len(batches), "logprob": len(logprob_batches)}
@@ -276,6 +269,24 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
         _engine_ways(context.info, engine, (batches, logprob_batches), samples, run.flexrl.rl, config, record,
                      (shared / 3, batches_flops(model.config, logprob_batches, samples)))
     return result
+
+
+def _hf_ways(info, model, samples, temperature: float, config: UpdateBenchConfig, record) -> None:
+    """The plain-transformers ways asked in `config.ways`: hf (per sample) and hf_batched (padded
+    micro-batches, bench/hf_baseline.py; profiled too with `profile_dir`)."""
+    flops = 3 * model_flops(model.config, samples, shared_media=False)
+    if "hf" in config.ways:
+        seconds, loss = _best_time(info, hf_pass(model, samples, temperature), config.repeats)
+        record("hf", seconds, loss, flops)
+        model.zero_grad(set_to_none=True)  # the next ways start without its gradients
+    if "hf_batched" in config.ways:
+        batched = hf_batched_pass(model, samples, temperature, config.hf_batch_tokens)
+        seconds, loss = _best_time(info, batched, config.repeats)
+        record("hf_batched", seconds, loss, flops)
+        if config.profile_dir:
+            table = profile_run(info, batched, config.profile_dir, "hf_batched")
+            record.progress(f"bench update: hf_batched profiled: {table}")
+        model.zero_grad(set_to_none=True)
 
 
 def _engine_ways(info, engine, both_batches, samples, rl_config, config: UpdateBenchConfig, record,
@@ -318,6 +329,21 @@ def profile_zero3(info, engine, batches, samples, profile_dir: str) -> str:
         profiler.discard()
         raise
     return profiler.stop(Path(profile_dir) / "zero3")
+
+
+def profile_run(info, run: Callable[[], float], profile_dir: str, name: str) -> str:
+    """One more `run` (a forward+backward) under torch.profiler in region `<name>_forward_backward`;
+    the table's path (`<profile_dir>/<name>.txt`)."""
+    profiler = RankProfiler()
+    profiler.start()
+    try:
+        with region(f"{name}_forward_backward"):
+            run()
+            device_mod.synchronize(info)
+    except BaseException:
+        profiler.discard()
+        raise
+    return profiler.stop(Path(profile_dir) / name)
 
 
 def logprob_pass(engine, batches, samples) -> Callable[[], float]:

@@ -73,17 +73,20 @@ def test_every_way_computes_the_reference_loss(bench_assets):
     config = json.loads((ROOT / "ds_configs" / "grpo_tiny_cpu.json").read_text())
     config["flexrl"]["sp"].update(max_tokens_per_rank=result["tokens"] // 3, logprob_max_tokens_per_rank=result["tokens"])
     (root / "capped.json").write_text(json.dumps(config))
-    capped = _bench(model_dir, data, root / "capped.json", root / "capped_result.json", "--ways", "flexrl,zero3,logprob",
-                    "--profile", str(root / "profile"))
+    capped = _bench(model_dir, data, root / "capped.json", root / "capped_result.json", "--ways",
+                    "hf_batched,flexrl,zero3,logprob", "--hf-batch-tokens", "300", "--profile", str(root / "profile"))
     assert capped["micro_batches"]["update"] >= 3 and capped["micro_batches"]["logprob"] == 1
     assert capped["attention_calls"] == capped["micro_batches"]["update"]
-    for way in ("flexrl", "zero3", "logprob"):
+    for way in ("hf_batched", "flexrl", "zero3", "logprob"):
         assert capped["loss"][way] == pytest.approx(expected, rel=1e-5), way
     # --profile: one more zero3 pass and step under torch.profiler, both regions in the table.
     table = (root / "profile" / "zero3.txt").read_text()
     assert "flexrl/zero3_forward_backward" in table and "flexrl/zero3_optimizer_step" in table
     assert (root / "profile" / "zero3.json.gz").stat().st_size > 0
     assert f"zero3 profiled: {root / 'profile' / 'zero3.txt'}" in capped["stdout"]
+    # hf_batched profiled too, its regions named as the trainer's.
+    table = (root / "profile" / "hf_batched.txt").read_text()
+    assert all(f"flexrl/{name}" in table for name in ("hf_batched_forward_backward", "decoder", "lm_head"))
 
 
 def test_a_sample_over_the_cap_is_an_error_even_where_the_run_drops_it(bench_assets):
