@@ -47,6 +47,7 @@ from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
 from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
 from flexrl_ds.trainer.floor_metrics import floor_metrics
+from flexrl_ds.trainer.loader_metrics import LoaderAccounting
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PassJob
 from flexrl_ds.trainer.rollout_host import PromptJob
@@ -87,6 +88,8 @@ class TrainOptions:
     """Its memory bandwidth; None (no `floor_s`) on CPU or an unknown GPU."""
     floor_gpus: int = 1
     """The GPUs the step floor spreads the phases over (trainer/floor_metrics.py `job_gpus`)."""
+    loading: str = "shadow"
+    """`flexrl.data.loading` (metrics.jsonl `loader`)."""
     profile_step: int | None = None
     """`TrainerConfig.profile_step`."""
     grad_accum_dtype: str = "float32"
@@ -103,6 +106,7 @@ class GRPOTrainer:
         self.o, self.encoder, self.reward_fn = options, encoder, reward_fn
         self.controller, self.policy, self.rollout, self.log = controller, policy, rollout, log
         self.paths = RunPaths(options.out_dir)
+        self.loader_accounting = LoaderAccounting(controller, options.loading)
 
     def run(self) -> list[dict[str, Any]]:
         profiled = self.o.profile_step
@@ -146,6 +150,7 @@ class GRPOTrainer:
         metrics = self._metrics(step, samples, reward_info, inference, update, times, gaps)
         metrics.update(rollout_info, num_bad_records=bad_records, num_prompts_too_long=too_long)
         metrics.update(_phase_peaks(peaks))
+        metrics.update(self.loader_accounting.step(times, rollout_info))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
             self._save_rollouts(step, samples, reward_info["texts"], gaps)

@@ -147,6 +147,7 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
         run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision, peak_flops=peak_bf16_flops(device_name),
         peak_bytes_per_s=peak_hbm_bytes(device_name), floor_gpus=job_gpus(run, prepared.num_ranks),
+        loading=run.flexrl.data.loading,
         profile_step=trainer.profile_step, grad_accum_dtype=gradient_accumulation_dtype(run.deepspeed),
         memory_hint=policy_memory_hint(run))
 
