@@ -409,9 +409,9 @@ def _least_modelled_time(planned: Workload, tokens: np.ndarray, degrees: np.ndar
                          allowed: tuple[int, ...], weight: np.ndarray, token_cap: float
                          ) -> tuple[np.ndarray, np.ndarray, list, StepTime]:
     """The layout with the least modelled step time (packed, in HSF order: planning/step_time.py)
-    among the nested layout and fixed SP at every allowed degree (LPT over its groups on the
-    calibrated cost) that fits the token cap: the layout's per-sequence overheads are a proxy
-    (packing merges short sequences' floors), so the exact model has the last word. Each
+    among the given layout (`_least_of_layouts`' choice) and fixed SP at every allowed degree (LPT
+    over its groups on the calibrated cost) that fits the token cap: the layout's per-sequence
+    overheads are a proxy, so the exact model has the last word. Each
     candidate is scored on its packs as arrays (`layout_step_time`), without building a Plan.
     `weight`: the calibrated cost of each sequence (LPT's weight). Returns (degrees, starts,
     `packed_groups`, modelled step time) of the winner."""
