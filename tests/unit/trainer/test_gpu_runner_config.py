@@ -18,7 +18,7 @@ RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
 RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "REF_OFFLOAD", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
                    "TEMPERATURE", "TOP_P", "TOP_K", "PROMPTS", "RESPONSE_LENGTH", "MAX_TOKENS_PER_RANK", "LOGPROB_MAX_TOKENS_PER_RANK", "PROFILE_STEP",
                    "VISION_ATTENTION", "PACK_BELOW", "PACK_BUDGET", "ZERO3_PERSISTENCE",
-                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS")
+                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS", "LOADING")
 """Environment variables the runner's config step reads (cleared, then set by each test)."""
 
 
@@ -127,3 +127,9 @@ def test_separate_engines_share_one_gpu_or_take_whole_ones(tmp_path):
 def load_run_config_of(raw: dict, path: Path):
     path.write_text(json.dumps(raw))
     return load_run_config(path)
+
+
+def test_the_loading_switch_picks_the_central_baseline(tmp_path):
+    raw = build(tmp_path, "vllm", "3b", LOADING="central")
+    assert raw["flexrl"]["data"]["loading"] == "central"
+    assert load_run_config(tmp_path / "3b_vllm_1_1.json").flexrl.data.loading == "central"
