@@ -117,7 +117,8 @@ def _add_bench_update(bench) -> None:
     update.add_argument("--ways", default="hf,hf_batched,flexrl,zero3,logprob,grpo",
                         help="comma-separated ways to time, of hf, hf_batched (plain transformers as a careful user "
                              "writes it: length-sorted padded micro-batches, chunked loss), flexrl, zero3 (with its "
-                             "optimizer step), logprob (the engine's no-grad forward) and grpo (the trainer's update step)")
+                             "optimizer step), logprob (the engine's no-grad forward) and grpo (the trainer's "
+                             "update step)")
     update.add_argument("--hf-batch-tokens", type=int, default=16384,
                         help="hf_batched: padded tokens (rows × longest row) per micro-batch")
     update.add_argument("--seed", type=int, default=0)

@@ -51,7 +51,8 @@ def greedy_layout(values: np.ndarray, overheads: dict[int, np.ndarray], shares: 
         best = None if least == np.inf else (max(floor, least + cost_of[i]), 1, rank, cost_of[i])
         # Sharding adds overheads to the mean and cannot lower the busiest rank below its current
         # value: where degree 1 raises neither, it wins every tie (smaller degree first).
-        if (best is None or best[0] > floor) and len(allowed) > 1 and (tokens_of[i] >= min_shard_tokens or best is None):
+        shardable = tokens_of[i] >= min_shard_tokens or best is None
+        if (best is None or best[0] > floor) and len(allowed) > 1 and shardable:
             wider = _best_placement(i, allowed[1:], values, overheads, shares, load, held, token_cap, busiest,
                                     total + remaining)
             best = wider if best is None or (wider is not None and wider[0] < best[0] * (1 - TIE)) else best
