@@ -5,7 +5,11 @@ tokens; `samples_per_prompt` copies of a prompt share its media, as a GRPO step'
 same weights, one forward and backward of the loss -(sum of the response tokens' log-probs) / their
 number, timed in up to six ways (the best of `repeats` after one warm-up each):
 - `hf`: transformers alone, one sample at a time (batch 1, sdpa: its vision tower's windows one by
-  one), the gradients adding up: the baseline;
+  one), the gradients adding up: the naive baseline;
+- `hf_batched`: transformers alone as a careful user writes it (bench/hf_baseline.py): samples
+  sorted by length in right-padded micro-batches of at most `hf_batch_tokens` padded tokens, sdpa,
+  the loss through lm_head in checkpointed chunks (activation checkpointing as the other ways:
+  `--checkpointing`); its model TFLOP/s count the real tokens only, so padding shows as time;
 - `flexrl`: `FlexUlyssesLM` on one rank (the planner's packs under the run config's `flexrl.sp`,
   cut into micro-batches under its token cap, as the trainer plans them; varlen attention in both
   towers; a prompt's media encoded once per micro-batch), no DeepSpeed;
@@ -21,7 +25,9 @@ number, timed in up to six ways (the best of `repeats` after one warm-up each):
 With `profile_dir`, one more zero3 forward+backward and optimizer step run under torch.profiler
 after the timed ones (parallel/profiling.py): `<profile_dir>/zero3.txt` (regions
 `flexrl/zero3_forward_backward` and `flexrl/zero3_optimizer_step`, the ops with the most device and
-host time) and the trace beside it; where an offloaded optimizer's time goes, for one.
+host time) and the trace beside it; where an offloaded optimizer's time goes, for one. With
+hf_batched among the ways, one more hf_batched run too: `<profile_dir>/hf_batched.txt` (its
+`decoder` and `lm_head` regions named as the trainer's).
 Each reports seconds, model TFLOP/s (models/flops.py: the language model and the vision tower as
 each way encodes it) and, on a GPU with a known peak, MFU; and, but for grpo, its loss, the same
 for all (a check that they compute the same thing, up to the dtype's rounding).
@@ -39,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from flexrl_ds.bench.hf_baseline import hf_batched_pass
 from flexrl_ds.families import family_of
 from flexrl_ds.common.output_files import output_file
 from flexrl_ds.config.flexrl_config import load_run_config
@@ -60,7 +67,7 @@ from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.validation import model_dtype
 
 
-WAYS = ("hf", "flexrl", "zero3", "logprob", "grpo")
+WAYS = ("hf", "hf_batched", "flexrl", "zero3", "logprob", "grpo")
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,8 @@ class UpdateBenchConfig:
     """Which of `WAYS` to time (zero3 includes zero3_step; zero3, logprob and grpo share one engine)."""
     profile_dir: str | None = None
     """Profile one more zero3 forward+backward and step here (module docstring); needs zero3 in `ways`."""
+    hf_batch_tokens: int = 16384
+    """hf_batched: padded tokens (rows × longest row) of one micro-batch."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.ways) - set(WAYS))
@@ -86,6 +95,8 @@ class UpdateBenchConfig:
             raise ValueError(f"--ways: {', '.join(unknown) or 'none given'}: choose from {', '.join(WAYS)}")
         if self.response_length < 1 or self.samples_per_prompt < 1 or self.repeats < 1:
             raise ValueError("--response-length, --samples-per-prompt and --repeats must be at least 1")
+        if self.hf_batch_tokens < 1:
+            raise ValueError(f"--hf-batch-tokens must be at least 1, got {self.hf_batch_tokens}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"--max-prompts must be at least 1, got {self.max_prompts}")
         if self.profile_dir and "zero3" not in self.ways:
@@ -236,11 +247,7 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
         zero3.enable_activation_checkpointing(model)
     model.train()
     record = _Recorder(result, progress)
-    if "hf" in config.ways:
-        seconds, loss = _best_time(context.info, hf_pass(model, samples, run.flexrl.rollout.temperature),
-                                   config.repeats)
-        record("hf", seconds, loss, 3 * model_flops(model.config, samples, shared_media=False))
-        model.zero_grad(set_to_none=True)  # the next ways start without its gradients
+    _hf_ways(context.info, model, samples, run.flexrl.rollout.temperature, config, record)
     batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp))
     logprob_batches = bench_batches(model, config.model_dir, samples, one_rank_sp(run.flexrl.sp.for_logprob_passes()))
     result.micro_batches = {"update": len(batches), "logprob": len(logprob_batches)}
@@ -264,6 +271,24 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
         _engine_ways(context.info, engine, (batches, logprob_batches), samples, run.flexrl.rl, config, record,
                      (shared / 3, batches_flops(model.config, logprob_batches, samples)))
     return result
+
+
+def _hf_ways(info, model, samples, temperature: float, config: UpdateBenchConfig, record) -> None:
+    """The plain-transformers ways asked in `config.ways`: hf (per sample) and hf_batched (padded
+    micro-batches, bench/hf_baseline.py; profiled too with `profile_dir`)."""
+    flops = 3 * model_flops(model.config, samples, shared_media=False)
+    if "hf" in config.ways:
+        seconds, loss = _best_time(info, hf_pass(model, samples, temperature), config.repeats)
+        record("hf", seconds, loss, flops)
+        model.zero_grad(set_to_none=True)  # the next ways start without its gradients
+    if "hf_batched" in config.ways:
+        batched = hf_batched_pass(model, samples, temperature, config.hf_batch_tokens)
+        seconds, loss = _best_time(info, batched, config.repeats)
+        record("hf_batched", seconds, loss, flops)
+        if config.profile_dir:
+            table = profile_run(info, batched, config.profile_dir, "hf_batched")
+            record.progress(f"bench update: hf_batched profiled: {table}")
+        model.zero_grad(set_to_none=True)
 
 
 def _engine_ways(info, engine, both_batches, samples, rl_config, config: UpdateBenchConfig, record,
@@ -306,6 +331,21 @@ def profile_zero3(info, engine, batches, samples, profile_dir: str) -> str:
         profiler.discard()
         raise
     return profiler.stop(Path(profile_dir) / "zero3")
+
+
+def profile_run(info, run: Callable[[], float], profile_dir: str, name: str) -> str:
+    """One more `run` (a forward+backward) under torch.profiler in region `<name>_forward_backward`;
+    the table's path (`<profile_dir>/<name>.txt`)."""
+    profiler = RankProfiler()
+    profiler.start()
+    try:
+        with region(f"{name}_forward_backward"):
+            run()
+            device_mod.synchronize(info)
+    except BaseException:
+        profiler.discard()
+        raise
+    return profiler.stop(Path(profile_dir) / name)
 
 
 def logprob_pass(engine, batches, samples) -> Callable[[], float]:

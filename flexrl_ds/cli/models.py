@@ -110,7 +110,8 @@ def _bench_vision(args: argparse.Namespace) -> int:
 def _add_bench_update(bench) -> None:
     update = bench.add_parser(
         "update", help="one policy update's forward+backward: plain transformers vs FlexUlysses vs its ZeRO-3 engine",
-        description="The same samples and weights, timed as plain transformers (one sample at a time), as "
+        description="The same samples and weights, timed as plain transformers (one sample at a time, and in "
+                    "length-sorted padded micro-batches with a chunked loss), as "
                     "FlexUlyssesLM on one rank, and in the DeepSpeed ZeRO-3 engine of --config (plus its "
                     "optimizer step, its no-grad forward, and the trainer's GRPO update step); seconds, model "
                     "TFLOP/s, MFU on GPUs and each way's loss (flexrl_ds/bench/update_bench.py).")
@@ -122,9 +123,13 @@ def _add_bench_update(bench) -> None:
     update.add_argument("--max-prompts", type=int, default=None, help="use only the first N records")
     update.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (best is reported)")
     update.add_argument("--checkpointing", action="store_true", help="activation checkpointing in all ways")
-    update.add_argument("--ways", default="hf,flexrl,zero3,logprob,grpo",
-                        help="comma-separated ways to time, of hf, flexrl, zero3 (with its optimizer step), logprob "
-                             "(the engine's no-grad forward) and grpo (the trainer's update step)")
+    update.add_argument("--ways", default="hf,hf_batched,flexrl,zero3,logprob,grpo",
+                        help="comma-separated ways to time, of hf, hf_batched (plain transformers as a careful user "
+                             "writes it: length-sorted padded micro-batches, chunked loss), flexrl, zero3 (with its "
+                             "optimizer step), logprob (the engine's no-grad forward) and grpo (the trainer's "
+                             "update step)")
+    update.add_argument("--hf-batch-tokens", type=int, default=16384,
+                        help="hf_batched: padded tokens (rows × longest row) per micro-batch")
     update.add_argument("--seed", type=int, default=0)
     update.add_argument("--json", default=None, help="write the result here")
     update.add_argument("--profile", default=None, metavar="DIR",
@@ -140,7 +145,7 @@ def _bench_update(args: argparse.Namespace) -> int:
                                samples_per_prompt=args.samples_per_prompt, max_prompts=args.max_prompts,
                                repeats=args.repeats, activation_checkpointing=args.checkpointing, seed=args.seed,
                                ways=tuple(way.strip() for way in args.ways.split(",") if way.strip()),
-                               profile_dir=args.profile)
+                               profile_dir=args.profile, hf_batch_tokens=args.hf_batch_tokens)
     if args.json:
         output_file(args.json)  # a folder in the way is named now, not after the benchmark
     write_result(run_update_bench(config), args.json)

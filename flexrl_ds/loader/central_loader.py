@@ -39,6 +39,11 @@ class CentralLoader:
     def stats(self) -> LoaderStats:
         return self.source.stats
 
+    def skip_steps(self, num_steps: int) -> None:
+        """Replay the order and the bad-record policy over `num_steps` steps, probing only (resume)."""
+        for _ in range(num_steps):
+            self.source.compose()
+
     def next_step(self) -> LoaderStep:
         """Compose the next step and decode all its media here, in the controller."""
         started = time.perf_counter()

@@ -89,3 +89,19 @@ class DataConfig(MediaConfig):
     """Training loader: batch, GRPO group size, order, look-ahead, slice size."""
     pool: PoolConfig = field(default_factory=PoolConfig)
     """Preprocessing actors: count per node, CPUs, probe chunking, timeout, locality slack."""
+    loading: str = "shadow"
+    """"shadow": the ShadowLoader (preprocessing actors decode a step ahead, consumers pull the
+    slices they need from the actors' object stores); "central": the veRL-style baseline
+    (loader/central_loader.py: one controller process probes and decodes each step when it is
+    asked for, on the training loop's critical path, and every pixel consumers get passes through
+    it). For measuring what ShadowLoader saves (metrics.jsonl `loader`); `flexrl.data.pool` is
+    then unused."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.loading not in LOADINGS:
+            raise ValueError(f"flexrl.data.loading: {self.loading!r} is not one of {', '.join(LOADINGS)}")
+
+
+LOADINGS = ("shadow", "central")
+"""Values of `flexrl.data.loading`."""

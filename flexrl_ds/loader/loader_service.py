@@ -17,16 +17,22 @@ failure. The driver calls the same methods remotely (`next_step`, `assignment`, 
 
 A prompt withdrawn after hand-out reaches the worker as `MaterializedStep.withdrawn` (the other
 prompts' tensors intact), and the driver sees it in `report(step)["withdrawn"]`.
+
+With `flexrl.data.loading` "central" the service holds a `CentralLoader` instead (no pool): it
+probes and decodes each step inside `next_step`, while the driver waits, and its assignments carry
+the pixel tensors themselves (the veRL-style baseline, the same samples as ShadowLoader's).
 """
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
 from flexrl_ds.loader.actors import PreprocessPool
+from flexrl_ds.loader.central_loader import CentralLoader
 from flexrl_ds.loader.config import DataConfig
 from flexrl_ds.loader.materializer import PromptSource, SliceRequest, WorkerAssignment
 from flexrl_ds.loader.metastore import PromptKey
@@ -39,13 +45,24 @@ class LoaderService:
     so repairs from workers are served while `next_step` waits for decodes."""
 
     def __init__(self, records: Sequence[Any], make_preprocessor: Callable[[], Any], data_config: DataConfig):
-        """`data_config`: the run's `flexrl.data`; its `pool`, `loader` and `bad_record_policy` are used."""
-        self.pool = PreprocessPool(make_preprocessor, data_config.pool)
-        self.loader = ProxyLoader(records, self.pool, data_config.loader, data_config.bad_record_policy)
+        """`data_config`: the run's `flexrl.data`; its `pool`, `loader`, `bad_record_policy` and
+        `loading` are used ("central": a `CentralLoader` decoding here, no pool)."""
+        self.pool: PreprocessPool | None = None
+        self.loader: CentralLoader | ProxyLoader
+        if data_config.loading == "central":
+            self.loader = CentralLoader(records, make_preprocessor, data_config.loader, data_config.bad_record_policy)
+        else:
+            self.pool = PreprocessPool(make_preprocessor, data_config.pool)
+            self.loader = ProxyLoader(records, self.pool, data_config.loader, data_config.bad_record_policy)
         self._steps: dict[int, Any] = {}
 
     def wait_ready(self) -> None:
-        self.pool.wait_ready()
+        if self.pool is not None:
+            self.pool.wait_ready()
+
+    def peak_rss_bytes(self) -> int:
+        """This process's peak resident memory so far (the central loader holds a step's pixels here)."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
     def skip_steps(self, num_steps: int) -> None:
         self.loader.skip_steps(num_steps)
@@ -56,7 +73,10 @@ class LoaderService:
         return step
 
     def assignment(self, step: int, requests: Sequence[SliceRequest], consumer_node: str = "") -> WorkerAssignment:
-        """`consumer_node`: the asking worker's Ray node id (where later decodes are routed)."""
+        """`consumer_node`: the asking worker's Ray node id (where later decodes are routed; the
+        central loader ships the tensors themselves)."""
+        if isinstance(self.loader, CentralLoader):
+            return self.loader.assignment(self._steps[step], requests)
         return self.loader.assignment(self._steps[step], requests, consumer_node)
 
     def repair(self, key: PromptKey, failed_generation: int) -> PromptSource:
@@ -70,18 +90,23 @@ class LoaderService:
         return self.loader.stats.as_dict()
 
     def owner_of(self, key: PromptKey) -> str:
+        if not isinstance(self.loader, ProxyLoader):
+            raise ValueError("owner_of: central loading keeps no preprocessing actors (flexrl.data.loading)")
         return self.loader.store.entry(key).owner
 
     def kill_preprocess_actor(self, name: str) -> None:
         """Fault injection (tests, benchmarks)."""
+        if self.pool is None:
+            raise ValueError("kill_preprocess_actor: central loading keeps no preprocessing actors")
         self.pool.kill(name)
 
     def release(self, step: int) -> None:
         self.loader.release(self._steps.pop(step))
 
     def shutdown(self) -> None:
-        self.loader.close()
-        self.pool.shutdown()
+        if self.pool is not None and isinstance(self.loader, ProxyLoader):
+            self.loader.close()
+            self.pool.shutdown()
 
 
 class RemoteRepair:

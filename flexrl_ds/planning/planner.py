@@ -30,6 +30,12 @@ Algorithm (p = the largest allowed degree):
    `short_share` of a block's cost and that costs ≤ `short_tolerance`. The room giving the least
    busiest rank is kept, and fixed SP at p on the same partition is the fallback.
 4. Pack sequences sharing a group (packing.py); number packs in HSF order (schedule.py).
+5. With a calibration, the candidates are scored exactly (packed, in HSF order: `layout_step_time`)
+   and the least modelled step time wins: this nested layout, the nested layout of the FLOP
+   formula (what the planner gives without a calibration), the greedy layout (layouts.py) and
+   fixed SP at every allowed degree. The objective's per-sequence overheads are a proxy (a short
+   sequence is charged its share of a packed call's floor and all-to-all, as packing runs it), so
+   the chosen plan is never worse, under the model, than the formula plan, the greedy or fixed SP.
 Guarantee (no token cap, no short sequences kept whole): the busiest rank's modelled time is at
 most (1 + balance_tolerance) × that of fixed SP at p on the planner's partition, and at most
 (1 + balance_tolerance)² × that of fixed SP at p on fixed SP's own LPT partition (split too where
@@ -50,18 +56,19 @@ rank holds the KV heads its query heads use; KV heads more than d are scattered 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import CostModel
 from flexrl_ds.planning.heads import heads_per_rank, max_degree_for_heads
+from flexrl_ds.planning.layouts import (fixed_sp_time_floor, greedy_layout, layout_step_time,  # noqa: F401
+                                        packed_groups)  # (re-exported: callers import them from here)
 from flexrl_ds.planning.metrics import PlanMetrics, compute_metrics, head_shares, with_step_time
-from flexrl_ds.planning.packing import PackingLimits, pack_group, packing_limits
+from flexrl_ds.planning.packing import PackingLimits, packing_limits
 from flexrl_ds.planning.placement import lpt_groups, partition_blocks
 from flexrl_ds.planning.split import CapacityError, Items, rank_costs, split_block
-from flexrl_ds.planning.step_time import StepTime, hsf_packs_step_time, sequence_terms, sharding_overhead
+from flexrl_ds.planning.step_time import StepTime, sequence_terms, sharding_overhead
 from flexrl_ds.planning.plan import Pack, Plan, SequenceSpec, Workload, is_power_of_two
 from flexrl_ds.planning.schedule import hsf_key
 
@@ -171,20 +178,24 @@ def apply_oversize(workload: Workload, sp: SPConfig, max_degree: int
     return Workload(tuple(kept)), tuple(dropped), truncated
 
 
-def objective_terms(tokens: np.ndarray, cost: CostModel, allowed: tuple[int, ...], overlap: bool):
+def objective_terms(tokens: np.ndarray, cost: CostModel, allowed: tuple[int, ...], overlap: bool,
+                    limits: PackingLimits | None = None):
     """(values (3, n), overheads per degree, attention room on?) of the planner's objective, in
     units of L². Formula: cost L² + c·L, attention L², no overheads. Calibrated (planning/
     step_time.py): attention L² + (b/a)·L, cost that + (s/a)·L, and per degree ≥ 2 the per-rank
     floor + exposed all-to-all a sharded sequence pays ÷ (a · layers): the busiest rank's cost is
-    then its modelled seconds, and attention balance is only reported."""
+    then its modelled seconds, and attention balance is only reported. `limits`: a sequence under
+    h_pack pays its share of a packed call's floor and all-to-all, as packing runs it (None: one
+    call of its own)."""
     step = cost.step
     if step is None:
         return np.stack([tokens * tokens + cost.c * tokens, tokens * tokens, tokens]), {}, True
     unit = step.attention_fit[0] * step.num_layers
     attention, linear = sequence_terms(tokens, step)
     values = np.stack([(attention + linear) / unit, attention / unit, tokens])
+    packing = (limits.h_pack, limits.H_pack) if limits is not None else None
     overheads = {d: sharding_overhead(tokens, d, step, cost.num_heads, cost.num_kv_heads, cost.shapes.head_dim,
-                                      overlap) / unit for d in allowed if d > 1}
+                                      overlap, packing) / unit for d in allowed if d > 1}
     return values, overheads, False
 
 
@@ -322,7 +333,7 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
         raise StepOverflowError(
             f"max_tokens_per_rank={sp.max_tokens_per_rank}: the step's {int(tokens.sum())} tokens exceed "
             f"{world_size} ranks × the cap")
-    terms = objective_terms(tokens, cost, allowed, sp.overlap)
+    terms = objective_terms(tokens, cost, allowed, sp.overlap, limits)
     try:
         degrees, starts = nested_layout(tokens, cost.c, allowed, world_size, token_cap, options,
                                         (cost.num_heads, cost.num_kv_heads), terms)
@@ -333,6 +344,8 @@ def plan_step(workload: Workload, world_size: int, cost: CostModel, sp: SPConfig
             f"max_tokens_per_rank={sp.max_tokens_per_rank}") from None
     packed = step = None
     if cost.step is not None:
+        degrees, starts = _least_of_layouts((degrees, starts), tokens, world_size, token_cap, cost, limits, allowed,
+                                            options, terms, sp.overlap)
         degrees, starts, packed, step = _least_modelled_time(planned, tokens, degrees, starts, world_size, sp, cost,
                                                        limits, allowed, terms[0][0], token_cap)
     plan = build_plan(planned.sequences, degrees, starts, world_size, sp.p_max, limits,
@@ -366,14 +379,42 @@ def idle_metrics() -> PlanMetrics:
                        num_packs=0, all_to_all_volume=0.0, all_to_all_relative=0.0)
 
 
+def _least_of_layouts(nested: tuple[np.ndarray, np.ndarray], tokens: np.ndarray, world_size: int,
+                      token_cap: float, cost: CostModel, limits: PackingLimits, allowed: tuple[int, ...],
+                      options: PlannerOptions, terms, overlap: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The layout of least modelled step time among the calibrated nested layout (first: it wins
+    ties), the nested layout the FLOP formula plans (what `plan_step` gives without a calibration)
+    and the greedy layout (planning/layouts.py), each packed and scored exactly. The objective's
+    per-sequence overheads are a proxy, so neither nested layout is always the better; scoring
+    both and the greedy makes the chosen plan never worse, under the model, than either of them."""
+    heads = (cost.num_heads, cost.num_kv_heads)
+    lengths = tokens.astype(np.int64).tolist()
+    shares = {d: head_shares(*heads, d) for d in allowed}
+    candidates = [nested, greedy_layout(terms[0], terms[1], shares, allowed, world_size, token_cap,
+                                        options.min_shard_tokens)]
+    try:
+        formula_c = cost.shapes.params_per_layer() / cost.shapes.hidden_size
+        candidates.insert(1, nested_layout(tokens, formula_c, allowed, world_size, token_cap, options, heads))
+    except CapacityError:
+        pass  # the formula's layout found no room where the calibrated one did: not a candidate
+    best = None
+    for layout in candidates:
+        if layout is None:
+            continue
+        seconds = layout_step_time(lengths, *layout, world_size, limits, cost, overlap).step_s
+        if best is None or seconds < best[0] * (1 - 1e-9):
+            best = (seconds, layout)
+    return best[1]
+
+
 def _least_modelled_time(planned: Workload, tokens: np.ndarray, degrees: np.ndarray, starts: np.ndarray,
                          world_size: int, sp: SPConfig, cost: CostModel, limits: PackingLimits,
                          allowed: tuple[int, ...], weight: np.ndarray, token_cap: float
                          ) -> tuple[np.ndarray, np.ndarray, list, StepTime]:
     """The layout with the least modelled step time (packed, in HSF order: planning/step_time.py)
-    among the nested layout and fixed SP at every allowed degree (LPT over its groups on the
-    calibrated cost) that fits the token cap: the layout's per-sequence overheads are a proxy
-    (packing merges short sequences' floors), so the exact model has the last word. Each
+    among the given layout (`_least_of_layouts`' choice) and fixed SP at every allowed degree (LPT
+    over its groups on the calibrated cost) that fits the token cap: the layout's per-sequence
+    overheads are a proxy, so the exact model has the last word. Each
     candidate is scored on its packs as arrays (`layout_step_time`), without building a Plan.
     `weight`: the calibrated cost of each sequence (LPT's weight). Returns (degrees, starts,
     `packed_groups`, modelled step time) of the winner."""
@@ -397,71 +438,6 @@ def _least_modelled_time(planned: Workload, tokens: np.ndarray, degrees: np.ndar
         if step.step_s < best[0] * (1 - 1e-9):
             best = (step.step_s, (*layout, packed, step))
     return best[1]
-
-
-def fixed_sp_time_floor(tokens: np.ndarray, degree: int, world_size: int, cost: CostModel,
-                        limits: PackingLimits, groups: np.ndarray | None = None) -> float:
-    """A lower bound on the modelled step time of fixed SP at `degree` (sequence i on group
-    `groups[i]`; None: any grouping). The busiest rank does at least what a group's most-loaded
-    rank (largest head share) computes — attention × that share, linear ÷ d, one floor per
-    attention call, where a group has at least one pack per long sequence and ⌈short tokens ÷
-    H_pack⌉ of short ones (at degree 1, one call for all of a rank's packs: sp/layout.py) — for the
-    busiest group, or over any grouping the mean over groups (packs summed: at least ⌈all short
-    tokens ÷ H_pack⌉). Exposed all-to-all and c_linear (≥ 0) are left out."""
-    (a, b, c), (s, _) = cost.step.attention_fit, cost.step.linear_fit
-    share = max(heads_per_rank(cost.num_heads, cost.num_kv_heads, degree)) / cost.num_heads
-    long = tokens >= limits.h_pack
-    attention = a * tokens * tokens + b * tokens
-    num_groups = world_size // degree
-    if groups is None:
-        packs = int(long.sum()) + int(np.ceil(float(tokens[~long].sum()) / limits.H_pack))
-        few_calls = min(packs, num_groups) if degree == 1 else packs
-        return cost.step.num_layers * (share * float(attention.sum()) / num_groups + c * few_calls / num_groups
-                                       + s * float(tokens.sum()) / world_size)
-    sums = [np.bincount(groups, weights=w, minlength=num_groups) for w in (attention, tokens, long * 1.0,
-                                                                            np.where(long, 0.0, tokens))]
-    calls = sums[2] + np.ceil(sums[3] / limits.H_pack)
-    if degree == 1:
-        calls = np.minimum(calls, 1.0)
-    work = share * sums[0] + s * sums[1] / degree + c * calls
-    return cost.step.num_layers * float(work.max())
-
-
-def layout_step_time(tokens: list[int], degrees: np.ndarray, starts: np.ndarray, world_size: int,
-                     limits: PackingLimits, cost: CostModel, overlap: bool = True, packed: list | None = None):
-    """`plan_step_time(build_plan(...))` of a layout (same packs, same HSF order, same figures:
-    token sums are integers, exact in float64) from the packs' token sums alone. `packed`: the
-    layout's `packed_groups`, if already computed."""
-    members: list[Any] = []
-    pack_of: list[Any] = []
-    degree: list[Any] = []
-    first: list[Any] = []
-    for group_degree, start, pack_members in packed or packed_groups(degrees, starts, tokens, limits):
-        pack_of += [len(degree)] * len(pack_members)
-        members += pack_members
-        degree.append(group_degree)
-        first.append(start)
-    lengths = np.asarray(tokens, dtype=float)[members]
-    sum_l = np.bincount(pack_of, weights=lengths, minlength=len(degree))
-    sum_l2 = np.bincount(pack_of, weights=lengths * lengths, minlength=len(degree))
-    packs = (sum_l, sum_l2, np.array(degree, dtype=np.int64), np.array(first, dtype=np.int64))
-    return hsf_packs_step_time(packs, world_size, cost.step, cost.num_heads, cost.num_kv_heads,
-                               cost.shapes.head_dim, overlap)
-
-
-def packed_groups(degrees: np.ndarray, starts: np.ndarray, tokens: list[int], limits: PackingLimits):
-    """(degree, first rank, sequence indices) of every pack in HSF order: groups widest first, then
-    by first rank, members in index order; inside a group the packs of `pack_group` in its order."""
-    degrees, starts = np.asarray(degrees, dtype=np.int64), np.asarray(starts, dtype=np.int64)
-    order = np.lexsort((starts, -degrees))  # stable: equal keys keep index order
-    if not len(order):
-        return
-    new = np.flatnonzero((np.diff(degrees[order]) != 0) | (np.diff(starts[order]) != 0)) + 1
-    bounds = [0, *new.tolist(), len(order)]
-    order_list, first_of = order.tolist(), order[bounds[:-1]]
-    for lo, hi, degree, start in zip(bounds, bounds[1:], degrees[first_of].tolist(), starts[first_of].tolist()):
-        for pack_members in pack_group(order_list[lo:hi], tokens, limits):
-            yield degree, start, pack_members
 
 
 def build_plan(sequences: tuple[SequenceSpec, ...], degrees: np.ndarray, starts: np.ndarray,

@@ -248,13 +248,21 @@ def sequence_terms(tokens: np.ndarray, model: StepTimeModel) -> tuple[np.ndarray
 
 
 def sharding_overhead(tokens: np.ndarray, degree: int, model: StepTimeModel, num_heads: int,
-                      num_kv_heads: int, head_dim: int, overlap: bool) -> np.ndarray:
-    """Per-rank seconds a sequence pays at `degree` ≥ 2 beyond its share of the work: its own pack's
-    attention floor and its all-to-all (with overlap, the part longer than its own attention on
-    the busiest rank: the planner's proxy for 'hidden under the neighbouring pack')."""
-    comm = model.all_to_all_s(tokens, degree, num_heads, num_kv_heads, head_dim)
+                      num_kv_heads: int, head_dim: int, overlap: bool, packing: tuple[int, int] | None = None
+                      ) -> np.ndarray:
+    """Per-rank seconds a sequence pays at `degree` ≥ 2 beyond its share of the work: its pack's
+    attention floor and its all-to-all (with overlap, the part longer than its pack's attention on
+    the busiest rank: the planner's proxy for 'hidden under the neighbouring pack').
+    `packing` (h_pack, H_pack): a sequence shorter than h_pack shares a pack of about H_pack tokens
+    with others of its group (planning/packing.py), so it pays its share L ÷ H_pack of that pack's
+    floor and exposed all-to-all (the pack taken as H_pack ÷ L copies of it), not one of its own;
+    None: every sequence alone in its pack."""
+    tokens = np.asarray(tokens, dtype=float)
+    pack = tokens if packing is None else np.where(tokens < packing[0], float(packing[1]), tokens)
+    fraction = tokens / np.maximum(pack, 1.0)
+    comm = model.all_to_all_s(pack, degree, num_heads, num_kv_heads, head_dim)
     if overlap:
         share = max(heads_per_rank(num_heads, num_kv_heads, degree)) / num_heads
         attention, _ = sequence_terms(tokens, model)
-        comm = np.maximum(0.0, comm - attention * share)
-    return comm + model.num_layers * model.attention_fit[2]
+        comm = np.maximum(0.0, comm - attention * share / np.maximum(fraction, 1e-30))
+    return fraction * (comm + model.num_layers * model.attention_fit[2])

@@ -169,6 +169,11 @@ class DataController:
     def stats(self) -> dict[str, Any]:
         return ray.get(self.service.stats.remote(), timeout=self.timeout_s)
 
+    def peak_rss_bytes(self) -> int:
+        """The loader service process's peak resident memory (where `flexrl.data.loading` "central"
+        decodes and holds each step's pixels)."""
+        return ray.get(self.service.peak_rss_bytes.remote(), timeout=self.timeout_s)
+
     def release(self, step: int) -> None:
         """Forget `step`: the actors drop its cached slices."""
         ray.get(self.service.release.remote(step), timeout=self.timeout_s)

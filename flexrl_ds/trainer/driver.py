@@ -48,6 +48,8 @@ from flexrl_ds.runtime import host_memory
 from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
 from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
+from flexrl_ds.trainer.floor_metrics import floor_metrics
+from flexrl_ds.trainer.loader_metrics import LoaderAccounting
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PassJob, PolicyWorker
 from flexrl_ds.trainer.rollout_host import PromptJob
@@ -97,6 +99,12 @@ class TrainOptions:
     """`models.flops.VisionShape` of its vision tower (for `mfu`); None for a text model."""
     peak_flops: float | None = None
     """The policy ranks' GPU's bf16 dense peak FLOP/s; None (no `mfu`) on CPU or an unknown GPU."""
+    peak_bytes_per_s: float | None = None
+    """Its memory bandwidth; None (no `floor_s`) on CPU or an unknown GPU."""
+    floor_gpus: int = 1
+    """The GPUs the step floor spreads the phases over (trainer/floor_metrics.py `job_gpus`)."""
+    loading: str = "shadow"
+    """`flexrl.data.loading` (metrics.jsonl `loader`)."""
     profile_step: int | None = None
     """`TrainerConfig.profile_step`."""
     grad_accum_dtype: str = "float32"
@@ -113,6 +121,7 @@ class GRPOTrainer:
         self.o, self.encoder, self.reward_fn = options, encoder, reward_fn
         self.controller, self.policy, self.rollout, self.log = controller, policy, rollout, log
         self.paths = RunPaths(options.out_dir)
+        self.loader_accounting = LoaderAccounting(controller, options.loading)
 
     def run(self) -> list[dict[str, Any]]:
         profiled = self.o.profile_step
@@ -156,6 +165,7 @@ class GRPOTrainer:
         metrics = self._metrics(step, samples, reward_info, inference, update, times, gaps)
         metrics.update(rollout_info, num_bad_records=bad_records, num_prompts_too_long=too_long)
         metrics.update(_phase_peaks(peaks))
+        metrics.update(self.loader_accounting.step(times, rollout_info))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
             self._save_rollouts(step, samples, reward_info["texts"], gaps)
@@ -363,6 +373,7 @@ class GRPOTrainer:
                               "update": sum(b["micro_batches"] for b in update)},
             **self._mfu(samples, lengths, times, passes=2 if inference["ref"] else 1,
                         vision_forward=self._vision_forward_flops(inference["micro_batches"], inference["encoded"])),
+            **floor_metrics(self.o, samples, inference["encoded"], times, logprob_passes=2 if inference["ref"] else 1),
         }
 
     def _mfu(self, samples: StepSamples, lengths: list[int], times: dict[str, float], passes: int,

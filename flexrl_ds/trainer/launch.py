@@ -29,6 +29,7 @@ from flexrl_ds.media.config import replaced_by_processor
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.parallel.launch import init_distributed
 from flexrl_ds.models.flops import DecoderShape, VisionShape, peak_bf16_flops
+from flexrl_ds.models.step_floor import peak_hbm_bytes
 from flexrl_ds.models.processing import SampleEncoder
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
@@ -39,6 +40,7 @@ from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, Work
 from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_trainer_state, resume_config_note
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.memory_check import check_memory
+from flexrl_ds.trainer.floor_metrics import job_gpus
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
@@ -155,6 +157,8 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
         run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision,
         peak_flops=peak_bf16_flops(device_name),
+        peak_bytes_per_s=peak_hbm_bytes(device_name), floor_gpus=job_gpus(run, prepared.num_ranks),
+        loading=run.flexrl.data.loading,
         profile_step=trainer.profile_step, grad_accum_dtype=gradient_accumulation_dtype(run.deepspeed),
         memory_hint=policy_memory_hint(run))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flexrl_ds.runtime.host_memory import ray_kill_share
+from flexrl_ds.trainer.floor_metrics import floor_text
 
 logger = logging.getLogger(__package__)
 
@@ -43,7 +44,8 @@ def progress_line(metrics: dict[str, Any], max_steps: int) -> str:
             f" rollout {times['rollout']:.1f},"
             f" inference {times['inference']:.1f}, update {times['update']:.1f}, sync {times['sync']:.2f})"
             f" | {metrics['tokens_per_gpu_s']:.0f} tok/GPU/s"
-            + (f", MFU update {100 * metrics['mfu']['update']:.0f}%" if "mfu" in metrics else ""))
+            + (f", MFU update {100 * metrics['mfu']['update']:.0f}%" if "mfu" in metrics else "")
+            + floor_text(metrics))
 
 
 class StepLog:

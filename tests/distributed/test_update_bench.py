@@ -1,6 +1,7 @@
-"""`flexrl bench update` (flexrl_ds/bench/update_bench.py) in a process of its own: the three ways of
-computing the update's forward and backward give the same loss as a plain per-sample reference
-written here, over the samples the bench says it built."""
+"""`flexrl bench update` (flexrl_ds/bench/update_bench.py) in a process of its own: the ways of
+computing the update's forward and backward (per-sample and padded-batch transformers among them)
+give the same loss as a plain per-sample reference written here, over the samples the bench says
+it built."""
 
 from __future__ import annotations
 
@@ -60,9 +61,9 @@ def test_every_way_computes_the_reference_loss(bench_assets):
     root, model_dir, data = bench_assets
     result = _bench(model_dir, data, ROOT / "ds_configs" / "grpo_tiny_cpu.json", root / "result.json", "--checkpointing")
     expected = _reference_loss(model_dir, data, 40, 3)
-    assert set(result["loss"]) == {"hf", "flexrl", "zero3", "logprob"}
+    assert set(result["loss"]) == {"hf", "hf_batched", "flexrl", "zero3", "logprob"}
     assert set(result["seconds"]) == set(result["loss"]) | {"zero3_step", "grpo"}
-    for way in ("hf", "flexrl", "zero3", "logprob"):
+    for way in ("hf", "hf_batched", "flexrl", "zero3", "logprob"):
         assert result["loss"][way] == pytest.approx(expected, rel=1e-5), way
         assert result["seconds"][way] > 0 and f"bench update: {way}:" in result["stdout"]
     assert result["num_samples"] == 12 and result["seconds"]["zero3_step"] > 0 and result["seconds"]["grpo"] > 0
@@ -72,17 +73,20 @@ def test_every_way_computes_the_reference_loss(bench_assets):
     config = json.loads((ROOT / "ds_configs" / "grpo_tiny_cpu.json").read_text())
     config["flexrl"]["sp"].update(max_tokens_per_rank=result["tokens"] // 3, logprob_max_tokens_per_rank=result["tokens"])
     (root / "capped.json").write_text(json.dumps(config))
-    capped = _bench(model_dir, data, root / "capped.json", root / "capped_result.json", "--ways", "flexrl,zero3,logprob",
-                    "--profile", str(root / "profile"))
+    capped = _bench(model_dir, data, root / "capped.json", root / "capped_result.json", "--ways",
+                    "hf_batched,flexrl,zero3,logprob", "--hf-batch-tokens", "300", "--profile", str(root / "profile"))
     assert capped["micro_batches"]["update"] >= 3 and capped["micro_batches"]["logprob"] == 1
     assert capped["attention_calls"] == capped["micro_batches"]["update"]
-    for way in ("flexrl", "zero3", "logprob"):
+    for way in ("hf_batched", "flexrl", "zero3", "logprob"):
         assert capped["loss"][way] == pytest.approx(expected, rel=1e-5), way
     # --profile: one more zero3 pass and step under torch.profiler, both regions in the table.
     table = (root / "profile" / "zero3.txt").read_text()
     assert "flexrl/zero3_forward_backward" in table and "flexrl/zero3_optimizer_step" in table
     assert (root / "profile" / "zero3.json.gz").stat().st_size > 0
     assert f"zero3 profiled: {root / 'profile' / 'zero3.txt'}" in capped["stdout"]
+    # hf_batched profiled too, its regions named as the trainer's.
+    table = (root / "profile" / "hf_batched.txt").read_text()
+    assert all(f"flexrl/{name}" in table for name in ("hf_batched_forward_backward", "decoder", "lm_head"))
 
 
 def test_a_sample_over_the_cap_is_an_error_even_where_the_run_drops_it(bench_assets):

@@ -74,13 +74,16 @@
 #     default: the file's).
 #   SAVE=1: write the checkpoint and HF export after the last step (off: a 3B checkpoint is ~40 GB and
 #     the machine's disk is 64 GB).
-#   UPDATE_BENCH=1: instead of training, `flexrl bench update` (its five ways, flexrl_ds/bench/update_bench.py) on the data's 16 prompts x 4 samples with
+#   UPDATE_BENCH=1: instead of training, `flexrl bench update` (its six ways, flexrl_ds/bench/update_bench.py) on the data's 16 prompts x 4 samples with
 #     RESPONSE_LENGTH (default 350) random response tokens (checkpointed where the run config says: the 80 GB
 #     files, or CKPT=1): one update's forward
 #     and backward as plain transformers, as FlexUlyssesLM, and in the run config's ZeRO-3 engine
 #     (OUT/update_bench.txt and .json; the whole output in OUT/update_bench.log). UPDATE_BENCH_ARGS:
 #     more arguments, e.g. "--ways flexrl,zero3 --repeats 2". UPDATE_BENCH_PROFILE=1: one more zero3
 #     forward+backward and optimizer step under torch.profiler (OUT/update_profile/zero3.txt and the trace).
+#   LOADING=central: `flexrl.data.loading` central, the veRL-style baseline (the loader service decodes
+#     each step when asked and ships every pixel) instead of the ShadowLoader; metrics.jsonl `loader`
+#     has the exposed data time, the bytes through the controller and the peak RSS of both sides.
 #   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
 # vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
@@ -143,6 +146,8 @@ if "CKPT" in os.environ:  # else the file's (the 80 GB files checkpoint, the H20
     config["flexrl"]["trainer"]["activation_checkpointing"] = os.environ["CKPT"] == "1"
 if "VISION_ATTENTION" in os.environ:  # varlen (one call per layer) or sdpa (per window)
     config["flexrl"]["trainer"]["vision_attention"] = os.environ["VISION_ATTENTION"]
+if "LOADING" in os.environ:  # shadow (the ShadowLoader) or central (the veRL-style baseline)
+    config["flexrl"]["data"]["loading"] = os.environ["LOADING"]
 if os.environ.get("REF_OFFLOAD") == "1":  # the reference's parameters in host memory
     config["flexrl"]["trainer"]["reference_offload_param"] = True
 if "OFFLOAD_IN_ROLLOUT" in os.environ:  # the policy's states in host memory while the engine generates

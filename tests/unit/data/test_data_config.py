@@ -250,3 +250,10 @@ def test_transparency_is_a_strict_choice():
         DataConfig.from_dict({"transparency": "black"})
     with pytest.raises(ValueError, match="flexrl.data.rescale_factor: must be a positive number"):
         DataConfig(rescale_factor=0.0)
+
+
+def test_loading_is_shadow_by_default_and_central_on_request():
+    assert DataConfig().loading == "shadow"
+    assert DataConfig.from_dict({"loading": "central"}).loading == "central"
+    with pytest.raises(ValueError, match="flexrl.data.loading: 'verl' is not one of shadow, central"):
+        DataConfig.from_dict({"loading": "verl"})

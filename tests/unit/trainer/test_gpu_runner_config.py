@@ -18,7 +18,7 @@ RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
 RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "REF_OFFLOAD", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
                    "TEMPERATURE", "TOP_P", "TOP_K", "PROMPTS", "RESPONSE_LENGTH", "MAX_TOKENS_PER_RANK", "LOGPROB_MAX_TOKENS_PER_RANK", "PROFILE_STEP",
                    "VISION_ATTENTION", "PACK_BELOW", "PACK_BUDGET", "ZERO3_PERSISTENCE",
-                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS", "CARD")
+                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS", "CARD", "LOADING")
 """Environment variables the runner's config step reads (cleared, then set by each test)."""
 
 
@@ -138,3 +138,9 @@ def test_card_h100_takes_the_80gb_files(tmp_path, shape):
     assert raw["flexrl"]["trainer"]["activation_checkpointing"]  # the file's, CKPT unset
     assert raw["flexrl"]["trainer"]["offload_states_in_rollout"]
     assert not build(tmp_path, "vllm", shape, CARD="h100", CKPT="0")["flexrl"]["trainer"]["activation_checkpointing"]
+
+
+def test_the_loading_switch_picks_the_central_baseline(tmp_path):
+    raw = build(tmp_path, "vllm", "3b", LOADING="central")
+    assert raw["flexrl"]["data"]["loading"] == "central"
+    assert load_run_config(tmp_path / "3b_vllm_1_1.json").flexrl.data.loading == "central"
