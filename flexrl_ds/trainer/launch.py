@@ -31,7 +31,7 @@ from flexrl_ds.models.flops import DecoderShape, VisionShape, peak_bf16_flops
 from flexrl_ds.models.processing import SampleEncoder
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
-from flexrl_ds.rollout.base import SamplingParams
+from flexrl_ds.rollout.base import SamplingParams, stop_token_ids
 from flexrl_ds.runtime.data_controller import DataController, usable_records
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
@@ -130,8 +130,7 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
 def train_options(prepared: Prepared, raw_config: dict, device_name: str | None) -> TrainOptions:
     """`device_name`: the policy ranks' GPU (None on CPU)."""
     run, trainer = prepared.run, prepared.run.flexrl.trainer
-    eos = prepared.encoder.tokenizer.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids = stop_token_ids(prepared.encoder.tokenizer.eos_token_id, prepared.args.model_dir)
     # On a GPU the shipped calibration matching it (flexrl.sp.calibration "auto") gives the planner
     # its step-time model; elsewhere the FLOP formula.
     cost = load_cost_model(run.flexrl.sp.cost_model or prepared.args.model_dir, run.flexrl.sp.calibration,
