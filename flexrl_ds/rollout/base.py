@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Protocol, Sequence
 
+from flexrl_ds.common.json_files import read_json
+
 if TYPE_CHECKING:
     import torch
 
@@ -54,8 +56,6 @@ def stop_token_ids(tokenizer_eos: Any, model_dir: str | Path) -> tuple[int, ...]
     ids = _token_ids(tokenizer_eos, "tokenizer")
     path = Path(model_dir) / "generation_config.json"
     if path.is_file():
-        from flexrl_ds.common.json_files import read_json
-
         ids += _token_ids(read_json(path, "generation config").get("eos_token_id"), str(path))
     return tuple(dict.fromkeys(ids))
 

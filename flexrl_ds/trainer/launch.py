@@ -24,6 +24,7 @@ import torch.distributed as dist
 import transformers
 
 from flexrl_ds.common.json_files import read_json
+from flexrl_ds.common.overrides import apply_overrides
 from flexrl_ds.media.config import replaced_by_processor
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.parallel.launch import init_distributed
@@ -55,6 +56,8 @@ class TrainArgs:
     max_steps: int | None = None
     resume: bool = False
     spmd: bool = False
+    overrides: tuple[str, ...] = ()
+    """`--set KEY.PATH=VALUE`s, applied over the config file (common/overrides.apply_overrides)."""
 
 
 @dataclass
@@ -167,7 +170,8 @@ def resume_point(args: TrainArgs) -> tuple[Path | None, int]:
     print(f"--resume: continuing after step {state['step'] + 1} (files: step_{state['step']}) from {checkpoint}",
           flush=True)
     if isinstance(state.get("run_config"), dict):
-        note = resume_config_note(state["run_config"], read_json(args.config_path, "config file"))
+        note = resume_config_note(state["run_config"], 
+                                  apply_overrides(read_json(args.config_path, "config file"), args.overrides))
         if note:
             print(note, flush=True)
     return checkpoint, state["step"] + 1
