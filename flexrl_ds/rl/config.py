@@ -103,6 +103,11 @@ class GRPOConfig:
     shuffle_mini_batches: bool = False
     """Deal the step's prompts (whole groups) into mini-batches in a random order drawn from (seed,
     step, epoch), so a resumed run draws the same order; False: prompt order, the same every epoch."""
+    old_logprob_pass: Literal["auto", "always"] = "auto"
+    """"auto": skip the old policy's log-prob pass where the old policy is the current one (one
+    mini-batch, one epoch, and neither TIS, kl_in_reward nor kl_target needing its log-probs before
+    the update): the update's own forward gives them (ratio 1 by construction), and the metrics say
+    `old_logprob_pass` "skipped". "always": run it every step."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups whose rewards are all equal are dropped, and more of the step's
     prompts are rolled out until dynamic_sampling_prompts groups are kept or the rounds run out
@@ -140,6 +145,7 @@ class GRPOConfig:
         if self.kl_clamp is not None and not self.kl_clamp > 0:
             raise ValueError(f"flexrl.rl.kl_clamp: must be positive (or null), got {self.kl_clamp}")
         for name, allowed in (("policy_loss", POLICY_LOSSES), ("tis_level", TIS_LEVELS),
+                              ("old_logprob_pass", ("auto", "always")),
                               ("kl_entropy_reduction", KL_ENTROPY_REDUCTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"flexrl.rl.{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")

@@ -40,6 +40,7 @@ from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
+from flexrl_ds.trainer.rl_step import resolved_rl
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
 from flexrl_ds.trainer.validation import (check_run, gradient_accumulation_dtype, ignored_settings, model_dtype,
                                          resolve_media_limits)
@@ -97,6 +98,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
         raise ValueError(f"flexrl.data.loader.global_batch: {data_config.loader.global_batch} prompts a step, "
                          f"more than the {len(records)} rows of {args.data_path}")
     run.flexrl.rollout = resolve_media_limits(run.flexrl.rollout, records)  # the engines are built from it
+    run.flexrl.rl = resolved_rl(run.flexrl)  # defaults from other sections (trainer/rl_step.py)
     notes = replaced_by_processor(run.flexrl.data, data_config, args.model_dir)
     for note in notes + [run.flexrl.rollout.logprob_diff_caveat() or ""]:
         if note:
@@ -147,7 +149,7 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         cost=cost, num_ranks=prepared.num_ranks, bucket_bytes=trainer.weight_sync_bucket_mb * 2**20,
         run_config=raw_config, decoder=prepared.decoder, vision=prepared.vision, peak_flops=peak_bf16_flops(device_name),
         profile_step=trainer.profile_step, grad_accum_dtype=gradient_accumulation_dtype(run.deepspeed),
-        memory_hint=policy_memory_hint(run))
+        memory_hint=policy_memory_hint(run), resume_from=prepared.checkpoint)
 
 
 def vision_token_ids(model_dir: str) -> list[int]:
