@@ -173,7 +173,7 @@ def token_shaping(names: Sequence[str], advantages: dict[str, float], old: dict[
         metrics.update(tis_weight_mean=stats.weight_mean, tis_weight_max=stats.weight_max,
                        tis_clipped_frac=stats.clipped_frac)
     shaped: dict[str, Any] = dict(advantages)
-    if ref:
+    if ref and old:  # (no old log-probs yet where the update gives them: `skips_old_pass`)
         k1 = {name: [a - b for a, b in zip(old[name], ref[name])] for name in names}
         tokens = max(sum(len(v) for v in k1.values()), 1)
         metrics["kl_k1"] = sum(sum(v) for v in k1.values()) / tokens
