@@ -225,7 +225,10 @@ class GRPOTrainer:
 
         def roll(batch: list) -> tuple[list, set]:
             round_times: dict[str, float] = {}
+            if parts:  # engines that dropped their weights at the last round's sleep get them again
+                self._timed(round_times, "resync", self.rollout.sync, self.policy, self.o.bucket_bytes)
             part = self._phase(round_times, peaks, "rollout", self._rollout, step, batch, info)
+            round_times["rollout"] += round_times.pop("resync", 0.0)
             parts.append((part, self._timed(round_times, "reward", self._reward, part)))
             for key, value in round_times.items():
                 times[key] = times.get(key, 0.0) + value

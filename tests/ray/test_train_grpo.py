@@ -23,7 +23,7 @@ import torch
 pytestmark = [pytest.mark.ray, pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_LEN, BUFFER, FACTOR, TARGET, HORIZON, PROMPTS = 16, 8, 0.5, 0.001, 50, 2
+MAX_LEN, BUFFER, FACTOR, TARGET, HORIZON, PROMPTS = 16, 8, 0.5, 0.001, 50, 3
 REWARD_FILE = '''
 import hashlib
 
@@ -110,15 +110,13 @@ def test_set_values_reach_the_saved_config(run_f):
     assert all(row["optimizer_steps"] == 4 for row in rows(run_f))  # 2 epochs x 2 mini-batches
 
 
-def test_dynamic_sampling_trains_full_batches_of_unequal_groups(run_f, assets):
-    equal_for_half = reward_module(assets)["equal_for_half"]
+def test_dynamic_sampling_trains_full_batches_of_unequal_groups(run_f):
     dropped = 0
     for step, row in enumerate(rows(run_f)):
         sampling, trained = row["dynamic_sampling"], groups(rollouts(run_f, step))
         assert len(trained) == sampling["groups_kept"] == PROMPTS
-        for group in trained.values():
+        for group in trained.values():  # the final rewards (the overlong penalty included) are what is compared
             assert len({s["reward"] for s in group}) > 1
-            assert not equal_for_half(group[0]["id"])
         assert sampling["groups_rolled_out"] - sampling["groups_dropped"] >= PROMPTS
         assert row["zero_variance_groups"] == 0 and row["num_samples"] == PROMPTS * 4
         dropped += sampling["groups_dropped"]
