@@ -218,6 +218,16 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     return engine
 
 
+def with_schedule_length(ds_config: dict[str, Any], optimizer_steps: int) -> dict[str, Any]:
+    """The DeepSpeed config with a `scheduler.params.total_num_steps` of "auto" (the shipped configs')
+    set to `optimizer_steps` (`flexrl train`: max_steps x mini_batches_per_step x ppo_epochs)."""
+    params = (ds_config.get("scheduler") or {}).get("params") or {}
+    if params.get("total_num_steps") != "auto":
+        return ds_config
+    scheduler = {**ds_config["scheduler"], "params": {**params, "total_num_steps": optimizer_steps}}
+    return {**ds_config, "scheduler": scheduler}
+
+
 def with_param_offload(ds_config: dict[str, Any]) -> dict[str, Any]:
     """A copy of `ds_config` whose ZeRO-3 parameters live in pinned host memory, fetched to the
     device module by module as a pass needs them (`zero_optimization.offload_param`)."""

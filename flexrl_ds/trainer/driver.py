@@ -9,16 +9,16 @@ never pixels: the rollout hosts and the policy ranks pull their own from the pre
    under `flexrl.sp.max_tokens_per_rank`, prompts whose samples could outgrow a sequence's share
    are set aside before the rollout, each said with its reason (`num_prompts_too_long`);
 2. rollout: n samples per prompt, each seeded by (seed, step, slot, k) (trainer/samples.py);
-3. reward: the configured reward over the responses' text and their records (rl/reward_fn.py); a
-   reward function that raises scores the affected samples 0, and the run reports them;
+3. reward: the configured reward over the responses' text and their records (rl/reward_fn.py; DAPO's
+   dynamic sampling and overlong penalty: trainer/rl_step.py); a raising one scores its samples 0;
 4. plan: FlexUlysses over prompt + response lengths (planning/planner.py), with `flexrl.sp`; with
    several SP domains (`flexrl.sp.domain_size` < policy ranks) each pass's samples are split over
    the domains (trainer/samples.split_domains) and every domain gets a plan of its own share; a
    pass whose samples together overflow `flexrl.sp.max_tokens_per_rank` (the log-prob passes:
    `logprob_max_tokens_per_rank` where set) runs as micro-batches (planning/micro_batches.py;
    said, and counted in `micro_batches`);
-5. inference: reference and old-policy log-probs, no grad, on the planned layout;
-6. advantages (rl/advantages.py) and the update: `mini_batches_per_step` optimizer steps, each
+5. inference: reference and old-policy log-probs (the latter skipped where the update's are the same);
+6. advantages, TIS weights (trainer/rl_step.py) and the update: `ppo_epochs` x `mini_batches_per_step` steps, each
    mini-batch planned on its own, loss normalised by the mini-batch's response tokens (micro-batches
    of a cut mini-batch accumulate their gradients into its one optimizer step);
 7. sync: the policy's weights to the rollout engines, gathered from ZeRO-3 in buckets.

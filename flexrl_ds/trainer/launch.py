@@ -30,6 +30,7 @@ from flexrl_ds.media.records import read_dataset
 from flexrl_ds.parallel.launch import init_distributed
 from flexrl_ds.models.flops import DecoderShape, VisionShape, peak_bf16_flops
 from flexrl_ds.models.processing import SampleEncoder
+from flexrl_ds.models.zero3 import with_schedule_length
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams, stop_token_ids
@@ -40,7 +41,7 @@ from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
-from flexrl_ds.trainer.rl_step import resolved_rl, resolved_schedule
+from flexrl_ds.trainer.rl_step import resolved_rl
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
 from flexrl_ds.trainer.validation import (check_run, gradient_accumulation_dtype, ignored_settings, model_dtype,
                                          resolve_media_limits)
@@ -110,7 +111,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
         raise ValueError(f"--max-steps must be at least 1, got {max_steps}")
     checkpoint, start_step = resume_point(args)
     rl = run.flexrl.rl
-    run.deepspeed = resolved_schedule(run.deepspeed, max_steps * rl.mini_batches_per_step * rl.ppo_epochs)
+    run.deepspeed = with_schedule_length(run.deepspeed, max_steps * rl.mini_batches_per_step * rl.ppo_epochs)
     model_config = transformers.AutoConfig.from_pretrained(args.model_dir)
     vision_config = getattr(model_config, "vision_config", None)
     return Prepared(run, args, data_config, records, encoder, reward_fn, num_ranks, max_steps, checkpoint, start_step,

@@ -1,8 +1,7 @@
 """The driver's GRPO pieces between the rollout and the update (trainer/driver.py calls them).
 
 - `resolved_rl`: the `flexrl.rl` settings that depend on other sections, filled and checked before
-  any worker starts (loss_norm_length, dynamic_sampling_prompts, the overlong buffer);
-  `resolved_schedule`: a DeepSpeed scheduler's "auto" total_num_steps, the run's optimizer steps.
+  any worker starts (loss_norm_length, dynamic_sampling_prompts, the overlong buffer).
 - `shape_rewards`: DAPO's overlong penalty added to the reward function's scores (rl/shaping.py).
 - `sample_advantages`: the group estimator over the samples kept for training.
 - `DynamicSampling`: DAPO's dynamic sampling over rollout rounds. The loader's `global_batch`
@@ -56,16 +55,6 @@ def resolved_rl(flexrl: Any) -> Any:
         raise ValueError(f"flexrl.rl.mini_batches_per_step: {rl.mini_batches_per_step} for the {trained} prompts a "
                          "step trains on")
     return rl
-
-
-def resolved_schedule(ds_config: dict[str, Any], optimizer_steps: int) -> dict[str, Any]:
-    """The DeepSpeed config with a `scheduler.params.total_num_steps` of "auto" (the shipped configs')
-    set to the run's optimizer steps: max_steps x mini_batches_per_step x ppo_epochs."""
-    params = (ds_config.get("scheduler") or {}).get("params") or {}
-    if params.get("total_num_steps") != "auto":
-        return ds_config
-    scheduler = {**ds_config["scheduler"], "params": {**params, "total_num_steps": optimizer_steps}}
-    return {**ds_config, "scheduler": scheduler}
 
 
 def shape_rewards(scores: Sequence[float], lengths: Sequence[int], rl: Any, max_length: int) -> tuple[list, list]:

@@ -11,7 +11,7 @@ import pytest
 
 from flexrl_ds.rl.config import GRPOConfig
 from flexrl_ds.trainer.rl_step import (DynamicSampling, KLCoefficient, equal_reward_groups, mini_batch_prompts,
-                                       resolved_rl, resolved_schedule, skips_old_pass, token_shaping)
+                                       resolved_rl, skips_old_pass, token_shaping)
 
 
 def prompt(name: str, n: int = 2):
@@ -82,6 +82,8 @@ def test_resolved_settings():
 
 
 def test_auto_total_steps_of_the_schedule():
+    from flexrl_ds.models.zero3 import with_schedule_length as resolved_schedule
+
     config = {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 2}}}
     assert resolved_schedule(config, 12)["scheduler"]["params"] == {"total_num_steps": 12, "warmup_num_steps": 2}
     assert config["scheduler"]["params"]["total_num_steps"] == "auto"
