@@ -212,10 +212,26 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     if note and train and dist.get_rank() == 0:  # the reference engine reads the same JSON: said once
         notes.say(note)
     if train:
+        start_warmup(engine)
         engine.train()  # models load in eval mode; transformers recomputes layers only in training mode
     else:
         engine.eval()
     return engine
+
+
+WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+"""DeepSpeed's schedules that hold the learning rate at 0 until their first step."""
+
+
+def start_warmup(engine) -> None:
+    """Step a fresh DeepSpeed warm-up schedule (WARMUP_SCHEDULES) once, to its iteration 0: until
+    then it holds the learning rate at 0, so the first optimizer step, all of a GRPO run's step 0
+    with one mini-batch, would not train. Its first step then runs at the warm-up's start
+    (`warmup_min_ratio` x lr, `warmup_min_lr`), and the schedule reaches its end one step early. A
+    resumed engine gets the checkpoint's schedule position over this one."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if type(scheduler).__name__ in WARMUP_SCHEDULES and getattr(scheduler, "last_batch_iteration", None) == -1:
+        scheduler.step()
 
 
 def with_schedule_length(ds_config: dict[str, Any], optimizer_steps: int) -> dict[str, Any]:

@@ -156,11 +156,12 @@ def test_tis_and_lr_metrics(run_f):
     for row in rows(run_f):
         assert 0 < row["tis_weight_mean"] <= 1.5 and row["tis_weight_max"] > 0 and 0 <= row["tis_clipped_frac"] <= 1
         assert row["old_logprob_pass"] == "run" and row["rollout_logprob_diff"] < 1e-4
-    # WarmupCosineLR (the config's: 2 warm-up steps from 0.1, cosine to 0.1 over 3 x 4 optimizer steps):
-    # the first optimizer step of each GRPO step runs at DeepSpeed's schedule value of the step before
+    # WarmupCosineLR (the config's: 2 linear warm-up steps from 0.1, cosine to 0.1 over 3 x 4 optimizer
+    # steps), started at its iteration 0 when the engine is built (zero3.start_warmup): optimizer step k
+    # runs at iteration k
     lrs = [row["lr"] for row in rows(run_f)]
-    assert lrs[0] == 0.0  # DeepSpeed's warm-up schedules start at 0 before their first step
-    ratio = 0.1 + 0.9 * (1 + math.cos(math.pi * (3 - 2 + 1) / (12 - 2))) / 2  # optimizer step 4: iteration 3
+    assert lrs[0] == pytest.approx(0.02 * 0.1)
+    ratio = 0.1 + 0.9 * (1 + math.cos(math.pi * (4 - 2 + 1) / (12 - 2))) / 2  # optimizer step 4
     assert lrs[1] == pytest.approx(0.02 * ratio)
 
 
