@@ -38,5 +38,8 @@ if [ "${FLEXRL_UNLOCKED:-0}" = 1 ] || [ ! -f "$stamp" ] || [ setup.cfg -nt "$sta
   DS_BUILD_OPS=0 .venv/bin/pip install -q "${upgrade[@]}" -c "$constraints" "torch==2.13.0" "deepspeed==0.19.8" \
     "ray[default]==2.60.0" "torchcodec==0.13.0" -e ".[test]"
   [ "$constraints" = "$lock" ] || rm -f "$constraints"
+  # OpenRLHF's loss code is the tests' reference (tests/unit/rl/openrlhf_reference.py loads two of its
+  # files by path); its dependencies (flash-attn, vLLM, other DeepSpeed/Ray pins) are not wanted here.
+  .venv/bin/pip install -q --no-deps "openrlhf==0.11.2"
   touch "$stamp"
 fi

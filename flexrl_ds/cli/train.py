@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from flexrl_ds.common.json_files import read_json
-from flexrl_ds.config.flexrl_config import load_run_config
+from flexrl_ds.config.flexrl_config import effective_run_config, load_run_config
 
 
 def register(commands, bench) -> None:
@@ -25,6 +24,10 @@ def register(commands, bench) -> None:
     train.add_argument("--max-steps", type=int, default=None,
                        help="GRPO steps in all (default: flexrl.trainer.max_steps)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                       help="override one config value, e.g. --set flexrl.rl.init_kl_coef=0.01 --set "
+                            "optimizer.params.lr=1e-6 (VALUE read as JSON, else a string; validated like the "
+                            "file; the run's saved config records the result); repeatable")
     train.add_argument("--spmd", action="store_true",
                        help="run as one rank of a launcher-started job (deepspeed --hostfile / torchrun)")
     train.set_defaults(func=_train)
@@ -64,7 +67,7 @@ def _train(args) -> int:
     # lazy: imports torch and Ray (`flexrl --help` stays fast)
     from flexrl_ds.trainer.launch import TrainArgs, train_spmd, train_with_ray
 
-    run = load_run_config(args.config)
-    train_args = TrainArgs(args.config, args.model, args.data, args.out, args.max_steps, args.resume, args.spmd)
-    raw = read_json(args.config, "config file")
+    run, raw = effective_run_config(args.config, args.overrides)
+    train_args = TrainArgs(args.config, args.model, args.data, args.out, args.max_steps, args.resume, args.spmd,
+                           tuple(args.overrides))
     return (train_spmd if args.spmd else train_with_ray)(run, train_args, raw)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flexrl_ds.common.json_files import read_json
+from flexrl_ds.common.overrides import apply_overrides
 from flexrl_ds.common.typed import from_dict
 from flexrl_ds.loader.config import DataConfig
 from flexrl_ds.planning.config import SPConfig
@@ -65,3 +66,10 @@ def parse_run_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a DeepSpeed JSON config with a `flexrl` section and validate the latter."""
     return parse_run_config(read_json(path, "config file"), source=str(path))
+
+
+def effective_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[RunConfig, dict]:
+    """(validated run config, its JSON) of the file at `path` with the `--set` `overrides` applied."""
+    raw = apply_overrides(read_json(path, "config file"), overrides)
+    source = str(path) + (f" with --set {' '.join(overrides)}" if overrides else "")
+    return parse_run_config(raw, source=source), raw

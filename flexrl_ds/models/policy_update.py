@@ -26,13 +26,14 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 
 from flexrl_ds.models.flex_model import StepBatch, TokenOutputs
 from flexrl_ds.models.moe import router_aux_term
 from flexrl_ds.models.zero3 import data_parallel_size
 from flexrl_ds.parallel.profiling import region
 from flexrl_ds.rl.config import GRPOConfig
-from flexrl_ds.rl.losses import grpo_loss, reduce_masked
+from flexrl_ds.rl.losses import grpo_loss, reduce_masked, sequence_log_ratio_sums
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,17 @@ class Denominators:
     num_tokens: int
     """Response tokens of every sequence of the mini-batch (token_mean)."""
     num_sequences: int
-    """Sequences of the mini-batch with at least one response token (sequence_mean)."""
+    """Sequences of the mini-batch with at least one response token (sequence_mean and the token sums)."""
+    sequence_ids: tuple[str, ...] = ()
+    """Every sequence of the mini-batch, sorted: the index all ranks share for gspo's per-sequence sums."""
 
-    def for_reduction(self, reduction: str) -> int:
+    def for_reduction(self, reduction: str, norm_length: int | None = None) -> int:
         value = self.num_tokens if reduction == "token_mean" else self.num_sequences
         if value < 1:
             raise ValueError(f"the mini-batch has no response tokens ({reduction} denominator is {value})")
+        if reduction == "seq_mean_token_sum_norm":
+            assert norm_length is not None, "flexrl.rl.loss_norm_length is resolved at launch"
+            value *= norm_length
         return value
 
 
@@ -55,7 +61,8 @@ def denominators(response_tokens: Mapping[str, int]) -> Denominators:
     """Denominators from every sequence's response token count (the WHOLE mini-batch: pass the
     counts of all SP domains' sequences, e.g. `{id: s.length - s.response_start}`)."""
     return Denominators(num_tokens=sum(response_tokens.values()),
-                        num_sequences=sum(1 for count in response_tokens.values() if count > 0))
+                        num_sequences=sum(1 for count in response_tokens.values() if count > 0),
+                        sequence_ids=tuple(sorted(response_tokens)))
 
 
 def local_response_values(batch: StepBatch, values: Mapping[str, Any], fill: float = 0.0) -> torch.Tensor:
@@ -115,10 +122,26 @@ class RankStats:
         return RankStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(RankStats)})
 
 
-def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.Tensor,
+def sequence_mean_log_ratios(log_ratio_sums_P: torch.Tensor, seq_ids: Sequence[str], full_counts_P: torch.Tensor,
+                             denoms: Denominators) -> torch.Tensor:
+    """(P,) gspo's mean log-ratio of each piece's WHOLE sequence: the pieces' sums added up per
+    sequence over every rank (a differentiable all-reduce: each rank's loss reaches the tokens other
+    ranks hold), / the sequence's response tokens. Collective over the default group."""
+    index = {seq_id: position for position, seq_id in enumerate(denoms.sequence_ids)}
+    where_P = torch.tensor([index[seq_id] for seq_id in seq_ids], dtype=torch.long, device=log_ratio_sums_P.device)
+    totals = torch.zeros(len(index), dtype=log_ratio_sums_P.dtype, device=log_ratio_sums_P.device)
+    totals = totals.index_add(0, where_P, log_ratio_sums_P)
+    if dist.is_initialized():
+        totals = dist_nn.all_reduce(totals)
+    return totals[where_P] / full_counts_P.clamp_min(1)
+
+
+def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.Tensor | None,
                    ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, config: GRPOConfig,
-                   denoms: Denominators, dp_world_size: int, router=None) -> tuple[torch.Tensor, RankStats]:
+                   denoms: Denominators, dp_world_size: int, is_weights: torch.Tensor | None = None,
+                   kl_coef: float | None = None, router=None) -> tuple[torch.Tensor, RankStats]:
     """(loss for `engine.backward`, this rank's summed statistics); per-token inputs are (local,).
+    `old_logprobs` None: the old policy is the current one (its detached log-probs; ratio 1).
     `router`: the forward's `moe.RouterStats` (a sparse decoder; collective over all ranks), else None."""
     logprobs = outputs.logprobs
     device = logprobs.device
@@ -129,14 +152,25 @@ def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.
     def rows(values: torch.Tensor | None) -> torch.Tensor | None:
         return None if values is None else values.to(device=device, dtype=torch.float32)[index]
 
+    logprobs_PL = rows(logprobs)
+    old_PL = logprobs_PL.detach() if old_logprobs is None else rows(old_logprobs)
     full_counts = torch.tensor([batch.response_tokens[s] for s in seq_ids], dtype=torch.float32, device=device)
-    reduce_args = dict(denominator=denoms.for_reduction(config.loss_reduction),
+    reduce_args = dict(denominator=denoms.for_reduction(config.loss_reduction, config.loss_norm_length),
                        sequence_num_tokens_S=full_counts if config.loss_reduction == "sequence_mean" else None)
-    loss, stats = grpo_loss(rows(logprobs), rows(old_logprobs), rows(advantages), mask_PL, config,
-                            ref_logprobs_SL=rows(ref_logprobs), **reduce_args)
+    sequence_log_ratio = None
+    if config.policy_loss == "gspo":
+        sequence_log_ratio = sequence_mean_log_ratios(sequence_log_ratio_sums(logprobs_PL, old_PL, mask_PL),
+                                                      seq_ids, full_counts, denoms)
+    loss, stats = grpo_loss(logprobs_PL, old_PL, rows(advantages), mask_PL, config, ref_logprobs_SL=rows(ref_logprobs),
+                            **reduce_args, is_weights_SL=rows(is_weights), kl_coef=kl_coef,
+                            kl_denominator=denoms.num_tokens, norm_length=config.loss_norm_length,
+                            sequence_log_ratio_S=sequence_log_ratio)
     entropy = torch.zeros((), device=device)
     if outputs.entropy is not None:
-        entropy = reduce_masked(rows(outputs.entropy), mask_PL, config.loss_reduction, **reduce_args)
+        if config.kl_entropy_reduction == "token_mean":
+            reduce_args = dict(denominator=denoms.num_tokens)
+        reduction = "token_mean" if config.kl_entropy_reduction == "token_mean" else config.loss_reduction
+        entropy = reduce_masked(rows(outputs.entropy), mask_PL, reduction, **reduce_args)
         if config.entropy_coef > 0:  # otherwise a statistic only: no backward through it
             loss = loss - config.entropy_coef * entropy
     aux = router_aux_term(router)[0] if router is not None else torch.zeros((), device=device)
@@ -184,9 +218,14 @@ class TrainStepResult:
     """This rank's sums (all-reduce with `reduce_stats`)."""
     grad_norm: float
     """Global gradient norm before clipping (`engine.get_global_grad_norm()`; the same on all ranks)."""
+    lr: float = float("nan")
+    """The learning rate this optimizer step used (the first parameter group's; the scheduler's value)."""
+    logprobs: list[torch.Tensor] | None = None
+    """Per micro-batch, the forward's detached (local,) log-probs on the host: asked for when the
+    update skipped the old-policy pass (they are then the old policy's)."""
 
     def as_dict(self) -> dict[str, float]:
-        return dict(asdict(self.stats), grad_norm=self.grad_norm)
+        return dict(asdict(self.stats), grad_norm=self.grad_norm, lr=self.lr)
 
 
 @dataclass
@@ -195,13 +234,16 @@ class UpdateInputs:
     (`local_response_values`)."""
 
     batch: StepBatch
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    """None: the old policy is the current one (the old-policy pass was skipped)."""
     ref_logprobs: torch.Tensor | None
     advantages: torch.Tensor
+    is_weights: torch.Tensor | None = None
+    """The TIS weights (rl/correction.py); None: none."""
 
 
 def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig,
-               denoms: Denominators) -> TrainStepResult:
+               denoms: Denominators, kl_coef: float | None = None, keep_logprobs: bool = False) -> TrainStepResult:
     """Per micro-batch: forward (with the tokens' entropy: in the loss when entropy_coef > 0, else
     only logged, computed without a graph), GRPO loss over the mini-batch's denominators,
     `engine.backward`; the gradients add
@@ -211,22 +253,29 @@ def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig
     Every backward must reach every parameter (the forward's zero term and the vision tower's
     placeholder see to it): with an offloaded optimizer, ZeRO-3 copies a parameter's accumulated
     gradient to the host only on the boundary's backward. On bf16 engines DeepSpeed adds the
-    micro-batches' gradients in bf16 unless the JSON sets `data_types.grad_accum_dtype` to fp32."""
+    micro-batches' gradients in bf16 unless the JSON sets `data_types.grad_accum_dtype` to fp32.
+    `kl_coef`: the adaptive controller's KL coefficient (None: config.init_kl_coef); `keep_logprobs`:
+    return each micro-batch's detached log-probs (`TrainStepResult.logprobs`)."""
     if not micro_batches:
         raise ValueError("train_step: no micro-batch")
-    total = RankStats()
+    total, kept = RankStats(), []
     for index, inputs in enumerate(micro_batches):
         engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
         with region("forward"):
             outputs = engine(inputs.batch, with_entropy=True, entropy_grad=config.entropy_coef > 0)
+        if keep_logprobs:
+            kept.append(outputs.logprobs.detach().float().cpu())
         with region("loss"):
             loss, stats = rank_grpo_loss(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
                                          inputs.advantages, config, denoms, data_parallel_size(engine),
-                                         engine.module.last_router_stats)
+                                         is_weights=inputs.is_weights, kl_coef=kl_coef,
+                                         router=engine.module.last_router_stats)
         with region("backward"):
             engine.backward(loss)
         total = total + stats
+    lr = engine.get_lr()[0] if hasattr(engine, "get_lr") else float("nan")
     with region("optimizer_step"):
         engine.step()
     norm = engine.get_global_grad_norm()
-    return TrainStepResult(total, float(norm) if norm is not None else float("nan"))
+    return TrainStepResult(total, float(norm) if norm is not None else float("nan"), float(lr),
+                           kept if keep_logprobs else None)

@@ -223,10 +223,36 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     if note and train and dist.get_rank() == 0:  # the reference engine reads the same JSON: said once
         notes.say(note)
     if train:
+        start_warmup(engine)
         engine.train()  # models load in eval mode; transformers recomputes layers only in training mode
     else:
         engine.eval()
     return engine
+
+
+WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+"""DeepSpeed's schedules that hold the learning rate at 0 until their first step."""
+
+
+def start_warmup(engine) -> None:
+    """Step a fresh DeepSpeed warm-up schedule (WARMUP_SCHEDULES) once, to its iteration 0: until
+    then it holds the learning rate at 0, so the first optimizer step, all of a GRPO run's step 0
+    with one mini-batch, would not train. Its first step then runs at the warm-up's start
+    (`warmup_min_ratio` x lr, `warmup_min_lr`), and the schedule reaches its end one step early. A
+    resumed engine gets the checkpoint's schedule position over this one."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if type(scheduler).__name__ in WARMUP_SCHEDULES and getattr(scheduler, "last_batch_iteration", None) == -1:
+        scheduler.step()
+
+
+def with_schedule_length(ds_config: dict[str, Any], optimizer_steps: int) -> dict[str, Any]:
+    """The DeepSpeed config with a `scheduler.params.total_num_steps` of "auto" (the shipped configs')
+    set to `optimizer_steps` (`flexrl train`: max_steps x mini_batches_per_step x ppo_epochs)."""
+    params = (ds_config.get("scheduler") or {}).get("params") or {}
+    if params.get("total_num_steps") != "auto":
+        return ds_config
+    scheduler = {**ds_config["scheduler"], "params": {**params, "total_num_steps": optimizer_steps}}
+    return {**ds_config, "scheduler": scheduler}
 
 
 def with_param_offload(ds_config: dict[str, Any]) -> dict[str, Any]:

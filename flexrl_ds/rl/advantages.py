@@ -7,11 +7,17 @@ prompt), the order of the loader's `SampleId(step, slot, k)`. Estimators follow 
 - `group_norm` (GRPO): (r - mean_group) / (std_group + eps), std with Bessel's correction (n - 1),
   and a group whose rewards are all equal gets advantages exactly 0 (every estimator; OpenRLHF's
   plain formula gives ~0.9 there in float32, from rounding in the mean);
-- `dr_grpo` (Dr. GRPO / REINFORCE++-baseline): r - mean_group;
-- `rloo`: r - mean of the group's other n - 1 rewards.
+- `dr_grpo` (Dr. GRPO): r - mean_group, no std division (what OpenRLHF's group_norm gives with
+  --no_advantage_std_norm; `no_std_norm` turns group_norm into this);
+- `rloo`: r - mean of the group's other n - 1 rewards;
+- `reinforce_baseline` (REINFORCE++-baseline): r - mean_group, then whitened over the step's samples
+  ((a - mean) / (std + eps) over all of them; `no_std_norm`: centred only). OpenRLHF whitens over
+  the batch's tokens, which weighs a sample by its response length; here each sample counts once.
 
-With outcome rewards every response token of a sample carries the sample's advantage
-(`token_advantages`); the reference-KL term lives in the loss (flexrl_ds/rl/losses.py), not here.
+`reward_clip` clamps rewards before the estimator and `advantage_clip` the advantages after it
+(OpenRLHF clamps rewards at +-10 by default). With outcome rewards every response token of a sample
+carries the sample's advantage (`token_advantages`); the reference-KL term lives in the loss
+(rl/losses.py), or, with `kl_in_reward`, in per-token rewards (`kl_reward_advantages`).
 """
 
 from __future__ import annotations
@@ -51,15 +57,16 @@ def grouped_rewards(rewards: torch.Tensor, num_samples_per_prompt: int) -> torch
     return rewards.reshape(-1, n)
 
 
-def _group_norm(groups_PN: torch.Tensor, eps: float) -> torch.Tensor:
-    return (groups_PN - groups_PN.mean(dim=1, keepdim=True)) / (groups_PN.std(dim=1, keepdim=True) + eps)
+def _group_norm(groups_PN: torch.Tensor, eps: float, std_norm: bool = True) -> torch.Tensor:
+    centred_PN = groups_PN - groups_PN.mean(dim=1, keepdim=True)
+    return centred_PN / (groups_PN.std(dim=1, keepdim=True) + eps) if std_norm else centred_PN
 
 
-def _dr_grpo(groups_PN: torch.Tensor, eps: float) -> torch.Tensor:
+def _dr_grpo(groups_PN: torch.Tensor, eps: float, std_norm: bool = True) -> torch.Tensor:
     return groups_PN - groups_PN.mean(dim=1, keepdim=True)
 
 
-def _rloo(groups_PN: torch.Tensor, eps: float) -> torch.Tensor:
+def _rloo(groups_PN: torch.Tensor, eps: float, std_norm: bool = True) -> torch.Tensor:
     others_mean_PN = (groups_PN.sum(dim=1, keepdim=True) - groups_PN) / (groups_PN.shape[1] - 1)
     return groups_PN - others_mean_PN
 
@@ -68,16 +75,19 @@ def _rloo(groups_PN: torch.Tensor, eps: float) -> torch.Tensor:
 class AdvantageEstimator:
     """One entry of `ESTIMATORS`."""
 
-    compute: Callable[[torch.Tensor, float], torch.Tensor]
-    """(rewards (num_prompts, n), eps) -> advantages (num_prompts, n)."""
+    compute: Callable[[torch.Tensor, float, bool], torch.Tensor]
+    """(rewards (num_prompts, n), eps, std_norm) -> advantages (num_prompts, n)."""
     min_samples_per_prompt: int
     """Smallest group size n it is defined for."""
+    batch_whitened: bool = False
+    """Whiten the result over all the step's samples (after equal-reward groups are pinned to 0)."""
 
 
 ESTIMATORS: dict[str, AdvantageEstimator] = {
     "group_norm": AdvantageEstimator(_group_norm, min_samples_per_prompt=2),  # a group of one has no spread
     "dr_grpo": AdvantageEstimator(_dr_grpo, min_samples_per_prompt=1),
     "rloo": AdvantageEstimator(_rloo, min_samples_per_prompt=2),  # ... and no "others"
+    "reinforce_baseline": AdvantageEstimator(_dr_grpo, min_samples_per_prompt=1, batch_whitened=True),
 }
 """The advantage estimators by name (`flexrl.rl.advantage_estimator`). A new estimator is one
 function and one entry here; `rl/config.py` lists the names without importing torch
@@ -89,23 +99,35 @@ def group_advantages(
     num_samples_per_prompt: int,
     estimator: str = "group_norm",
     eps: float = 1e-9,
+    std_norm: bool = True,
+    reward_clip: float | None = None,
+    advantage_clip: float | None = None,
 ) -> torch.Tensor:
     """Per-sample advantages, in the shape `rewards` came in (see the module docstring).
 
-    group_norm and rloo need n >= 2 (a group of one has no spread and no "others").
+    group_norm and rloo need n >= 2 (a group of one has no spread and no "others"). `std_norm`
+    False: no division by a std (flexrl.rl.no_std_norm).
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator: {estimator!r} is not one of {', '.join(ESTIMATORS)}")
     groups_PN = grouped_rewards(rewards, num_samples_per_prompt)
+    if reward_clip is not None:
+        groups_PN = groups_PN.clamp(-reward_clip, reward_clip)
     n, entry = num_samples_per_prompt, ESTIMATORS[estimator]
     if n < entry.min_samples_per_prompt:
         raise ValueError(f"estimator {estimator!r} needs num_samples_per_prompt >= {entry.min_samples_per_prompt}, "
                          f"got {n}")
-    advantages_PN = entry.compute(groups_PN, eps)
+    advantages_PN = entry.compute(groups_PN, eps, std_norm)
     # A group of equal rewards carries no signal. Rounding leaves r - mean ~ ulp and std ~ ulp, which
     # group_norm would blow up to O(1) in float32 (0.1 x 7 gives 0.82): pin such groups to 0.
     constant_P1 = groups_PN.amax(dim=1, keepdim=True) == groups_PN.amin(dim=1, keepdim=True)
     advantages_PN = advantages_PN.masked_fill(constant_P1, 0.0)
+    if entry.batch_whitened and advantages_PN.numel() > 1:
+        centred_PN = advantages_PN - advantages_PN.mean()
+        advantages_PN = centred_PN / (advantages_PN.std() + eps) if std_norm else centred_PN
+        advantages_PN = advantages_PN.masked_fill(constant_P1, 0.0)
+    if advantage_clip is not None:
+        advantages_PN = advantages_PN.clamp(-advantage_clip, advantage_clip)
     return advantages_PN.reshape(rewards.shape)
 
 
@@ -118,3 +140,14 @@ def token_advantages(advantages_S: torch.Tensor, response_mask_SL: torch.Tensor)
             f"response_mask: shape {tuple(response_mask_SL.shape)} is not ({advantages_S.shape[0]}, L)"
         )
     return advantages_S[:, None] * response_mask_SL.to(advantages_S.dtype)
+
+
+def kl_reward_advantages(advantage: float, kl_tokens: list[float], kl_coef: float) -> list[float]:
+    """Per-token advantages of one sample under `kl_in_reward`: token t's reward is -kl_coef * kl_t (the
+    sample's own reward sits at its last token, turned into `advantage` by the group estimator), and
+    its advantage the sum of the rewards from t to the end (gamma 1, OpenRLHF's cumulative returns)."""
+    out, running = [0.0] * len(kl_tokens), 0.0
+    for t in range(len(kl_tokens) - 1, -1, -1):
+        running += -kl_coef * kl_tokens[t]
+        out[t] = advantage + running
+    return out

@@ -21,7 +21,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Literal, NamedTuple, Protocol, Sequence
+
+from flexrl_ds.common.json_files import read_json
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +95,30 @@ class BackendOptions:
         return self
 
 
+def _token_ids(value: Any, where: str) -> list[int]:
+    """An eos setting (an id, a list of ids or null) as a list of ids."""
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{where}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return list(values)
+
+
+def stop_token_ids(tokenizer_eos: Any, model_dir: str | Path) -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's eos id(s) and those of the model directory's
+    `generation_config.json` (`eos_token_id`, an id or a list), in that order without repeats.
+
+    Qwen2.5-VL-Instruct's tokenizer names `<|im_end|>` while its generation config lists
+    `<|im_end|>` and `<|endoftext|>`; HF `generate` and vLLM stop on the union, and so must a
+    rollout, or a response ending with the other id runs on to max_response_length."""
+    ids = _token_ids(tokenizer_eos, "tokenizer")
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        ids += _token_ids(read_json(path, "generation config").get("eos_token_id"), str(path))
+    return tuple(dict.fromkeys(ids))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one engine call samples: the same for every request of the call."""
@@ -130,7 +157,7 @@ class SamplingParams:
     @classmethod
     def from_config(cls, config: "RolloutConfig", eos_token_ids: Iterable[int],
                     suppressed_token_ids: Iterable[int] = ()) -> "SamplingParams":
-        """The sampling settings of `flexrl.rollout`, with the tokenizer's EOS ids."""
+        """The sampling settings of `flexrl.rollout`, with the stop ids (`stop_token_ids`)."""
         return cls(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                    max_new_tokens=config.max_response_length, eos_token_ids=tuple(eos_token_ids),
                    suppressed_token_ids=tuple(suppressed_token_ids))

@@ -199,7 +199,8 @@ def build_prompt(request: RolloutRequest, tokens: VisionTokens, geometry: PixelG
 def sampling_kwargs(params: SamplingParams, seed: int | None) -> dict[str, Any]:
     """Keyword arguments of `vllm.SamplingParams` for one sample (seed None: the engine's stream).
 
-    Only `params.eos_token_ids` stop a response (ignore_eos: not the tokenizer's own EOS); the sampled
+    Only `params.eos_token_ids` stop a response (ignore_eos: not the tokenizer's own EOS; the trainer
+    passes the tokenizer's and the generation config's, `rollout/base.stop_token_ids`); the sampled
     token's log-probability is returned with each token (of which distribution: `logprobs_mode`)."""
     kwargs: dict[str, Any] = {
         "n": 1, "seed": None if seed is None else int(seed), "max_tokens": params.max_new_tokens,

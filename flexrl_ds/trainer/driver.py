@@ -10,16 +10,16 @@ never pixels: the rollout hosts and the policy ranks pull their own from the pre
    under `flexrl.sp.max_tokens_per_rank`, prompts whose samples could outgrow a sequence's share
    are set aside before the rollout, each said with its reason (`num_prompts_too_long`);
 2. rollout: n samples per prompt, each seeded by (seed, step, slot, k) (trainer/samples.py);
-3. reward: the configured reward over the responses' text and their records (rl/reward_fn.py); a
-   reward function that raises scores the affected samples 0, and the run reports them;
+3. reward: the configured reward over the responses' text and their records (rl/reward_fn.py; DAPO's
+   dynamic sampling and overlong penalty: trainer/rl_step.py); a raising one scores its samples 0;
 4. plan: FlexUlysses over prompt + response lengths (planning/planner.py), with `flexrl.sp`; with
    several SP domains (`flexrl.sp.domain_size` < policy ranks) each pass's samples are split over
    the domains (trainer/samples.split_domains) and every domain gets a plan of its own share; a
    pass whose samples together overflow `flexrl.sp.max_tokens_per_rank` (the log-prob passes:
    `logprob_max_tokens_per_rank` where set) runs as micro-batches (planning/micro_batches.py;
    said, and counted in `micro_batches`);
-5. inference: reference and old-policy log-probs, no grad, on the planned layout;
-6. advantages (rl/advantages.py) and the update: `mini_batches_per_step` optimizer steps, each
+5. inference: reference and old-policy log-probs (the latter skipped where the update's are the same);
+6. advantages, TIS weights (trainer/rl_step.py) and the update: `ppo_epochs` x `mini_batches_per_step` steps, each
    mini-batch planned on its own, loss normalised by the mini-batch's response tokens (micro-batches
    of a cut mini-batch accumulate their gradients into its one optimizer step);
 7. sync: the policy's weights to the rollout engines, gathered from ZeRO-3 in buckets.
@@ -42,16 +42,18 @@ from flexrl_ds.common import RunInputError
 from flexrl_ds.models.flops import encoded_grids, training_forward_flops, vision_flops
 from flexrl_ds.planning.plan import Workload
 from flexrl_ds.planning.micro_batches import plan_micro_batches
-from flexrl_ds.rl.advantages import group_advantages
 from flexrl_ds.rl.reward_fn import score_batch
-from flexrl_ds.runtime import host_memory
 from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
 from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
 from flexrl_ds.trainer.floor_metrics import floor_metrics
 from flexrl_ds.trainer.loader_metrics import LoaderAccounting
 from flexrl_ds.trainer.metrics import StepLog
+from flexrl_ds.trainer.phase_peaks import PEAK_KEYS, _max_peaks, _phase_peaks, warn_host_memory  # noqa: F401 (tests)
 from flexrl_ds.trainer.policy_worker import PassJob, PolicyWorker
+from flexrl_ds.trainer.rl_step import (DynamicSampling, KLCoefficient, equal_reward_groups, merge_rounds,
+                                       mini_batch_prompts, sample_advantages, shape_rewards, skips_old_pass,
+                                       token_shaping)
 from flexrl_ds.trainer.rollout_host import PromptJob
 if TYPE_CHECKING:
     from flexrl_ds.models.flops import DecoderShape, VisionShape
@@ -111,6 +113,8 @@ class TrainOptions:
     """The dtype micro-batch gradients add up in (trainer/validation.py `gradient_accumulation_dtype`)."""
     memory_hint: str = ""
     """What of a policy rank this run keeps in host memory, by setting (`launch.policy_memory_hint`)."""
+    resume_from: Path | None = None
+    """The checkpoint a resumed run continues from (the adaptive KL coefficient comes back from it)."""
 
 
 class GRPOTrainer:
@@ -122,6 +126,8 @@ class GRPOTrainer:
         self.controller, self.policy, self.rollout, self.log = controller, policy, rollout, log
         self.paths = RunPaths(options.out_dir)
         self.loader_accounting = LoaderAccounting(controller, options.loading)
+        self.kl_coef = KLCoefficient(options.rl)
+        self.kl_coef.load(options.resume_from)
 
     def run(self) -> list[dict[str, Any]]:
         profiled = self.o.profile_step
@@ -146,13 +152,14 @@ class GRPOTrainer:
         too_long = len(cstep.prompts) - len(prompts)
         peaks: dict[str, dict[str, float]] = {}  # phase -> peak memory on the policy ranks' devices
         rollout_info: dict[str, Any] = {}
-        samples = self._phase(times, peaks, "rollout", self._rollout, step, prompts, rollout_info)
-        reward_info = self._timed(times, "reward", self._reward, samples)
+        samples, reward_info = self._samples(times, peaks, step, prompts, rollout_info)
         profiling = step == self.o.profile_step
         if profiling:
             self.policy.run(PolicyWorker.start_profile)
         inference = self._phase(times, peaks, "inference", self._inference, step, samples)
-        update = self._phase(times, peaks, "update", self._update, step, samples, inference)
+        shaping = token_shaping(samples.names, samples.advantages, inference["old"], inference["ref"],
+                                samples.engine_logprobs, self.o.rl, self.kl_coef.value)
+        update = self._phase(times, peaks, "update", self._update, step, samples, inference, shaping)
         times["sync"] = self._phase({}, peaks, "sync", self.rollout.sync, self.policy, self.o.bucket_bytes)
         if profiling:
             written = self.policy.run(PolicyWorker.stop_profile, str(self.paths.out_dir / "profile"), step)
@@ -164,11 +171,13 @@ class GRPOTrainer:
         gaps = logprob_gaps(samples, inference["old"])
         metrics = self._metrics(step, samples, reward_info, inference, update, times, gaps)
         metrics.update(rollout_info, num_bad_records=bad_records, num_prompts_too_long=too_long)
-        metrics.update(_phase_peaks(peaks))
+        metrics.update(_phase_peaks(peaks), **shaping.metrics, kl_coef=self.kl_coef.value,
+                       overlong_penalty_mean=sum(reward_info["penalties"].values()) / len(samples.names))
         metrics.update(self.loader_accounting.step(times, rollout_info))
+        self.kl_coef.update(shaping.metrics.get("kl_k1"), len(samples.names))
         self.log.write(metrics, self.o.max_steps)
         if self.o.save_rollouts:
-            self._save_rollouts(step, samples, reward_info["texts"], gaps)
+            self._save_rollouts(step, samples, reward_info, gaps, shaping)
         return metrics
 
     @staticmethod
@@ -232,6 +241,33 @@ class GRPOTrainer:
             raise RuntimeError(f"step {step}: no prompt could be rolled out (withdrawn: {withdrawn})")
         return samples
 
+    def _samples(self, times, peaks, step: int, prompts: list, info: dict[str, Any]) -> tuple[StepSamples, dict]:
+        """The step's scored samples with their advantages: one rollout, or under dynamic sampling
+        rounds of them (rl_step.DynamicSampling; their phases' seconds added up)."""
+        if not self.o.rl.dynamic_sampling:
+            samples = self._phase(times, peaks, "rollout", self._rollout, step, prompts, info)
+            return samples, self._advantages(samples, self._timed(times, "reward", self._reward, samples))
+        parts: list[tuple[StepSamples, dict]] = []
+
+        def roll(batch: list) -> tuple[list, set]:
+            round_times: dict[str, float] = {}
+            if parts:  # engines that dropped their weights at the last round's sleep get them again
+                self._timed(round_times, "resync", self.rollout.sync, self.policy, self.o.bucket_bytes)
+            part = self._phase(round_times, peaks, "rollout", self._rollout, step, batch, info)
+            round_times["rollout"] += round_times.pop("resync", 0.0)
+            parts.append((part, self._timed(round_times, "reward", self._reward, part)))
+            for key, value in round_times.items():
+                times[key] = times.get(key, 0.0) + value
+            return part.prompts, equal_reward_groups(part.prompts, part.rewards)
+
+        sampling = DynamicSampling(self.o.rl.dynamic_sampling_prompts, self.o.rl.dynamic_sampling_max_rounds)
+        samples, reward_info = merge_rounds(sampling.run(prompts, roll), parts)
+        if sampling.dropped == sampling.rolled_out:
+            logger.info(f"data: step {step}: every group of its {sampling.rounds} rollout round(s) had equal "
+                        "rewards; training on the first round's (their advantages are 0)")
+        info["dynamic_sampling"] = sampling.metrics()
+        return samples, self._advantages(samples, reward_info)
+
     def _reward(self, samples: StepSamples) -> dict[str, Any]:
         names, prompts = samples.names, samples.prompt_of()
         texts = self.encoder.tokenizer.batch_decode([samples.response_ids[n] for n in names], skip_special_tokens=True)
@@ -245,14 +281,21 @@ class GRPOTrainer:
             raise RunInputError(f"reward: flexrl.rl.reward_fn {self.o.rl.reward_fn!r} failed on all {len(names)} "
                                f"samples of the step, e.g. {first!r}: {scored.errors[first]}{where}; stopping "
                                "rather than training on zero rewards")
-        samples.rewards = dict(zip(names, scored.scores))
-        n = len(samples.prompts[0].sample_names)
-        rewards = torch.tensor([samples.rewards[name] for name in names], dtype=torch.float64)
-        advantages = group_advantages(rewards, n, self.o.rl.advantage_estimator, self.o.rl.advantage_eps)
-        samples.advantages = dict(zip(names, advantages.tolist()))
-        grouped = rewards.reshape(-1, n)
+        rewards, penalties = list(scored.scores), [0.0] * len(names)
+        if self.o.rl.overlong_buffer_length:  # DAPO's overlong penalty (rl/shaping.py)
+            rewards, penalties = shape_rewards(scored.scores, [len(samples.response_ids[n]) for n in names],
+                                               self.o.rl, self.o.sampling.max_new_tokens)
+        samples.rewards = dict(zip(names, rewards))
         return {"texts": dict(zip(names, texts)), "num_reward_errors": len(scored.errors),
-                "zero_variance_groups": float((grouped.amax(1) == grouped.amin(1)).double().mean())}
+                "penalties": dict(zip(names, penalties))}
+
+    def _advantages(self, samples: StepSamples, reward_info: dict[str, Any]) -> dict[str, Any]:
+        """The samples' advantages (rl_step.sample_advantages); `reward_info` with the share of groups
+        trained on whose rewards are all equal."""
+        names, n = samples.names, len(samples.prompts[0].sample_names)
+        samples.advantages = sample_advantages(samples.rewards, names, n, self.o.rl)
+        equal = equal_reward_groups(samples.prompts, samples.rewards)
+        return {**reward_info, "zero_variance_groups": len(equal) / len(samples.prompts)}
 
     def _plan(self, step: int, samples: StepSamples, names: list[str], what: str, sp: SPConfig):
         """The pass's micro-batches (one unless the pass overflows `sp.max_tokens_per_rank`:
@@ -294,12 +337,14 @@ class GRPOTrainer:
                                              "old-policy and reference log-probs", self.o.sp.for_logprob_passes())
         self._save_plans(micro_batches, step)
         job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys())
-        old, old_parts = self._logprob_pass(times, "old", job)
+        skip = skips_old_pass(self.o.rl, min(self.o.rl.mini_batches_per_step, len(samples.prompts)))
+        old, old_parts = ({}, {}) if skip else self._logprob_pass(times, "old", job)
         ref, ref_parts = {}, {}
         if self.o.rl.init_kl_coef > 0:
             ref, ref_parts = self._logprob_pass(times, "reference", dataclasses.replace(job, model="reference"))
-        times.update({part: old_parts[part] + ref_parts.get(part, 0.0) for part in old_parts})
-        return {"old": old, "ref": ref, "micro_batches": micro_batches, "encoded": encoded, "times_s": times}
+        times.update({part: old_parts.get(part, 0.0) + ref_parts.get(part, 0.0) for part in ("batches", "forward")})
+        return {"old": old, "ref": ref, "micro_batches": micro_batches, "encoded": encoded, "times_s": times,
+                "old_pass_skipped": skip}
 
     def _logprob_pass(self, times: dict[str, float], name: str, job: PassJob):
         """One log-prob pass on the ranks, timed into times[name]: its log-probs by sample, and the
@@ -309,14 +354,27 @@ class GRPOTrainer:
         _, slowest = max(per_rank, key=lambda result: sum(result[1].values()))
         return assemble(job.samples, [pieces for pieces, _ in per_rank]), dict(slowest)
 
-    def _update(self, step: int, samples: StepSamples, inference: dict[str, Any]) -> list[dict[str, float]]:
-        asked = self.o.rl.mini_batches_per_step
+    def _update(self, step: int, samples: StepSamples, inference: dict[str, Any], shaping) -> list[dict[str, float]]:
+        """`ppo_epochs` passes over the step's mini-batches (dealt by rl_step.mini_batch_prompts)."""
+        asked, rl = self.o.rl.mini_batches_per_step, self.o.rl
         if len(samples.prompts) < asked:  # prompts set aside or withdrawn: one mini-batch per prompt left
             logger.info(f"data: step {step}: {len(samples.prompts)} prompts left of the step's, so as many "
                         f"mini-batches instead of flexrl.rl.mini_batches_per_step = {asked}")
-        batches = split_mini_batches(samples.prompts, samples.names, min(asked, len(samples.prompts)))
+        per_batch = []
+        for epoch in range(rl.ppo_epochs):
+            order = mini_batch_prompts(samples.prompts, self.o.seed, step, epoch, rl.shuffle_mini_batches)
+            batches = split_mini_batches(order, samples.names, min(asked, len(samples.prompts)))
+            suffix = f"_e{epoch}" if rl.ppo_epochs > 1 else ""
+            per_batch += self._mini_batches(step, samples, inference, shaping, batches, suffix)
+        return per_batch
+
+    def _mini_batches(self, step: int, samples: StepSamples, inference: dict[str, Any], shaping, batches,
+                      suffix: str) -> list[dict[str, float]]:
+        """One optimizer step per mini-batch of `batches` (the old policy's log-probs, or, where its
+        pass was skipped, the update's own: `PassJob.old_is_current`)."""
         per_batch = []
         same_cap = self.o.sp.for_logprob_passes().max_tokens_per_rank == self.o.sp.max_tokens_per_rank
+        skipped = inference["old_pass_skipped"]
         for index, names in enumerate(batches):
             if len(batches) == 1 and same_cap:  # the whole step, as the log-prob pass planned it
                 micro_batches, encoded = inference["micro_batches"], inference["encoded"]
@@ -326,13 +384,18 @@ class GRPOTrainer:
             else:
                 micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index} (gradients "
                                                     f"{self._accumulation()})", self.o.sp)
-                self._save_plans(micro_batches, step, f"_mb{index}")
+                self._save_plans(micro_batches, step, f"{suffix}_mb{index}")
             job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys(),
-                          old_logprobs={n: inference["old"][n] for n in names},
+                          old_logprobs={} if skipped else {n: inference["old"][n] for n in names},
                           ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},
-                          advantages={n: samples.advantages[n] for n in names})
-            stats = self.policy.run(PolicyWorker.train, job)[0]  # all-reduced: the same on every rank
-            per_batch.append({**stats, "micro_batches": len(micro_batches)})
+                          advantages={n: shaping.advantages[n] for n in names},
+                          is_weights={n: shaping.is_weights[n] for n in names} if shaping.is_weights else {},
+                          kl_coef=self.kl_coef.value, old_is_current=skipped)
+            per_rank = self.policy.run(PolicyWorker.train, job)
+            if skipped:  # the update's forward gave the old policy's log-probs
+                inference["old"] = assemble(job.samples, [result.pop("pieces") for result in per_rank])
+            # all-reduced: the same on every rank
+            per_batch.append({**per_rank[0], "micro_batches": len(micro_batches)})
         return per_batch
 
     def _accumulation(self) -> str:
@@ -353,6 +416,7 @@ class GRPOTrainer:
         def token_weighted(key: str) -> float:
             return sum(b[key] * b["num_tokens"] for b in update) / total_tokens
 
+        passes = bool(inference["ref"]) + (not inference["old_pass_skipped"])  # log-prob passes that ran
         return {
             "step": step, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(names) > 1 else 0.0,
@@ -360,6 +424,8 @@ class GRPOTrainer:
             "entropy": token_weighted("entropy"), "clip_frac": token_weighted("clip_frac"),
             "dual_clip_frac": token_weighted("dual_clip_frac"), "approx_kl": token_weighted("approx_kl"),
             "grad_norm": sum(b["grad_norm"] for b in update) / len(update),  # mean over the mini-batches
+            "lr": update[0]["lr"], "optimizer_steps": len(update),
+            "old_logprob_pass": "skipped" if inference["old_pass_skipped"] else "run",
             "response_length_mean": sum(lengths) / len(lengths),
             "clipped_length_ratio": sum(samples.finish_reasons[n] == "length" for n in names) / len(names),
             "zero_variance_groups": reward_info["zero_variance_groups"],
@@ -371,9 +437,9 @@ class GRPOTrainer:
             "inference_time_s": inference["times_s"],
             "micro_batches": {"inference": len(inference["micro_batches"]),
                               "update": sum(b["micro_batches"] for b in update)},
-            **self._mfu(samples, lengths, times, passes=2 if inference["ref"] else 1,
+            **self._mfu(samples, lengths, times, passes=passes,
                         vision_forward=self._vision_forward_flops(inference["micro_batches"], inference["encoded"])),
-            **floor_metrics(self.o, samples, inference["encoded"], times, logprob_passes=2 if inference["ref"] else 1),
+            **floor_metrics(self.o, samples, inference["encoded"], times, logprob_passes=passes),
         }
 
     def _mfu(self, samples: StepSamples, lengths: list[int], times: dict[str, float], passes: int,
@@ -400,17 +466,20 @@ class GRPOTrainer:
                                                              for name in pack.sequences))
                    for results in micro_batches for result in results)
 
-    def _save_rollouts(self, step: int, samples: StepSamples, texts: dict[str, str], gaps: LogprobGaps) -> None:
+    def _save_rollouts(self, step: int, samples: StepSamples, reward_info: dict[str, Any], gaps: LogprobGaps,
+                       shaping) -> None:
         path = self.paths.rollouts(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         prompts = samples.prompt_of()
         with path.open("w") as handle:
             for name in samples.names:
-                text = texts[name]
+                extra = {"token_advantages": shaping.advantages[name]} if self.o.rl.kl_in_reward else {}
                 handle.write(json.dumps({
                     "sample": name, "id": prompts[name].record.id, "k": parse_sample_name(name).sample_index,
                     "prompt_ids": prompts[name].prompt_ids, "response_ids": samples.response_ids[name],
-                    "response": text, "reward": samples.rewards[name], "advantage": samples.advantages[name],
+                    "response": reward_info["texts"][name], "reward": samples.rewards[name],
+                    "overlong_penalty": reward_info["penalties"][name], "advantage": samples.advantages[name],
+                    "finish_reason": samples.finish_reasons[name], **extra,
                     "media": media_of(prompts[name]), "logprob_diff": gaps.per_sample[name]}) + "\n")
 
     def save(self, step: int) -> None:
@@ -420,6 +489,7 @@ class GRPOTrainer:
         self.policy.run(PolicyWorker.save_checkpoint, str(directory), {"step": step})
         self.policy.run(PolicyWorker.export_hf, str(self.paths.hf_export(step)))
         write_trainer_state(directory, step, step + 1, self.o.run_config)
+        self.kl_coef.save(directory)
         logger.info(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}")
 
 
@@ -451,50 +521,8 @@ def report_bad_records(step: int, report: dict[str, Any], trained_on: int) -> in
     return len(bad)
 
 
-PEAK_KEYS = ("peak_memory_gb", "peak_device_used_gb", "alloc_retries", "device_mallocs", "peak_host_used_gb",
-             "peak_host_used_share", "gc_pause_s")
-"""What `PolicyWorker.peaks` reports: torch's allocations, all memory in use on the device, torch's
-allocator's retries (the cache freed to make room) and device mallocs in the phase, the host
-memory in use on a rank's node (GiB, and its share of the node's), and the seconds Python's
-garbage collector held the rank."""
-
-
-def warn_host_memory(phase: str, peaks: dict[str, float], memory_hint: str = "") -> None:
-    """Say a phase whose node memory in use came near the share at which Ray's memory monitor kills
-    workers (runtime/host_memory.py), with what the run's settings keep there (`memory_hint`:
-    `launch.policy_memory_hint`)."""
-    share = peaks.get("peak_host_used_share", 0.0)
-    if share > host_memory.warn_share():
-        logger.info(f"memory: {phase}: host memory in use peaked at {peaks['peak_host_used_gb']:.0f} GiB, "
-                    f"{share:.0%} of a policy rank's node; Ray's memory monitor kills workers above "
-                    f"{host_memory.ray_kill_share():.0%}."
-                    + (f" {memory_hint}" if memory_hint else ""))
-
-
 INFERENCE_PARTS = ("plan", "old", "reference", "batches", "forward")
 """Keys of `inference_time_s`: the driver's planning of the log-prob passes, the old-policy pass and
 the reference pass (only with a KL term) as the driver waited for them, and the two passes' batch
 building (the pixel pulls included) and forwards (each to its log-probs on the host), each pass's
 from its slowest rank."""
-
-
-HOST_PEAK_KEYS = ("peak_host_used_gb", "peak_host_used_share")
-
-
-def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """The largest of each device peak over the policy ranks, and the host memory of the rank whose
-    node came closest to its limit (its GiB and share together: nodes may differ in size)."""
-    peaks = {key: max(entry.get(key, 0.0) for entry in per_rank) for key in PEAK_KEYS if key not in HOST_PEAK_KEYS}
-    busiest = max(per_rank, key=lambda entry: entry.get("peak_host_used_share", 0.0))
-    peaks.update({key: busiest.get(key, 0.0) for key in HOST_PEAK_KEYS})
-    return {key: peaks[key] for key in PEAK_KEYS}
-
-
-def _phase_peaks(peaks: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}, "alloc_retries": {phase:
-    n}, "device_mallocs": {phase: n}, "peak_host_used_gb": {phase: GiB}, "peak_host_used_share":
-    {phase: share}, "gc_pause_s": {phase: s}}: the most of any policy rank of torch's allocations, all
-    memory in use on the device (a colocated engine's pool included), torch's allocator's work and
-    the garbage collector's pauses in the phase, and the host memory in use on the node closest to
-    its limit."""
-    return {key: {phase: values[key] for phase, values in peaks.items()} for key in PEAK_KEYS}

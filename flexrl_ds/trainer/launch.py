@@ -25,15 +25,17 @@ import transformers
 
 from flexrl_ds.families import family_of
 from flexrl_ds.common.json_files import read_json
+from flexrl_ds.common.overrides import apply_overrides
 from flexrl_ds.media.config import replaced_by_processor
 from flexrl_ds.media.records import read_dataset
 from flexrl_ds.parallel.launch import init_distributed
 from flexrl_ds.models.flops import DecoderShape, VisionShape, peak_bf16_flops
 from flexrl_ds.models.step_floor import peak_hbm_bytes
 from flexrl_ds.models.processing import SampleEncoder
+from flexrl_ds.models.zero3 import with_schedule_length
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
-from flexrl_ds.rollout.base import SamplingParams
+from flexrl_ds.rollout.base import SamplingParams, stop_token_ids
 from flexrl_ds.runtime.data_controller import DataController, usable_records
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
@@ -43,6 +45,7 @@ from flexrl_ds.trainer.memory_check import check_memory
 from flexrl_ds.trainer.floor_metrics import job_gpus
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
+from flexrl_ds.trainer.rl_step import resolved_rl
 from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
 if TYPE_CHECKING:
     from flexrl_ds.loader.config import DataConfig
@@ -65,6 +68,8 @@ class TrainArgs:
     max_steps: int | None = None
     resume: bool = False
     spmd: bool = False
+    overrides: tuple[str, ...] = ()
+    """`--set KEY.PATH=VALUE`s, applied over the config file (common/overrides.apply_overrides)."""
 
 
 @dataclass
@@ -106,6 +111,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
         raise ValueError(f"flexrl.data.loader.global_batch: {data_config.loader.global_batch} prompts a step, "
                          f"more than the {len(records)} rows of {args.data_path}")
     run.flexrl.rollout = resolve_media_limits(run.flexrl.rollout, records)  # the engines are built from it
+    run.flexrl.rl = resolved_rl(run.flexrl)  # defaults from other sections (trainer/rl_step.py)
     notes = replaced_by_processor(run.flexrl.data, data_config, args.model_dir)
     for note in notes + [run.flexrl.rollout.logprob_diff_caveat() or ""]:
         if note:
@@ -116,6 +122,8 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     if max_steps < 1:
         raise ValueError(f"--max-steps must be at least 1, got {max_steps}")
     checkpoint, start_step = resume_point(args)
+    rl = run.flexrl.rl
+    run.deepspeed = with_schedule_length(run.deepspeed, max_steps * rl.mini_batches_per_step * rl.ppo_epochs)
     model_config = transformers.AutoConfig.from_pretrained(args.model_dir)
     vision_config = getattr(model_config, "vision_config", None)
     return Prepared(run, args, data_config, records, encoder, reward_fn, num_ranks, max_steps, checkpoint, start_step,
@@ -142,8 +150,7 @@ def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool)
 def train_options(prepared: Prepared, raw_config: dict, device_name: str | None) -> TrainOptions:
     """`device_name`: the policy ranks' GPU (None on CPU)."""
     run, trainer = prepared.run, prepared.run.flexrl.trainer
-    eos = prepared.encoder.tokenizer.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids = stop_token_ids(prepared.encoder.tokenizer.eos_token_id, prepared.args.model_dir)
     # On a GPU the shipped calibration matching it (flexrl.sp.calibration "auto") gives the planner
     # its step-time model; elsewhere the FLOP formula.
     cost = load_cost_model(run.flexrl.sp.cost_model or prepared.args.model_dir, run.flexrl.sp.calibration,
@@ -160,7 +167,7 @@ def train_options(prepared: Prepared, raw_config: dict, device_name: str | None)
         peak_bytes_per_s=peak_hbm_bytes(device_name), floor_gpus=job_gpus(run, prepared.num_ranks),
         loading=run.flexrl.data.loading,
         profile_step=trainer.profile_step, grad_accum_dtype=gradient_accumulation_dtype(run.deepspeed),
-        memory_hint=policy_memory_hint(run))
+        memory_hint=policy_memory_hint(run), resume_from=prepared.checkpoint)
 
 
 def vision_token_ids(model_dir: str) -> list[int]:
@@ -181,7 +188,8 @@ def resume_point(args: TrainArgs) -> tuple[Path | None, int]:
     state = read_trainer_state(checkpoint)
     logger.info(f"--resume: continuing after step {state['step'] + 1} (files: step_{state['step']}) from {checkpoint}")
     if isinstance(state.get("run_config"), dict):
-        note = resume_config_note(state["run_config"], read_json(args.config_path, "config file"))
+        note = resume_config_note(state["run_config"],
+                                  apply_overrides(read_json(args.config_path, "config file"), args.overrides))
         if note:
             logger.info(note)
     return checkpoint, state["step"] + 1

@@ -130,8 +130,15 @@ class PassJob:
     """train: per sample, the old policy's log-prob of each response token."""
     ref_logprobs: dict[str, list[float]] = field(default_factory=dict)
     """train: per sample, the reference's log-prob of each response token (empty: no KL)."""
-    advantages: dict[str, float] = field(default_factory=dict)
-    """train: per sample advantage."""
+    advantages: dict[str, Any] = field(default_factory=dict)
+    """train: per sample advantage (a float, or one per response token under flexrl.rl.kl_in_reward)."""
+    is_weights: dict[str, list[float]] = field(default_factory=dict)
+    """train: per sample, the TIS weight of each response token (empty: no correction)."""
+    kl_coef: float | None = None
+    """train: the KL coefficient of the adaptive controller (None: flexrl.rl.init_kl_coef)."""
+    old_is_current: bool = False
+    """train: no old-policy pass ran (one mini-batch, one epoch): the old log-probs are the update
+    forward's own, detached (ratio 1), and the result carries them ("pieces", as `logprobs` gives)."""
 
 
 def _seed_everything(seed: int) -> None:
@@ -266,21 +273,30 @@ class PolicyWorker:
         return pieces, {"batches": built - started, "forward": time.perf_counter() - built}
 
     @phase("update")
-    def train(self, job: PassJob) -> dict[str, float]:
+    def train(self, job: PassJob) -> dict[str, Any]:
         """One mini-batch update (models/policy_update.train_step); the mini-batch's statistics
-        (all-reduced: the same on every rank) and the global grad norm."""
+        (all-reduced: the same on every rank), the global grad norm and the step's learning rate;
+        with `job.old_is_current`, also this rank's "pieces" of the forward's log-probs."""
         started = time.perf_counter()
         values = policy_update.local_response_values
         with region("build_batches"):
-            micro_batches = [policy_update.UpdateInputs(batch, values(batch, job.old_logprobs),
-                                                        values(batch, job.ref_logprobs) if job.ref_logprobs else None,
-                                                        values(batch, job.advantages)) for batch in self._batches(job)]
+            batches = self._batches(job)
+            micro_batches = [policy_update.UpdateInputs(
+                batch, None if job.old_is_current else values(batch, job.old_logprobs),
+                values(batch, job.ref_logprobs) if job.ref_logprobs else None, values(batch, job.advantages),
+                values(batch, job.is_weights) if job.is_weights else None) for batch in batches]
         everyone = {s: x.length - x.response_start for s, x in job.samples.items()}  # all domains' sequences
         result = policy_update.train_step(self.policy, micro_batches, self.setup.rl,
-                                          policy_update.denominators(everyone))
-        stats = policy_update.reduce_stats(result.stats, device=self.device)
-        stats["grad_norm"] = result.grad_norm
-        stats["update_s"] = time.perf_counter() - started
+                                          policy_update.denominators(everyone), kl_coef=job.kl_coef,
+                                          keep_logprobs=job.old_is_current)
+        stats: dict[str, Any] = policy_update.reduce_stats(result.stats, device=self.device)
+        stats.update(grad_norm=result.grad_norm, lr=result.lr, update_s=time.perf_counter() - started)
+        if result.logprobs is not None:
+            pieces: dict[str, list] = {}
+            for batch, logprobs in zip(batches, result.logprobs):
+                for seq_id, lo, hi, local in batch.layout.segments():
+                    pieces.setdefault(seq_id, []).append((lo, logprobs[local:local + hi - lo].tolist()))
+            stats["pieces"] = pieces
         return stats
 
     def release_pixels(self) -> None:

@@ -31,6 +31,7 @@ def tiny_config(path: Path, sp: dict | None = None, rollout: dict | None = None,
     config["flexrl"]["data"]["loader"].update(loader or {})
     config["flexrl"]["sp"].update(sp or {})
     config["flexrl"]["rollout"].update(rollout or {})
+    config["flexrl"]["rl"]["old_logprob_pass"] = "always"  # its timing parts are checked here; the skip: test_train_grpo.py
     path.write_text(json.dumps(config))
     return path
 

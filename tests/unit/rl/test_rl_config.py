@@ -58,3 +58,20 @@ def test_direct_construction_is_checked_too():
         GRPOConfig(kl_estimator="k5")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="flexrl.rl.init_kl_coef"):
         GRPOConfig(init_kl_coef=float("nan"))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"policy_loss": "gspo"}, "set flexrl.rl.loss_reduction to sequence_mean"),
+    ({"policy_loss": "grpo"}, "policy_loss: 'grpo' is not one of"),
+    ({"tis_level": "seq"}, "tis_level: 'seq' is not one of"),
+    ({"tis_cap": 0.0}, "tis_cap: must be positive"),
+    ({"kl_target": 0.1, "init_kl_coef": 0.0}, "kl_target"),
+    ({"ppo_epochs": 0}, "ppo_epochs: must be at least 1"),
+    ({"dynamic_sampling_max_rounds": 0}, "dynamic_sampling_max_rounds"),
+    ({"overlong_buffer_length": -1}, "overlong_buffer_length"),
+    ({"reward_clip": -1.0}, "reward_clip: must be positive"),
+    ({"loss_reduction": "seq-mean-token-sum"}, "loss_reduction: 'seq-mean-token-sum' is not one of"),
+])
+def test_new_keys_are_validated(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(**fields)
