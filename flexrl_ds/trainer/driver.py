@@ -45,7 +45,7 @@ from flexrl_ds.rl.reward_fn import score_batch
 from flexrl_ds.runtime import host_memory
 from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
-from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
+from flexrl_ds.trainer.checkpoint import RunPaths, disk_full_explained, write_checkpoint, write_trainer_state
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PassJob
 from flexrl_ds.trainer.rollout_host import PromptJob
@@ -388,11 +388,11 @@ class GRPOTrainer:
 
     def save(self, step: int) -> None:
         """checkpoints/step_N (DeepSpeed on every rank, then the trainer state) and hf/step_N."""
-        directory = self.paths.checkpoint(step)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.policy.run("save_checkpoint", str(directory), {"step": step})
-        self.policy.run("export_hf", str(self.paths.hf_export(step)))
-        write_trainer_state(directory, step, step + 1, self.o.run_config)
+        directory = self.paths.checkpoint(step)  # written as step_N.partial, renamed when complete
+        write_checkpoint(directory, lambda partial: self.policy.run("save_checkpoint", str(partial), {"step": step}),
+                         lambda partial: write_trainer_state(partial, step, step + 1, self.o.run_config))
+        with disk_full_explained(f"HF export {self.paths.hf_export(step)} (checkpoint {directory.name} is complete)"):
+            self.policy.run("export_hf", str(self.paths.hf_export(step)))
         print(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}", flush=True)
 
 

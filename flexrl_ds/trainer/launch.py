@@ -35,7 +35,7 @@ from flexrl_ds.rollout.base import SamplingParams
 from flexrl_ds.runtime.data_controller import DataController, usable_records
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
-from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_trainer_state, resume_config_note
+from flexrl_ds.trainer.checkpoint import check_out_dir, read_trainer_state, resume_checkpoint, resume_config_note
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
@@ -159,7 +159,9 @@ def resume_point(args: TrainArgs) -> tuple[Path | None, int]:
     """(checkpoint to load, first step to run)."""
     if not args.resume:
         return None, 0
-    checkpoint = latest_checkpoint(Path(args.out_dir))
+    checkpoint, passed_over = resume_checkpoint(Path(args.out_dir))
+    for line in passed_over:
+        print(f"--resume: checkpoints/{line}: not resumable, passed over for the one before it", flush=True)
     if checkpoint is None:
         print(f"--resume: no checkpoint under {args.out_dir}/checkpoints; starting from the first step",
               flush=True)
