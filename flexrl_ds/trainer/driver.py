@@ -210,7 +210,7 @@ class GRPOTrainer:
         names, prompts = samples.names, samples.prompt_of()
         texts = self.encoder.tokenizer.batch_decode([samples.response_ids[n] for n in names], skip_special_tokens=True)
         records = [record_fields(prompts[n].record) for n in names]
-        scored = score_batch(self.reward_fn, texts, records, names)
+        scored = score_batch(self.reward_fn, texts, records, names, timeout_s=self.o.rl.reward_timeout_s)
         for message in scored.messages():
             print(f"reward: {message}", flush=True)
         if scored.all_failed():
