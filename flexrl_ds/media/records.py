@@ -5,7 +5,8 @@ the row and the problem (unparseable line, missing/ill-typed field, marker count
 path escaping the dataset folder, duplicate id). Reading never opens media files; probing does.
 
 Path rules: a relative media path is resolved against the dataset file's folder and must stay
-inside it (`..` may not escape); an absolute path is accepted only under the configured media root.
+inside it (`..` may not escape); an absolute path is accepted only under the configured media root;
+a path whose symbolic links lead outside both is refused too (no file outside them is opened).
 Per-item options: record-level `fps`, `max_frames`, `start`, `end` apply to every video and
 `max_pixels` to every image; an entry of `images`/`videos` may also be an object
 `{"path": ..., "fps": ..., "max_frames": ..., "start": ..., "end": ..., "max_pixels": ...}`.
@@ -174,17 +175,24 @@ def _check_options(options: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def resolve_media_path(raw: str, dataset_dir: Path, media_root: Path | None, where: str = "media") -> str:
-    """Apply the path rules; raise ValueError naming `where` when the path is not allowed."""
+    """Apply the path rules; raise ValueError naming `where` when the path is not allowed. Symbolic
+    links are followed for the check: a link inside the dataset folder (or the media root) to a file
+    outside both is refused as the path itself would be."""
     if os.path.isabs(raw):
         normalised = Path(os.path.normpath(raw))
         if media_root is None:
             raise ValueError(f"{where}: absolute path {raw!r} not allowed (no media root configured)")
         if not _is_within(normalised, media_root):
             raise ValueError(f"{where}: absolute path {raw!r} is outside the media root {str(media_root)!r}")
-        return str(normalised)
-    normalised = Path(os.path.normpath(dataset_dir / raw))
-    if not _is_within(normalised, dataset_dir):
-        raise ValueError(f"{where}: path {raw!r} escapes the dataset folder")
+    else:
+        normalised = Path(os.path.normpath(dataset_dir / raw))
+        if not _is_within(normalised, dataset_dir):
+            raise ValueError(f"{where}: path {raw!r} escapes the dataset folder")
+    real = Path(os.path.realpath(normalised))
+    if not _is_within(real, dataset_dir) and not (media_root is not None and _is_within(real, media_root)):
+        raise ValueError(f"{where}: path {raw!r} leads through a symbolic link to {str(real)!r}, outside the "
+                         "dataset folder" + ("" if media_root is None else " and the media root")
+                         + " (flexrl.data.media_root names a folder whose files may be linked to)")
     return str(normalised)
 
 
