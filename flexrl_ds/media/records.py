@@ -69,19 +69,35 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRecord]]:
                          + (f" ({', '.join(inside[:3])} here)" if inside else " (a .jsonl or .parquet file)"))
     if suffix not in (".jsonl", ".json", ".ndjson"):
         raise ValueError(f"{path}: unknown dataset format {suffix!r} (use .jsonl or .parquet)")
-    with path.open("r", encoding="utf-8") as handle:
+    try:
+        handle = path.open("rb")
+    except OSError as error:
+        raise ValueError(f"{path}: the dataset file cannot be read ({error.strerror or error})") from None
+    with handle:
         index = 0
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
+        for line_number, raw in enumerate(handle, 1):
+            row = _json_row(raw, line_number, index)
+            if row is None:
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                row = BadRecord(f"line {line_number}", f"not valid JSON ({error.msg})", index, "read")
-            if not isinstance(row, (dict, BadRecord)):
-                row = BadRecord(f"line {line_number}", "a record must be a JSON object", index, "read")
             yield index, row
             index += 1
+
+
+def _json_row(raw: bytes, line_number: int, index: int) -> dict[str, Any] | BadRecord | None:
+    """A JSONL line as a row, a `BadRecord` naming the line and what is wrong, or None (blank)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return BadRecord(f"line {line_number}", f"not UTF-8 text ({error.reason} at byte {error.start})", index, "read")
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        return BadRecord(f"line {line_number}", f"not valid JSON ({error.msg})", index, "read")
+    if not isinstance(row, dict):
+        return BadRecord(f"line {line_number}", "a record must be a JSON object", index, "read")
+    return row
 
 
 def parse_record(row: dict[str, Any], index: int, dataset_dir: Path,

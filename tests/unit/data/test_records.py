@@ -138,3 +138,11 @@ def test_a_symbolic_link_out_of_the_dataset_folder_is_refused_one_inside_is_foll
         assert str(outside / "a.png") == os.path.realpath(data / bad.id) and str(outside) in bad.reason
     assert isinstance(link_in, Record) and isinstance(link_root, BadRecord)
     assert isinstance(read_dataset(path, media_root=str(root))[3], Record)
+
+
+def test_a_line_that_is_not_utf8_is_a_bad_record_the_rest_are_read(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps(GOOD[0]).encode() + b"\n\xff\xfe garbage\n" + json.dumps(GOOD[2]).encode() + b"\n")
+    first, bad, last = read_dataset(path)
+    assert isinstance(first, Record) and isinstance(last, Record)
+    assert isinstance(bad, BadRecord) and bad.id == "line 2" and "not UTF-8" in bad.reason
