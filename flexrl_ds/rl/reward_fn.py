@@ -22,10 +22,11 @@ naming where the function raised (`RewardBatch.raised_at`).
 
 With `timeout_s` (`flexrl.rl.reward_timeout_s`) each call runs in a daemon thread and is given up
 after that many seconds: a batch call that hangs is retried per sample like one that raised, each
-sample's call with the same limit, and its samples score 0 "timed out"; after
-`TIMEOUTS_IN_A_ROW` sample calls in a row time out the function is taken to hang on any input and the
-remaining samples score 0 unscored (a function that always hangs costs a step at most three limits,
-then the step's every sample has failed and the run stops). Python cannot stop a thread: a call given
+sample's call with the same limit, and the samples whose call hangs score 0 "timed out"; when the
+first `TIMEOUTS_IN_A_ROW` sample calls all time out (none returned) the function is taken to hang on
+any input and the remaining samples score 0 unscored (a function that always hangs costs a step at
+most three limits, then the step's every sample has failed and the run stops; one that hangs only on
+some records costs one limit per sample it hangs on, unless those come first). Python cannot stop a thread: a call given
 up on goes on in the background until it returns (or the process ends), so a function that hangs
 should not hold locks the next call needs.
 """
@@ -190,7 +191,8 @@ def _validated(result: object, ids: list[str]) -> tuple[list[float], dict[str, s
 
 
 TIMEOUTS_IN_A_ROW = 2
-"""Sample calls in a row that time out before the rest of a batch is left unscored (module docstring)."""
+"""Sample calls that time out, with none returned before them, before the rest of a batch is left
+unscored (module docstring)."""
 
 
 class RewardTimeout(Exception):
@@ -247,16 +249,16 @@ def score_batch(reward_fn: RewardFn, responses: Sequence[str], records: Sequence
     if whole is not None:
         return RewardBatch(scores=whole[0], errors=whole[1])
     batch = RewardBatch(scores=[], batch_error=batch_error)
-    timeouts_in_a_row = 0
+    timeouts, returned = 0, False
     for response, record, sample_id in zip(responses, records, ids):
-        if timeouts_in_a_row >= TIMEOUTS_IN_A_ROW:
+        if timeouts >= TIMEOUTS_IN_A_ROW and not returned:
             batch.scores.append(0.0)
-            batch.errors[sample_id] = (f"not scored: the reward function's last {TIMEOUTS_IN_A_ROW} calls timed "
-                                       "out, so it is taken to hang on any input")
+            batch.errors[sample_id] = (f"not scored: the reward function's first {TIMEOUTS_IN_A_ROW} calls on single "
+                                       "samples timed out, so it is taken to hang on any input")
             continue
         single, error, where = _call(reward_fn, [response], [record], [sample_id], timeout_s)
-        timeouts_in_a_row = timeouts_in_a_row + 1 if single is None and where is None and \
-            error.startswith("timed out") else 0
+        timed_out = single is None and where is None and error.startswith("timed out")
+        timeouts, returned = timeouts + timed_out, returned or not timed_out
         if single is None:
             batch.scores.append(0.0)
             batch.errors[sample_id] = error

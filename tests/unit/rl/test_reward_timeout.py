@@ -46,6 +46,16 @@ def test_a_call_that_hangs_on_one_sample_zeroes_only_that_sample():
     assert elapsed < 2 * LIMIT_S + 1.0  # the batch call's limit, then the one sample's
 
 
+def test_a_prompt_group_that_hangs_after_a_good_sample_costs_only_its_own_samples():
+    """Samples of one prompt sit together: two hangs in a row after a call that returned do not end
+    the scoring of the rest."""
+    responses = ["a", "b", "hang", "hang2", "c", "d"]
+    ids = [f"s{i}" for i in range(6)]
+    scored = score_batch(hangs_on({"hang", "hang2"}), responses, [{}] * 6, ids, timeout_s=LIMIT_S)
+    assert scored.scores == [0.0 if r.startswith("hang") else _length(r) for r in responses]
+    assert sorted(scored.errors) == ["s2", "s3"]
+
+
 def test_a_function_that_always_hangs_is_given_up_after_a_few_limits():
     ids = [f"s{i}" for i in range(20)]
     started = time.perf_counter()
