@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from flexrl_ds.common import notes
-from flexrl_ds.runtime.lost_workers import ray_get_explained
+from flexrl_ds.runtime.rank_failures import wait_ranks
 
 
 @dataclass(frozen=True)
@@ -174,9 +174,11 @@ class RayWorkerGroup:
 
     def __init__(self, factory: Callable[..., Any], num_ranks: int, kwargs: dict | None = None,
                  num_cpus_per_rank: float = 1.0, num_gpus_per_rank: float = 0.0, name: str = "workers",
-                 timeout_s: float = 900.0, env: dict[str, str] | None = None, memory_hint: str = ""):
+                 timeout_s: float = 900.0, env: dict[str, str] | None = None, memory_hint: str = "",
+                 collective_timeout_s: float | None = None):
         """memory_hint: what of this group's work lives in host memory, said if Ray kills a rank
-        for host memory (runtime/lost_workers.py)."""
+        for host memory (runtime/lost_workers.py). collective_timeout_s: the ranks' process-group
+        timeout (default `timeout_s`): after a rank fails, how long the others may take to fail too."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -184,6 +186,7 @@ class RayWorkerGroup:
         if num_ranks < 1:
             raise ValueError(f"{name}: a worker group needs at least one rank, got {num_ranks}")
         self.name, self.num_ranks, self.timeout_s, self.memory_hint = name, num_ranks, timeout_s, memory_hint
+        self.collective_timeout_s = collective_timeout_s or timeout_s
         bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
         self.placement = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK")
         ray.get(self.placement.ready(), timeout=timeout_s)
@@ -215,13 +218,9 @@ class RayWorkerGroup:
         return [result for result, _ in answers]
 
     def _wait(self, refs: list, what: str) -> list:
-        import ray
-
-        try:
-            return ray_get_explained(refs, f"{self.name}.{what}", self.timeout_s, self.memory_hint)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
-                               "(a hang or a crash on some rank)") from None
+        """Every rank's result; a rank lost (died, or stalled while the others failed in a collective)
+        raises `LostRanks` naming it and what each survivor saw (runtime/rank_failures.py)."""
+        return wait_ranks(refs, f"{self.name}.{what}", self.timeout_s, self.collective_timeout_s, self.memory_hint)
 
     def _start(self, host_method: str, method: str, calls: Sequence[tuple[tuple, dict]]) -> list:
         """`_Host.<host_method>(method, args, kwargs)` on each rank with its (args, kwargs)."""

@@ -67,7 +67,14 @@ class TrainerConfig:
     weight_sync_bucket_mb: int = 512
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0
-    """Collective timeout of the policy group, and the longest wait for one worker call."""
+    """The longest wait for one worker call, and the policy group's collective timeout unless
+    `collective_timeout_s` is set."""
+    collective_timeout_s: float | None = None
+    """The longest a policy rank waits in one collective (torch.distributed's process-group timeout,
+    gloo and NCCL) before it fails: when a rank is killed or stalls, every other rank fails within
+    this many seconds, the run stops naming the lost rank and the step, and --resume continues from
+    the last checkpoint (runtime/rank_failures.py). None: `timeout_s`. Long enough for the slowest
+    step's slowest phase on one rank (a checkpoint save, the first pass's compilation)."""
     profile_step: int | None = None
     """A step (0-based) whose log-prob, update and sync phases every policy rank profiles with
     torch.profiler (parallel/profiling.py): OUT/profile/step_N_rank_R.txt, flexrl's regions (batch
@@ -96,3 +103,11 @@ class TrainerConfig:
                              f"{self.vision_attention!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"flexrl.trainer.timeout_s: must be positive, got {self.timeout_s}")
+        if self.collective_timeout_s is not None and not 0 < self.collective_timeout_s <= self.timeout_s:
+            raise ValueError(f"flexrl.trainer.collective_timeout_s: must be positive and at most timeout_s "
+                             f"({self.timeout_s}), got {self.collective_timeout_s}")
+
+    @property
+    def group_timeout_s(self) -> float:
+        """The policy group's collective timeout: `collective_timeout_s`, else `timeout_s`."""
+        return self.collective_timeout_s if self.collective_timeout_s is not None else self.timeout_s

@@ -45,7 +45,9 @@ from flexrl_ds.rl.reward_fn import score_batch
 from flexrl_ds.runtime import host_memory
 from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
-from flexrl_ds.trainer.checkpoint import RunPaths, disk_full_explained, write_checkpoint, write_trainer_state
+from flexrl_ds.runtime.rank_failures import LostRanks
+from flexrl_ds.trainer.checkpoint import (RunPaths, disk_full_explained, latest_checkpoint, write_checkpoint,
+                                         write_trainer_state)
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PassJob
 from flexrl_ds.trainer.rollout_host import PromptJob
@@ -106,7 +108,11 @@ class GRPOTrainer:
                   f"{self.o.start_step}..{self.o.max_steps - 1}: nothing is profiled", flush=True)
         rows = []
         for step in range(self.o.start_step, self.o.max_steps):
-            rows.append(self.train_step(step))
+            try:
+                rows.append(self.train_step(step))
+            except LostRanks as lost:  # said with its step and where --resume would continue
+                resume_from = latest_checkpoint(self.o.out_dir)
+                raise lost.at(step, str(resume_from) if resume_from else "") from lost
             last = self.o.save_last and step == self.o.max_steps - 1
             if last or (self.o.save_every and (step + 1) % self.o.save_every == 0):
                 self.save(step)

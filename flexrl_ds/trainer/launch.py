@@ -116,7 +116,7 @@ def policy_setup(run: Any, model_dir: str, pixels: Any, colocated: bool) -> Poli
         model_dir=model_dir, ds_config=run.deepspeed, p_max=run.flexrl.sp.p_max, overlap=run.flexrl.sp.overlap,
         domain_size=run.flexrl.sp.domain_size,
         rl=run.flexrl.rl,
-        pixels=pixels, dtype=model_dtype(run.deepspeed), timeout_s=run.flexrl.trainer.timeout_s,
+        pixels=pixels, dtype=model_dtype(run.deepspeed), timeout_s=run.flexrl.trainer.group_timeout_s,
         seed=run.flexrl.trainer.seed, rollout_backend=run.flexrl.rollout.backend if colocated else None,
         max_batch_sequences=run.flexrl.rollout.max_batch_sequences,
         activation_checkpointing=run.flexrl.trainer.activation_checkpointing,
@@ -279,7 +279,8 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
         setup = policy_setup(run, args.model_dir, controller.pixels, colocated=trainer.colocate)
         policy = RayWorkerGroup(PolicyWorker, prepared.num_ranks, {"setup": setup}, trainer.num_cpus_per_rank,
                                 trainer.num_gpus_per_rank, name="policy", timeout_s=trainer.timeout_s,
-                                env=worker_env(), memory_hint=policy_memory_hint(run))
+                                env=worker_env(), memory_hint=policy_memory_hint(run),
+                                collective_timeout_s=trainer.group_timeout_s)
         clock = _progress(f"{policy_ranks(prepared.num_ranks)} ready (models loaded, DeepSpeed engines built"
                           f"{', rollout engines inside' if trainer.colocate else ''})", clock)
         if trainer.colocate:
@@ -328,7 +329,7 @@ SPMD_NOTHING_TO_DO = "nothing to do"
 
 def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
     """Every process of a launcher (deepspeed --hostfile, torchrun) runs this; rank 0 drives."""
-    context = init_distributed(timeout_s=run.flexrl.trainer.timeout_s)
+    context = init_distributed(timeout_s=run.flexrl.trainer.group_timeout_s)
     rank, world = context.launch.rank, context.launch.world_size
     shared: list[Any] = [None]
     driver: tuple | None = None

@@ -1,0 +1,135 @@
+"""A group call on which some ranks were lost: which ones, and what each survivor saw.
+
+`wait_ranks(refs, what, timeout_s, collective_timeout_s)` waits for one call on every rank of a Ray
+worker group. All answer: their results. A rank's actor dies (Ray's `RayActorError`: killed, a
+crash, the memory monitor) or a rank's own code raises (a survivor's collective failed: its peer
+closed the connection, or the process group's timeout, `flexrl.trainer.collective_timeout_s`,
+passed while a peer stalled): the other ranks are given that timeout and a few seconds more to
+answer or fail too, then `LostRanks` is raised: the ranks lost (dead, or stalled: neither answering
+nor failing while the others failed), and one line per survivor naming the lost ranks and what it
+raised. The driver adds the step and the checkpoint to resume from (`LostRanks.at`). A call where no
+rank failed but not all answered within `timeout_s` names the silent ranks the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from flexrl_ds.runtime.lost_workers import death_detail, killed_for_host_memory, lost_worker_error
+
+GRACE_S = 5.0
+"""Seconds beyond the collective timeout that the other ranks get after a first failure."""
+
+
+def _first_line(error: BaseException) -> str:
+    """What a rank raised, in a line: the innermost cause Ray carries, else the error itself."""
+    cause = getattr(error, "cause", None) or error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    text = lines[-1] if lines and len(lines[0]) < 8 else (lines[0] if lines else "")
+    return f"{type(cause).__name__}: {text[:300]}"
+
+
+@dataclass
+class LostRanks(RuntimeError):
+    """Some ranks of a group were lost during a call (module docstring)."""
+
+    what: str
+    """The call, e.g. "policy.train"."""
+    lost: dict[int, str]
+    """Rank -> how it was lost ("died: ...", "stalled: ...")."""
+    survivors: dict[int, str] = field(default_factory=dict)
+    """Rank -> what it raised (its collective's failure)."""
+    waited_s: float = 0.0
+    """Seconds from the call's start until the last survivor had failed."""
+    step: int | None = None
+    """The training step (0-based) the call belonged to, once the driver knows it."""
+    resume_from: str | None = None
+    """The checkpoint a --resume would continue from ("" when there is none)."""
+    headline: str = ""
+    """Ranks that died with no survivor failing: runtime/lost_workers.py's one line, with the ranks."""
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message())
+
+    def __str__(self) -> str:
+        return self.message()
+
+    def at(self, step: int, resume_from: str) -> "LostRanks":
+        """This failure with the step it happened in and the checkpoint to resume from."""
+        return replace(self, step=step, resume_from=resume_from)
+
+    def message(self) -> str:
+        if self.headline and self.step is None:
+            return self.headline
+        where = f" at step {self.step + 1} (0-based {self.step})" if self.step is not None else ""
+        names = ", ".join(f"rank {rank}" for rank in sorted(self.lost))
+        lines = [f"{self.what}{where}: lost {names}: " + "; ".join(f"rank {rank} {how}" for rank, how in
+                                                                    sorted(self.lost.items()))]
+        for rank, seen in sorted(self.survivors.items()):
+            lines.append(f"  rank {rank} (survivor) failed{where} after losing {names}: {seen}")
+        if self.survivors:
+            lines.append(f"  every survivor failed within {self.waited_s:.1f} s of the call's start")
+        if self.resume_from is not None:
+            lines.append(f"  the run can go on with --resume, from {self.resume_from}" if self.resume_from else
+                         "  no checkpoint was written yet: --resume would start over")
+        return "\n".join(lines)
+
+
+def _outcome(ray, ref) -> tuple[str, object]:
+    """("ok", result) | ("died", the error) | ("raised", the error) of a finished call."""
+    try:
+        return "ok", ray.get(ref)
+    except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
+        return "died", error
+    except Exception as error:  # the rank's own exception (RayTaskError): a survivor's failure
+        return "raised", error
+
+
+def wait_ranks(refs: list, what: str, timeout_s: float, collective_timeout_s: float,
+               memory_hint: str = "") -> list:
+    """Every rank's result of one call, in rank order; `LostRanks` (module docstring)."""
+    import ray
+
+    start, outcomes, finished, first_failure = time.monotonic(), {}, {}, None
+    deadline = start + timeout_s
+    while len(outcomes) < len(refs):
+        pending = [ref for rank, ref in enumerate(refs) if rank not in outcomes]
+        ready, _ = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for ref in ready:
+            rank = refs.index(ref)
+            outcomes[rank], finished[rank] = _outcome(ray, ref), time.monotonic()
+        if first_failure is None and any(kind != "ok" for kind, _ in outcomes.values()):
+            first_failure = time.monotonic()
+            deadline = min(deadline, first_failure + collective_timeout_s + GRACE_S)
+    if len(outcomes) == len(refs) and all(kind == "ok" for kind, _ in outcomes.values()):
+        return [outcomes[rank][1] for rank in range(len(refs))]
+    return _raise_lost(refs, outcomes, finished, (start, first_failure or start), what, timeout_s, memory_hint)
+
+
+def _raise_lost(refs, outcomes, finished, times, what, timeout_s, memory_hint):
+    start, since = times
+    silent_s = time.monotonic() - since
+    deaths = {rank: error for rank, (kind, error) in outcomes.items() if kind == "died"}
+    lost = {rank: _death(error, memory_hint) for rank, error in deaths.items()}
+    stalled = f"stalled: no answer {silent_s:.0f} s after the first failure" if outcomes else \
+        f"stalled: no answer within {timeout_s:.0f} s"
+    lost.update({rank: stalled for rank in range(len(refs)) if rank not in outcomes})
+    survivors = {rank: _first_line(error) for rank, (kind, error) in outcomes.items() if kind == "raised"}
+    if not lost:  # every failing rank's own code raised: no rank was lost, the first error as it is
+        raise next(error for kind, error in outcomes.values() if kind == "raised")
+    waited = max((finished[rank] - start for rank in survivors), default=0.0)
+    headline = ""
+    if not survivors and len(deaths) == len(lost):  # died, no survivor in a collective: the one line of old
+        first = deaths[min(deaths)]
+        headline = f"{lost_worker_error(first, what, memory_hint)} Lost: {', '.join(f'rank {r}' for r in sorted(lost))}."
+    failure = LostRanks(what, lost, survivors, waited, headline=headline)
+    raise failure from (deaths[min(deaths)] if deaths else None)
+
+
+def _death(error: BaseException, memory_hint: str) -> str:
+    if killed_for_host_memory(error):
+        return "died: Ray's memory monitor killed it (host memory ran low)" + (f"; {memory_hint}" if memory_hint else "")
+    return f"died: {death_detail(error)}"
