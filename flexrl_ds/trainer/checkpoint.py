@@ -160,8 +160,10 @@ def checkpoint_problem(directory: Path) -> str | None:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         return f"{STATE_FILE} unreadable ({error})"
-    if not isinstance(state, dict) or type(state.get("step")) is not int:
-        return f"no integer 'step' in {STATE_FILE}"
+    if not isinstance(state, dict):
+        return f"{STATE_FILE} holds no object"
+    # a state without an integer step is no crash's leftover (the file is renamed into place whole):
+    # `read_trainer_state` refuses it, naming the file
     for name, size in (state.get("files") or {}).items():
         file = directory / name
         if not file.is_file():
