@@ -50,7 +50,7 @@ class LostRanks(RuntimeError):
     """Ranks that died with no survivor failing: runtime/lost_workers.py's one line, with the ranks."""
 
     def __post_init__(self) -> None:
-        super().__init__(self.message())
+        super().__init__(self.what)
 
     def __str__(self) -> str:
         return self.message()
@@ -87,8 +87,10 @@ def _outcome(ray, ref) -> tuple[str, object]:
 
 
 def wait_ranks(refs: list, what: str, timeout_s: float, collective_timeout_s: float,
-               memory_hint: str = "") -> list:
-    """Every rank's result of one call, in rank order; `LostRanks` (module docstring)."""
+               memory_hint: str = "", pids: list[int] | None = None) -> list:
+    """Every rank's result of one call, in rank order; `LostRanks` (module docstring). `pids`: each
+    rank's process id, named with a lost rank (its log, `ray list actors`). No rank answering within
+    `timeout_s` is a hang, not a lost rank: RuntimeError."""
     import ray
 
     start, outcomes, finished, first_failure = time.monotonic(), {}, {}, None
@@ -106,10 +108,18 @@ def wait_ranks(refs: list, what: str, timeout_s: float, collective_timeout_s: fl
             deadline = min(deadline, first_failure + collective_timeout_s + GRACE_S)
     if len(outcomes) == len(refs) and all(kind == "ok" for kind, _ in outcomes.values()):
         return [outcomes[rank][1] for rank in range(len(refs))]
-    return _raise_lost(refs, outcomes, finished, (start, first_failure or start), what, timeout_s, memory_hint)
+    if not outcomes:
+        raise RuntimeError(f"{what}: no answer from every rank within {timeout_s:.0f} s (a hang or a crash on some "
+                           "rank)")
+    lost = _raise_lost(refs, outcomes, finished, (start, first_failure or start), what, timeout_s, memory_hint)
+    if pids:
+        lost.lost = {rank: f"(pid {pids[rank]}) {how}" for rank, how in lost.lost.items()}
+    raise lost
 
 
-def _raise_lost(refs, outcomes, finished, times, what, timeout_s, memory_hint):
+def _raise_lost(refs, outcomes, finished, times, what, timeout_s, memory_hint) -> "LostRanks":
+    """The `LostRanks` of a call some of whose ranks failed or stayed silent (its cause: a death's
+    error); an error of the ranks' own code, no rank lost, is raised as it is."""
     start, since = times
     silent_s = time.monotonic() - since
     deaths = {rank: error for rank, (kind, error) in outcomes.items() if kind == "died"}
@@ -126,7 +136,8 @@ def _raise_lost(refs, outcomes, finished, times, what, timeout_s, memory_hint):
         first = deaths[min(deaths)]
         headline = f"{lost_worker_error(first, what, memory_hint)} Lost: {', '.join(f'rank {r}' for r in sorted(lost))}."
     failure = LostRanks(what, lost, survivors, waited, headline=headline)
-    raise failure from (deaths[min(deaths)] if deaths else None)
+    failure.__cause__ = deaths[min(deaths)] if deaths else None
+    return failure
 
 
 def _death(error: BaseException, memory_hint: str) -> str:

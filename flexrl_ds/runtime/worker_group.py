@@ -23,6 +23,7 @@ per_rank_args)` with one argument tuple per rank.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -156,6 +157,9 @@ class _Host(notes.NoteKeeper):
 
         return ray.get_runtime_context().get_node_id()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def start(self, place: WorkerPlace, factory: Callable[..., Any], kwargs: dict) -> tuple[bool, list[str]]:
         """Build the worker; True and the lines said while it was built."""
         self.worker = factory(place, **kwargs)
@@ -199,6 +203,8 @@ class RayWorkerGroup:
         address, port = ray.get(self.actors[0].rendezvous.remote(num_ranks, timeout_s), timeout=timeout_s)
         self.node_ids: list[str] = ray.get([actor.node_id.remote() for actor in self.actors], timeout=timeout_s)
         """Ray node id of each rank, in rank order (where the group's consumers of pixels run)."""
+        self.pids: list[int] = ray.get([actor.pid.remote() for actor in self.actors], timeout=timeout_s)
+        """Each rank's process id (named when a rank is lost)."""
         # Ray gives each actor its own GPU(s) (CUDA_VISIBLE_DEVICES): local device 0 in every actor.
         places = [WorkerPlace(rank, num_ranks, address, port, local_rank=0, node_id=node)
                   for rank, node in enumerate(self.node_ids)]
@@ -220,7 +226,8 @@ class RayWorkerGroup:
     def _wait(self, refs: list, what: str) -> list:
         """Every rank's result; a rank lost (died, or stalled while the others failed in a collective)
         raises `LostRanks` naming it and what each survivor saw (runtime/rank_failures.py)."""
-        return wait_ranks(refs, f"{self.name}.{what}", self.timeout_s, self.collective_timeout_s, self.memory_hint)
+        return wait_ranks(refs, f"{self.name}.{what}", self.timeout_s, self.collective_timeout_s, self.memory_hint,
+                          self.pids)
 
     def _start(self, host_method: str, method: str, calls: Sequence[tuple[tuple, dict]]) -> list:
         """`_Host.<host_method>(method, args, kwargs)` on each rank with its (args, kwargs)."""

@@ -54,7 +54,8 @@ def test_every_survivor_fails_within_the_timeout_naming_the_lost_rank(group, fau
         group.run("all_reduce", 1, fault)
     elapsed = time.monotonic() - started
     lost = raised.value
-    assert list(lost.lost) == [1] and lost.lost[1].startswith("died" if fault == "die" else "stalled")
+    pid = group.pids[1]
+    assert list(lost.lost) == [1] and lost.lost[1].startswith(f"(pid {pid}) " + ("died" if fault == "die" else "stalled"))
     assert sorted(lost.survivors) == [0, 2]
     # the survivors fail at the collective timeout; the silent rank gets that timeout and GRACE_S more
     # to answer before it is named; then the group asks every rank for its lines (5 s each, at most)
