@@ -158,8 +158,9 @@ def _driver_killed(folder: Path) -> Observed:
     return Observed(seen, not differences and not lost and not duplicated, lost, duplicated, recover_s=recover)
 
 
-def _policy_pids(child: subprocess.Popen) -> list[int]:
-    """The run's policy ranks' processes (Ray actors of `_Host`, runtime/worker_group.py)."""
+def _policy_pids(child: subprocess.Popen, actor: str = "_Host") -> list[int]:
+    """The run's processes of Ray actor class `actor` (`_Host`: the policy ranks, runtime/worker_group.py;
+    `PreprocessActor`: the ShadowLoader's; `_RolloutActor`: separate rollout engines)."""
     import psutil
 
     found = []
@@ -167,7 +168,7 @@ def _policy_pids(child: subprocess.Popen) -> list[int]:
         try:
             title = " ".join(process.info["cmdline"] or [])
             ours = os.getsid(process.pid) == child.pid or child.pid in [parent.pid for parent in process.parents()]
-            if title.startswith("ray::_Host") and ours:
+            if title.startswith(f"ray::{actor}") and ours:
                 found.append(process.pid)
         except (psutil.Error, ProcessLookupError):
             continue
@@ -206,6 +207,77 @@ def _rank_case(fault: str):
     return run
 
 
+def _actor_killed(folder: Path) -> Observed:
+    reference_out, assets, out = reference(folder.parent), _assets(folder.parent), folder / "run"
+    child = _start(assets, out)
+    _wait_for(lambda: _steps_done(out) >= 1, child)
+    victims = _policy_pids(child, "PreprocessActor")
+    if len(victims) < 2:
+        _kill_session(child)
+        return Observed(f"{len(victims)} preprocessing actor process(es) found; the case needs 2", False)
+    os.kill(victims[-1], signal.SIGKILL)
+    code = _finish(child)
+    if code != 0:
+        return Observed(f"the run failed (exit {code}): {_log(out)[-400:]}", False)
+    differences, lost, duplicated = compare_runs(reference_out, out)
+    seen = ("the run finished; against the uninterrupted run: "
+            + ("; ".join(differences) if differences else "the same sample ids, responses, metrics and parameters"))
+    return Observed(seen, not differences and not lost and not duplicated, lost, duplicated)
+
+
+def _engine_killed(folder: Path) -> Observed:
+    assets, out = _assets(folder.parent), folder / "run"
+    config = json.loads((assets / "run.json").read_text())
+    config["flexrl"]["trainer"]["colocate"] = False
+    config["flexrl"]["rollout"].update(num_engines=1, num_cpus_per_engine=0.25)
+    (folder / "separate.json").write_text(json.dumps(config))
+    child = _start(assets, out, config=folder / "separate.json")
+    _wait_for(lambda: _steps_done(out) >= 1 and (out / "checkpoints" / "step_0").is_dir(), child)
+    victim = _policy_pids(child, "_RolloutActor")[-1]
+    injected = time.perf_counter()
+    os.kill(victim, signal.SIGKILL)
+    code = _finish(child)
+    detect = time.perf_counter() - injected
+    line = next((line for line in _log(out).splitlines() if "rollout engines" in line and "died" in line), None)
+    started = time.perf_counter()
+    resumed = _finish(_start(assets, out, resume=True, config=folder / "separate.json"))
+    recover = time.perf_counter() - started
+    steps = [json.loads(row)["step"] for row in (out / "metrics.jsonl").read_text().splitlines()]
+    passed = code != 0 and line is not None and resumed == 0 and steps == list(range(STEPS))
+    return Observed(f"exit {code} after {detect:.1f} s: {line}; --resume: exit {resumed}, steps logged {steps}",
+                    passed, lost=len(set(range(STEPS)) - set(steps)), duplicated=len(steps) - len(set(steps)),
+                    detect_s=detect, recover_s=recover)
+
+
+_LISTENERS = """
+import json, os, psutil
+from flexrl_ds.runtime.ray_session import connect_ray
+connect_ray(2)
+import ray
+ray.get(ray.remote(lambda: 1).remote())
+mine = {os.getpid()} | {child.pid for child in psutil.Process().children(recursive=True)}
+found = [(psutil.Process(c.pid).name(), c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet")
+         if c.status == psutil.CONN_LISTEN and c.pid in mine]
+print(json.dumps(sorted(set(found))))
+"""
+DASHBOARD_PORT = 8265
+LOOPBACK = ("127.0.0.1", "::1")
+
+
+def _services_bind(folder: Path) -> Observed:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + sys.path[1:]), "RAY_ADDRESS": ""}
+    done = subprocess.run([sys.executable, "-c", _LISTENERS], capture_output=True, text=True, env=env, timeout=300,
+                          start_new_session=True)
+    listeners = json.loads(done.stdout.strip().splitlines()[-1])
+    dashboard = [entry for entry in listeners if entry[2] == DASHBOARD_PORT]
+    exposed = sorted({f"{name} {ip}:{port}" for name, ip, port in listeners if ip not in LOOPBACK})
+    foreign = [entry for entry in exposed if not entry.startswith(("gcs_server", "raylet", "ray::", "python"))]
+    seen = (f"dashboard {'LISTENING' if dashboard else 'not started'}; {len(listeners)} listening sockets, "
+            f"{len(exposed)} not on loopback, all Ray's own processes' ({', '.join(exposed[:6])}"
+            f"{' ...' if len(exposed) > 6 else ''})" + (f"; NOT Ray's: {foreign}" if foreign else ""))
+    return Observed(seen, not dashboard and not foreign)
+
+
 CASES = [
     Case("train:driver_killed", "the driver SIGKILLed during step 3 (its Ray processes after it), then --resume",
          "the resumed run's steps equal an uninterrupted run's (sample ids, responses, metrics, parameters); "
@@ -216,4 +288,14 @@ CASES = [
     Case("train:policy_rank_stalled", f"a policy rank's process SIGSTOPped after step 1 (collective_timeout_s "
          f"{COLLECTIVE_TIMEOUT_S:g})", "every survivor fails within the collective timeout with a line naming the "
          "stalled rank (its pid) and the step; the last checkpoint complete", _rank_case("stop"), slow=True),
+    Case("train:preprocessing_actor_killed", "one of 2 preprocessing actors SIGKILLed after step 1",
+         "its work rerouted: the run finishes equal to the uninterrupted one, 0 lost, 0 duplicated", _actor_killed,
+         slow=True),
+    Case("train:rollout_engine_killed", "the separate rollout engine's process SIGKILLed after step 1 "
+         "(flexrl.trainer.colocate false)", "the run ends with one line naming the lost engine; the last "
+         "checkpoint resumes to the end", _engine_killed, slow=True),
+    Case("security:services_bind", "a local Ray started as `flexrl train` starts it",
+         "no dashboard (include_dashboard=False; Ray's default host when on is 127.0.0.1); no service of flexrl's "
+         "own on another address. Ray's core gRPC servers and agent listen on every interface (Ray 2.60 has no "
+         "option against it): listed", _services_bind, slow=True),
 ]
