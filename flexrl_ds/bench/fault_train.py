@@ -175,6 +175,28 @@ def _policy_pids(child: subprocess.Popen, actor: str = "_Host") -> list[int]:
     return sorted(found)
 
 
+def _restarted(folder: Path) -> Observed:
+    reference_out, assets, out = reference(folder.parent), _assets(folder.parent), folder / "run"
+    config = json.loads((assets / "run.json").read_text())
+    config["flexrl"]["trainer"]["max_restarts"] = 1
+    (folder / "restarts.json").write_text(json.dumps(config))
+    child = _start(assets, out, config=folder / "restarts.json")
+    _wait_for(lambda: _steps_done(out) >= 1 and (out / "checkpoints" / "step_0").is_dir(), child)
+    os.kill(_policy_pids(child)[-1], signal.SIGKILL)
+    injected = time.perf_counter()
+    code = _finish(child)
+    finished = time.perf_counter() - injected
+    if code != 0:
+        return Observed(f"the run failed (exit {code}): {_log(out)[-400:]}", False)
+    restarts = [json.loads(line).get("num_restarts") for line in (out / "metrics.jsonl").read_text().splitlines()]
+    differences, lost, duplicated = compare_runs(reference_out, out)
+    said = [line for line in _log(out).splitlines() if "(flexrl.trainer.max_restarts)" in line]
+    seen = (f"{said[:1]}; num_restarts per step {restarts}; against the uninterrupted run: "
+            + ("; ".join(differences) if differences else "the same sample ids, responses, metrics and parameters"))
+    passed = not differences and restarts[-1] == 1 and bool(said) and not lost and not duplicated
+    return Observed(seen, passed, lost, duplicated, recover_s=finished)
+
+
 def _rank_case(fault: str):
     def run(folder: Path) -> Observed:
         assets, out = _assets(folder.parent), folder / "run"
@@ -288,6 +310,9 @@ CASES = [
     Case("train:policy_rank_stalled", f"a policy rank's process SIGSTOPped after step 1 (collective_timeout_s "
          f"{COLLECTIVE_TIMEOUT_S:g})", "every survivor fails within the collective timeout with a line naming the "
          "stalled rank (its pid) and the step; the last checkpoint complete", _rank_case("stop"), slow=True),
+    Case("train:policy_rank_killed_restarted", "a policy rank SIGKILLed after step 1, flexrl.trainer.max_restarts 1",
+         "the driver rebuilds its workers and goes on from the last checkpoint in the same job: it finishes equal "
+         "to the uninterrupted run, num_restarts 1 in the metrics", _restarted, slow=True),
     Case("train:preprocessing_actor_killed", "one of 2 preprocessing actors SIGKILLed after step 1",
          "its work rerouted: the run finishes equal to the uninterrupted one, 0 lost, 0 duplicated", _actor_killed,
          slow=True),

@@ -75,6 +75,13 @@ class TrainerConfig:
     this many seconds, the run stops naming the lost rank and the step, and --resume continues from
     the last checkpoint (runtime/rank_failures.py). None: `timeout_s`. Long enough for the slowest
     step's slowest phase on one rank (a checkpoint save, the first pass's compilation)."""
+    max_restarts: int = 0
+    """Times the driver may restart its workers in the same job after losing one (a policy rank or a
+    rollout engine killed, crashed or stalled: runtime/rank_failures.py): every worker group is rebuilt
+    and the run continues from the last complete checkpoint, as TorchElastic restarts a group; the
+    steps after that checkpoint are run again (the same samples: resume is exact). Counted in the
+    metrics (`num_restarts`). 0: a lost worker ends the run (--resume continues it). Ray path only;
+    under a launcher its own restarts apply (torchrun --max-restarts)."""
     profile_step: int | None = None
     """A step (0-based) whose log-prob, update and sync phases every policy rank profiles with
     torch.profiler (parallel/profiling.py): OUT/profile/step_N_rank_R.txt, flexrl's regions (batch
@@ -94,6 +101,8 @@ class TrainerConfig:
             raise ValueError(f"flexrl.trainer.save_every: must be >= 0, got {self.save_every}")
         if self.num_cpus_per_rank <= 0 or self.num_gpus_per_rank < 0:
             raise ValueError("flexrl.trainer.num_cpus_per_rank must be > 0 and num_gpus_per_rank >= 0")
+        if self.max_restarts < 0:
+            raise ValueError(f"flexrl.trainer.max_restarts: must be >= 0, got {self.max_restarts}")
         if self.weight_sync_bucket_mb < 1:
             raise ValueError(f"flexrl.trainer.weight_sync_bucket_mb: must be at least 1, got {self.weight_sync_bucket_mb}")
         if self.profile_step is not None and self.profile_step < 0:

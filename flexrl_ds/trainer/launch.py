@@ -12,6 +12,7 @@ Everything that can be checked is checked before any worker starts (trainer/vali
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams
 from flexrl_ds.runtime.data_controller import DataController, usable_records
+from flexrl_ds.runtime.rank_failures import LostRanks
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
 from flexrl_ds.trainer.checkpoint import check_out_dir, read_trainer_state, resume_checkpoint, resume_config_note
@@ -186,8 +188,9 @@ def nothing_to_do(prepared: Prepared) -> bool:
     return True
 
 
-def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: Any, raw_config: dict) -> int:
-    """Resume if asked, run the steps, close the log."""
+def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: Any, raw_config: dict,
+          restarts: int = 0) -> int:
+    """Resume if asked, run the steps, close the log; `restarts`: the workers rebuilt so far (metrics)."""
     checkpoint, start = prepared.checkpoint, prepared.start_step
     rollout_config = prepared.run.flexrl.rollout
     if checkpoint is not None:
@@ -208,6 +211,7 @@ def drive(prepared: Prepared, controller: DataController, policy: Any, rollout: 
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
                   tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
     options = train_options(prepared, raw_config, device_name=policy.run("accelerator_name")[0])
+    options = dataclasses.replace(options, restarts=restarts)
     try:
         GRPOTrainer(options, prepared.encoder, prepared.reward_fn, controller, policy, rollout, log).run()
     finally:
@@ -268,10 +272,37 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
     prepared = prepare(run, args)
     if nothing_to_do(prepared):
         return 0
-    trainer, rollout_config = run.flexrl.trainer, run.flexrl.rollout
     clock = time.perf_counter()
     started = connect_ray(ray_cpus(run, prepared.num_ranks))
     clock = _progress(f"Ray {'started' if started else 'joined'}", clock)
+    restarts, allowed = 0, run.flexrl.trainer.max_restarts
+    try:
+        while True:
+            try:
+                return _run_groups(run, prepared, raw_config, clock, restarts)
+            except Exception as error:
+                if restarts >= allowed or not lost_a_worker(error):
+                    raise
+                restarts += 1
+                print(f"flexrl train: {str(error).splitlines()[0]}\nflexrl train: restart {restarts} of "
+                      f"{allowed} (flexrl.trainer.max_restarts): every worker rebuilt, from the last checkpoint",
+                      flush=True)
+                checkpoint, start = resume_point(dataclasses.replace(args, resume=True))
+                prepared, clock = dataclasses.replace(prepared, checkpoint=checkpoint, start_step=start), time.perf_counter()
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def lost_a_worker(error: BaseException) -> bool:
+    """Whether `error` is a worker lost (a rank of a group, or a rollout engine Ray lost)."""
+    return isinstance(error, LostRanks) or isinstance(error.__cause__, (ray.exceptions.RayActorError,
+                                                                      ray.exceptions.OutOfMemoryError))
+
+
+def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, restarts: int) -> int:
+    """Build the data controller, the policy group and the rollout engines, drive the run, shut them down."""
+    trainer, rollout_config, args = run.flexrl.trainer, run.flexrl.rollout, prepared.args
     controller = policy = rollout = None
     try:
         controller = DataController(prepared.records, prepared.data_config, trainer.timeout_s)
@@ -291,13 +322,11 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
                                       rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
                                       trainer.timeout_s, rollout_config.engine_options(colocated=False),
                                       gpus_per_policy_rank=trainer.num_gpus_per_rank, env=worker_env())
-        return drive(prepared, controller, policy, rollout, raw_config)
+        return drive(prepared, controller, policy, rollout, raw_config, restarts)
     finally:
         for part in (rollout, policy, controller):
             if part is not None:
                 _quietly(part.shutdown if hasattr(part, "shutdown") else part.close)
-        if started:
-            ray.shutdown()
 
 
 WORKER_ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG")
