@@ -25,8 +25,7 @@ GRACE_S = 5.0
 def _first_line(error: BaseException) -> str:
     """What a rank raised, in a line: the innermost cause Ray carries, else the error itself."""
     cause = getattr(error, "cause", None) or error
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    text = lines[-1] if lines and len(lines[0]) < 8 else (lines[0] if lines else "")
+    text = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
     return f"{type(cause).__name__}: {text[:300]}"
 
 
