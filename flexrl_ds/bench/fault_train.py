@@ -84,12 +84,12 @@ def _steps_done(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _wait_for(condition, child: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> None:
+def _wait_for(condition, child: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S, poll_s: float = 0.5) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if child.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the run ended or timed out (exit {child.poll()}) before the fault could be injected")
-        time.sleep(0.5)
+        time.sleep(poll_s)
 
 
 def reference(scratch: Path) -> Path:
@@ -140,12 +140,14 @@ def compare_runs(reference_out: Path, out: Path) -> tuple[list[str], int, int]:
 def _driver_killed(folder: Path) -> Observed:
     reference_out, assets, out = reference(folder.parent), _assets(folder.parent), folder / "run"
     child = _start(assets, out)
-    _wait_for(lambda: _steps_done(out) >= 2 and (out / "checkpoints" / "step_1").is_dir(), child)
-    time.sleep(2.0)  # into step 2: its data and rollout under way
+    _wait_for(lambda: (out / "checkpoints" / "step_1").is_dir(), child, poll_s=0.05)
+    time.sleep(0.3)  # into step 3 (0-based 2): its data and rollout under way
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     _kill_session(child)
     killed_at = _steps_done(out)
+    if killed_at != 2 or (out / "checkpoints" / "step_2").exists():
+        return Observed(f"the kill came too late: {killed_at} steps logged", False)
     started = time.perf_counter()
     code = _finish(_start(assets, out, resume=True))
     recover = time.perf_counter() - started
