@@ -112,12 +112,12 @@ class GRPOTrainer:
         for step in range(self.o.start_step, self.o.max_steps):
             try:
                 rows.append(self.train_step(step))
+                last = self.o.save_last and step == self.o.max_steps - 1
+                if last or (self.o.save_every and (step + 1) % self.o.save_every == 0):
+                    self.save(step)
             except LostRanks as lost:  # said with its step and where --resume would continue
                 resume_from = latest_checkpoint(self.o.out_dir)
                 raise lost.at(step, str(resume_from) if resume_from else "") from lost
-            last = self.o.save_last and step == self.o.max_steps - 1
-            if last or (self.o.save_every and (step + 1) % self.o.save_every == 0):
-                self.save(step)
         return rows
 
     def train_step(self, step: int) -> dict[str, Any]:
