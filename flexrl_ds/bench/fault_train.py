@@ -29,6 +29,7 @@ from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
+NUM_RANKS = 2
 COLLECTIVE_TIMEOUT_S = 30.0
 RUN_TIMEOUT_S = 1200.0
 COMPARED = ("reward_mean", "loss", "pg_loss", "kl", "grad_norm", "response_length_mean")
@@ -41,7 +42,7 @@ def _assets(scratch: Path) -> Path:
         make_tiny_model(TinyModelConfig(out_dir=str(root / "model")))
         make_dataset(root / "data", "image-heavy", 8, "small", seed=0, task="keyword")
         config = json.loads((ROOT / "ds_configs" / "grpo_tiny_cpu.json").read_text())
-        config["flexrl"]["trainer"].update(num_policy_ranks=2, save_every=1, max_steps=STEPS, timeout_s=900.0,
+        config["flexrl"]["trainer"].update(num_policy_ranks=NUM_RANKS, save_every=1, max_steps=STEPS, timeout_s=900.0,
                                            collective_timeout_s=COLLECTIVE_TIMEOUT_S, tensorboard=False)
         config["flexrl"]["data"]["loader"].update(global_batch=2, num_samples_per_prompt=2)
         config["flexrl"]["data"]["pool"].update(num_actors_per_node=2, num_cpus_per_actor=0.25)
@@ -211,11 +212,11 @@ def _rank_case(fault: str):
         detect = time.perf_counter() - injected
         log = _log(out)
         named = re.search(rf"lost rank (\d+): rank \d+ \(pid {victim}\) (died|stalled)", log)
-        survivors = [line for line in log.splitlines() if "(survivor) failed at step" in line]
+        survivors = [line for line in log.splitlines() if re.search(r"\(survivor\) (failed|stopped) at step", line)]
         rank = named.group(1) if named else "?"
         resumable = f"--resume, from {out / 'checkpoints'}" in log
-        passed = code != 0 and named is not None and survivors and all(f"after losing rank {rank}" in line
-                                                                       for line in survivors) and resumable
+        passed = (code != 0 and named is not None and len(survivors) == NUM_RANKS - 1 and resumable
+                  and all(f"after losing rank {rank}" in line for line in survivors))
         seen = (f"exit {code} after {detect:.1f} s; " + (named.group(0) if named else "no line naming the lost rank")
                 + f"; {len(survivors)} survivor line(s): {survivors[:1]}; resumable: {resumable}")
         recover = None

@@ -47,6 +47,8 @@ class LostRanks(RuntimeError):
     """The checkpoint a --resume would continue from ("" when there is none)."""
     headline: str = ""
     """Ranks that died with no survivor failing: runtime/lost_workers.py's one line, with the ranks."""
+    answered: list[int] = field(default_factory=list)
+    """Ranks that answered the call (it held no collective with the lost rank): stopped with the run."""
 
     def __post_init__(self) -> None:
         super().__init__(self.what)
@@ -67,6 +69,9 @@ class LostRanks(RuntimeError):
                                                                     sorted(self.lost.items()))]
         for rank, seen in sorted(self.survivors.items()):
             lines.append(f"  rank {rank} (survivor) failed{where} after losing {names}: {seen}")
+        for rank in self.answered:
+            lines.append(f"  rank {rank} (survivor) stopped{where} after losing {names}: it had answered "
+                         f"{self.what}, which holds no collective; the run ends it")
         if self.survivors:
             lines.append(f"  every survivor failed within {self.waited_s:.1f} s of the call's start")
         if self.resume_from is not None:
@@ -131,12 +136,17 @@ def _raise_lost(refs, outcomes, finished, times, what, timeout_s, memory_hint) -
         raise next(error for kind, error in outcomes.values() if kind == "raised")
     waited = max((finished[rank] - start for rank in survivors), default=0.0)
     headline = ""
-    if not survivors and len(deaths) == len(lost):  # died, no survivor in a collective: the one line of old
+    if not survivors and not answered_any(outcomes) and len(deaths) == len(lost):  # every rank died: the line of old
         first = deaths[min(deaths)]
         headline = f"{lost_worker_error(first, what, memory_hint)} Lost: {', '.join(f'rank {r}' for r in sorted(lost))}."
-    failure = LostRanks(what, lost, survivors, waited, headline=headline)
+    answered = sorted(rank for rank, (kind, _) in outcomes.items() if kind == "ok")
+    failure = LostRanks(what, lost, survivors, waited, headline=headline, answered=answered)
     failure.__cause__ = deaths[min(deaths)] if deaths else None
     return failure
+
+
+def answered_any(outcomes: dict) -> bool:
+    return any(kind == "ok" for kind, _ in outcomes.values())
 
 
 def _death(error: BaseException, memory_hint: str) -> str:
