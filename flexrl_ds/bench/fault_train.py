@@ -69,11 +69,16 @@ def _finish(child: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> int:
 
 
 def _kill_session(child: subprocess.Popen) -> None:
-    """What is left of the run's session (Ray's processes): killed, as a scheduler ends a job."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """What is left of the run's session (Ray's processes, whatever their process group): killed, as
+    a scheduler ends a job."""
+    import psutil
+
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if process.pid != os.getpid() and os.getsid(process.pid) == child.pid:
+                process.kill()
+        except (psutil.Error, ProcessLookupError):
+            continue
 
 
 def _log(out: Path, resume: bool = False) -> str:

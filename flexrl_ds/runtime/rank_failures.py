@@ -4,8 +4,9 @@
 worker group. All answer: their results. A rank's actor dies (Ray's `RayActorError`: killed, a
 crash, the memory monitor) or a rank's own code raises (a survivor's collective failed: its peer
 closed the connection, or the process group's timeout, `flexrl.trainer.collective_timeout_s`,
-passed while a peer stalled): the other ranks are given that timeout and a few seconds more to
-answer or fail too, then `LostRanks` is raised: the ranks lost (dead, or stalled: neither answering
+passed while a peer stalled): once any rank has answered or failed, the others are given that
+timeout and `GRACE_S` more to answer or fail too (a rank that stalls in a call holding no collective
+is caught the same way), then `LostRanks` is raised: the ranks lost (dead, or stalled: neither answering
 nor failing while the others failed), and one line per survivor naming the lost ranks and what it
 raised. The driver adds the step and the checkpoint to resume from (`LostRanks.at`). A call where no
 rank failed but not all answered within `timeout_s` names the silent ranks the same way.
@@ -97,7 +98,7 @@ def wait_ranks(refs: list, what: str, timeout_s: float, collective_timeout_s: fl
     `timeout_s` is a hang, not a lost rank: RuntimeError."""
     import ray
 
-    start, outcomes, finished, first_failure = time.monotonic(), {}, {}, None
+    start, outcomes, finished, first_failure, first_answer = time.monotonic(), {}, {}, None, None
     deadline = start + timeout_s
     while len(outcomes) < len(refs):
         pending = [ref for rank, ref in enumerate(refs) if rank not in outcomes]
@@ -107,15 +108,18 @@ def wait_ranks(refs: list, what: str, timeout_s: float, collective_timeout_s: fl
         for ref in ready:
             rank = refs.index(ref)
             outcomes[rank], finished[rank] = _outcome(ray, ref), time.monotonic()
+        if first_answer is None:  # the others get the collective timeout: longer, and one of them stalled
+            first_answer = time.monotonic()
+            deadline = min(deadline, first_answer + collective_timeout_s + GRACE_S)
         if first_failure is None and any(kind != "ok" for kind, _ in outcomes.values()):
             first_failure = time.monotonic()
-            deadline = min(deadline, first_failure + collective_timeout_s + GRACE_S)
     if len(outcomes) == len(refs) and all(kind == "ok" for kind, _ in outcomes.values()):
         return [outcomes[rank][1] for rank in range(len(refs))]
     if not outcomes:
         raise RuntimeError(f"{what}: no answer from every rank within {timeout_s:.0f} s (a hang or a crash on some "
                            "rank)")
-    lost = _raise_lost(refs, outcomes, finished, (start, first_failure or start), what, timeout_s, memory_hint)
+    since = first_failure or first_answer or start
+    lost = _raise_lost(refs, outcomes, finished, (start, since), what, timeout_s, memory_hint)
     if pids:
         lost.lost = {rank: f"(pid {pids[rank]}) {how}" for rank, how in lost.lost.items()}
     raise lost
@@ -128,7 +132,7 @@ def _raise_lost(refs, outcomes, finished, times, what, timeout_s, memory_hint) -
     silent_s = time.monotonic() - since
     deaths = {rank: error for rank, (kind, error) in outcomes.items() if kind == "died"}
     lost = {rank: _death(error, memory_hint) for rank, error in deaths.items()}
-    stalled = f"stalled: no answer {silent_s:.0f} s after the first failure" if outcomes else \
+    stalled = f"stalled: no answer {silent_s:.0f} s after the first rank's answer or failure" if outcomes else \
         f"stalled: no answer within {timeout_s:.0f} s"
     lost.update({rank: stalled for rank in range(len(refs)) if rank not in outcomes})
     survivors = {rank: _first_line(error) for rank, (kind, error) in outcomes.items() if kind == "raised"}

@@ -73,8 +73,10 @@ class TrainerConfig:
     """The longest a policy rank waits in one collective (torch.distributed's process-group timeout,
     gloo and NCCL) before it fails: when a rank is killed or stalls, every other rank fails within
     this many seconds, the run stops naming the lost rank and the step, and --resume continues from
-    the last checkpoint (runtime/rank_failures.py). None: `timeout_s`. Long enough for the slowest
-    step's slowest phase on one rank (a checkpoint save, the first pass's compilation)."""
+    the last checkpoint (runtime/rank_failures.py). Also the longest one rank may answer a driver's
+    call after another did (plus 5 s), so that a rank stalled outside a collective is caught too.
+    None: `timeout_s`. Long enough for the widest gap between ranks in any phase (a colocated
+    rollout's longest generation against the shortest, a checkpoint save)."""
     max_restarts: int = 0
     """Times the driver may restart its workers in the same job after losing one (a policy rank or a
     rollout engine killed, crashed or stalled: runtime/rank_failures.py): every worker group is rebuilt

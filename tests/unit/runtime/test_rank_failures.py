@@ -7,11 +7,11 @@ from flexrl_ds.runtime.rank_failures import LostRanks
 
 
 def test_every_survivor_is_named_with_the_lost_rank_and_the_step():
-    lost = LostRanks("policy.train", {2: "(pid 11) stalled: no answer 35 s after the first failure"},
+    lost = LostRanks("policy.train", {2: "(pid 11) stalled: no answer 35 s after the first rank's answer or failure"},
                      survivors={0: "RuntimeError: Timed out waiting 30000ms for recv", 1: "RuntimeError: timed out"},
                      waited_s=30.4, answered=[3])
     plain = str(lost)
-    assert plain.splitlines()[0] == "policy.train: lost rank 2: rank 2 (pid 11) stalled: no answer 35 s after the first failure"
+    assert plain.splitlines()[0] == "policy.train: lost rank 2: rank 2 (pid 11) stalled: no answer 35 s after the first rank's answer or failure"
     said = str(lost.at(4, "OUT/checkpoints/step_3")).splitlines()
     survivors = [line for line in said if "(survivor)" in line]
     assert [line.split()[1] for line in survivors] == ["0", "1", "3"]
