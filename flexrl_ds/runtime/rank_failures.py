@@ -149,6 +149,19 @@ def _raise_lost(refs, outcomes, finished, times, what, timeout_s, memory_hint) -
     return failure
 
 
+def is_lost_worker(error: BaseException) -> bool:
+    """Whether `error` is a worker lost: `LostRanks`, or an error raised from one Ray lost (a rollout
+    engine's death said by runtime/lost_workers.py), anywhere in its chain of causes."""
+    import ray
+
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, (LostRanks, ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)):
+            return True
+        error, seen = error.__cause__, seen + 1
+    return False
+
+
 def answered_any(outcomes: dict) -> bool:
     return any(kind == "ok" for kind, _ in outcomes.values())
 

@@ -34,7 +34,7 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams
 from flexrl_ds.runtime.data_controller import DataController, usable_records
-from flexrl_ds.runtime.rank_failures import LostRanks
+from flexrl_ds.runtime.rank_failures import is_lost_worker
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
 from flexrl_ds.trainer.checkpoint import check_out_dir, read_trainer_state, resume_checkpoint, resume_config_note
@@ -281,7 +281,7 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
             try:
                 return _run_groups(run, prepared, raw_config, clock, restarts)
             except Exception as error:
-                if restarts >= allowed or not lost_a_worker(error):
+                if restarts >= allowed or not is_lost_worker(error):
                     raise
                 restarts += 1
                 print(f"flexrl train: {str(error).splitlines()[0]}\nflexrl train: restart {restarts} of "
@@ -292,12 +292,6 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
     finally:
         if started:
             ray.shutdown()
-
-
-def lost_a_worker(error: BaseException) -> bool:
-    """Whether `error` is a worker lost (a rank of a group, or a rollout engine Ray lost)."""
-    return isinstance(error, LostRanks) or isinstance(error.__cause__, (ray.exceptions.RayActorError,
-                                                                      ray.exceptions.OutOfMemoryError))
 
 
 def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, restarts: int) -> int:

@@ -27,11 +27,12 @@ def test_max_restarts_is_off_by_default_and_not_negative():
 def test_a_lost_rank_or_a_worker_ray_lost_is_restartable_a_worker_s_own_error_is_not():
     import ray
 
-    from flexrl_ds.runtime.rank_failures import LostRanks
-    from flexrl_ds.trainer.launch import lost_a_worker
+    from flexrl_ds.runtime.rank_failures import LostRanks, is_lost_worker
 
-    assert lost_a_worker(LostRanks("policy.train", {1: "died: killed"}))
+    assert is_lost_worker(LostRanks("policy.train", {1: "died: killed"}))
     engine = RuntimeError("rollout engines.generate: a worker died")
     engine.__cause__ = ray.exceptions.RayActorError()
-    assert lost_a_worker(engine)
-    assert not lost_a_worker(ValueError("reward: failed on all samples"))
+    at_step = RuntimeError("... At step 2")
+    at_step.__cause__ = engine
+    assert is_lost_worker(engine) and is_lost_worker(at_step)
+    assert not is_lost_worker(ValueError("reward: failed on all samples"))
