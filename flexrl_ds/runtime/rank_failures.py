@@ -162,6 +162,15 @@ def is_lost_worker(error: BaseException) -> bool:
     return False
 
 
+def lost_at_step(error: BaseException, step: int, resume_from: str) -> BaseException:
+    """A lost worker's error said with the step (0-based) and the checkpoint --resume would use ("": none)."""
+    if isinstance(error, LostRanks):
+        return error.at(step, resume_from)
+    return RuntimeError(f"{error} At step {step + 1} (0-based {step}); " + (
+        f"the run can go on with --resume, from {resume_from}" if resume_from else
+        "no checkpoint was written yet: --resume would start over"))
+
+
 def answered_any(outcomes: dict) -> bool:
     return any(kind == "ok" for kind, _ in outcomes.values())
 

@@ -45,7 +45,7 @@ from flexrl_ds.rl.reward_fn import score_batch
 from flexrl_ds.runtime import host_memory
 from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
-from flexrl_ds.runtime.rank_failures import LostRanks, is_lost_worker
+from flexrl_ds.runtime.rank_failures import is_lost_worker, lost_at_step
 from flexrl_ds.trainer.checkpoint import (RunPaths, disk_full_explained, latest_checkpoint, write_checkpoint,
                                          write_trainer_state)
 from flexrl_ds.trainer.metrics import StepLog
@@ -118,12 +118,7 @@ class GRPOTrainer:
             except Exception as error:  # a lost worker: said with its step and where --resume would continue
                 if not is_lost_worker(error):
                     raise
-                resume_from = str(latest_checkpoint(self.o.out_dir) or "")
-                if isinstance(error, LostRanks):
-                    raise error.at(step, resume_from) from error
-                raise RuntimeError(f"{error} At step {step + 1} (0-based {step}); " + (
-                    f"the run can go on with --resume, from {resume_from}" if resume_from else
-                    "no checkpoint was written yet: --resume would start over")) from error
+                raise lost_at_step(error, step, str(latest_checkpoint(self.o.out_dir) or "")) from error
         return rows
 
     def train_step(self, step: int) -> dict[str, Any]:

@@ -19,3 +19,13 @@ def test_every_survivor_is_named_with_the_lost_rank_and_the_step():
     assert said[-1] == "  the run can go on with --resume, from OUT/checkpoints/step_3"
     assert "every survivor failed within 30.4 s" in "\n".join(said)
     assert "start over" in str(lost.at(0, ""))
+
+
+def test_a_lost_engine_s_line_gets_the_step_and_the_checkpoint():
+    from flexrl_ds.runtime.rank_failures import lost_at_step
+
+    said = str(lost_at_step(RuntimeError("weight sync: a worker died (killed)."), 1, "OUT/checkpoints/step_0"))
+    assert said == ("weight sync: a worker died (killed). At step 2 (0-based 1); the run can go on with --resume, "
+                    "from OUT/checkpoints/step_0")
+    assert "(survivor) stopped at step 2" not in said
+    assert str(lost_at_step(LostRanks("policy.train", {1: "died"}), 1, "")).endswith("--resume would start over")
