@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "flexrl_ds.cli.loader",  # bench loader
     "flexrl_ds.cli.train",  # train
     "flexrl_ds.cli.rollout",  # bench rollout
+    "flexrl_ds.cli.faults",  # bench faults
 )
 
 

@@ -5,7 +5,8 @@ the row and the problem (unparseable line, missing/ill-typed field, marker count
 path escaping the dataset folder, duplicate id). Reading never opens media files; probing does.
 
 Path rules: a relative media path is resolved against the dataset file's folder and must stay
-inside it (`..` may not escape); an absolute path is accepted only under the configured media root.
+inside it (`..` may not escape); an absolute path is accepted only under the configured media root;
+a path whose symbolic links lead outside both is refused too (no file outside them is opened).
 Per-item options: record-level `fps`, `max_frames`, `start`, `end` apply to every video and
 `max_pixels` to every image; an entry of `images`/`videos` may also be an object
 `{"path": ..., "fps": ..., "max_frames": ..., "start": ..., "end": ..., "max_pixels": ...}`.
@@ -68,19 +69,35 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | BadRecord]]:
                          + (f" ({', '.join(inside[:3])} here)" if inside else " (a .jsonl or .parquet file)"))
     if suffix not in (".jsonl", ".json", ".ndjson"):
         raise ValueError(f"{path}: unknown dataset format {suffix!r} (use .jsonl or .parquet)")
-    with path.open("r", encoding="utf-8") as handle:
+    try:
+        handle = path.open("rb")
+    except OSError as error:
+        raise ValueError(f"{path}: the dataset file cannot be read ({error.strerror or error})") from None
+    with handle:
         index = 0
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
+        for line_number, raw in enumerate(handle, 1):
+            row = _json_row(raw, line_number, index)
+            if row is None:
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                row = BadRecord(f"line {line_number}", f"not valid JSON ({error.msg})", index, "read")
-            if not isinstance(row, (dict, BadRecord)):
-                row = BadRecord(f"line {line_number}", "a record must be a JSON object", index, "read")
             yield index, row
             index += 1
+
+
+def _json_row(raw: bytes, line_number: int, index: int) -> dict[str, Any] | BadRecord | None:
+    """A JSONL line as a row, a `BadRecord` naming the line and what is wrong, or None (blank)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return BadRecord(f"line {line_number}", f"not UTF-8 text ({error.reason} at byte {error.start})", index, "read")
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        return BadRecord(f"line {line_number}", f"not valid JSON ({error.msg})", index, "read")
+    if not isinstance(row, dict):
+        return BadRecord(f"line {line_number}", "a record must be a JSON object", index, "read")
+    return row
 
 
 def parse_record(row: dict[str, Any], index: int, dataset_dir: Path,
@@ -174,17 +191,24 @@ def _check_options(options: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def resolve_media_path(raw: str, dataset_dir: Path, media_root: Path | None, where: str = "media") -> str:
-    """Apply the path rules; raise ValueError naming `where` when the path is not allowed."""
+    """Apply the path rules; raise ValueError naming `where` when the path is not allowed. Symbolic
+    links are followed for the check: a link inside the dataset folder (or the media root) to a file
+    outside both is refused as the path itself would be."""
     if os.path.isabs(raw):
         normalised = Path(os.path.normpath(raw))
         if media_root is None:
             raise ValueError(f"{where}: absolute path {raw!r} not allowed (no media root configured)")
         if not _is_within(normalised, media_root):
             raise ValueError(f"{where}: absolute path {raw!r} is outside the media root {str(media_root)!r}")
-        return str(normalised)
-    normalised = Path(os.path.normpath(dataset_dir / raw))
-    if not _is_within(normalised, dataset_dir):
-        raise ValueError(f"{where}: path {raw!r} escapes the dataset folder")
+    else:
+        normalised = Path(os.path.normpath(dataset_dir / raw))
+        if not _is_within(normalised, dataset_dir):
+            raise ValueError(f"{where}: path {raw!r} escapes the dataset folder")
+    real = Path(os.path.realpath(normalised))
+    if not _is_within(real, dataset_dir) and not (media_root is not None and _is_within(real, media_root)):
+        raise ValueError(f"{where}: path {raw!r} leads through a symbolic link to {str(real)!r}, outside the "
+                         "dataset folder" + ("" if media_root is None else " and the media root")
+                         + " (flexrl.data.media_root names a folder whose files may be linked to)")
     return str(normalised)
 
 

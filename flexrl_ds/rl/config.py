@@ -61,6 +61,10 @@ class GRPOConfig:
     """The reward: a built-in name (flexrl_ds/rl/rewards.py, REWARDS) or "path/to/file.py:function", a
     function (responses: list[str], records: list[dict]) -> list[float], one float per response.
     `flexrl train` takes a relative path against the run config file's folder (rl/reward_fn.py)."""
+    reward_timeout_s: float | None = 300.0
+    """The longest wait, in seconds, for one call of the reward function; a call given up on scores
+    its samples 0, reported, as a raising one does (rl/reward_fn.py: a batch call is retried per
+    sample; a function that hangs on every input stops the run within three limits). None: no limit."""
     mini_batches_per_step: int = 1
     """Optimizer steps per GRPO step; the step's samples are split into this many mini-batches, each
     planned with FlexUlysses."""
@@ -147,6 +151,8 @@ class GRPOConfig:
             raise ValueError(f"flexrl.rl.router_aux_loss_coef: must be >= 0, got {self.router_aux_loss_coef}")
         if not self.entropy_coef >= 0:
             raise ValueError(f"flexrl.rl.entropy_coef: must be >= 0, got {self.entropy_coef}")
+        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
+            raise ValueError(f"flexrl.rl.reward_timeout_s: must be positive (or null), got {self.reward_timeout_s}")
         if self.kl_clamp is not None and not self.kl_clamp > 0:
             raise ValueError(f"flexrl.rl.kl_clamp: must be positive (or null), got {self.kl_clamp}")
         choices = (("policy_loss", POLICY_LOSSES), ("tis_level", TIS_LEVELS),

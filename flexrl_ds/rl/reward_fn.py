@@ -19,6 +19,16 @@ every sample of that call score 0; a value that is not a real number, or is NaN 
 its sample score 0. Every such sample is reported in `RewardBatch.errors` with the reason, and the
 run goes on, unless every sample of a step failed: the trainer then stops (driver.py `_reward`),
 naming where the function raised (`RewardBatch.raised_at`).
+
+With `timeout_s` (`flexrl.rl.reward_timeout_s`) each call runs in a daemon thread and is given up
+after that many seconds: a batch call that hangs is retried per sample like one that raised, each
+sample's call with the same limit, and the samples whose call hangs score 0 "timed out"; when the
+first `TIMEOUTS_IN_A_ROW` sample calls all time out (none returned) the function is taken to hang on
+any input and the remaining samples score 0 unscored (a function that always hangs costs a step at
+most three limits, then the step's every sample has failed and the run stops; one that hangs only on
+some records costs one limit per sample it hangs on, unless those come first). Python cannot stop a thread: a call given
+up on goes on in the background until it returns (or the process ends), so a function that hangs
+should not hold locks the next call needs.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import importlib.util
 import inspect
 import math
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -179,17 +190,52 @@ def _validated(result: object, ids: list[str]) -> tuple[list[float], dict[str, s
     return scores, errors
 
 
-def _call(reward_fn: RewardFn, responses: list[str], records: list[dict], ids: list[str]):
-    """((scores, errors), None, None) or (None, the error, where it was raised)."""
+TIMEOUTS_IN_A_ROW = 2
+"""Sample calls that time out, with none returned before them, before the rest of a batch is left
+unscored (module docstring)."""
+
+
+class RewardTimeout(Exception):
+    """A reward call that did not return within `flexrl.rl.reward_timeout_s`."""
+
+
+def _bounded(reward_fn: RewardFn, responses: list[str], records: list[dict], timeout_s: float | None):
+    """`reward_fn(responses, records)`, given up after `timeout_s` seconds (RewardTimeout)."""
+    if timeout_s is None:
+        return reward_fn(responses, records)
+    outcome: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            outcome["value"] = reward_fn(responses, records)
+        except BaseException as error:  # handed to the caller's thread, which reports it
+            outcome["error"] = error
+
+    thread = threading.Thread(target=call, name="flexrl-reward-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout(f"timed out: no result within {timeout_s:g} s (flexrl.rl.reward_timeout_s)")
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]
+
+
+def _call(reward_fn: RewardFn, responses: list[str], records: list[dict], ids: list[str],
+          timeout_s: float | None = None):
+    """((scores, errors), None, None) or (None, the error, where it was raised; None for a timeout)."""
     try:
-        return _validated(reward_fn(list(responses), list(records)), ids), None, None
+        return _validated(_bounded(reward_fn, list(responses), list(records), timeout_s), ids), None, None
+    except RewardTimeout as error:
+        return None, str(error), None
     except Exception as error:  # a user's reward function may raise anything: report, never crash
         return None, _describe(error), _raised_at(error, reward_fn)
 
 
 def score_batch(reward_fn: RewardFn, responses: Sequence[str], records: Sequence[dict],
-                sample_ids: Sequence[str]) -> RewardBatch:
-    """Rewards of a batch, fault tolerant (module docstring): failed samples score 0 and are reported."""
+                sample_ids: Sequence[str], timeout_s: float | None = None) -> RewardBatch:
+    """Rewards of a batch, fault tolerant (module docstring): failed samples score 0 and are reported;
+    `timeout_s`: the longest wait for one call (None: no limit)."""
     if not len(responses) == len(records) == len(sample_ids):
         raise ValueError(
             f"score_batch: {len(responses)} responses, {len(records)} records, {len(sample_ids)} sample ids"
@@ -199,19 +245,26 @@ def score_batch(reward_fn: RewardFn, responses: Sequence[str], records: Sequence
         raise ValueError(f"score_batch: sample ids are not unique: {sorted({i for i in ids if ids.count(i) > 1})}")
     if not ids:
         return RewardBatch(scores=[])
-    whole, batch_error, _ = _call(reward_fn, list(responses), list(records), ids)
+    whole, batch_error, _ = _call(reward_fn, list(responses), list(records), ids, timeout_s)
     if whole is not None:
         return RewardBatch(scores=whole[0], errors=whole[1])
-    scores, errors, raised_at, raised_by = [], {}, None, None
+    batch = RewardBatch(scores=[], batch_error=batch_error)
+    timeouts, returned = 0, False
     for response, record, sample_id in zip(responses, records, ids):
-        single, error, where = _call(reward_fn, [response], [record], [sample_id])
+        if timeouts >= TIMEOUTS_IN_A_ROW and not returned:
+            batch.scores.append(0.0)
+            batch.errors[sample_id] = (f"not scored: the reward function's first {TIMEOUTS_IN_A_ROW} calls on single "
+                                       "samples timed out, so it is taken to hang on any input")
+            continue
+        single, error, where = _call(reward_fn, [response], [record], [sample_id], timeout_s)
+        timed_out = single is None and where is None and error.startswith("timed out")
+        timeouts, returned = timeouts + timed_out, returned or not timed_out
         if single is None:
-            scores.append(0.0)
-            errors[sample_id] = error
-            if raised_at is None and where is not None:
-                raised_at, raised_by = where, sample_id
+            batch.scores.append(0.0)
+            batch.errors[sample_id] = error
+            if batch.raised_at is None and where is not None:
+                batch.raised_at, batch.raised_by = where, sample_id
         else:
-            scores.extend(single[0])
-            errors.update(single[1])
-    return RewardBatch(scores=scores, errors=errors, batch_error=batch_error, raised_at=raised_at,
-                       raised_by=raised_by)
+            batch.scores.extend(single[0])
+            batch.errors.update(single[1])
+    return batch

@@ -4,7 +4,7 @@ Engines that are not policy ranks (`SeparateRollout`) are outside the policy's t
 world, so `WeightChannel` builds a private group (parallel/device.new_private_group) of policy
 rank 0 (rank 0 of the channel, the TCPStore's host) and the engines (ranks 1..R: one per engine
 worker, so a tensor-parallel vLLM engine takes one per shard). A sync sends each ZeRO-3 bucket
-(models/weights.iter_weight_buckets) as a small header (names, dtypes, shapes, pickled into
+(models/weights.iter_weight_buckets) as a small header (names, dtypes, shapes, as JSON
 bytes) and one flat byte buffer holding the bucket's tensors at 16-byte aligned offsets; an empty
 header ends the sync. Receivers load the buckets as they arrive, so no process holds more than one
 bucket extra (the sender: the gathered bucket and its packed buffer) and no weight passes through
@@ -24,6 +24,7 @@ says so, as it does when GPUs were allowed but the placement fits neither GPU tr
 
 from __future__ import annotations
 
+import json
 import pickle
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -80,14 +81,26 @@ def pack_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device) ->
     flat = torch.zeros(offset, dtype=torch.uint8, device=device)
     for (_, tensor), (_, _, _, start, nbytes) in zip(bucket, meta):
         flat[start:start + nbytes] = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
-    return pickle.dumps(meta), flat
+    return json.dumps(meta).encode(), flat
+
+
+def _header_entries(header: bytes) -> list:
+    """A bucket's header: JSON, not pickle (the store it passes through listens on the network, and
+    reading pickle from it could run code)."""
+    entries = json.loads(header)
+    if not isinstance(entries, list) or not all(isinstance(entry, list) and len(entry) == 5 for entry in entries):
+        raise ValueError("weight channel: a bucket header that is not [name, dtype, shape, start, bytes] entries")
+    for _, dtype, _, _, _ in entries:
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise ValueError(f"weight channel: a bucket header names {dtype!r}, not a torch dtype")
+    return entries
 
 
 def unpack_bucket(header: bytes, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The bucket `pack_bucket` described: views into `flat` with each tensor's dtype and shape."""
     bucket = []
-    for name, dtype, shape, start, nbytes in pickle.loads(header):
-        bucket.append((name, flat[start:start + nbytes].view(getattr(torch, dtype)).view(shape)))
+    for name, dtype, shape, start, nbytes in _header_entries(header):
+        bucket.append((name, flat[start:start + nbytes].view(getattr(torch, dtype)).view(tuple(shape))))
     return bucket
 
 
@@ -226,7 +239,7 @@ class WeightChannel:
             if self.transport == SAME_GPU:
                 flat = device_mod.open_shared(self._share_or_open(None), self.device)
             else:
-                size = sum(_aligned(nbytes) for *_, nbytes in pickle.loads(header))
+                size = sum(_aligned(nbytes) for *_, nbytes in _header_entries(header))
                 flat = torch.empty(size, dtype=torch.uint8, device=self.device)
                 self._broadcast(flat)
             yield unpack_bucket(header, flat)

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
 from flexrl_ds.common import notes
-from flexrl_ds.runtime.lost_workers import ray_get_explained
+from flexrl_ds.runtime.rank_failures import wait_ranks
 
 logger = logging.getLogger(__package__)
 
@@ -175,6 +176,9 @@ class _Host(notes.NoteKeeper):
 
         return ray.get_runtime_context().get_node_id()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def start(self, place: WorkerPlace, factory: Callable[..., Any], kwargs: dict) -> tuple[bool, list[str]]:
         """Build the worker; True and the lines said while it was built."""
         self.worker = factory(place, **kwargs)
@@ -193,9 +197,11 @@ class RayWorkerGroup:
 
     def __init__(self, factory: Callable[..., Any], num_ranks: int, kwargs: dict | None = None,
                  num_cpus_per_rank: float = 1.0, num_gpus_per_rank: float = 0.0, name: str = "workers",
-                 timeout_s: float = 900.0, env: dict[str, str] | None = None, memory_hint: str = ""):
+                 timeout_s: float = 900.0, env: dict[str, str] | None = None, memory_hint: str = "",
+                 collective_timeout_s: float | None = None):
         """memory_hint: what of this group's work lives in host memory, said if Ray kills a rank
-        for host memory (runtime/lost_workers.py)."""
+        for host memory (runtime/lost_workers.py). collective_timeout_s: the ranks' process-group
+        timeout (default `timeout_s`): after a rank fails, how long the others may take to fail too."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -204,6 +210,7 @@ class RayWorkerGroup:
             raise ValueError(f"{name}: a worker group needs at least one rank, got {num_ranks}")
         self.name, self.num_ranks, self.timeout_s, self.memory_hint = name, num_ranks, timeout_s, memory_hint
         self.worker_class = factory if isinstance(factory, type) else None
+        self.collective_timeout_s = collective_timeout_s or timeout_s
         bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
         self.placement = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK")
         ray.get(self.placement.ready(), timeout=timeout_s)
@@ -216,6 +223,8 @@ class RayWorkerGroup:
         address, port = ray.get(self.actors[0].rendezvous.remote(num_ranks, timeout_s), timeout=timeout_s)
         self.node_ids: list[str] = ray.get([actor.node_id.remote() for actor in self.actors], timeout=timeout_s)
         """Ray node id of each rank, in rank order (where the group's consumers of pixels run)."""
+        self.pids: list[int] = ray.get([actor.pid.remote() for actor in self.actors], timeout=timeout_s)
+        """Each rank's process id (named when a rank is lost)."""
         # Ray gives each actor its own GPU(s) (CUDA_VISIBLE_DEVICES): local device 0 in every actor.
         places = [WorkerPlace(rank, num_ranks, address, port, local_rank=0, node_id=node)
                   for rank, node in enumerate(self.node_ids)]
@@ -235,13 +244,10 @@ class RayWorkerGroup:
         return [result for result, _ in answers]
 
     def _wait(self, refs: list, what: str) -> list:
-        import ray
-
-        try:
-            return ray_get_explained(refs, f"{self.name}.{what}", self.timeout_s, self.memory_hint)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"{self.name}.{what}: no answer from every rank within {self.timeout_s:.0f} s "
-                               "(a hang or a crash on some rank)") from None
+        """Every rank's result; a rank lost (died, or stalled while the others failed in a collective)
+        raises `LostRanks` naming it and what each survivor saw (runtime/rank_failures.py)."""
+        return wait_ranks(refs, f"{self.name}.{what}", self.timeout_s, self.collective_timeout_s, self.memory_hint,
+                          self.pids)
 
     def _start(self, host_method: str, method: Callable[..., Any], calls: Sequence[tuple[tuple, dict]]) -> list:
         """`_Host.<host_method>(method's name, args, kwargs)` on each rank with its (args, kwargs)."""

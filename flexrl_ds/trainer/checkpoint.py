@@ -3,16 +3,27 @@
 `checkpoints/step_N/` holds the policy's DeepSpeed checkpoint (tag "policy", written by every rank;
 under ZeRO-3 each rank's model-states file carries that rank's torch / numpy / Python RNG states in
 its client state, `rng_<rank>`) and `trainer_state.json`: the
-step it ends, the loader position (steps drawn) and the run config it was written with. The driver
-draws no random numbers: every sampling seed derives from (seed, step, slot, k).
-`latest_checkpoint(out)` finds the newest complete one
-(a checkpoint is complete once its trainer_state.json exists: it is written last).
+step it ends, the loader position (steps drawn), the run config it was written with and the size of
+every other file of the folder (`files`). The driver draws no random numbers: every sampling seed
+derives from (seed, step, slot, k).
+
+A checkpoint is written to `checkpoints/step_N.partial` and renamed to `step_N` once its
+trainer_state.json, written last, is in it (`write_checkpoint`): a crash during a save leaves a
+`.partial` folder that no resume reads. A save that fails (the disk full: one clear line,
+`CheckpointNotWritten`) removes its partial folder and leaves the previous checkpoints as they were.
+`latest_checkpoint(out)` finds the newest complete one; `resume_checkpoint(out)` also says which newer
+ones it passed over and why (no trainer state, a file missing or shorter than when it was written).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import re
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +55,17 @@ class RunPaths:
 
 
 def write_trainer_state(directory: Path, step: int, loader_steps: int, run_config: dict[str, Any]) -> None:
-    state = {"step": step, "loader_steps": loader_steps, "run_config": run_config}
-    (directory / STATE_FILE).write_text(json.dumps(state, indent=1))
+    """trainer_state.json, with the size of every other file of `directory` (`files`), written to a
+    temporary name and renamed: a reader finds it whole or not at all."""
+    files = {str(path.relative_to(directory)): path.stat().st_size for path in sorted(directory.rglob("*"))
+             if path.is_file() and path.name != STATE_FILE}
+    state = {"step": step, "loader_steps": loader_steps, "run_config": run_config, "files": files}
+    temporary = directory / f".{STATE_FILE}.tmp"
+    with open(temporary, "w") as file:
+        file.write(json.dumps(state, indent=1))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, directory / STATE_FILE)
 
 
 def read_trainer_state(directory: Path) -> dict[str, Any]:
@@ -128,14 +148,119 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
                          "(or remove that one)")
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The complete checkpoint of the highest step under OUT/checkpoints, or None."""
+def checkpoint_problem(directory: Path) -> str | None:
+    """Why checkpoint folder `directory` cannot be resumed from (a crash or a full disk during its
+    save, a copy cut short), or None when it is complete: its trainer state readable, and every file
+    that state lists there at the size it was written (states written before sizes were kept: their
+    presence is enough)."""
+    path = directory / STATE_FILE
+    if not path.is_file():
+        return f"no {STATE_FILE} (written last: the save did not finish)"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        return f"{STATE_FILE} unreadable ({error})"
+    if not isinstance(state, dict):
+        return f"{STATE_FILE} holds no object"
+    # a state without an integer step is no crash's leftover (the file is renamed into place whole):
+    # `read_trainer_state` refuses it, naming the file
+    for name, size in (state.get("files") or {}).items():
+        file = directory / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} when written (truncated)"
+    return None
+
+
+def _step_folders(out_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every checkpoints/step_N folder, highest step first."""
     root = out_dir / "checkpoints"
     if not root.is_dir():
-        return None
+        return []
     found = []
     for path in root.iterdir():
         match = re.fullmatch(r"step_(\d+)", path.name)
-        if match and (path / STATE_FILE).exists():
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
-    return max(found)[1] if found else None
+    return sorted(found, reverse=True)
+
+
+def resume_checkpoint(out_dir: Path) -> tuple[Path | None, list[str]]:
+    """The complete checkpoint of the highest step under OUT/checkpoints (or None), and one line for
+    each newer folder passed over: "step_N: why" (`checkpoint_problem`)."""
+    passed_over: list[str] = []
+    for _, path in _step_folders(out_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, passed_over
+        passed_over.append(f"{path.name}: {problem}")
+    return None, passed_over
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The complete checkpoint of the highest step under OUT/checkpoints, or None."""
+    return resume_checkpoint(out_dir)[0]
+
+
+class CheckpointNotWritten(ValueError):
+    """A checkpoint's save failed for want of disk space: one line (a ValueError, so `flexrl` prints it
+    without a traceback) naming the folder, the reason and the checkpoint a --resume would use."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from (Ray's `cause` of a worker's exception included),
+    is the disk full (ENOSPC, EDQUOT)."""
+    seen: set[int] = set()
+    stack: list[Any] = [error]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(current) or "Disk quota exceeded" in str(current):
+            return True
+        stack += [current.__cause__, current.__context__, getattr(current, "cause", None)]
+    return False
+
+
+@contextlib.contextmanager
+def disk_full_explained(what: str):
+    """Run the block; a full disk in it is raised as `CheckpointNotWritten` naming `what`."""
+    try:
+        yield
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        raise CheckpointNotWritten(f"{what}: the disk is full (no space left on device); free space, "
+                                   "then --resume") from error
+
+
+def write_checkpoint(final: Path, write: Callable[[Path], object], state: Callable[[Path], None]) -> None:
+    """Write a checkpoint atomically (module docstring): `write(folder)` fills FINAL.partial (every
+    rank's files), `state(folder)` adds its trainer state, then the folder is renamed to `final` (an
+    older folder of that name replaced). On failure the partial folder is removed; a full disk raises
+    `CheckpointNotWritten`, other errors pass unchanged."""
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # a crashed save's leftovers
+    try:
+        partial.mkdir(parents=True)
+        write(partial)
+        state(partial)
+    except BaseException as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        if not isinstance(error, Exception) or not is_disk_full(error):
+            raise
+        previous = latest_checkpoint(final.parent.parent)
+        kept = f"{previous.name} is intact, --resume continues from it" if previous else "no earlier checkpoint"
+        raise CheckpointNotWritten(f"checkpoint {final.name}: the disk is full (no space left on device) while "
+                                   f"writing {partial}: it was removed; {kept}. Free space, then "
+                                   "--resume") from error
+    replaced = final.with_name(final.name + ".replaced")
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    os.replace(partial, final)
+    shutil.rmtree(replaced, ignore_errors=True)

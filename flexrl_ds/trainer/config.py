@@ -75,7 +75,23 @@ class TrainerConfig:
     weight_sync_bucket_mb: int = 512
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0
-    """Collective timeout of the policy group, and the longest wait for one worker call."""
+    """The longest wait for one worker call, and the policy group's collective timeout unless
+    `collective_timeout_s` is set."""
+    collective_timeout_s: float | None = None
+    """The longest a policy rank waits in one collective (torch.distributed's process-group timeout,
+    gloo and NCCL) before it fails: when a rank is killed or stalls, every other rank fails within
+    this many seconds, the run stops naming the lost rank and the step, and --resume continues from
+    the last checkpoint (runtime/rank_failures.py). Also the longest one rank may answer a driver's
+    call after another did (plus 5 s), so that a rank stalled outside a collective is caught too.
+    None: `timeout_s`. Long enough for the widest gap between ranks in any phase (a colocated
+    rollout's longest generation against the shortest, a checkpoint save)."""
+    max_restarts: int = 0
+    """Times the driver may restart its workers in the same job after losing one (a policy rank or a
+    rollout engine killed, crashed or stalled: runtime/rank_failures.py): every worker group is rebuilt
+    and the run continues from the last complete checkpoint, as TorchElastic restarts a group; the
+    steps after that checkpoint are run again (the same samples: resume is exact). Counted in the
+    metrics (`num_restarts`). 0: a lost worker ends the run (--resume continues it). Ray path only;
+    under a launcher its own restarts apply (torchrun --max-restarts)."""
     profile_step: int | None = None
     """A step (0-based) whose log-prob, update and sync phases every policy rank profiles with
     torch.profiler (parallel/profiling.py): OUT/profile/step_N_rank_R.txt, flexrl's regions (batch
@@ -95,6 +111,8 @@ class TrainerConfig:
             raise ValueError(f"flexrl.trainer.save_every: must be >= 0, got {self.save_every}")
         if self.num_cpus_per_rank <= 0 or self.num_gpus_per_rank < 0:
             raise ValueError("flexrl.trainer.num_cpus_per_rank must be > 0 and num_gpus_per_rank >= 0")
+        if self.max_restarts < 0:
+            raise ValueError(f"flexrl.trainer.max_restarts: must be >= 0, got {self.max_restarts}")
         if self.weight_sync_bucket_mb < 1:
             raise ValueError("flexrl.trainer.weight_sync_bucket_mb: must be at least 1, got "
                              f"{self.weight_sync_bucket_mb}")
@@ -110,3 +128,11 @@ class TrainerConfig:
             raise ValueError(f"flexrl.trainer.device_memory_gb: must be positive, got {self.device_memory_gb}")
         if self.timeout_s <= 0:
             raise ValueError(f"flexrl.trainer.timeout_s: must be positive, got {self.timeout_s}")
+        if self.collective_timeout_s is not None and not 0 < self.collective_timeout_s <= self.timeout_s:
+            raise ValueError(f"flexrl.trainer.collective_timeout_s: must be positive and at most timeout_s "
+                             f"({self.timeout_s}), got {self.collective_timeout_s}")
+
+    @property
+    def group_timeout_s(self) -> float:
+        """The policy group's collective timeout: `collective_timeout_s`, else `timeout_s`."""
+        return self.collective_timeout_s if self.collective_timeout_s is not None else self.timeout_s

@@ -45,7 +45,9 @@ from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.rl.reward_fn import score_batch
 from flexrl_ds.runtime.data_controller import record_fields
 from flexrl_ds.runtime.pieces import assemble
-from flexrl_ds.trainer.checkpoint import RunPaths, write_trainer_state
+from flexrl_ds.runtime.rank_failures import is_lost_worker, lost_at_step
+from flexrl_ds.trainer.checkpoint import (RunPaths, disk_full_explained, latest_checkpoint, write_checkpoint,
+                                         write_trainer_state)
 from flexrl_ds.trainer.floor_metrics import floor_metrics
 from flexrl_ds.trainer.loader_metrics import LoaderAccounting
 from flexrl_ds.trainer.metrics import StepLog
@@ -115,6 +117,8 @@ class TrainOptions:
     """What of a policy rank this run keeps in host memory, by setting (`launch.policy_memory_hint`)."""
     resume_from: Path | None = None
     """The checkpoint a resumed run continues from (the adaptive KL coefficient comes back from it)."""
+    restarts: int = 0
+    """Times this job rebuilt its workers after losing one (`flexrl.trainer.max_restarts`)."""
 
 
 class GRPOTrainer:
@@ -136,10 +140,15 @@ class GRPOTrainer:
                         f"{self.o.start_step}..{self.o.max_steps - 1}: nothing is profiled")
         rows = []
         for step in range(self.o.start_step, self.o.max_steps):
-            rows.append(self.train_step(step))
-            last = self.o.save_last and step == self.o.max_steps - 1
-            if last or (self.o.save_every and (step + 1) % self.o.save_every == 0):
-                self.save(step)
+            try:
+                rows.append(self.train_step(step))
+                last = self.o.save_last and step == self.o.max_steps - 1
+                if last or (self.o.save_every and (step + 1) % self.o.save_every == 0):
+                    self.save(step)
+            except Exception as error:  # a lost worker: said with its step and where --resume would continue
+                if not is_lost_worker(error):
+                    raise
+                raise lost_at_step(error, step, str(latest_checkpoint(self.o.out_dir) or "")) from error
         return rows
 
     def train_step(self, step: int) -> dict[str, Any]:
@@ -272,7 +281,7 @@ class GRPOTrainer:
         names, prompts = samples.names, samples.prompt_of()
         texts = self.encoder.tokenizer.batch_decode([samples.response_ids[n] for n in names], skip_special_tokens=True)
         records = [record_fields(prompts[n].record) for n in names]
-        scored = score_batch(self.reward_fn, texts, records, names)
+        scored = score_batch(self.reward_fn, texts, records, names, timeout_s=self.o.rl.reward_timeout_s)
         for message in scored.messages():
             logger.info(f"reward: {message}")
         if scored.all_failed():
@@ -430,6 +439,7 @@ class GRPOTrainer:
             "clipped_length_ratio": sum(samples.finish_reasons[n] == "length" for n in names) / len(names),
             "zero_variance_groups": reward_info["zero_variance_groups"],
             "num_reward_errors": reward_info["num_reward_errors"], "num_samples": len(names),
+            "num_restarts": self.o.restarts,
             "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
             "attention_balance": max(float(r.metrics.attention_balance) for r in plans),
             "rollout_logprob_diff": gaps.mean, "rollout_logprob_diff_by_media": gaps.by_media,
@@ -484,12 +494,16 @@ class GRPOTrainer:
 
     def save(self, step: int) -> None:
         """checkpoints/step_N (DeepSpeed on every rank, then the trainer state) and hf/step_N."""
-        directory = self.paths.checkpoint(step)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.policy.run(PolicyWorker.save_checkpoint, str(directory), {"step": step})
-        self.policy.run(PolicyWorker.export_hf, str(self.paths.hf_export(step)))
-        write_trainer_state(directory, step, step + 1, self.o.run_config)
-        self.kl_coef.save(directory)
+        directory = self.paths.checkpoint(step)  # written as step_N.partial, renamed when complete
+
+        def state(partial: Path) -> None:
+            self.kl_coef.save(partial)
+            write_trainer_state(partial, step, step + 1, self.o.run_config)  # last: it lists the other files
+
+        write_checkpoint(directory, lambda partial: self.policy.run(PolicyWorker.save_checkpoint, str(partial),
+                                                                    {"step": step}), state)
+        with disk_full_explained(f"HF export {self.paths.hf_export(step)} (checkpoint {directory.name} is complete)"):
+            self.policy.run(PolicyWorker.export_hf, str(self.paths.hf_export(step)))
         logger.info(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}")
 
 

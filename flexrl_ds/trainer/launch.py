@@ -12,6 +12,7 @@ Everything that can be checked is checked before any worker starts (trainer/vali
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -37,9 +38,10 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams, stop_token_ids
 from flexrl_ds.runtime.data_controller import DataController, usable_records
+from flexrl_ds.runtime.rank_failures import is_lost_worker
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
-from flexrl_ds.trainer.checkpoint import check_out_dir, latest_checkpoint, read_trainer_state, resume_config_note
+from flexrl_ds.trainer.checkpoint import check_out_dir, read_trainer_state, resume_checkpoint, resume_config_note
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.memory_check import check_memory
 from flexrl_ds.trainer.floor_metrics import job_gpus
@@ -136,7 +138,7 @@ def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool)
         model_dir=model_dir, ds_config=run.deepspeed, p_max=run.flexrl.sp.p_max, overlap=run.flexrl.sp.overlap,
         domain_size=run.flexrl.sp.domain_size,
         rl=run.flexrl.rl,
-        pixels=pixels, dtype=model_dtype(run.deepspeed), timeout_s=run.flexrl.trainer.timeout_s,
+        pixels=pixels, dtype=model_dtype(run.deepspeed), timeout_s=run.flexrl.trainer.group_timeout_s,
         seed=run.flexrl.trainer.seed, rollout_backend=run.flexrl.rollout.backend if colocated else None,
         max_batch_sequences=run.flexrl.rollout.max_batch_sequences,
         activation_checkpointing=run.flexrl.trainer.activation_checkpointing,
@@ -181,7 +183,9 @@ def resume_point(args: TrainArgs) -> tuple[Path | None, int]:
     """(checkpoint to load, first step to run)."""
     if not args.resume:
         return None, 0
-    checkpoint = latest_checkpoint(Path(args.out_dir))
+    checkpoint, passed_over = resume_checkpoint(Path(args.out_dir))
+    for line in passed_over:
+        print(f"--resume: checkpoints/{line}: not resumable, passed over for the one before it", flush=True)
     if checkpoint is None:
         logger.info(f"--resume: no checkpoint under {args.out_dir}/checkpoints; starting from the first step")
         return None, 0
@@ -206,8 +210,8 @@ def nothing_to_do(prepared: Prepared) -> bool:
 
 
 def drive(prepared: Prepared, controller: DataController, policy: RayWorkerGroup | SPMDWorkerGroup,
-          rollout: ColocatedRollout | SeparateRollout, raw_config: dict) -> int:
-    """Resume if asked, run the steps, close the log."""
+          rollout: ColocatedRollout | SeparateRollout, raw_config: dict, restarts: int = 0) -> int:
+    """Resume if asked, run the steps, close the log; `restarts`: the workers rebuilt so far (metrics)."""
     checkpoint, start = prepared.checkpoint, prepared.start_step
     rollout_config = prepared.run.flexrl.rollout
     if checkpoint is not None:
@@ -229,6 +233,7 @@ def drive(prepared: Prepared, controller: DataController, policy: RayWorkerGroup
     log = StepLog(prepared.args.out_dir, resume_after_step=start - 1 if checkpoint is not None else None,
                   tensorboard=trainer_config.tensorboard, wandb_project=trainer_config.wandb_project)
     options = train_options(prepared, raw_config, device_name=policy.run(PolicyWorker.accelerator_name)[0])
+    options = dataclasses.replace(options, restarts=restarts)
     try:
         GRPOTrainer(options, prepared.encoder, prepared.reward_fn, controller, policy, rollout, log).run()
     finally:
@@ -290,10 +295,31 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
     prepared = prepare(run, args)
     if nothing_to_do(prepared):
         return 0
-    trainer, rollout_config = run.flexrl.trainer, run.flexrl.rollout
     clock = time.perf_counter()
     started = connect_ray(ray_cpus(run, prepared.num_ranks))
     clock = _progress(f"Ray {'started' if started else 'joined'}", clock)
+    restarts, allowed = 0, run.flexrl.trainer.max_restarts
+    try:
+        while True:
+            try:
+                return _run_groups(run, prepared, raw_config, clock, restarts)
+            except Exception as error:
+                if restarts >= allowed or not is_lost_worker(error):
+                    raise
+                restarts += 1
+                logger.info(f"flexrl train: {str(error).splitlines()[0]}\nflexrl train: restart {restarts} of "
+                            f"{allowed} (flexrl.trainer.max_restarts): every worker rebuilt, from the last checkpoint")
+                checkpoint, start = resume_point(dataclasses.replace(args, resume=True))
+                prepared = dataclasses.replace(prepared, checkpoint=checkpoint, start_step=start)
+                clock = time.perf_counter()
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, restarts: int) -> int:
+    """Build the data controller, the policy group and the rollout engines, drive the run, shut them down."""
+    trainer, rollout_config, args = run.flexrl.trainer, run.flexrl.rollout, prepared.args
     controller = policy = None
     rollout: ColocatedRollout | SeparateRollout | None = None
     try:
@@ -302,7 +328,8 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
         setup = policy_setup(run, args.model_dir, controller.pixels, colocated=trainer.colocate)
         policy = RayWorkerGroup(PolicyWorker, prepared.num_ranks, {"setup": setup}, trainer.num_cpus_per_rank,
                                 trainer.num_gpus_per_rank, name="policy", timeout_s=trainer.timeout_s,
-                                env=worker_env(), memory_hint=policy_memory_hint(run))
+                                env=worker_env(), memory_hint=policy_memory_hint(run),
+                                collective_timeout_s=trainer.group_timeout_s)
         clock = _progress(f"{policy_ranks(prepared.num_ranks)} ready (models loaded, DeepSpeed engines built"
                           f"{', rollout engines inside' if trainer.colocate else ''})", clock)
         if trainer.colocate:
@@ -313,13 +340,11 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
                                       rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
                                       trainer.timeout_s, rollout_config.engine_options(colocated=False),
                                       gpus_per_policy_rank=trainer.num_gpus_per_rank, env=worker_env())
-        return drive(prepared, controller, policy, rollout, raw_config)
+        return drive(prepared, controller, policy, rollout, raw_config, restarts)
     finally:
         for part in (rollout, policy, controller):
             if part is not None:
                 _quietly(part.shutdown if hasattr(part, "shutdown") else part.close)
-        if started:
-            ray.shutdown()
 
 
 WORKER_ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG",
@@ -352,7 +377,7 @@ SPMD_NOTHING_TO_DO = "nothing to do"
 
 def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
     """Every process of a launcher (deepspeed --hostfile, torchrun) runs this; rank 0 drives."""
-    context = init_distributed(timeout_s=run.flexrl.trainer.timeout_s)
+    context = init_distributed(timeout_s=run.flexrl.trainer.group_timeout_s)
     rank, world = context.launch.rank, context.launch.world_size
     shared: list[Any] = [None]
     driver: tuple | None = None

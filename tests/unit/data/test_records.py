@@ -112,3 +112,37 @@ def test_missing_or_unknown_dataset_file_is_a_user_error(tmp_path):
     (tmp_path / "train.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"a folder; --data names the dataset file in it \(train.jsonl here\)"):
         read_dataset(tmp_path)
+
+
+def test_a_symbolic_link_out_of_the_dataset_folder_is_refused_one_inside_is_followed(tmp_path):
+    """The check follows links (os.path.realpath as the reference): a link to a file outside the dataset
+    folder, or a linked folder leading out, is a bad record; a link within the folder, or into the
+    media root, is allowed."""
+    import os
+
+    data, outside, root = tmp_path / "data", tmp_path / "outside", tmp_path / "root"
+    for folder in (data, outside, root):
+        folder.mkdir()
+    for folder in (outside, root, data):
+        (folder / "a.png").write_bytes(b"png")
+    os.symlink(outside / "a.png", data / "link_out.png")
+    os.symlink(outside, data / "dir_out")
+    os.symlink(data / "a.png", data / "link_in.png")
+    os.symlink(root / "a.png", data / "link_root.png")
+    rows = [{"id": name, "prompt": "<image>", "images": [name]}
+            for name in ("link_out.png", "dir_out/a.png", "link_in.png", "link_root.png")]
+    path = write_jsonl(data / "d.jsonl", rows)
+    link_out, dir_out, link_in, link_root = read_dataset(path)
+    for bad in (link_out, dir_out):
+        assert isinstance(bad, BadRecord) and "symbolic link" in bad.reason
+        assert str(outside / "a.png") == os.path.realpath(data / bad.id) and str(outside) in bad.reason
+    assert isinstance(link_in, Record) and isinstance(link_root, BadRecord)
+    assert isinstance(read_dataset(path, media_root=str(root))[3], Record)
+
+
+def test_a_line_that_is_not_utf8_is_a_bad_record_the_rest_are_read(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps(GOOD[0]).encode() + b"\n\xff\xfe garbage\n" + json.dumps(GOOD[2]).encode() + b"\n")
+    first, bad, last = read_dataset(path)
+    assert isinstance(first, Record) and isinstance(last, Record)
+    assert isinstance(bad, BadRecord) and bad.id == "line 2" and "not UTF-8" in bad.reason
