@@ -12,11 +12,13 @@ take memory off that phase. The driver gets it from Ray as the rank raised it
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Iterator
 
 import torch
 
 from flexrl_ds.common import RunInputError
+from flexrl_ds.parallel import device as device_mod
 
 PHASE_SETTINGS = {
     "rollout": ("flexrl.rollout.vllm.gpu_memory_utilization (lower), flexrl.trainer.offload_states_in_rollout "
@@ -60,3 +62,22 @@ def naming_device_oom(phase: str, rank: int, peak_bytes: Callable[[], int],
         if not is_device_oom(error):
             raise
         raise DeviceOutOfMemory(oom_line(phase, rank, peak_bytes(), total_bytes(), error)) from error
+
+
+def _phase_peak_bytes(rank) -> int:
+    """The phase's peak device memory in use (every allocator), or torch's where higher."""
+    usage = getattr(rank, "device_usage", None)
+    return max(usage.peak_bytes() if usage is not None else 0, device_mod.max_memory_allocated(rank.device_info))
+
+
+def phase(name: str):
+    """A policy rank's phase method: a device out-of-memory error inside it ends the run with one line
+    naming the phase, its peak and the settings to change (`naming_device_oom`)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            with naming_device_oom(name, self.rank, functools.partial(_phase_peak_bytes, self),
+                                   lambda: device_mod.device_total_bytes(self.device_info)):
+                return method(self, *args, **kwargs)
+        return run
+    return wrap

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flexrl_ds.common import RunInputError
-from flexrl_ds.models.flops import encoded_grids, training_forward_flops, vision_flops
 from flexrl_ds.planning.plan import Workload
 from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.rl.reward_fn import score_batch
@@ -53,6 +52,8 @@ from flexrl_ds.trainer.loader_metrics import LoaderAccounting
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.phase_peaks import PEAK_KEYS, _max_peaks, _phase_peaks, warn_host_memory  # noqa: F401 (tests)
 from flexrl_ds.trainer.policy_worker import PassJob, PolicyWorker
+from flexrl_ds.trainer.step_figures import (INFERENCE_PARTS, degrees, plans_json,  # noqa: F401 (tests)
+                                           report_bad_records, step_mfu, vision_forward_flops)
 from flexrl_ds.trainer.rl_step import (DynamicSampling, KLCoefficient, equal_reward_groups, merge_rounds,
                                        mini_batch_prompts, sample_advantages, shape_rewards, skips_old_pass,
                                        token_shaping)
@@ -345,7 +346,7 @@ class GRPOTrainer:
         micro_batches, encoded = self._timed(times, "plan", self._plan, step, samples, samples.names,
                                              "old-policy and reference log-probs", self.o.sp.for_logprob_passes())
         self._save_plans(micro_batches, step)
-        job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys())
+        job = PassJob(step, plans_json(micro_batches), encoded, samples.prompt_keys())
         skip = skips_old_pass(self.o.rl, min(self.o.rl.mini_batches_per_step, len(samples.prompts)))
         old, old_parts = ({}, {}) if skip else self._logprob_pass(times, "old", job)
         ref, ref_parts = {}, {}
@@ -394,7 +395,7 @@ class GRPOTrainer:
                 micro_batches, encoded = self._plan(step, samples, names, f"update mini-batch {index} (gradients "
                                                     f"{self._accumulation()})", self.o.sp)
                 self._save_plans(micro_batches, step, f"{suffix}_mb{index}")
-            job = PassJob(step, _plans_json(micro_batches), encoded, samples.prompt_keys(),
+            job = PassJob(step, plans_json(micro_batches), encoded, samples.prompt_keys(),
                           old_logprobs={} if skipped else {n: inference["old"][n] for n in names},
                           ref_logprobs={n: inference["ref"][n] for n in names} if inference["ref"] else {},
                           advantages={n: shaping.advantages[n] for n in names},
@@ -443,38 +444,15 @@ class GRPOTrainer:
             "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
             "attention_balance": max(float(r.metrics.attention_balance) for r in plans),
             "rollout_logprob_diff": gaps.mean, "rollout_logprob_diff_by_media": gaps.by_media,
-            "degrees": _degrees(plans),
+            "degrees": degrees(plans),
             "inference_time_s": inference["times_s"],
             "micro_batches": {"inference": len(inference["micro_batches"]),
                               "update": sum(b["micro_batches"] for b in update)},
-            **self._mfu(samples, lengths, times, passes=passes,
-                        vision_forward=self._vision_forward_flops(inference["micro_batches"], inference["encoded"])),
+            **step_mfu(self.o, samples, lengths, times, passes=passes,
+                       vision_forward=vision_forward_flops(self.o.vision, inference["micro_batches"],
+                                                           inference["encoded"])),
             **floor_metrics(self.o, samples, inference["encoded"], times, logprob_passes=passes),
         }
-
-    def _mfu(self, samples: StepSamples, lengths: list[int], times: dict[str, float], passes: int,
-             vision_forward: float = 0.0) -> dict[str, Any]:
-        """{"mfu": {"update": ..., "inference": ...}}: the model FLOPs of the phase (models/flops.py:
-        forward and backward of every sample in the update; `passes` forwards, old policy and
-        reference, in the inference), the vision tower's `vision_forward` included likewise,
-        ÷ (its seconds × ranks × the GPU's bf16 peak); {} without a peak."""
-        if not self.o.peak_flops or self.o.decoder is None:
-            return {}
-        prompt_of = samples.prompt_of()
-        forward = vision_forward + sum(training_forward_flops(self.o.decoder, len(prompt_of[name].prompt_ids) + length)
-                                       for name, length in zip(samples.names, lengths))
-        capacity = self.o.num_ranks * self.o.peak_flops
-        return {"mfu": {"update": 3 * forward / (capacity * max(times["update"], 1e-9)),
-                        "inference": passes * forward / (capacity * max(times["inference"], 1e-9))}}
-
-    def _vision_forward_flops(self, micro_batches, encoded: dict[str, Any]) -> float:
-        """The vision tower's forward FLOPs in the log-prob pass: each micro-batch's SP domains encode
-        the media of their sequences, a prompt's shared items once (models/vision_balance.py)."""
-        if self.o.vision is None:
-            return 0.0
-        return sum(vision_flops(self.o.vision, encoded_grids((name, encoded[name]) for pack in result.plan.packs
-                                                             for name in pack.sequences))
-                   for results in micro_batches for result in results)
 
     def _save_rollouts(self, step: int, samples: StepSamples, reward_info: dict[str, Any], gaps: LogprobGaps,
                        shaping) -> None:
@@ -505,38 +483,3 @@ class GRPOTrainer:
         with disk_full_explained(f"HF export {self.paths.hf_export(step)} (checkpoint {directory.name} is complete)"):
             self.policy.run(PolicyWorker.export_hf, str(self.paths.hf_export(step)))
         logger.info(f"saved checkpoint {directory} and HF export {self.paths.hf_export(step)}")
-
-
-def _plans_json(micro_batches) -> list[list[dict]]:
-    """`PassJob.plans_json`: per micro-batch, every SP domain's plan."""
-    return [[result.plan.to_json() for result in results] for results in micro_batches]
-
-
-def _degrees(results) -> dict[str, int]:
-    """Sequences per degree over every SP domain's plan."""
-    total: dict[int, int] = {}
-    for result in results:
-        for degree, count in result.metrics.degree_histogram.items():
-            total[degree] = total.get(degree, 0) + count
-    return {str(k): v for k, v in sorted(total.items())}
-
-
-def report_bad_records(step: int, report: dict[str, Any], trained_on: int) -> int:
-    """Say what the step's bad records did (`LoaderStep.report`: one line each, with its reason and
-    its fate, media/bad_records.py FATE_*); raise when no prompt of the step is left. Returns their number."""
-    bad = report.get("bad_records", [])
-    for record in bad:
-        logger.info(f"data: step {step}: bad record {record['id']!r} ({record['stage']}): {record['reason']}; "
-                    f"{record['fate']}")
-    if not trained_on:
-        reasons = "; ".join(f"{r['id']!r}: {r['reason']}" for r in bad[:5]) + (" ..." if len(bad) > 5 else "")
-        raise RunInputError(f"step {step}: every record drawn for it was bad ({reasons}); "
-                           "`flexrl inspect-data` checks the whole dataset")
-    return len(bad)
-
-
-INFERENCE_PARTS = ("plan", "old", "reference", "batches", "forward")
-"""Keys of `inference_time_s`: the driver's planning of the log-prob passes, the old-policy pass and
-the reference pass (only with a KL term) as the driver waited for them, and the two passes' batch
-building (the pixel pulls included) and forwards (each to its log-probs on the host), each pass's
-from its slowest rank."""

@@ -24,7 +24,6 @@ per step (`StepSlices`: the reference's and the update's passes reuse what the f
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import time
@@ -53,7 +52,7 @@ from flexrl_ds.runtime.rank_pixels import StepSlices, fetched_items, unit_reques
 from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
 from flexrl_ds.runtime.worker_group import WorkerPlace, join_process_group, node_address, open_store
 from flexrl_ds.sp.attention import FlexUlyssesAttention
-from flexrl_ds.trainer.device_oom import naming_device_oom
+from flexrl_ds.trainer.device_oom import phase
 from flexrl_ds.trainer.rollout_host import RolloutHost
 
 if TYPE_CHECKING:
@@ -145,25 +144,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _phase_peak_bytes(rank) -> int:
-    """The phase's peak device memory in use (every allocator), or torch's where higher."""
-    usage = getattr(rank, "device_usage", None)
-    return max(usage.peak_bytes() if usage is not None else 0, device_mod.max_memory_allocated(rank.device_info))
-
-
-def phase(name: str):
-    """A policy rank's phase method: a device out-of-memory error inside it ends the run with one line
-    naming the phase, its peak and the settings to change (trainer/device_oom.py)."""
-    def wrap(method):
-        @functools.wraps(method)
-        def run(self, *args, **kwargs):
-            with naming_device_oom(name, self.rank, functools.partial(_phase_peak_bytes, self),
-                                   lambda: device_mod.device_total_bytes(self.device_info)):
-                return method(self, *args, **kwargs)
-        return run
-    return wrap
 
 
 class PolicyWorker:
