@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from flexrl_ds.models.flops import DecoderShape, peak_bf16_flops, training_forward_flops
-from flexrl_ds.trainer.driver import GRPOTrainer
+from flexrl_ds.trainer.step_figures import step_mfu, vision_forward_flops
 
 
 @pytest.fixture
@@ -60,18 +60,17 @@ def test_mfu_charges_every_sample_by_prompt_plus_response(model):
     samples = SimpleNamespace(names=["a0", "a1", "b0", "b1"],
                               prompt_of=lambda: {n: p for p in prompts for n in p.sample_names})
     lengths = [5, 0, 12, 3]  # response tokens
-    trainer = GRPOTrainer.__new__(GRPOTrainer)  # only what `_mfu` uses
-    trainer.o = SimpleNamespace(decoder=shape, peak_flops=1e9, num_ranks=4)
+    options = SimpleNamespace(decoder=shape, peak_flops=1e9, num_ranks=4)  # only what `step_mfu` uses
     times = {"update": 2.0, "inference": 0.5}
     forward = sum(training_forward_flops(shape, n) for n in (35, 30, 19, 10))
-    mfu = trainer._mfu(samples, lengths, times, passes=2)["mfu"]
+    mfu = step_mfu(options, samples, lengths, times, passes=2)["mfu"]
     assert mfu["update"] == pytest.approx(3 * forward / (4 * 1e9 * 2.0))
     assert mfu["inference"] == pytest.approx(2 * forward / (4 * 1e9 * 0.5))
-    with_vision = trainer._mfu(samples, lengths, times, passes=2, vision_forward=7e6)["mfu"]
+    with_vision = step_mfu(options, samples, lengths, times, passes=2, vision_forward=7e6)["mfu"]
     assert with_vision["update"] == pytest.approx(3 * (forward + 7e6) / (4 * 1e9 * 2.0))
     assert with_vision["inference"] == pytest.approx(2 * (forward + 7e6) / (4 * 1e9 * 0.5))
-    trainer.o.peak_flops = None  # CPU or an unknown GPU: no MFU
-    assert trainer._mfu(samples, lengths, times, passes=2) == {}
+    options.peak_flops = None  # CPU or an unknown GPU: no MFU
+    assert step_mfu(options, samples, lengths, times, passes=2) == {}
 
 
 @pytest.mark.parametrize("grid", [(6, 10), (8, 8), (14, 2), (18, 34)])
@@ -110,15 +109,12 @@ def test_mfu_counts_each_encoded_vision_unit_once_per_domain_and_micro_batch(vl_
     def result(*names):
         return SimpleNamespace(plan=SimpleNamespace(packs=[SimpleNamespace(sequences=(name,)) for name in names]))
 
-    trainer = GRPOTrainer.__new__(GRPOTrainer)
-    trainer.o = SimpleNamespace(vision=shape)
     unit = lambda h, w: vision_unit_flops(shape, h, w)  # noqa: E731
     prompt_a, prompt_b = 2 * unit(4, 6) + unit(8, 8), unit(6, 10)
     one_domain = [[result("a0", "a1", "b0", "b1")]]
-    assert trainer._vision_forward_flops(one_domain, encoded) == pytest.approx(prompt_a + 2 * prompt_b)
+    assert vision_forward_flops(shape, one_domain, encoded) == pytest.approx(prompt_a + 2 * prompt_b)
     split = [[result("a0", "b0"), result("a1", "b1")]]  # two domains: each encodes prompt a
-    assert trainer._vision_forward_flops(split, encoded) == pytest.approx(2 * prompt_a + 2 * prompt_b)
+    assert vision_forward_flops(shape, split, encoded) == pytest.approx(2 * prompt_a + 2 * prompt_b)
     cut = [[result("a0")], [result("a1", "b0", "b1")]]  # two micro-batches: a again in the second
-    assert trainer._vision_forward_flops(cut, encoded) == pytest.approx(2 * prompt_a + 2 * prompt_b)
-    trainer.o.vision = None  # a text model
-    assert trainer._vision_forward_flops(one_domain, encoded) == 0.0
+    assert vision_forward_flops(shape, cut, encoded) == pytest.approx(2 * prompt_a + 2 * prompt_b)
+    assert vision_forward_flops(None, one_domain, encoded) == 0.0  # a text model
