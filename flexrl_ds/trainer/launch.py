@@ -390,7 +390,7 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
         return 2
     if shared[0] == SPMD_NOTHING_TO_DO:
         return 0
-    address, pixels, run.flexrl.rollout = shared[0]
+    address, pixels, run.flexrl.rollout, run.flexrl.rl, run.deepspeed = shared[0]
     if rank != 0:
         ray.init(address=address, namespace=pixels.namespace, log_to_driver=False, configure_logging=False)
     place = WorkerPlace(rank, world, context.launch.master_addr, context.launch.master_port, context.launch.local_rank)
@@ -410,8 +410,9 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
 
 def _spmd_driver_start(run: Any, args: TrainArgs, world: int) -> tuple[Any, tuple | None]:
     """Rank 0 of an SPMD run: the checks, Ray and the data controller, with progress lines. Returns
-    (what the other ranks are told, what rank 0 keeps). Told: (GCS address, pixel source, the rollout
-    section as prepare resolved it: media limits from the data), SPMD_NOTHING_TO_DO, or the exception
+    (what the other ranks are told, what rank 0 keeps). Told: (GCS address, pixel source, and as
+    prepare resolved them: the rollout section (media limits from the data), the rl section (defaults
+    from other sections) and the DeepSpeed config (the schedule's length)), SPMD_NOTHING_TO_DO, or the exception
     that stops the run. Kept: (prepared, controller, clock) when the run goes on."""
     try:
         prepared = prepare(run, args, num_ranks=world)
@@ -422,7 +423,8 @@ def _spmd_driver_start(run: Any, args: TrainArgs, world: int) -> tuple[Any, tupl
         clock = _progress(f"Ray {'started' if started else 'joined'}", clock)
         controller = DataController(prepared.records, prepared.data_config, run.flexrl.trainer.timeout_s)
         clock = _progress(f"data loader ready over {len(prepared.records)} records", clock)
-        told = (ray.get_runtime_context().gcs_address, controller.pixels, run.flexrl.rollout)
+        told = (ray.get_runtime_context().gcs_address, controller.pixels, run.flexrl.rollout, run.flexrl.rl,
+                run.deepspeed)
         return told, (prepared, controller, clock)
     except Exception as error:
         return error, None

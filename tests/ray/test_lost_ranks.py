@@ -48,10 +48,10 @@ def group(ray_session):
 
 @pytest.mark.parametrize("fault", ["die", "stall"])
 def test_every_survivor_fails_within_the_timeout_naming_the_lost_rank(group, fault):
-    assert group.run("all_reduce") == [3.0, 3.0, 3.0]
+    assert group.run(GlooWorker.all_reduce) == [3.0, 3.0, 3.0]
     started = time.monotonic()
     with pytest.raises(LostRanks) as raised:
-        group.run("all_reduce", 1, fault)
+        group.run(GlooWorker.all_reduce, 1, fault)
     elapsed = time.monotonic() - started
     lost = raised.value
     pid = group.pids[1]

@@ -69,7 +69,7 @@ def test_a_device_oom_in_a_phase_reaches_the_driver_as_one_line(ray_session):
     group = RayWorkerGroup(OutOfMemoryWorker, 1, num_cpus_per_rank=0.25, name="policy", timeout_s=60.0)
     try:
         with pytest.raises(DeviceOutOfMemory) as raised:
-            group.run("train", None)
+            group.run(OutOfMemoryWorker.train, None)
         said = str(raised.value)
         # as the rank raised it, not Ray's wrapper (whose text is the remote traceback): a ValueError,
         # which `flexrl` prints as one line (cli/main.py)
