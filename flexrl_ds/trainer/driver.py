@@ -239,8 +239,11 @@ class GRPOTrainer:
                 for p in prompts]
         output = self.rollout.generate(step, jobs, self.o.sampling)
         results, withdrawn = output.results, output.withdrawn
-        info.update(rollout_time_s=output.times_s, rollout_pixel_mb=output.pixel_bytes / 2**20,
-                    rollout_engine_peak_gb=output.engine_peak_bytes / 2**30)
+        prior = info.get("rollout_time_s", {})  # rounds of dynamic sampling add up
+        info.update(rollout_time_s={k: prior.get(k, 0.0) + v for k, v in output.times_s.items()},
+                    rollout_pixel_mb=info.get("rollout_pixel_mb", 0.0) + output.pixel_bytes / 2**20,
+                    rollout_engine_peak_gb=max(info.get("rollout_engine_peak_gb", 0.0),
+                                               output.engine_peak_bytes / 2**30))
         for name, reason in withdrawn.items():
             logger.info(f"data: step {step}: prompt {name!r} withdrawn after hand-out, not trained on: {reason}")
         kept = [p for p in prompts if p.name not in withdrawn]
@@ -435,6 +438,8 @@ class GRPOTrainer:
             "dual_clip_frac": token_weighted("dual_clip_frac"), "approx_kl": token_weighted("approx_kl"),
             "grad_norm": sum(b["grad_norm"] for b in update) / len(update),  # mean over the mini-batches
             "lr": update[0]["lr"], "optimizer_steps": len(update),
+            **({"router_aux_loss": sum(b["router_aux_loss"] for b in update) / len(update)}
+               if "router_aux_loss" in update[0] else {}),  # a sparse MoE decoder: the mini-batches' mean
             "old_logprob_pass": "skipped" if inference["old_pass_skipped"] else "run",
             "response_length_mean": sum(lengths) / len(lengths),
             "clipped_length_ratio": sum(samples.finish_reasons[n] == "length" for n in names) / len(names),

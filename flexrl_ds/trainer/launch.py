@@ -104,7 +104,7 @@ def prepare(run: Any, args: TrainArgs, num_ranks: int | None = None) -> Prepared
     for note in ignored_settings(run.flexrl, spmd_world=num_ranks if args.spmd else None):
         logger.info(note)  # first: the checks below judge the run by what replaced them
     check_run(run, args.model_dir, num_ranks)
-    check_memory(run, args.model_dir, num_ranks)  # refused here if it cannot fit the device (memory_check)
+    check_memory(run, args.model_dir, num_ranks, spmd=args.spmd)  # refused here if it cannot fit (memory_check)
     ray_address()  # a job server's URL in RAY_ADDRESS is refused here, before anything starts
     check_out_dir(Path(args.out_dir), args.resume)
     data_config = run.flexrl.data.with_processor_dir(args.model_dir)

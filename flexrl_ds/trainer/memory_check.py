@@ -73,11 +73,11 @@ def token_budget(flexrl: Any, num_ranks: int, prompt_tokens: int) -> dict[str, i
 
 
 def memory_inputs(run: Any, model_dir: str, num_ranks: int, device_bytes: int, prompt_tokens: int = 0,
-                  size: dict[str, int] | None = None) -> MemoryInputs:
+                  size: dict[str, int] | None = None, spmd: bool = False) -> MemoryInputs:
     """The estimate's inputs for this run on a device of `device_bytes` (`size`: `model_size`'s, if known)."""
     flexrl = run.flexrl
     trainer, rollout = flexrl.trainer, flexrl.rollout
-    engine = rollout.backend if trainer.colocate else None
+    engine = rollout.backend if trainer.colocate or spmd else None  # --spmd: engines always in the ranks
     options = getattr(rollout, rollout.backend, None)
     sizes: dict[str, Any] = dict(size or model_size(model_dir))
     budget: dict[str, Any] = token_budget(flexrl, num_ranks, prompt_tokens)
@@ -106,7 +106,7 @@ def refusal(estimate: MemoryEstimate, prompt_tokens: int) -> str:
             + ". flexrl.trainer.memory_check: \"warn\" starts it anyway.")
 
 
-def check_memory(run: Any, model_dir: str, num_ranks: int) -> MemoryEstimate | None:
+def check_memory(run: Any, model_dir: str, num_ranks: int, spmd: bool = False) -> MemoryEstimate | None:
     """Refuse (ValueError) or warn about a run whose estimate exceeds the device (or, where this
     machine's GPU is the one checked, the node's host memory past Ray's kill share), per
     `flexrl.trainer.memory_check`; None where there is nothing to check against (no GPU here and no
@@ -117,7 +117,7 @@ def check_memory(run: Any, model_dir: str, num_ranks: int) -> MemoryEstimate | N
     device_bytes = int(trainer.device_memory_gb * GIB) if trainer.device_memory_gb else device_mod.device_memory_bytes()
     if device_bytes is None:
         return None
-    estimate = estimate_memory(memory_inputs(run, model_dir, num_ranks, device_bytes))
+    estimate = estimate_memory(memory_inputs(run, model_dir, num_ranks, device_bytes, spmd=spmd))
     host_line, host_refused = host_verdict(estimate, max(1, min(num_ranks, device_mod.num_gpus())))
     # this machine's host memory is the ranks' only where its GPU is the one checked (no device_memory_gb)
     if host_line and host_refused and trainer.memory_check == "refuse" and not trainer.device_memory_gb:

@@ -119,6 +119,9 @@ def ignored_settings(flexrl: Any, spmd_world: int | None = None) -> list[str]:
         if trainer.num_policy_ranks != spmd_world:
             lines.append(f"flexrl.trainer.num_policy_ranks = {trainer.num_policy_ranks} is ignored under --spmd: "
                          f"the launcher started {spmd_world} ranks")
+        if trainer.max_restarts:
+            lines.append(f"flexrl.trainer.max_restarts = {trainer.max_restarts} is ignored under --spmd: a lost rank "
+                         "ends the launcher's job (start it again with --resume)")
     elif not trainer.colocate:
         return lines
     defaults = type(flexrl.rollout)()

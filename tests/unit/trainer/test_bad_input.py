@@ -197,6 +197,9 @@ def test_settings_a_launcher_started_run_ignores_are_named():
     assert lines[0].startswith("flexrl.trainer.colocate = false is ignored under --spmd")
     assert "num_policy_ranks = 2 is ignored under --spmd: the launcher started 4 ranks" in lines[1]
     assert "flexrl.rollout.num_engines = 3 is ignored" in lines[2] and len(lines) == 3
+    flexrl.trainer.max_restarts = 2  # only the Ray driver rebuilds lost workers
+    assert "flexrl.trainer.max_restarts = 2 is ignored under --spmd" in "\n".join(ignored_settings(flexrl, 4))
+    assert not any("max_restarts" in line for line in ignored_settings(flexrl, spmd_world=None))
 
 
 def test_the_gradient_accumulation_dtype_is_deepspeeds():

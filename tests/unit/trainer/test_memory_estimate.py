@@ -145,6 +145,16 @@ def test_pre_start_check_refuses_warns_or_skips(tmp_path, tiny_model, capsys):
     assert check_memory(run, tiny_model, 4).fits()
 
 
+def test_a_launcher_started_run_counts_the_engine_in_its_ranks(tmp_path, tiny_model):
+    """Under --spmd the engines always run inside the policy ranks (colocate false is ignored there),
+    so the estimate counts them; a Ray run with separate engines does not."""
+    from flexrl_ds.trainer.memory_check import memory_inputs
+
+    run, _ = run_config(tmp_path, colocate=False)
+    assert memory_inputs(run, tiny_model, 4, 80 * 2**30).engine is None
+    assert memory_inputs(run, tiny_model, 4, 80 * 2**30, spmd=True).engine == run.flexrl.rollout.backend
+
+
 def test_pre_start_check_refuses_a_run_past_the_host_kill_line(tmp_path, tiny_model, capsys, monkeypatch):
     """On the GPU's own node (no device_memory_gb), a host-memory estimate past Ray's kill share by more
     than the estimate's uncertainty is refused like a device overflow; "warn" starts it with the line."""
