@@ -77,6 +77,15 @@ def raise_lost_worker(error: BaseException, what: str, memory_hint: str = "") ->
     raise explained from error
 
 
+def raise_as_the_worker_raised(error: BaseException) -> NoReturn:
+    """Raise a worker's error: its `RunInputError` (the run's own input, said in one line, e.g.
+    trainer/device_oom.py's) as the worker raised it, without Ray's wrapper; anything else as it is."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, RunInputError):
+        raise cause from None
+    raise error
+
+
 def ray_get_explained(refs: list, what: str, timeout_s: float | None = None, memory_hint: str = "") -> list:
     """`ray.get(refs)`, a worker Ray lost raised as its one-line account (`raise_lost_worker`), and a
     worker's `RunInputError` (e.g. trainer/device_oom.py's) as the worker raised it."""
@@ -87,6 +96,4 @@ def ray_get_explained(refs: list, what: str, timeout_s: float | None = None, mem
     except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
         raise_lost_worker(error, what, memory_hint)
     except ray.exceptions.RayTaskError as error:
-        if isinstance(error.cause, RunInputError):  # the run's own input, said by the worker in one line
-            raise error.cause from None
-        raise
+        raise_as_the_worker_raised(error)

@@ -18,8 +18,8 @@ import time
 from typing import Any
 from dataclasses import dataclass, field, replace
 
-from flexrl_ds.common import RunInputError
-from flexrl_ds.runtime.lost_workers import death_detail, killed_for_host_memory, lost_worker_error
+from flexrl_ds.runtime.lost_workers import (death_detail, killed_for_host_memory, lost_worker_error,
+                                            raise_as_the_worker_raised)
 
 GRACE_S = 5.0
 """Seconds beyond the collective timeout that the other ranks get after a first failure."""
@@ -141,11 +141,7 @@ def _raise_lost(refs, outcomes, finished, times, what, timeout_s, memory_hint) -
     lost.update({rank: stalled for rank in range(len(refs)) if rank not in outcomes})
     survivors = {rank: _first_line(error) for rank, (kind, error) in outcomes.items() if kind == "raised"}
     if not lost:  # every failing rank's own code raised: no rank was lost, the first error as it is
-        raised = next(error for kind, error in outcomes.values() if kind == "raised")
-        cause = getattr(raised, "cause", None)
-        if isinstance(cause, RunInputError):  # the run's own input, said by the rank in one line
-            raise cause from None
-        raise raised
+        raise_as_the_worker_raised(next(error for kind, error in outcomes.values() if kind == "raised"))
     waited = max((finished[rank] - start for rank in survivors), default=0.0)
     headline = ""
     if not survivors and not answered_any(outcomes) and len(deaths) == len(lost):  # every rank died: the line of old
