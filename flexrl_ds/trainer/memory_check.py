@@ -132,14 +132,10 @@ def check_memory(run: Any, model_dir: str, num_ranks: int, spmd: bool = False) -
     return estimate
 
 
-def host_warning(estimate: MemoryEstimate, ranks_per_node: int) -> str:
-    """A line when the ranks of one node would fill its host memory past Ray's kill share; "" otherwise."""
-    return host_verdict(estimate, ranks_per_node)[0]
-
-
 def host_verdict(estimate: MemoryEstimate, ranks_per_node: int) -> tuple[str, bool]:
-    """`host_warning`'s line, and whether the estimate is past Ray's kill share by more than the
-    estimate's `UNCERTAINTY` (Ray would kill a rank: `check_memory` refuses the run)."""
+    """A line when the ranks of one node would fill its host memory past Ray's kill share ("" otherwise),
+    and whether by more than the estimate's `UNCERTAINTY` (Ray would kill a rank: `check_memory`
+    refuses the run)."""
     assert estimate.inputs is not None
     inputs = estimate.inputs
     shares = host_memory(inputs)
@@ -171,7 +167,7 @@ def estimate_run(run: Any, model_dir: str, ranks: int | None, device_memory_gb: 
              f"({prompt_tokens} prompt tokens + flexrl.rollout.max_response_length per sample)", estimate.format()]
     for phase in estimate.over():
         lines.append(f"{phase}: " + ("; or ".join(estimate.advice(phase)) or "no setting found"))
-    host_line = host_warning(estimate, num_ranks)
+    host_line, _ = host_verdict(estimate, num_ranks)
     if host_line and gb is None:  # this machine's host memory is the run's only where its GPU is measured here
         lines.append(host_line)
     return "\n".join(lines), estimate.fits()
