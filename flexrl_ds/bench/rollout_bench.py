@@ -44,6 +44,14 @@ from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
 from flexrl_ds.rollout.hf_options import KV_CACHE_MODES
 from flexrl_ds.rollout.hf_engine import HFRolloutEngine
 
+_QWEN3_VL_TEXT = dict(head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                                     "mrope_section": [24, 20, 20], "mrope_interleaved": True})
+"""Qwen3-VL's released text-config fields beyond the layer sizes (dense and MoE alike)."""
+_QWEN3_VL_VISION = dict(intermediate_size=4304, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+                        hidden_act="gelu_pytorch_tanh")
+"""Qwen3-VL's released vision tower (27 blocks of 1152, patch 16, DeepStack from blocks 8, 16 and 24)."""
+QWEN3_VL_MOE_LAYERS = 12
+"""Decoder layers of the reduced Qwen3-VL MoE shape (the release has 48)."""
 SHAPES = {
     "7b": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28,
                intermediate_size=18944, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16,
@@ -51,10 +59,22 @@ SHAPES = {
     "3b": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, num_hidden_layers=36,
                intermediate_size=11008, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16,
                vocab_size=QWEN_VL_VOCAB_SIZE),
+    "qwen3-vl-8b": dict(arch="qwen3-vl", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                        num_hidden_layers=36, intermediate_size=12288, vision_hidden_size=1152, vision_depth=27,
+                        vision_num_heads=16, vocab_size=QWEN_VL_VOCAB_SIZE, text_overrides=dict(_QWEN3_VL_TEXT),
+                        vision_overrides=dict(_QWEN3_VL_VISION)),
+    "qwen3-vl-moe": dict(arch="qwen3-vl-moe", hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                         num_hidden_layers=QWEN3_VL_MOE_LAYERS, intermediate_size=6144, vision_hidden_size=1152,
+                         vision_depth=27, vision_num_heads=16, vocab_size=QWEN_VL_VOCAB_SIZE,
+                         text_overrides=dict(_QWEN3_VL_TEXT, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                             moe_intermediate_size=768),
+                         vision_overrides=dict(_QWEN3_VL_VISION)),
     "tiny": dict(),
 }
 """Model shapes (TinyModelConfig fields): Qwen2.5-VL-7B and -3B decoder, vision tower and vocabulary
-(151,936 rows; until 2026-12-05 the tiny tokenizer's 640)."""
+(151,936 rows; until 2026-12-05 the tiny tokenizer's 640); Qwen3-VL-8B's; and Qwen3-VL-30B-A3B's layers
+(128 experts, 8 active, 48 layers in the release) at QWEN3_VL_MOE_LAYERS decoder layers, so that it
+trains on one GPU."""
 
 
 @dataclass
@@ -136,7 +156,7 @@ def _hf_model(model_dir: Path, device: Any):
     hf_config = transformers.AutoConfig.from_pretrained(str(model_dir))
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(hf_config, dtype=torch.bfloat16)
+        model = getattr(transformers, hf_config.architectures[0])._from_config(hf_config, dtype=torch.bfloat16)
     return model.eval()
 
 

@@ -139,10 +139,14 @@ def sequence_mean_log_ratios(log_ratio_sums_P: torch.Tensor, seq_ids: Sequence[s
 def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.Tensor | None,
                    ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, config: GRPOConfig,
                    denoms: Denominators, dp_world_size: int, is_weights: torch.Tensor | None = None,
-                   kl_coef: float | None = None, router=None) -> tuple[torch.Tensor, RankStats]:
+                   kl_coef: float | None = None, router=None,
+                   router_weight: float = 1.0) -> tuple[torch.Tensor, RankStats]:
     """(loss for `engine.backward`, this rank's summed statistics); per-token inputs are (local,).
     `old_logprobs` None: the old policy is the current one (its detached log-probs; ratio 1).
-    `router`: the forward's `moe.RouterStats` (a sparse decoder; collective over all ranks), else None."""
+    `router`: the forward's `moe.RouterStats` (a sparse decoder; collective over all ranks), else None;
+    its auxiliary loss enters (and is reported) times `router_weight`: 1 / the optimizer step's
+    micro-batches, so that the step's is their mean (as transformers' Trainer and Megatron-LM
+    accumulate it: the load-balancing loss is a product of two sums, not a sum over micro-batches)."""
     logprobs = outputs.logprobs
     device = logprobs.device
     index, valid, seq_ids = _pieces_index(batch)
@@ -173,7 +177,7 @@ def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.
         entropy = reduce_masked(rows(outputs.entropy), mask_PL, reduction, **reduce_args)
         if config.entropy_coef > 0:  # otherwise a statistic only: no backward through it
             loss = loss - config.entropy_coef * entropy
-    aux = router_aux_term(router)[0] if router is not None else torch.zeros((), device=device)
+    aux = router_weight * router_aux_term(router)[0] if router is not None else torch.zeros((), device=device)
     if config.router_aux_loss_coef > 0:
         loss = loss + config.router_aux_loss_coef * aux
     num_tokens = stats.num_tokens
@@ -199,7 +203,7 @@ def reduce_stats(stats: RankStats, group=None, device=None) -> dict[str, float]:
                "clip_frac": total["clip_count"] / tokens, "dual_clip_frac": total["dual_clip_count"] / tokens,
                "approx_kl": total["approx_kl_sum"] / tokens,
                "num_tokens": total["num_tokens"]}
-    if total["router_passes"] > 0:  # a sparse MoE decoder: its micro-batches' auxiliary losses, summed
+    if total["router_passes"] > 0:  # a sparse MoE decoder: its micro-batches' auxiliary losses, averaged
         metrics["router_aux_loss"] = total["router_aux_loss"]
     return metrics
 
@@ -269,7 +273,8 @@ def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig
             loss, stats = rank_grpo_loss(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
                                          inputs.advantages, config, denoms, data_parallel_size(engine),
                                          is_weights=inputs.is_weights, kl_coef=kl_coef,
-                                         router=engine.module.last_router_stats)
+                                         router=engine.module.last_router_stats,
+                                         router_weight=1.0 / len(micro_batches))
         with region("backward"):
             engine.backward(loss)
         total = total + stats

@@ -20,7 +20,7 @@ heads at degrees 4 and 8, GQA with fewer KV heads than the degree), mRoPE with h
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flexrl_ds.models.vocabulary import with_filler_tokens
@@ -111,6 +111,12 @@ class TinyModelConfig:
     """Image/video frame resize lower bound in pixels (Qwen2-VL smart_resize)."""
     max_pixels: int = 64 * 28 * 28
     """Image/video frame resize upper bound in pixels."""
+    text_overrides: dict = field(default_factory=dict)
+    """Fields of the HF text config set after the ones above (a released model's shape: e.g. Qwen3-VL's
+    `head_dim`, `rope_parameters`, the MoE's `num_experts`)."""
+    vision_overrides: dict = field(default_factory=dict)
+    """Fields of the HF vision config set after the ones above (e.g. `intermediate_size`,
+    `deepstack_visual_indexes`)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHES:
@@ -217,7 +223,7 @@ def build_model_config(config: TinyModelConfig, tokenizer):
     vocab_size = config.vocab_size or (len(tokenizer) + 63) // 64 * 64
     text = _text_kwargs(config, vocab_size, tokenizer)
     if config.arch == "qwen2":
-        return transformers.Qwen2Config(**text, rope_theta=10000.0)
+        return transformers.Qwen2Config(**dict(text, rope_theta=10000.0, **config.text_overrides))
     if config.arch.startswith("qwen3-vl"):
         return _qwen3_vl_config(config, text, tokenizer)
     text_config = dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -236,8 +242,8 @@ def build_model_config(config: TinyModelConfig, tokenizer):
         tokens_per_second=2,
     )
     return transformers.Qwen2_5_VLConfig(
-        text_config=text_config,
-        vision_config=vision_config,
+        text_config=dict(text_config, **config.text_overrides),
+        vision_config=dict(vision_config, **config.vision_overrides),
         image_token_id=_token_id(tokenizer, "<|image_pad|>"),
         video_token_id=_token_id(tokenizer, "<|video_pad|>"),
         vision_start_token_id=_token_id(tokenizer, "<|vision_start|>"),
@@ -269,7 +275,8 @@ def _qwen3_vl_config(config: TinyModelConfig, text: dict, tokenizer):
                          patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=config.hidden_size,
                          num_position_embeddings=64, deepstack_visual_indexes=list(range(min(2, config.vision_depth))))
     cls = transformers.Qwen3VLMoeConfig if config.arch == "qwen3-vl-moe" else transformers.Qwen3VLConfig
-    return cls(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False,
+    return cls(text_config=dict(text_config, **config.text_overrides),
+               vision_config=dict(vision_config, **config.vision_overrides), tie_word_embeddings=False,
                **_vision_token_ids(tokenizer))
 
 

@@ -197,9 +197,11 @@ def _count_layer_runs(hf_model) -> dict[str, dict[str, int]]:
     return runs
 
 
-def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
+def reference_step(model_dir: str, samples: dict, values: dict, rl: dict, micro_batches: list[list[str]] | None = None):
     """Plain HF + a loop over tokens + torch clip/AdamW: (loss, grad norm, parameters after the step,
-    entropy reduced as the loss is, the share of tokens the dual clip capped)."""
+    entropy reduced as the loss is, the share of tokens the dual clip capped, the MoE's auxiliary loss:
+    transformers' over all samples' router rows, or the mean of its value over each of `micro_batches`'
+    samples)."""
     model = _load(model_dir)
     c = rl
     per_sequence, entropies, dual_clipped, routers = [], [], [], []
@@ -237,8 +239,10 @@ def reference_step(model_dir: str, samples: dict, values: dict, rl: dict):
         from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
 
         text = model.config.get_text_config()
-        layers = tuple(torch.cat([r[layer] for r in routers]) for layer in range(len(routers[0])))
-        aux = load_balancing_loss_func(layers, text.num_experts, text.num_experts_per_tok)
+        by_id = dict(zip(samples, routers))
+        groups = [[by_id[i] for i in ids] for ids in micro_batches] if micro_batches else [routers]
+        aux = sum(load_balancing_loss_func(tuple(torch.cat([r[layer] for r in group]) for layer in range(len(group[0]))),
+                                           text.num_experts, text.num_experts_per_tok) for group in groups) / len(groups)
         loss = loss + c.get("router_aux_loss_coef", 0.0) * aux
     loss.backward()
     params = [p for p in model.parameters()]
@@ -284,13 +288,15 @@ def qwen3_assets(tmp_path_factory):
             for arch in ("qwen3-vl", "qwen3-vl-moe")}
 
 
-@pytest.mark.parametrize("arch,checkpointing,aux_coef", [("qwen3-vl", False, 0.0), ("qwen3-vl", True, 0.0),
-                                                         ("qwen3-vl-moe", False, 0.0), ("qwen3-vl-moe", False, 0.5)])
-def test_grpo_step_of_qwen3_vl_equals_plain_hf(qwen3_assets, dist_pools, arch, checkpointing, aux_coef):
+@pytest.mark.parametrize("arch,kind,checkpointing,aux_coef", [
+    ("qwen3-vl", "mixed", False, 0.0), ("qwen3-vl", "mixed", True, 0.0), ("qwen3-vl-moe", "mixed", False, 0.0),
+    ("qwen3-vl-moe", "mixed", False, 0.5), ("qwen3-vl-moe", "micro", False, 0.5)])
+def test_grpo_step_of_qwen3_vl_equals_plain_hf(qwen3_assets, dist_pools, arch, kind, checkpointing, aux_coef):
     """The same step for tiny Qwen3-VL (DeepStack rows through the vision exchange) and its MoE (sparse
     blocks as ZeRO-3 leaf modules), degrees 1, 2 and 4. The MoE's router auxiliary loss is reported
-    as transformers computes it over all samples' router rows, and with aux_coef > 0 is in the loss."""
-    check_grpo_step(qwen3_assets[arch], dist_pools, "mixed", "token_mean", "none", checkpointing, aux_coef)
+    as transformers computes it over all samples' router rows, and with aux_coef > 0 is in the loss;
+    over two micro-batches, the mean of each one's."""
+    check_grpo_step(qwen3_assets[arch], dist_pools, kind, "token_mean", "none", checkpointing, aux_coef)
 
 
 def check_grpo_step(assets, dist_pools, kind, reduction, offload, checkpointing, aux_coef=0.0):
@@ -306,8 +312,10 @@ def check_grpo_step(assets, dist_pools, kind, reduction, offload, checkpointing,
         rl["router_aux_loss_coef"] = aux_coef
     per_rank = dist_pools(WORLD).run(rank_grpo_step, model_dir, data_path, [p.to_json() for p in plans], values, rl,
                                      offload, checkpointing, timeout_s=240)
+    micro_ids = [sorted({seq for pack in plan.packs for seq in pack.sequences}) for plan in plans] \
+        if len(plans) > 1 else None
     ref_loss, ref_norm, ref_params, ref_entropy, ref_dual_clip_frac, ref_aux = reference_step(model_dir, samples,
-                                                                                              values, rl)
+                                                                                              values, rl, micro_ids)
     if kind == "idle":  # ranks 2, 3: no token, but a member of the degree-4 pack
         assert [(r["num_local"] == 0, r["num_packs"]) for r in per_rank][2:] == [(True, 1), (True, 1)]
     for r in per_rank:  # with checkpointing each layer that ran forward runs again in backward

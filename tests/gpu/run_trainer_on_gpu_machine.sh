@@ -4,6 +4,10 @@
 # STEPS steps (default 2) on images and videos. The run config is the shape's shipped one-GPU file of
 # the card, ds_configs/grpo_vl{3b,7b}_1x{h200,h100}.json (CARD below), with the switches below on top.
 #   SHAPE=3b (default): with the H200 file all ZeRO-3 states on the GPU.
+#   SHAPE=qwen3-vl-8b | qwen3-vl-moe: Qwen3-VL-8B's layers, or Qwen3-VL-30B-A3B's at 12 of its 48 decoder
+#     layers (bench/rollout_bench.py SHAPES), with ds_configs/grpo_vl8b_1xh200.json (an H200 only).
+#   RUN_CONFIG=path: another run config (e.g. the 8B file under SHAPE=7b: the Qwen2.5-VL-7B baseline of
+#     the Qwen3-VL runs, same settings).
 #   CARD=h100|h200: which shipped one-GPU file, ds_configs/grpo_vl{3b,7b}_1x{h100,h200}.json (default: h100
 #     on a GPU of under 100 GiB, else h200). The 80 GB files (ds_configs/README.md) checkpoint activations, cap
 #     a micro-batch at 16,384 tokens per rank, move the policy's states off the GPU while vLLM generates and
@@ -99,7 +103,12 @@ steps=${STEPS:-2}
 shape=${SHAPE:-3b}
 export CARD=${CARD:-$( [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 102400 ] \
   && echo h100 || echo h200)}
-echo "card: $CARD (ds_configs/grpo_vl${shape}_1x$CARD.json)"
+# The run config: the shape's shipped one-GPU file of the card, or RUN_CONFIG (e.g. the 8B file for the 7B
+# baseline of a Qwen3-VL-8B run). The Qwen3-VL shapes have an H200 file only (ds_configs/README.md).
+case "$shape" in qwen3-vl-*) size=8b ;; *) size=$shape ;; esac
+export RUN_CONFIG=${RUN_CONFIG:-ds_configs/grpo_vl${size}_1x$CARD.json}
+[ -f "$RUN_CONFIG" ] || { echo "no run config $RUN_CONFIG for SHAPE=$shape on CARD=$CARD: set RUN_CONFIG"; exit 2; }
+echo "card: $CARD ($RUN_CONFIG)"
 source tests/gpu/gpu_env.sh
 export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 work=/tmp/flexrl-trainer
@@ -115,12 +124,13 @@ model="$work/m$shape-v$vocab"
 import sys
 import torch, transformers
 from flexrl_ds.bench.rollout_bench import SHAPES
-from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+from flexrl_ds.models.tiny import ARCH_CLASSES, TinyModelConfig, make_tiny_model
 shape = dict(SHAPES[sys.argv[2]], vocab_size=int(sys.argv[3]))
-out = make_tiny_model(TinyModelConfig(out_dir=sys.argv[1], **shape), weights=False)
+config = TinyModelConfig(out_dir=sys.argv[1], **shape)
+out = make_tiny_model(config, weights=False)
 torch.manual_seed(0)
 with torch.device("cuda"):
-    model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
+    model = getattr(transformers, ARCH_CLASSES[config.arch])._from_config(
         transformers.AutoConfig.from_pretrained(str(out)), dtype=torch.bfloat16)
 model.save_pretrained(str(out))
 print(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters saved to {out}")
@@ -137,7 +147,7 @@ import json, os, sys
 path, backend, shape, colocate, gpus = sys.argv[1:]
 gpus = int(gpus)
 # The shipped one-GPU config of the shape and card (ds_configs/README.md), with this run's choices on top.
-config = json.load(open(f"ds_configs/grpo_vl{shape}_1x{os.environ.get('CARD', 'h200')}.json"))
+config = json.load(open(os.environ["RUN_CONFIG"]))
 if "PROFILE_STEP" in os.environ:  # torch.profiler over that step's log-prob, update and sync phases
     config["flexrl"]["trainer"]["profile_step"] = int(os.environ["PROFILE_STEP"])
 config["flexrl"]["trainer"].update(save_every=0,

@@ -266,3 +266,26 @@ def test_train_and_logprobs_refuse_an_unshardable_family_before_any_worker(tmp_p
     assert main(["logprobs", "--model", str(tmp_path), "--data", str(tmp_path / "none.jsonl"), "--nproc", "4",
                  "--out", str(tmp_path / "out.jsonl"), "--loader", "local"]) == 2
     assert "'qwen3_5' cannot be trained" in capsys.readouterr().err
+
+
+def test_the_released_shapes_land_in_the_hf_config(tmp_path):
+    """The GPU runner's Qwen3-VL shapes (bench/rollout_bench.py SHAPES): the overrides reach the HF
+    config that make-tiny-model writes, and the model class builds from it (on the meta device)."""
+    import torch
+    import transformers
+
+    from flexrl_ds.bench.rollout_bench import SHAPES
+    from flexrl_ds.models.tiny import ARCH_CLASSES, TinyModelConfig, make_tiny_model
+
+    for name in ("qwen3-vl-8b", "qwen3-vl-moe"):
+        shape = dict(SHAPES[name], vocab_size=1024)  # the layers as released, a small vocabulary
+        out = make_tiny_model(TinyModelConfig(out_dir=str(tmp_path / name), **shape), weights=False)
+        config = transformers.AutoConfig.from_pretrained(str(out))
+        for key, value in shape["text_overrides"].items():
+            assert getattr(config.text_config, key) == value, (name, key)
+        for key, value in shape["vision_overrides"].items():
+            assert getattr(config.vision_config, key) == value, (name, key)
+        with torch.device("meta"):
+            model = getattr(transformers, ARCH_CLASSES[shape["arch"]])._from_config(config)
+        attention = model.model.language_model.layers[0].self_attn
+        assert attention.q_proj.out_features == config.text_config.num_attention_heads * 128
