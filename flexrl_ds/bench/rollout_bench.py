@@ -52,7 +52,7 @@ _QWEN3_VL_VISION = dict(intermediate_size=4304, num_position_embeddings=2304, de
 """Qwen3-VL's released vision tower (27 blocks of 1152, patch 16, DeepStack from blocks 8, 16 and 24)."""
 QWEN3_VL_MOE_LAYERS = 12
 """Decoder layers of the reduced Qwen3-VL MoE shape (the release has 48)."""
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "7b": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28,
                intermediate_size=18944, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16,
                vocab_size=QWEN_VL_VOCAB_SIZE),
