@@ -39,7 +39,8 @@ from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
 from flexrl_ds.rollout.vllm_options import SEEDING_MODES
 from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt, check_expanded_prompt,
-                                           check_request_temperature, logprobs_mode, sampling_kwargs, to_result)
+                                           check_request_temperature, logprobs_mode, sampling_kwargs, to_result,
+                                           vllm_replaces_bare_video_pad)
 from flexrl_ds.rollout.vllm_workers import EXTENSION as WORKER_EXTENSION
 from flexrl_ds.rollout.vllm_workers import WeightReceiverExtension
 from flexrl_ds.runtime.weight_channel import ChannelAddress
@@ -87,8 +88,10 @@ class VLLMEngine:
         self.is_vision_language = getattr(config, "vision_config", None) is not None
         names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         self.tokens = VisionTokens(*(int(getattr(config, name, -1)) for name in names))
-        self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)),
-                                                        pin_frame_cap=_processor_knows_frame_cap())
+        media = MediaConfig().with_processor_dir(str(model_dir))
+        self.geometry = PixelGeometry.from_media_config(
+            media, pin_frame_cap=_processor_knows_frame_cap(),
+            bare_video_pad=vllm_replaces_bare_video_pad(media.processor_family))
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._asleep: set[str] = set()
 
