@@ -75,7 +75,7 @@ class VLLMEngine:
             self.llm = vllm.LLM(
                 model=str(model_dir), dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                load_format=load_format, max_model_len=max_model_len, max_num_seqs=max_batch_sequences,
+                load_format=load_format, max_model_len=_max_model_len(max_model_len), max_num_seqs=max_batch_sequences,
                 enable_sleep_mode=True, enable_prefix_caching=True, seed=0,
                 **_logprobs_kwargs(logprob_temperature),
                 limit_mm_per_prompt={"image": max_images_per_prompt, "video": max_videos_per_prompt},
@@ -199,6 +199,13 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep.clear()
+
+
+def _max_model_len(max_model_len: int | None) -> int:
+    """None: the model config's length where the engine's KV cache holds one request of it, else the
+    longest it holds (vLLM's auto-fit, -1). Qwen3-VL configs say 262,144 tokens, whose KV cache
+    (about 39 GB for the 8B) a colocated engine's memory share may not hold: vLLM would refuse to start."""
+    return -1 if max_model_len is None else max_model_len
 
 
 def _executor_backend(in_world: bool, tensor_parallel_size: int) -> str | None:

@@ -338,3 +338,45 @@ def test_vllm_qwen3_expansion_of_the_request_gives_the_trainers_prompt(q3, bare_
     assert "video_metadata" not in kwargs and kwargs["do_sample_frames"] is False
     assert vllm_replaces_bare_video_pad("qwen3_vl") and vllm_replaces_bare_video_pad("qwen3_vl_moe")
     assert not vllm_replaces_bare_video_pad("qwen2_5_vl")
+
+
+def _vllm_fused_expert_shards(gate_up, down, hidden):
+    """vLLM 0.26's reading of fused 3D expert tensors (fused_moe/routed_experts.py `load_weights`): a
+    gate_up whose last dim is not the hidden size is transposed, then split in two on dim 1 (w1: gate,
+    w3: up, each (experts, intermediate, hidden)); a down whose dim -2 is not the hidden size is
+    transposed (w2: (experts, hidden, intermediate))."""
+    if gate_up.shape[-1] != hidden:
+        gate_up = gate_up.transpose(-1, -2)
+    if down.shape[-2] != hidden:
+        down = down.transpose(-1, -2)
+    w1, w3 = gate_up.chunk(2, dim=1)
+    return w1, w3, down
+
+
+def test_moe_sync_tensors_are_the_fused_expert_layout_vllm_loads(tmp_path):
+    """The MoE's in-memory expert parameters (sent by name as they are) read as vLLM reads fused experts
+    give each expert's SiLU-gated MLP as transformers computes it; every name maps onto vLLM's modules."""
+    import transformers
+
+    from flexrl_ds.models.tiny import TinyModelConfig, build_model, build_tokenizer
+    from flexrl_ds.rollout.vllm_inputs import vllm_weight_name
+
+    config = TinyModelConfig(out_dir=str(tmp_path), arch="qwen3-vl-moe", seed=5)
+    model = build_model(config, build_tokenizer(config))
+    assert isinstance(model, transformers.Qwen3VLMoeForConditionalGeneration)
+    params = dict(model.named_parameters())
+    text = model.config.get_text_config()
+    experts = model.model.language_model.layers[0].mlp.experts
+    w1, w3, w2 = _vllm_fused_expert_shards(params["model.language_model.layers.0.mlp.experts.gate_up_proj"].detach(),
+                                           params["model.language_model.layers.0.mlp.experts.down_proj"].detach(),
+                                           text.hidden_size)
+    assert w1.shape == (text.num_experts, text.moe_intermediate_size, text.hidden_size)
+    rows = torch.randn(5, text.hidden_size, generator=torch.Generator().manual_seed(0))
+    for expert in range(text.num_experts):
+        top_k_index = torch.full((5, 1), expert)
+        theirs = experts(rows, top_k_index, torch.ones(5, 1)).detach()
+        ours = (torch.nn.functional.silu(rows @ w1[expert].T) * (rows @ w3[expert].T)) @ w2[expert].T
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    mapped = [vllm_weight_name(name, "qwen3_vl_moe") for name in params]
+    assert all(name.startswith(("language_model.model.", "language_model.lm_head.", "visual.")) for name in mapped)
+    assert "language_model.lm_head.weight" in mapped and not text.tie_word_embeddings
