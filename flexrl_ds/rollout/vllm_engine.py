@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -77,7 +78,7 @@ class VLLMEngine:
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                 load_format=load_format, max_model_len=_max_model_len(max_model_len), max_num_seqs=max_batch_sequences,
                 enable_sleep_mode=True, enable_prefix_caching=True, seed=0,
-                **_logprobs_kwargs(logprob_temperature),
+                **_logprobs_kwargs(logprob_temperature), **_moe_kwargs(Path(model_dir)),
                 limit_mm_per_prompt={"image": max_images_per_prompt, "video": max_videos_per_prompt},
                 # vLLM's processor cache serves items one by one but calls the processor with the
                 # prompt's whole video_metadata list: with several videos a partial hit would fail.
@@ -150,6 +151,8 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
+            if self.sleep_level == 2:
+                self.llm.apply_model(_zero_deepstack_scratch)
 
     @property
     def channel_ranks(self) -> int:
@@ -199,6 +202,23 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep.clear()
+
+
+def _zero_deepstack_scratch(model: Any) -> None:
+    """vLLM 0.26's Qwen3-VL keeps the DeepStack rows of a step in plain tensors allocated with the
+    weights (`deepstack_input_embeds`, not buffers: a level-2 sleep neither keeps nor restores them)
+    and adds them to the first decoder layers of every forward, relying on them being zero outside the
+    rows it wrote: after a level-2 sleep they are zeroed again once the weights' memory is back."""
+    for scratch in getattr(model, "deepstack_input_embeds", None) or []:
+        scratch.zero_()
+
+
+def _moe_kwargs(model_dir: Path) -> dict[str, str]:
+    """A sparse decoder (Qwen3-VL MoE) runs on vLLM's Triton experts, which use the fused expert weights
+    as loaded: the FlashInfer kernels (vLLM's first choice on some GPUs, not Hopper) rearrange them once
+    after the first load, so the weights a sync writes later would be read in the wrong layout."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return {"moe_backend": "triton"} if config.get("text_config", config).get("num_experts") else {}
 
 
 def _max_model_len(max_model_len: int | None) -> int:
