@@ -14,6 +14,10 @@ How a request becomes a vLLM prompt, so that vLLM makes exactly the ShadowLoader
   bounds are set per prompt to contain every item's pixel count (smart_resize is then the identity),
   and each video's metadata (fps = temporal_patch_size / second_per_grid_t) gives vLLM the
   ShadowLoader's video timing (the mRoPE temporal positions).
+- Qwen3-VL (checked against vLLM 0.26.0's `models/qwen3_vl.py` with transformers 5.17): each video's
+  frame groups are collapsed to a bare `<|video_pad|>`, which vLLM replaces by the groups again (each
+  timestamp encoded on its own, from the `(frames, metadata)` item's `frames_indices` and `fps`, with
+  `do_sample_frames` off); the metadata travels only with the frames.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class VisionTokens:
     image: int
     video: int
     vision_start: int = -1
-    """`<|vision_start|>` (Qwen3-VL's timestamped video groups are collapsed back to the chat template's wrapper)."""
+    """`<|vision_start|>` (Qwen3-VL's timestamped video groups: `collapse_timestamped_videos`)."""
     vision_end: int = -1
 
 
