@@ -20,8 +20,10 @@ import torch
 vllm = pytest.importorskip("vllm")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
+# the MoE's expert width (intermediate_size // 2) differs from hidden_size: vLLM tells a fused expert
+# tensor's layout from which dim is the hidden size (fused_moe/routed_experts.py `load_weights`)
 SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
-             intermediate_size=512, vision_hidden_size=128, vision_depth=2, vision_num_heads=2)
+             intermediate_size=384, vision_hidden_size=128, vision_depth=2, vision_num_heads=2)
 
 
 @pytest.fixture(scope="module", params=["qwen3-vl", "qwen3-vl-moe"], ids=["dense", "moe"])
