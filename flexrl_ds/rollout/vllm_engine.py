@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -39,7 +40,8 @@ from flexrl_ds.media.config import MediaConfig
 from flexrl_ds.rollout.base import RolloutRequest, RolloutResult, SamplingParams
 from flexrl_ds.rollout.vllm_options import SEEDING_MODES
 from flexrl_ds.rollout.vllm_inputs import (PixelGeometry, VisionTokens, build_prompt, check_expanded_prompt,
-                                           check_request_temperature, logprobs_mode, sampling_kwargs, to_result)
+                                           check_request_temperature, logprobs_mode, sampling_kwargs, to_result,
+                                           vllm_replaces_bare_video_pad)
 from flexrl_ds.rollout.vllm_workers import EXTENSION as WORKER_EXTENSION
 from flexrl_ds.rollout.vllm_workers import WeightReceiverExtension
 from flexrl_ds.runtime.weight_channel import ChannelAddress
@@ -74,9 +76,9 @@ class VLLMEngine:
             self.llm = vllm.LLM(
                 model=str(model_dir), dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                load_format=load_format, max_model_len=max_model_len, max_num_seqs=max_batch_sequences,
+                load_format=load_format, max_model_len=_max_model_len(max_model_len), max_num_seqs=max_batch_sequences,
                 enable_sleep_mode=True, enable_prefix_caching=True, seed=0,
-                **_logprobs_kwargs(logprob_temperature),
+                **_logprobs_kwargs(logprob_temperature), **_moe_kwargs(Path(model_dir)),
                 limit_mm_per_prompt={"image": max_images_per_prompt, "video": max_videos_per_prompt},
                 # vLLM's processor cache serves items one by one but calls the processor with the
                 # prompt's whole video_metadata list: with several videos a partial hit would fail.
@@ -87,8 +89,10 @@ class VLLMEngine:
         self.is_vision_language = getattr(config, "vision_config", None) is not None
         names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         self.tokens = VisionTokens(*(int(getattr(config, name, -1)) for name in names))
-        self.geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(str(model_dir)),
-                                                        pin_frame_cap=_processor_knows_frame_cap())
+        media = MediaConfig().with_processor_dir(str(model_dir))
+        self.geometry = PixelGeometry.from_media_config(
+            media, pin_frame_cap=_processor_knows_frame_cap(),
+            bare_video_pad=vllm_replaces_bare_video_pad(media.processor_family))
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._asleep: set[str] = set()
 
@@ -147,6 +151,8 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
+            if self.sleep_level == 2:
+                self.llm.apply_model(_zero_deepstack_scratch)
 
     @property
     def channel_ranks(self) -> int:
@@ -196,6 +202,30 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep.clear()
+
+
+def _zero_deepstack_scratch(model: Any) -> None:
+    """vLLM 0.26's Qwen3-VL keeps the DeepStack rows of a step in plain tensors allocated with the
+    weights (`deepstack_input_embeds`, not buffers: a level-2 sleep neither keeps nor restores them)
+    and adds them to the first decoder layers of every forward, relying on them being zero outside the
+    rows it wrote: after a level-2 sleep they are zeroed again once the weights' memory is back."""
+    for scratch in getattr(model, "deepstack_input_embeds", None) or []:
+        scratch.zero_()
+
+
+def _moe_kwargs(model_dir: Path) -> dict[str, str]:
+    """A sparse decoder (Qwen3-VL MoE) runs on vLLM's Triton experts, which use the fused expert weights
+    as loaded: the FlashInfer kernels (vLLM's first choice on some GPUs, not Hopper) rearrange them once
+    after the first load, so the weights a sync writes later would be read in the wrong layout."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return {"moe_backend": "triton"} if config.get("text_config", config).get("num_experts") else {}
+
+
+def _max_model_len(max_model_len: int | None) -> int:
+    """None: the model config's length where the engine's KV cache holds one request of it, else the
+    longest it holds (vLLM's auto-fit, -1). Qwen3-VL configs say 262,144 tokens, whose KV cache
+    (about 39 GB for the 8B) a colocated engine's memory share may not hold: vLLM would refuse to start."""
+    return -1 if max_model_len is None else max_model_len
 
 
 def _executor_backend(in_world: bool, tensor_parallel_size: int) -> str | None:

@@ -14,6 +14,10 @@ How a request becomes a vLLM prompt, so that vLLM makes exactly the ShadowLoader
   bounds are set per prompt to contain every item's pixel count (smart_resize is then the identity),
   and each video's metadata (fps = temporal_patch_size / second_per_grid_t) gives vLLM the
   ShadowLoader's video timing (the mRoPE temporal positions).
+- Qwen3-VL (checked against vLLM 0.26.0's `models/qwen3_vl.py` with transformers 5.17): each video's
+  frame groups are collapsed to a bare `<|video_pad|>`, which vLLM replaces by the groups again (each
+  timestamp encoded on its own, from the `(frames, metadata)` item's `frames_indices` and `fps`, with
+  `do_sample_frames` off); the metadata travels only with the frames.
 """
 
 from __future__ import annotations
@@ -51,12 +55,18 @@ class PixelGeometry:
     default. Set where the installed transformers knows the keyword."""
     family: str = "qwen2_5_vl"
     """The model family's `model_type` (flexrl_ds/families/): its video metadata and size bounds."""
+    bare_video_pad: bool = False
+    """A timestamped video (Qwen3-VL) is collapsed to a bare `<|video_pad|>`, not to the chat template's
+    `<|vision_start|><|video_pad|><|vision_end|>`: what vLLM's Qwen3-VL replaces by the frame groups
+    where the installed transformers' processor overrides `replace_video_token` (>= 5.10;
+    `vllm_replaces_bare_video_pad`)."""
 
     @classmethod
-    def from_media_config(cls, config: Any, pin_frame_cap: bool = False) -> "PixelGeometry":
+    def from_media_config(cls, config: Any, pin_frame_cap: bool = False,
+                          bare_video_pad: bool = False) -> "PixelGeometry":
         return cls(config.patch_size, config.merge_size, config.temporal_patch_size, tuple(config.image_mean),
                    tuple(config.image_std), config.rescale_factor, config.do_normalize, pin_frame_cap,
-                   config.processor_family)
+                   config.processor_family, bare_video_pad)
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,7 @@ class VisionTokens:
     image: int
     video: int
     vision_start: int = -1
-    """`<|vision_start|>` (Qwen3-VL's timestamped video groups are collapsed back to the chat template's wrapper)."""
+    """`<|vision_start|>` (Qwen3-VL's timestamped video groups: `collapse_timestamped_videos`)."""
     vision_end: int = -1
 
 
@@ -112,8 +122,9 @@ def processor_kwargs(items: Sequence[VisionItem], geometry: PixelGeometry) -> di
     """HF processor settings for one prompt under which vLLM keeps every item's size and timing.
 
     - `size`: bounds that contain every item's pixel count, so smart_resize keeps each size;
-    - `video_metadata`: each video's frames were sampled at fps = temporal_patch_size / second_per_grid_t
-      (without it transformers assumes 24 fps and the mRoPE temporal positions differ);
+    - `video_metadata` (Qwen2.5-VL): each video's frames were sampled at fps = temporal_patch_size /
+      second_per_grid_t (without it transformers assumes 24 fps and the mRoPE temporal positions
+      differ); Qwen3-VL's travels with the frames instead (`build_prompt`);
     - `do_sample_frames` off: the frames given are the sampled ones;
     - `cap_pixels_per_frame` off (`geometry.pin_frame_cap`): nor are they to be shrunk again."""
     if not items:
@@ -123,7 +134,11 @@ def processor_kwargs(items: Sequence[VisionItem], geometry: PixelGeometry) -> di
     videos = [item for item in items if item.kind == "video"]
     if videos:
         kwargs["do_sample_frames"] = False
-        kwargs["video_metadata"] = [video_metadata(item, geometry) for item in videos]
+        if not family_for(geometry.family).prompt_timestamps:
+            # Qwen3-VL's metadata travels with each video's frames (`build_prompt`): vLLM 0.26's Qwen3-VL
+            # hands it to the processor as `video_metadata` itself, so a kwarg of that name would be a
+            # second value for the same keyword (a TypeError in the processor call).
+            kwargs["video_metadata"] = [video_metadata(item, geometry) for item in videos]
         if geometry.pin_frame_cap:
             kwargs["cap_pixels_per_frame"] = False
     return kwargs
@@ -147,12 +162,15 @@ def video_metadata(item: VisionItem, geometry: PixelGeometry) -> dict[str, Any]:
 def collapse_timestamped_videos(request: RolloutRequest, tokens: VisionTokens, geometry: PixelGeometry,
                                 encode: Callable[[str], list[int]]) -> RolloutRequest:
     """The request with each Qwen3-VL video's frame groups (`<t seconds>` + vision_start + pads +
-    vision_end each) collapsed to the chat template's `<|vision_start|><|video_pad|><|vision_end|>`,
-    which vLLM's Qwen3-VL replaces by the groups again, encoding each timestamp on its own (`encode`:
-    the tokenizer's, without special tokens). A video whose groups are not exactly those tokens (a
+    vision_end each) collapsed to what vLLM's Qwen3-VL replaces by the groups again, encoding each
+    timestamp on its own (`encode`: the tokenizer's, without special tokens): a bare `<|video_pad|>`
+    (`geometry.bare_video_pad`; vLLM 0.26 with transformers >= 5.10, whose own processor collapses the
+    template's wrapper first), else the chat template's `<|vision_start|><|video_pad|><|vision_end|>`
+    (older processors). A video whose groups are not exactly those tokens (a
     first timestamp merged with the text before it, as a whole-text tokenizer may do) is a ValueError
     naming the sample: vLLM would see another prompt than the trainer."""
     family = family_for(geometry.family)
+    placeholder = [tokens.video] if geometry.bare_video_pad else [tokens.vision_start, tokens.video, tokens.vision_end]
     ids, out, cursor = list(request.prompt_ids), [], 0
     for index, item in enumerate(request.items):
         if item.kind != "video":
@@ -168,9 +186,25 @@ def collapse_timestamped_videos(request: RolloutRequest, tokens: VisionTokens, g
             raise ValueError(f"rollout request {request.sample_key!r}: video {index}'s frame groups in prompt_ids are "
                              "not the timestamp and vision tokens vLLM makes of them (is the first timestamp "
                              "tokenized together with the text before it?)")
-        out += ids[cursor:start] + [tokens.vision_start, tokens.video, tokens.vision_end]
+        out += ids[cursor:start] + placeholder
         cursor = start + len(groups)
     return dataclasses.replace(request, prompt_ids=out + ids[cursor:])
+
+
+def vllm_replaces_bare_video_pad(family: str) -> bool:
+    """Whether vLLM 0.26's Qwen3-VL replaces a bare `<|video_pad|>` by a video's frame groups (its
+    `Qwen3VLMultiModalProcessor._expands_only_video_token`): so where the installed transformers'
+    processor class of the family overrides `ProcessorMixin.replace_video_token` (>= 5.10)."""
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    model_family = family_for(family)
+    if not model_family.prompt_timestamps:
+        return False
+    processor = getattr(transformers, model_family.processor_classes[0], None)
+    base = getattr(ProcessorMixin, "replace_video_token", None)
+    own = getattr(processor, "replace_video_token", None)
+    return own is not None and own is not base
 
 
 def build_prompt(request: RolloutRequest, tokens: VisionTokens, geometry: PixelGeometry,

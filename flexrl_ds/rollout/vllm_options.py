@@ -41,7 +41,8 @@ class VLLMOptions(BackendOptions):
     `RolloutConfig.engines_drop_weights_at_start`) get "dummy" in place of "auto" only
     (`RolloutConfig.engine_options`); "safetensors" is kept and still read."""
     max_model_len: int | None = None
-    """Longest prompt + response an engine serves; None: the model config's."""
+    """Longest prompt + response an engine serves; None: the model config's, or the longest the
+    engine's KV cache holds where that is less (vLLM's auto-fit; the engine logs "Auto-fit max_model_len")."""
     sleep_level: int = 1
     """While the policy trains: 1 offloads the engine's weights to host memory, 2 drops them (every
     sync then rewrites all of them and skips copying the backup back). Both drop the KV cache."""

@@ -23,6 +23,12 @@ if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ]; then
   # an engine of a run at temperature 0.7 (processed log-probs): in a pytest process of its own
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm_temperature_gpu.py 2>&1 | grep -v "Loading weights" \
     | grep -v "^INFO\|^WARNING\|^(EngineCore" | tee -a "$out/vllm_engine_tests.txt" | tail -8 || status=1
+  # Qwen3-VL dense and MoE (issue 38): timestamped videos, weight sync through a level-2 sleep; one engine a process
+  for family in dense moe; do
+    python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vllm_qwen3_gpu.py -k "$family" 2>&1 \
+      | grep -v "Loading weights" | grep -v "^INFO\|^WARNING\|^(EngineCore" | tee -a "$out/vllm_engine_tests.txt" \
+      | tail -8 || status=1
+  done
   echo "engine tests done after $(( $(date +%s) - start )) s"
 fi
 if [ "${1:-engine}" = engine ] || [ "${1:-}" = tests ] || [ "${1:-}" = channel ]; then

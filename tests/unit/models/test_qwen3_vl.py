@@ -289,3 +289,117 @@ def test_the_released_shapes_land_in_the_hf_config(tmp_path):
             model = getattr(transformers, ARCH_CLASSES[shape["arch"]])._from_config(config)
         attention = model.model.language_model.layers[0].self_attn
         assert attention.q_proj.out_features == config.text_config.num_attention_heads * 128
+
+
+def _vllm_qwen3_token_prompt_expansion(prompt, tokens, encode, merge, patch, bare_video_pad):
+    """What vLLM 0.26's Qwen3-VL makes of a token prompt (qwen3_vl.py `_get_prompt_updates` /
+    `get_video_repl`): each image's pad becomes its merged pads (grid from the pixels' size), each
+    video's placeholder (a bare pad with transformers >= 5.10, else the template's wrapper) becomes per
+    group its timestamp encoded on its own + vision_start + pads + vision_end, the timestamps from the
+    metadata's frame indices and fps as transformers' processor computes them."""
+    from transformers import Qwen3VLProcessor
+
+    ids, images, videos = list(prompt["prompt_token_ids"]), prompt["multi_modal_data"].get("image", []), \
+        list(prompt["multi_modal_data"].get("video", []))
+    target = [tokens.video] if bare_video_pad else [tokens.vision_start, tokens.video, tokens.vision_end]
+    out, i, image_index = [], 0, 0
+    while i < len(ids):
+        if ids[i:i + len(target)] == target:
+            frames, metadata = videos.pop(0)
+            stamps = Qwen3VLProcessor._calculate_timestamps(None, list(metadata["frames_indices"]), metadata["fps"], 2)
+            assert len(stamps) == frames.shape[0] // 2
+            pads = (frames.shape[1] // patch) * (frames.shape[2] // patch) // merge ** 2
+            for stamp in stamps:
+                out += encode(f"<{stamp:.1f} seconds>") + [tokens.vision_start] + [tokens.video] * pads + [tokens.vision_end]
+            i += len(target)
+        elif ids[i] == tokens.image:
+            image = images[image_index]
+            image_index += 1
+            out += [tokens.image] * ((image.shape[0] // patch) * (image.shape[1] // patch) // merge ** 2)
+            i += 1
+        else:
+            out.append(ids[i])
+            i += 1
+    assert not videos and image_index == len(images)
+    return out
+
+
+@pytest.mark.parametrize("bare_video_pad", [True, False])
+def test_vllm_qwen3_expansion_of_the_request_gives_the_trainers_prompt(q3, bare_video_pad):
+    """Two videos of several frame groups and an image: vLLM's Qwen3-VL expansion of the request
+    (bare `<|video_pad|>` targets as with vLLM 0.26 + transformers >= 5.10, or the old wrapper) is the
+    trainer's prompt token for token; the metadata travels with the frames only (a `video_metadata`
+    processor kwarg would be a second value for the keyword vLLM passes)."""
+    import transformers
+
+    from flexrl_ds.media.config import MediaConfig
+    from flexrl_ds.models.processing import SampleEncoder, VisionItem
+    from flexrl_ds.rollout.base import RolloutRequest
+    from flexrl_ds.rollout.vllm_inputs import PixelGeometry, VisionTokens, build_prompt, vllm_replaces_bare_video_pad
+
+    model_dir, model, _ = q3
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    geometry = PixelGeometry.from_media_config(MediaConfig().with_processor_dir(model_dir),
+                                               bare_video_pad=bare_video_pad)
+    config = model.config
+    tokens = VisionTokens(config.image_token_id, config.video_token_id, config.vision_start_token_id,
+                          config.vision_end_token_id)
+    gen = torch.Generator().manual_seed(0)
+    first = VisionItem("video", torch.rand(3 * 2 * 4, 1536, generator=gen), (3, 2, 4), 1.0,
+                       frame_indices=(0, 4, 8, 12, 16), source_fps=8.0)
+    second = VisionItem("video", torch.rand(2 * 4 * 2, 1536, generator=gen), (2, 4, 2), 1.0,
+                        frame_indices=(3, 40, 77, 114), source_fps=29.97)
+    image = VisionItem("image", torch.rand(4 * 4, 1536, generator=gen), (1, 4, 4))
+    items = [first, image, second]
+    ids = SampleEncoder(model_dir).encode_prompt("r", "<video> then <image> and <video>?", items)
+    prompt = build_prompt(RolloutRequest("s", ids, items, 0), tokens, geometry, encode)
+    expanded = _vllm_qwen3_token_prompt_expansion(prompt, tokens, encode, geometry.merge_size, geometry.patch_size,
+                                                  bare_video_pad)
+    assert expanded == ids
+    kwargs = prompt["mm_processor_kwargs"]
+    assert "video_metadata" not in kwargs and kwargs["do_sample_frames"] is False
+    assert vllm_replaces_bare_video_pad("qwen3_vl") and vllm_replaces_bare_video_pad("qwen3_vl_moe")
+    assert not vllm_replaces_bare_video_pad("qwen2_5_vl")
+
+
+def _vllm_fused_expert_shards(gate_up, down, hidden):
+    """vLLM 0.26's reading of fused 3D expert tensors (fused_moe/routed_experts.py `load_weights`): a
+    gate_up whose last dim is not the hidden size is transposed, then split in two on dim 1 (w1: gate,
+    w3: up, each (experts, intermediate, hidden)); a down whose dim -2 is not the hidden size is
+    transposed (w2: (experts, hidden, intermediate))."""
+    if gate_up.shape[-1] != hidden:
+        gate_up = gate_up.transpose(-1, -2)
+    if down.shape[-2] != hidden:
+        down = down.transpose(-1, -2)
+    w1, w3 = gate_up.chunk(2, dim=1)
+    return w1, w3, down
+
+
+def test_moe_sync_tensors_are_the_fused_expert_layout_vllm_loads(tmp_path):
+    """The MoE's in-memory expert parameters (sent by name as they are) read as vLLM reads fused experts
+    give each expert's SiLU-gated MLP as transformers computes it; every name maps onto vLLM's modules."""
+    import transformers
+
+    from flexrl_ds.models.tiny import TinyModelConfig, build_model, build_tokenizer
+    from flexrl_ds.rollout.vllm_inputs import vllm_weight_name
+
+    config = TinyModelConfig(out_dir=str(tmp_path), arch="qwen3-vl-moe", seed=5)
+    model = build_model(config, build_tokenizer(config))
+    assert isinstance(model, transformers.Qwen3VLMoeForConditionalGeneration)
+    params = dict(model.named_parameters())
+    text = model.config.get_text_config()
+    experts = model.model.language_model.layers[0].mlp.experts
+    w1, w3, w2 = _vllm_fused_expert_shards(params["model.language_model.layers.0.mlp.experts.gate_up_proj"].detach(),
+                                           params["model.language_model.layers.0.mlp.experts.down_proj"].detach(),
+                                           text.hidden_size)
+    assert w1.shape == (text.num_experts, text.moe_intermediate_size, text.hidden_size)
+    rows = torch.randn(5, text.hidden_size, generator=torch.Generator().manual_seed(0))
+    for expert in range(text.num_experts):
+        top_k_index = torch.full((5, 1), expert)
+        theirs = experts(rows, top_k_index, torch.ones(5, 1)).detach()
+        ours = (torch.nn.functional.silu(rows @ w1[expert].T) * (rows @ w3[expert].T)) @ w2[expert].T
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    mapped = [vllm_weight_name(name, "qwen3_vl_moe") for name in params]
+    assert all(name.startswith(("language_model.model.", "language_model.lm_head.", "visual.")) for name in mapped)
+    assert "language_model.lm_head.weight" in mapped and not text.tie_word_embeddings
