@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flexrl_ds.media.video_encoding import encode_video
+
 MIXES = {
     "image-heavy": {"image": 5, "short_video": 2, "long_video": 1},
     "video-heavy": {"image": 1, "short_video": 2, "long_video": 5},
@@ -196,26 +198,9 @@ def write_video(path: str | Path, num_frames: int, width: int, height: int, fps:
         raise ValueError(f"H.264 4:2:0 needs even sides, got {width}x{height}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     frames = video_frames(num_frames, width, height, seed)
-    try:
-        from torchcodec.encoders import VideoEncoder
-    except Exception:  # ImportError, or RuntimeError when FFmpeg's libraries are missing
-        _write_video_opencv(path, frames, fps)
-        return
     # A constant quantiser and one encoder thread: the same frames encoded twice gave different bytes
     # now and then with x264's default CRF rate control (even with one thread) and with a constant
     # QP on x264's default threads, so two datasets of one seed differed; with both they are
     # byte-identical (docs/notes/demo-runs-2026-12-01-to-05.md).
-    VideoEncoder(frames, frame_rate=fps).to_file(str(path), codec="libx264", pixel_format="yuv420p",
-                                                 preset="veryfast", extra_options={"qp": 23, "threads": 1})
-
-
-def _write_video_opencv(path: str | Path, frames_NCHW: torch.Tensor, fps: float) -> None:
-    import cv2
-
-    height, width = frames_NCHW.shape[-2:]
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))  # type: ignore[attr-defined]
-    try:
-        for frame in frames_NCHW.permute(0, 2, 3, 1).numpy():
-            writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
-    finally:
-        writer.release()
+    encode_video(path, frames, fps, codec="libx264", pixel_format="yuv420p", preset="veryfast",
+                 extra_options={"qp": 23, "threads": 1})

@@ -59,16 +59,17 @@ def write_scoring_dataset(folder: str | Path, num_records: int = 6, seed: int = 
 
 
 def write_video(path: str | Path, num_frames: int, height: int, width: int, fps: int, rng) -> None:
-    """A short random-noise MP4 (smooth enough to survive H.264)."""
+    """A short random-noise MP4 (smooth enough to survive H.264; media/video_encoding.py)."""
     import torch
-    from torchcodec.encoders import VideoEncoder
+
+    from flexrl_ds.media.video_encoding import encode_video
 
     base = rng.integers(0, 255, (3, height // 4, width // 4), dtype=np.uint8)
     frames = []
     for index in range(num_frames):
         frame = np.roll(base, index, axis=2).repeat(4, axis=1).repeat(4, axis=2)
         frames.append(frame)
-    VideoEncoder(torch.from_numpy(np.stack(frames)), frame_rate=fps).to_file(str(path))
+    encode_video(path, torch.from_numpy(np.stack(frames)), fps)
 
 
 def random_plan_for(lengths: dict[str, int], world_size: int, p_max: int, seed: int):
