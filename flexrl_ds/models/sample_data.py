@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from flexrl_ds.media.video_encoding import encode_video
 from flexrl_ds.planning.plan import Pack, Plan, validate_plan
 
 _WORDS = ("the answer is angle circle two red ball boy because first then find line point area "
@@ -61,8 +62,6 @@ def write_scoring_dataset(folder: str | Path, num_records: int = 6, seed: int = 
 def write_video(path: str | Path, num_frames: int, height: int, width: int, fps: int, rng) -> None:
     """A short random-noise MP4 (smooth enough to survive H.264; media/video_encoding.py)."""
     import torch
-
-    from flexrl_ds.media.video_encoding import encode_video
 
     base = rng.integers(0, 255, (3, height // 4, width // 4), dtype=np.uint8)
     frames = []
