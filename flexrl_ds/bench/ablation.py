@@ -185,6 +185,9 @@ def format_report(report: dict[str, Any]) -> str:
         shown = ["–" if v is None else form.format(v) for v in values]
         ratio = f"{values[1] / values[0]:.3g}" if values[0] and values[1] is not None else "–"
         lines.append(f"| {label} | {shown[0]} | {shown[1]} | {ratio} |")
+    lines += ["", "controller: the loader's controller process (under central loading the one that decodes and "
+                  "ships every pixel, veRL's driver); driver: the trainer's driver process. Peaks: the largest "
+                  "of the averaged steps."]
     lines += ["", "| step | A: step s, exposed s (share) | B: step s, exposed s (share) |", "|---|---|---|"]
     b_steps = {row["step"]: row for row in b["per_step"]}
     for row in a["per_step"]:

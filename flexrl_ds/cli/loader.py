@@ -8,6 +8,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from flexrl_ds.bench.ablation import ablation_report, format_report
 from flexrl_ds.bench.loader_bench_config import DEFAULT_CPUS_PER_ACTOR, MODES, LoaderBenchConfig
 from flexrl_ds.bench.loader_report import format_table, summary
 from flexrl_ds.common.output_files import output_file
@@ -90,8 +91,6 @@ def _bench_loader(args: argparse.Namespace) -> int:
 
 
 def _bench_ablation_report(args: argparse.Namespace) -> int:
-    from flexrl_ds.bench.ablation import ablation_report, format_report
-
     report = ablation_report(args.runs[0], args.runs[1], all_steps=args.all_steps)
     text = format_report(report)
     print(text)
