@@ -101,6 +101,9 @@ def _write_video_opencv(path: str | Path, chunks: Iterator[torch.Tensor], width:
     import cv2
 
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))  # type: ignore[attr-defined]
+    if not writer.isOpened():  # else every write would be dropped without a word
+        raise RuntimeError(f"{path}: OpenCV cannot write MPEG-4 video here (its build has no FFmpeg writer), "
+                           "and torchcodec cannot load")
     try:
         for frames in chunks:
             for frame in frames.permute(0, 2, 3, 1).numpy():

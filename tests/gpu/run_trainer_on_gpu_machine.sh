@@ -88,8 +88,8 @@
 #     and responses, STEPS (default 3) steps each, `flexrl.data.loading` central (the veRL-style baseline:
 #     the loader's controller decodes each step when asked and ships every pixel) and then shadow (the
 #     ShadowLoader), on NExTQA-like clips (`make-dataset --mix video-heavy --scale nextqa`: 20-60 s,
-#     360p-720p, 30 fps, ABLATION_RECORDS records, default 32, encoded on this host by OpenCV in one
-#     process per core); the frames the model sees stay within the model's processor budget (2 fps, at
+#     360p-720p, 30 fps, ABLATION_RECORDS records, default 32 or STEPS x PROMPTS where more, encoded on
+#     this host by OpenCV in one process per core: ~20-45 s for 32-64 records by the 2-core VM's rate); the frames the model sees stay within the model's processor budget (2 fps, at
 #     most 64 frames of at most 64x28x28 pixels). Writes OUT/central/ and OUT/shadow/ (each run's
 #     metrics.jsonl, rollouts/), OUT/train_{central,shadow}.log and the table of
 #     `flexrl bench ablation-report OUT/central OUT/shadow`: OUT/ablation.md (printed) and OUT/ablation.json.
@@ -139,7 +139,7 @@ PY
 echo "model ready after $(( $(date +%s) - start )) s"
 [ "${MODEL_ONLY:-0}" = 1 ] && [ "$ablation" != 1 ] && exit 0
 if [ "$ablation" = 1 ]; then  # NExTQA-like clips of realistic sizes, one encoding process per core
-  records=${ABLATION_RECORDS:-32}
+  records=${ABLATION_RECORDS:-$(( steps * ${PROMPTS:-4} > 32 ? steps * ${PROMPTS:-4} : 32 ))}
   data="$work/data-nextqa-$records"
   [ -f "$data/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num "$records" \
     --scale nextqa --task keyword --seed 0 --out "$data"

@@ -97,3 +97,12 @@ def test_make_dataset_reports_progress_over_records(tmp_path):
     assert [d for d, _ in calls] == sorted(d for d, _ in calls) and len(calls) == summary.num_videos + 1
     with pytest.raises(ValueError, match="--workers"):
         make_dataset(tmp_path / "w", "video-heavy", 2, "small", workers=0)
+
+
+def test_the_cli_offers_every_scale():
+    from flexrl_ds.cli.main import build_parser
+
+    for scale in SCALES:
+        args = build_parser().parse_args(["make-dataset", "--mix", "video-heavy", "--num", "1", "--scale", scale,
+                                          "--out", "x", "--workers", "3"])
+        assert (args.scale, args.workers) == (scale, 3)
