@@ -21,7 +21,9 @@ from pathlib import Path
 
 from flexrl_ds.bench.synthetic_video import VideoJob, available_cpus, encode_videos, video_frames, write_video
 
-__all__ = ["MIXES", "SCALES", "TASKS", "DatasetSummary", "make_dataset", "video_frames", "write_video"]
+__all__ = ["MIXES", "SCALES", "TASKS", "DatasetSummary", "make_dataset", "make_records", "video_frames",
+           "write_video"]
+
 MIXES = {
     "image-heavy": {"image": 5, "short_video": 2, "long_video": 1},
     "video-heavy": {"image": 1, "short_video": 2, "long_video": 5},
@@ -91,9 +93,9 @@ def make_dataset(out: str | Path, mix: str, num: int, scale: str = "small", seed
     """Write `num` records of `mix` with their media under `out`; returns counts. `workers`:
     processes encoding the videos (None: one per CPU where there is much to encode,
     `PARALLEL_PIXEL_FRAMES`, else this process); `progress(records done, num)` as records complete."""
-    rows, jobs = make_records(out, mix, num, scale, seed, task)
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
+    rows, jobs = make_records(out, mix, num, scale, seed, task)
     if workers is None:
         workers = available_cpus() if sum(job.pixel_frames for job in jobs) > PARALLEL_PIXEL_FRAMES else 1
     done = num - len(jobs)  # image records: written already

@@ -89,7 +89,8 @@
 #     the loader's controller decodes each step when asked and ships every pixel) and then shadow (the
 #     ShadowLoader), on NExTQA-like clips (`make-dataset --mix video-heavy --scale nextqa`: 20-60 s,
 #     360p-720p, 30 fps, ABLATION_RECORDS records, default 32 or STEPS x PROMPTS where more, encoded on
-#     this host by OpenCV in one process per core: ~20-45 s for 32-64 records by the 2-core VM's rate); the frames the model sees stay within the model's processor budget (2 fps, at
+#     this host by OpenCV in one process per core: ~20-45 s for 32-64 records, estimated from the 2-core
+#     VM's encoding rate); the frames the model sees stay within the model's processor budget (2 fps, at
 #     most 64 frames of at most 64x28x28 pixels). Writes OUT/central/ and OUT/shadow/ (each run's
 #     metrics.jsonl, rollouts/), OUT/train_{central,shadow}.log and the table of
 #     `flexrl bench ablation-report OUT/central OUT/shadow`: OUT/ablation.md (printed) and OUT/ablation.json.
