@@ -94,7 +94,9 @@
 #     most 64 frames of at most 64x28x28 pixels). Writes OUT/central/ and OUT/shadow/ (each run's
 #     metrics.jsonl, rollouts/), OUT/train_{central,shadow}.log and the table of
 #     `flexrl bench ablation-report OUT/central OUT/shadow`: OUT/ablation.md (printed) and OUT/ablation.json.
-#     With MODEL_ONLY=1 it builds the model and the clips only (then the ablation call has its 600 s).
+#     With MODEL_ONLY=1 it builds the model and the clips only (then the ablation call has its 600 s): e.g.
+#     `ABLATION=1 MODEL_ONLY=1 R` then `ABLATION=1 R` in one batch; with BACKEND=vllm, the first in the
+#     call that carries .whl and the second after vLLM's install (tests/gpu/run_vllm_on_gpu_machine.sh's batch).
 #   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
 # vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
