@@ -1,7 +1,6 @@
 """Generated clips (bench/synthetic_video.py) and `make-dataset --scale nextqa`: clips made in chunks
 decode to the frames generated, through torchcodec's encoder and through the OpenCV fallback (the GPU
-machine's); NExTQA-like records have the sizes asked for; worker processes write what this process
-writes."""
+machine's); NExTQA-like records have the sizes asked for. (Worker processes: tests/integration/test_data_cli.py.)"""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ import pytest
 import torch
 
 from flexrl_ds.bench.datasets import SCALES, make_dataset, make_records
-from flexrl_ds.bench.synthetic_video import (CHUNK_FRAMES, VideoJob, encode_videos, frame_chunks, video_frames,
-                                             write_video)
+from flexrl_ds.bench.synthetic_video import CHUNK_FRAMES, frame_chunks, video_frames, write_video
 from flexrl_ds.media.video_backends import available_backends, get_video_backend
 
 
@@ -71,23 +69,6 @@ def test_nextqa_records_have_nextqa_sized_clips(tmp_path):
     sizes = {(job.width, job.height) for job in jobs}
     assert max(w * h for w, h in sizes) > 3 * min(w * h for w, h in sizes)  # 360p to 720p, not one size
     assert SCALES["nextqa"].video_fps == 30
-
-
-@pytest.mark.slow  # two spawned processes import torch: ~30 s on the loaded 2-core VM
-def test_worker_processes_write_what_this_process_writes(tmp_path):
-    """Two spawned workers, the same clips: equal bytes where torchcodec encodes (constant QP, one
-    thread), equal frame counts where OpenCV does; `done` hears of every clip once."""
-    jobs = [VideoJob(str(tmp_path / "pool" / f"{k}.mp4"), 12 + 5 * k, 64, 48, 8.0, seed=k) for k in range(3)]
-    done: list[VideoJob] = []
-    encode_videos(jobs, workers=2, done=done.append)
-    assert sorted(done, key=lambda job: job.path) == jobs
-    for job in jobs:
-        here = tmp_path / "here" / (job.path.rsplit("/", 1)[1])
-        write_video(here, job.num_frames, job.width, job.height, job.fps, job.seed)
-        backend = get_video_backend(available_backends()[0])
-        assert backend.probe(job.path).num_frames == job.num_frames
-        if "torchcodec" in available_backends():
-            assert here.read_bytes() == (tmp_path / "pool" / here.name).read_bytes()
 
 
 def test_make_dataset_reports_progress_over_records(tmp_path):
