@@ -1,11 +1,14 @@
 """Seeded generator of real multimodal datasets (media files + train.jsonl) for tests, demos and
 loader benchmarks: `flexrl make-dataset`.
 
-Records follow the three public workload profiles (bench/workloads.py), scaled down so that media
-are small and fast to encode: `image` (Geo3K-like geometry diagrams, PNG or JPEG, 1 in 10 records
-has two), `short_video` (NExTQA-like clips) and `long_video` (LongVILA-like, longer and wider).
-Videos are H.264 MP4 written by torchcodec's `VideoEncoder`: a moving shape over a drifting
-gradient, so that frames differ. Mixes weight the profiles as in the FlexRL paper.
+Records follow the three public workload profiles (bench/workloads.py): `image` (Geo3K-like geometry
+diagrams, PNG or JPEG, 1 in 10 records has two), `short_video` (NExTQA-like clips) and `long_video`
+(LongVILA-like, longer and wider). Mixes weight the profiles as in the FlexRL paper. Scales set the
+media sizes: `small` and `medium` are scaled down so that media are small and fast to encode;
+`nextqa` has clips of realistic sizes (20-60 s, 360p-720p, 30 fps, as NExTQA's), for the data-loading
+ablation: decoding them is what costs a centralised loader its time. Videos are generated and encoded
+by bench/synthetic_video.py (H.264 with torchcodec, else MPEG-4 part 2 with OpenCV), in worker
+processes where there is much to encode.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
+from flexrl_ds.bench.synthetic_video import VideoJob, available_cpus, encode_videos, video_frames, write_video
 
-from flexrl_ds.media.video_encoding import encode_video
+__all__ = ["MIXES", "SCALES", "TASKS", "DatasetSummary", "make_dataset", "make_records", "video_frames",
+           "write_video"]
 
 MIXES = {
     "image-heavy": {"image": 5, "short_video": 2, "long_video": 1},
@@ -52,7 +55,16 @@ SCALES = {
     "medium": Scale(image_side=(200, 1000), short_video_size=((320, 240), (480, 360)),
                     short_video_seconds=(4.0, 12.0), long_video_size=((448, 252), (640, 360)),
                     long_video_seconds=(10.0, 24.0), video_fps=8, prompt_words=(30, 200)),
+    "nextqa": Scale(image_side=(200, 1000), short_video_size=((640, 360), (854, 480)),
+                    short_video_seconds=(20.0, 40.0), long_video_size=((960, 540), (1280, 720)),
+                    long_video_seconds=(40.0, 60.0), video_fps=30, prompt_words=(10, 40)),
 }
+"""`nextqa`: NExTQA's clips are ~44 s on average, mostly 640x360 to 640x480, at ~30 fps; both video
+profiles are NExTQA-like here (the long one 40-60 s at 540p-720p)."""
+
+PARALLEL_PIXEL_FRAMES = 10**9
+"""With `workers` None, videos holding more pixels than this in all (~1,100 frames at 720p) are
+encoded in one worker process per CPU; fewer in this process (starting workers costs seconds)."""
 
 WORDS = ("angle triangle circle radius chord tangent segment measure find the of what is why did "
          "boy girl ball pick up walk run after before happen scene show person table door").split()
@@ -77,8 +89,43 @@ spelled by that word), a task a tiny random model can learn within minutes on a 
 
 def make_dataset(out: str | Path, mix: str, num: int, scale: str = "small", seed: int = 0,
                  parquet: bool = False, progress: Callable[[int, int], None] | None = None,
-                 task: str = "qa") -> DatasetSummary:
-    """Write `num` records of `mix` with their media under `out`; returns counts."""
+                 task: str = "qa", workers: int | None = None) -> DatasetSummary:
+    """Write `num` records of `mix` with their media under `out`; returns counts. `workers`:
+    processes encoding the videos (None: one per CPU where there is much to encode,
+    `PARALLEL_PIXEL_FRAMES`, else this process); `progress(records done, num)` as records complete."""
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    rows, jobs = make_records(out, mix, num, scale, seed, task)
+    if workers is None:
+        workers = available_cpus() if sum(job.pixel_frames for job in jobs) > PARALLEL_PIXEL_FRAMES else 1
+    done = num - len(jobs)  # image records: written already
+
+    def one_more(job: VideoJob) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, num)
+
+    if progress is not None:
+        progress(done, num)  # the images are written; the videos start
+    encode_videos(jobs, workers, one_more)
+    out = Path(out)
+    path = out / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if parquet:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), out / "train.parquet")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    return DatasetSummary(path, len(rows), sum(len(row["images"]) for row in rows),
+                          sum(len(row["videos"]) for row in rows), size)
+
+
+def make_records(out: str | Path, mix: str, num: int, scale: str = "small", seed: int = 0,
+                 task: str = "qa") -> tuple[list[dict], list[VideoJob]]:
+    """The records of `make_dataset`, their images written under `out`, their videos returned as
+    jobs for `encode_videos` (one per video record, in record order)."""
     if mix not in MIXES:
         raise ValueError(f"--mix {mix!r}: choose one of {', '.join(MIXES)}")
     if task not in TASKS:
@@ -92,29 +139,20 @@ def make_dataset(out: str | Path, mix: str, num: int, scale: str = "small", seed
     (out / "media" / "vid").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     profiles, weights = zip(*[(name, weight) for name, weight in MIXES[mix].items() if weight > 0])
-    rows, num_images, num_videos = [], 0, 0
+    rows, jobs = [], []
     for index in range(num):
         profile = rng.choices(profiles, weights)[0]
-        row = _make_record(out, index, profile, SCALES[scale], rng)
+        row, job = _make_record(out, index, profile, SCALES[scale], rng)
         if task == "keyword":
             row = _keyword_task(row, rng)
-        num_images += len(row["images"])
-        num_videos += len(row["videos"])
         rows.append(row)
-        if progress is not None:
-            progress(index + 1, num)
-    path = out / "train.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    if parquet:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), out / "train.parquet")
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return DatasetSummary(path, len(rows), num_images, num_videos, size)
+        jobs += [job] if job is not None else []
+    return rows, jobs
 
 
-def _make_record(out: Path, index: int, profile: str, scale: Scale, rng: random.Random) -> dict:
+def _make_record(out: Path, index: int, profile: str, scale: Scale,
+                 rng: random.Random) -> tuple[dict, VideoJob | None]:
+    """A record (its images written) and its video's job, if it has one."""
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*scale.prompt_words)))
     if profile == "image":
         count = 2 if rng.random() < 0.1 else 1
@@ -126,7 +164,7 @@ def _make_record(out: Path, index: int, profile: str, scale: Scale, rng: random.
             images.append(relative)
         prompt = "<image>\n" * count + text + "?"
         return {"id": f"img-{index:05d}", "prompt": prompt, "images": images, "videos": [],
-                "answer": str(rng.randint(1, 180)), "data_source": "geo3k"}
+                "answer": str(rng.randint(1, 180)), "data_source": "geo3k"}, None
     if profile == "short_video":
         size_range, seconds, source = scale.short_video_size, scale.short_video_seconds, "nextqa"
     else:
@@ -135,11 +173,11 @@ def _make_record(out: Path, index: int, profile: str, scale: Scale, rng: random.
     width, height = _even(rng.randint(min_w, max_w)), _even(rng.randint(min_h, max_h))
     num_frames = max(2, round(rng.uniform(*seconds) * scale.video_fps))
     relative = f"media/vid/{index:05d}.mp4"
-    write_video(out / relative, num_frames, width, height, scale.video_fps, seed=rng.randrange(2**31))
+    job = VideoJob(str(out / relative), num_frames, width, height, scale.video_fps, seed=rng.randrange(2**31))
     options = " ".join(f"{letter}. {rng.choice(WORDS)}" for letter in "ABCD")
     return {"id": f"{'sv' if profile == 'short_video' else 'lv'}-{index:05d}",
             "prompt": f"<video>\n{text}? {options}", "images": [], "videos": [relative],
-            "answer": rng.choice("ABCD"), "data_source": source}
+            "answer": rng.choice("ABCD"), "data_source": source}, job
 
 
 def _keyword_task(row: dict, rng: random.Random) -> dict:
@@ -170,37 +208,3 @@ def _write_image(path: Path, width: int, height: int, rng: random.Random) -> Non
         image.save(path, quality=90)
     else:
         image.save(path)
-
-
-def video_frames(num_frames: int, width: int, height: int, seed: int = 0) -> torch.Tensor:
-    """uint8 (num_frames, 3, height, width): a square moving over a scrolling colour gradient."""
-    generator = np.random.default_rng(seed)
-    colour = torch.tensor(generator.integers(40, 255, 3), dtype=torch.uint8).view(3, 1, 1)
-    ys = torch.linspace(0, 1, height).view(height, 1).expand(height, width)
-    xs = torch.linspace(0, 1, width).view(1, width).expand(height, width)
-    base = torch.stack([xs, ys, (xs + ys) / 2]) * 0.5 + 0.5 * torch.sin(6.28 * (xs + 2 * ys)) ** 2
-    base = (255 * base).to(torch.uint8)  # (3, H, W)
-    frames = torch.empty(num_frames, 3, height, width, dtype=torch.uint8)
-    side = max(2, min(width, height) // 4)
-    step = max(1, width // 40)
-    for index in range(num_frames):
-        frames[index] = torch.roll(base, shifts=index * step, dims=2)
-        x0 = int((width - side) * index / max(1, num_frames - 1))
-        y0 = int((height - side) * (0.5 + 0.4 * np.sin(index / 3)))
-        frames[index, :, y0:y0 + side, x0:x0 + side] = colour
-    return frames
-
-
-def write_video(path: str | Path, num_frames: int, width: int, height: int, fps: float, seed: int = 0) -> None:
-    """Encode a generated clip as H.264 MP4 (yuv420p; width and height must be even) with
-    torchcodec; where torchcodec cannot load, as MPEG-4 part 2 MP4 with OpenCV."""
-    if width % 2 or height % 2:
-        raise ValueError(f"H.264 4:2:0 needs even sides, got {width}x{height}")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    frames = video_frames(num_frames, width, height, seed)
-    # A constant quantiser and one encoder thread: the same frames encoded twice gave different bytes
-    # now and then with x264's default CRF rate control (even with one thread) and with a constant
-    # QP on x264's default threads, so two datasets of one seed differed; with both they are
-    # byte-identical (docs/notes/demo-runs-2026-12-01-to-05.md).
-    encode_video(path, frames, fps, codec="libx264", pixel_format="yuv420p", preset="veryfast",
-                 extra_options={"qp": 23, "threads": 1})

@@ -24,13 +24,18 @@ def register(commands, bench) -> None:
     )
     make.add_argument("--mix", required=True, choices=["image-heavy", "video-heavy", "only-video"])
     make.add_argument("--num", type=int, required=True, help="number of records")
-    make.add_argument("--scale", default="small", choices=["small", "medium"], help="media sizes (default small)")
+    make.add_argument("--scale", default="small", choices=["small", "medium", "nextqa"],
+                      help="media sizes (default small); nextqa: NExTQA-like clips of 20-60 s at 360p-720p, 30 fps "
+                           "(the data-loading ablation's)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--out", required=True, help="output folder")
     make.add_argument("--parquet", action="store_true", help="also write DIR/train.parquet")
     make.add_argument("--task", default="qa", choices=("qa", "keyword"),
                       help="qa: numbers / choice letters as answers; keyword: answer with a given word "
                            "(reward 'keyword'; learnable by a tiny random model)")
+    make.add_argument("--workers", type=int, default=None,
+                      help="processes encoding the videos (default: one per CPU where the videos are large, "
+                           "as at --scale nextqa, else one)")
     make.set_defaults(func=_make_dataset)
 
     inspect = commands.add_parser(
@@ -64,14 +69,18 @@ def register(commands, bench) -> None:
 
 
 def _progress(label: str):
+    """A progress callback: on a terminal every call, else every 50th, the last, and any call
+    at least 5 s after the previous line."""
     interactive = sys.stderr.isatty()
-    start = time.monotonic()
+    start = last = time.monotonic()
 
     def report(done: int, total: int) -> None:
-        if interactive or done == total or done % 50 == 0:
+        nonlocal last
+        now = time.monotonic()
+        if interactive or done == total or done % 50 == 0 or now - last >= 5.0:
+            last = now
             end = "\n" if done == total else ("\r" if interactive else "\n")
-            print(f"{label}: {done}/{total} ({time.monotonic() - start:.1f} s)", end=end,
-                  file=sys.stderr, flush=True)
+            print(f"{label}: {done}/{total} ({now - start:.1f} s)", end=end, file=sys.stderr, flush=True)
 
     return report
 
@@ -81,7 +90,7 @@ def _make_dataset(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     summary = make_dataset(args.out, args.mix, args.num, args.scale, args.seed, parquet=args.parquet,
-                           progress=_progress("make-dataset"), task=args.task)
+                           progress=_progress("make-dataset"), task=args.task, workers=args.workers)
     print(f"wrote {summary.path}: {summary.num_records} records, {summary.num_images} images, "
           f"{summary.num_videos} videos, {summary.bytes_on_disk / 1e6:.2f} MB in "
           f"{time.monotonic() - start:.1f} s")

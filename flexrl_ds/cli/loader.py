@@ -8,6 +8,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from flexrl_ds.bench.ablation import ablation_report, format_report
 from flexrl_ds.bench.loader_bench_config import DEFAULT_CPUS_PER_ACTOR, MODES, LoaderBenchConfig
 from flexrl_ds.bench.loader_report import format_table, summary
 from flexrl_ds.common.output_files import output_file
@@ -45,6 +46,21 @@ def register(commands, bench) -> None:
     loader.add_argument("--plot", help="write a PNG: exposed data time and controller RSS per run")
     loader.set_defaults(func=_bench_loader)
 
+    ablation = bench.add_parser(
+        "ablation-report", help="the data-loading ablation's table from two `flexrl train` runs (central, shadow)",
+        description="Reads RUN_A/metrics.jsonl and RUN_B/metrics.jsonl (two `flexrl train` runs of the same "
+                    "prompts, seeds and responses, e.g. flexrl.data.loading central and shadow) and prints, "
+                    "averaged over the steps after the first, each phase's seconds, the exposed data time "
+                    "and its share of the step, the bytes through the loader's controller, the "
+                    "controller's and the driver's peak RSS and tokens/GPU/s, side by side; and whether "
+                    "both trained on the same samples (rollouts/step_N.jsonl).",
+    )
+    ablation.add_argument("runs", nargs=2, metavar="RUN", help="`flexrl train` --out folders (A, then B)")
+    ablation.add_argument("--all-steps", action="store_true", help="average every step, step 0 included")
+    ablation.add_argument("--json", help="also write the figures as JSON here")
+    ablation.add_argument("--out", help="also write the Markdown table here")
+    ablation.set_defaults(func=_bench_ablation_report)
+
 
 def _bench_loader(args: argparse.Namespace) -> int:
     from flexrl_ds.bench import loader_bench  # lazy: imports Ray and torch (`flexrl --help` stays fast)
@@ -71,6 +87,17 @@ def _bench_loader(args: argparse.Namespace) -> int:
                   f"controller bytes {100 * ratios['controller_bytes_ratio']:.3f}%, controller RSS growth "
                   f"central {ratios['controller_rss_growth_mb']['central']:.0f} MB vs shadow "
                   f"{ratios['controller_rss_growth_mb']['shadow']:.0f} MB", file=sys.stdout)
+    return 0
+
+
+def _bench_ablation_report(args: argparse.Namespace) -> int:
+    report = ablation_report(args.runs[0], args.runs[1], all_steps=args.all_steps)
+    text = format_report(report)
+    print(text)
+    if args.out:
+        output_file(args.out).write_text(text + "\n")
+    if args.json:
+        output_file(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 

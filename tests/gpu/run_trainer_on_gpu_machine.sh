@@ -88,6 +88,19 @@
 #   LOADING=central: `flexrl.data.loading` central, the veRL-style baseline (the loader service decodes
 #     each step when asked and ships every pixel) instead of the ShadowLoader; metrics.jsonl `loader`
 #     has the exposed data time, the bytes through the controller and the peak RSS of both sides.
+#   ABLATION=1: the paper's data-loading ablation (issue 40): the trainer twice on the same prompts, seeds
+#     and responses, STEPS (default 3) steps each, `flexrl.data.loading` central (the veRL-style baseline:
+#     the loader's controller decodes each step when asked and ships every pixel) and then shadow (the
+#     ShadowLoader), on NExTQA-like clips (`make-dataset --mix video-heavy --scale nextqa`: 20-60 s,
+#     360p-720p, 30 fps, ABLATION_RECORDS records, default 32 or STEPS x PROMPTS where more, encoded on
+#     this host by OpenCV in one process per core: ~20-45 s for 32-64 records, estimated from the 2-core
+#     VM's encoding rate); the frames the model sees stay within the model's processor budget (2 fps, at
+#     most 64 frames of at most 64x28x28 pixels). Writes OUT/central/ and OUT/shadow/ (each run's
+#     metrics.jsonl, rollouts/), OUT/train_{central,shadow}.log and the table of
+#     `flexrl bench ablation-report OUT/central OUT/shadow`: OUT/ablation.md (printed) and OUT/ablation.json.
+#     With MODEL_ONLY=1 it builds the model and the clips only (then the ablation call has its 600 s): e.g.
+#     `ABLATION=1 MODEL_ONLY=1 R` then `ABLATION=1 R` in one batch; with BACKEND=vllm, the first in the
+#     call that carries .whl and the second after vLLM's install (tests/gpu/run_vllm_on_gpu_machine.sh's batch).
 #   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
 # vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
@@ -99,7 +112,8 @@ set -euo pipefail
 out=${1:-${OUT:-/tmp/flexrl-gpu}}
 mkdir -p "$out"
 backend=${BACKEND:-hf}
-steps=${STEPS:-2}
+ablation=${ABLATION:-0}
+steps=${STEPS:-$([ "$ablation" = 1 ] && echo 3 || echo 2)}
 shape=${SHAPE:-3b}
 export CARD=${CARD:-$( [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 102400 ] \
   && echo h100 || echo h200)}
@@ -136,12 +150,20 @@ model.save_pretrained(str(out))
 print(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters saved to {out}")
 PY
 echo "model ready after $(( $(date +%s) - start )) s"
-[ "${MODEL_ONLY:-0}" = 1 ] && exit 0
-# 16 records (the measured runs' set), or PROMPTS of them where a step asks for more.
-records=$(( ${PROMPTS:-16} > 16 ? ${PROMPTS:-16} : 16 ))
-data="$work/data-small-$records"
-[ -f "$data/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num "$records" --scale small \
-  --task keyword --seed 0 --out "$data"
+[ "${MODEL_ONLY:-0}" = 1 ] && [ "$ablation" != 1 ] && exit 0
+if [ "$ablation" = 1 ]; then  # NExTQA-like clips of realistic sizes, one encoding process per core
+  records=${ABLATION_RECORDS:-$(( steps * ${PROMPTS:-4} > 32 ? steps * ${PROMPTS:-4} : 32 ))}
+  data="$work/data-nextqa-$records"
+  [ -f "$data/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num "$records" \
+    --scale nextqa --task keyword --seed 0 --out "$data"
+  echo "data ready after $(( $(date +%s) - start )) s"
+  [ "${MODEL_ONLY:-0}" = 1 ] && exit 0
+else  # 16 records (the measured runs' set), or PROMPTS of them where a step asks for more.
+  records=$(( ${PROMPTS:-16} > 16 ? ${PROMPTS:-16} : 16 ))
+  data="$work/data-small-$records"
+  [ -f "$data/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num "$records" --scale small \
+    --task keyword --seed 0 --out "$data"
+fi
 python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" "$(nvidia-smi -L | wc -l)" <<'PY'
 import json, os, sys
 path, backend, shape, colocate, gpus = sys.argv[1:]
@@ -158,6 +180,8 @@ if "VISION_ATTENTION" in os.environ:  # varlen (one call per layer) or sdpa (per
     config["flexrl"]["trainer"]["vision_attention"] = os.environ["VISION_ATTENTION"]
 if "LOADING" in os.environ:  # shadow (the ShadowLoader) or central (the veRL-style baseline)
     config["flexrl"]["data"]["loading"] = os.environ["LOADING"]
+if os.environ.get("ABLATION") == "1":  # both runs' samples compared by `flexrl bench ablation-report`
+    config["flexrl"]["trainer"]["save_rollouts"] = True
 if os.environ.get("REF_OFFLOAD") == "1":  # the reference's parameters in host memory
     config["flexrl"]["trainer"]["reference_offload_param"] = True
 if "OFFLOAD_IN_ROLLOUT" in os.environ:  # the policy's states in host memory while the engine generates
@@ -215,9 +239,24 @@ fi
   done ) &
 sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
-rm -rf "$out/run"  # a new run each time (flexrl train refuses an --out holding another run's steps)
-python3 -m flexrl_ds train --config "$work/config.json" --model "$model" --data "$data/train.jsonl" \
-  --out "$out/run" --max-steps "$steps" 2>&1 | tee "$out/train.log" | grep -v "Loading weights" | tail -40
+train() {  # $1: the run config, $2: its --out (a new run each time: flexrl train refuses an --out holding
+  # another run's steps), $3: its log
+  rm -rf "$2"
+  python3 -m flexrl_ds train --config "$1" --model "$model" --data "$data/train.jsonl" \
+    --out "$2" --max-steps "$steps" 2>&1 | tee "$3" | grep -v "Loading weights" | tail -40
+}
+if [ "$ablation" = 1 ]; then  # central, then shadow: the same prompts, seeds and responses
+  for loading in central shadow; do
+    python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['flexrl']['data']['loading'] = sys.argv[2]
+json.dump(c, open(sys.argv[3], 'w'), indent=1)" "$work/config.json" "$loading" "$work/config_$loading.json"
+    echo "== $loading loading, after $(( $(date +%s) - start )) s"
+    train "$work/config_$loading.json" "$out/$loading" "$out/train_$loading.log"
+  done
+  python3 -m flexrl_ds bench ablation-report "$out/central" "$out/shadow" --out "$out/ablation.md" \
+    --json "$out/ablation.json" || echo "ablation-report failed: exit $?"
+else
+  train "$work/config.json" "$out/run" "$out/train.log"
+fi
 if [ "${ZERO3_TRACE_WARNINGS:-0}" = 1 ]; then  # from the workers' Ray logs (the driver prints only said lines)
   grep -h "Invalidate trace cache" /tmp/ray/session_latest/logs/*.out 2>/dev/null | cut -c1-200 \
     > "$out/zero3_trace.txt" || true

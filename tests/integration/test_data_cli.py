@@ -48,6 +48,19 @@ def test_make_dataset_is_seeded(dataset, tmp_path):
         assert (tmp_path / path).read_bytes() == (dataset / path).read_bytes(), path
 
 
+def test_make_dataset_in_worker_processes_writes_the_same_dataset(dataset, tmp_path):
+    """`--workers 2`: the videos encoded in two spawned processes (what `--scale nextqa` does on every
+    core) are the records and, with torchcodec's encoder, the bytes of the in-process run."""
+    assert main(["make-dataset", "--mix", "image-heavy", "--num", "12", "--scale", "small", "--seed", "3",
+                 "--workers", "2", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "train.jsonl").read_text() == (dataset / "train.jsonl").read_text()
+    videos = sorted(path.relative_to(dataset) for path in (dataset / "media" / "vid").iterdir())
+    assert len(videos) >= 2 and all((tmp_path / path).stat().st_size > 0 for path in videos)
+    pytest.importorskip("torchcodec.encoders")
+    for path in videos:
+        assert (tmp_path / path).read_bytes() == (dataset / path).read_bytes(), path
+
+
 def test_inspect_data_materialize_json(dataset, tmp_path, capsys):
     shutil.copytree(dataset, tmp_path / "d")
     data = tmp_path / "d" / "train.jsonl"

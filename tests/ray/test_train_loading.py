@@ -2,7 +2,9 @@
 process decodes each step when asked and ships every pixel) against "shadow" (the ShadowLoader):
 the same prompts, seeds and responses, and per step the loader's cost in metrics.jsonl `loader` —
 the exposed data time, the bytes through the controller (in central mode at least every pixel the
-rollout pulled, counted at the rollout's end), the controller's and the driver's peak memory."""
+rollout pulled, counted at the rollout's end), the controller's and the driver's peak memory; and
+`flexrl bench ablation-report` over the two runs (the GPU ablation's table, issue 40), checked against
+their metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -55,8 +57,13 @@ def _samples(out: Path, step: int) -> list[tuple]:
                   for row in lines)
 
 
-def test_central_and_shadow_loading_train_on_the_same_samples(assets, ray_session):
-    central, shadow = train(assets, "central"), train(assets, "shadow")
+@pytest.fixture(scope="module")
+def runs(assets, ray_session) -> tuple[Path, Path]:
+    return train(assets, "central"), train(assets, "shadow")
+
+
+def test_central_and_shadow_loading_train_on_the_same_samples(runs):
+    central, shadow = runs
     for step in range(STEPS):
         assert _samples(central, step) == _samples(shadow, step), step
     for out, loading in ((central, "central"), (shadow, "shadow")):
@@ -72,3 +79,27 @@ def test_central_and_shadow_loading_train_on_the_same_samples(assets, ray_sessio
         # among them); shadow: only references did.
         assert central_row["loader"]["bytes_through_controller"] >= pulled
         assert shadow_row["loader"]["bytes_through_controller"] < 0.05 * pulled
+
+
+def test_ablation_report_of_the_two_runs(runs, capsys):
+    from flexrl_ds.bench.ablation import ablation_report
+    from flexrl_ds.cli.main import main
+
+    central, shadow = runs
+    report = ablation_report(central, shadow)
+    assert report["same_samples"] == {"compared": STEPS * 2 * 2, "differing": 0, "differing_steps": []}
+    for summary, out, loading in zip(report["runs"], runs, ("central", "shadow")):
+        kept = _rows(out)[1:]  # the steps after the first
+        assert summary["loading"] == loading and summary["steps"] == [row["step"] for row in kept]
+        exposed = sum(row["loader"]["exposed_s"] for row in kept)
+        assert summary["exposed_share"] == pytest.approx(exposed / sum(row["time_s"]["step"] for row in kept))
+        assert summary["phases_s"]["data"] == pytest.approx(sum(row["time_s"]["data"] for row in kept) / len(kept))
+        assert summary["tokens_per_gpu_s"] == pytest.approx(sum(row["tokens_per_gpu_s"] for row in kept) / len(kept))
+        assert summary["controller_mb_per_step"] == pytest.approx(
+            sum(row["loader"]["bytes_through_controller"] for row in kept) / len(kept) / 2**20)
+    central_summary, shadow_summary = report["runs"]
+    assert central_summary["controller_mb_per_step"] > 20 * shadow_summary["controller_mb_per_step"]
+    capsys.readouterr()
+    assert main(["bench", "ablation-report", str(central), str(shadow)]) == 0
+    printed = capsys.readouterr().out
+    assert "| A: central | B: shadow |" in printed and f"the same {STEPS * 4}" in printed
