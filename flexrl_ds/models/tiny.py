@@ -268,8 +268,10 @@ def _qwen3_vl_config(config: TinyModelConfig, text: dict, tokenizer):
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                         "mrope_section": config.mrope_section, "mrope_interleaved": True})
     if config.arch == "qwen3-vl-moe":
+        # norm_topk_prob: transformers' Qwen3-VL MoE always renormalises the chosen experts' weights and its
+        # config has no such field; vLLM's Qwen3-VL MoE reads it (as released checkpoints' configs carry it)
         text_config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=config.intermediate_size // 2,
-                           decoder_sparse_step=1)
+                           decoder_sparse_step=1, norm_topk_prob=True)
     vision_config = dict(depth=config.vision_depth, hidden_size=config.vision_hidden_size,
                          intermediate_size=2 * config.vision_hidden_size, num_heads=config.vision_num_heads,
                          patch_size=16, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=config.hidden_size,
