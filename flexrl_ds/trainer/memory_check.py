@@ -33,9 +33,14 @@ def model_size(model_dir: str) -> dict[str, int]:
     sizes = [parameter.numel() for parameter in model.parameters()]
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    vision = getattr(config, "vision_config", None)
+    tower = {} if vision is None else {
+        "vision_hidden": int(vision.hidden_size), "vision_layers": int(vision.depth),
+        "vision_intermediate": int(vision.intermediate_size), "vision_merge": int(vision.spatial_merge_size),
+        "vision_patch_dim": int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2}
     return {"params": sum(sizes), "largest_param": max(sizes), "hidden": int(text.hidden_size),
             "layers": int(text.num_hidden_layers), "intermediate": int(text.intermediate_size),
-            "kv_dim": int(text.num_key_value_heads) * int(head_dim)}
+            "kv_dim": int(text.num_key_value_heads) * int(head_dim), **tower}
 
 
 def zero3_inputs(ds_config: dict) -> dict[str, Any]:
@@ -63,13 +68,16 @@ def token_budget(flexrl: Any, num_ranks: int, prompt_tokens: int) -> dict[str, i
     loader, sp = flexrl.data.loader, flexrl.sp
     samples = loader.global_batch * loader.num_samples_per_prompt
     per_sample = prompt_tokens + flexrl.rollout.max_response_length
-    update = math.ceil(samples / flexrl.rl.mini_batches_per_step / num_ranks) * per_sample
+    update_samples = math.ceil(samples / flexrl.rl.mini_batches_per_step / num_ranks)
+    update = update_samples * per_sample
     logprob = math.ceil(samples / num_ranks) * per_sample
     if sp.max_tokens_per_rank is not None:
         update = min(update, sp.max_tokens_per_rank)
         logprob = min(logprob, sp.logprob_max_tokens_per_rank or sp.max_tokens_per_rank)
     engine_sequences = min(flexrl.rollout.max_batch_sequences, math.ceil(samples / num_ranks))
-    return {"update_tokens": update, "logprob_tokens": logprob, "engine_kv_tokens": engine_sequences * per_sample}
+    vision = min(update, update_samples * prompt_tokens)  # every prompt token a vision token: an upper bound
+    return {"update_tokens": update, "logprob_tokens": logprob, "engine_kv_tokens": engine_sequences * per_sample,
+            "update_vision_tokens": vision}
 
 
 def memory_inputs(run: Any, model_dir: str, num_ranks: int, device_bytes: int, prompt_tokens: int = 0,

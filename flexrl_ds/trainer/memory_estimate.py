@@ -23,12 +23,15 @@
   decoder layer, `ACTIVATION_UNITS_PER_LAYER` hidden-sized and 4 MLP-sized tensors in the training
   dtype; with activation checkpointing, one hidden state per layer plus one layer's full set; the no-grad
   log-prob passes hold one layer's intermediates;
+- the vision tower's activations in the update: its patch rows (merged vision tokens × merge²) × its
+  blocks, counted as a decoder layer's are (checkpointed or not), and the pixels, for the vision tokens the caller
+  counts (trainer/memory_check.py: every prompt token, an upper bound);
 - the log-prob chunk (`flexrl.sp.logprob_chunk_bytes`, models/logprob_chunks.py) and a fixed
   `CONTEXT_BYTES` (the CUDA context, NCCL, the allocator's slack).
 
 A phase over the device's memory is refused by the caller (trainer/memory_check.py) with the settings
-that would take the most off that phase (`MemoryEstimate.advice`). The figures are estimates: the
-vision tower's activations and fragmentation are not modelled (`CONTEXT_BYTES` covers some of the latter).
+that would take the most off that phase (`MemoryEstimate.advice`). The figures are estimates:
+fragmentation is not modelled (`CONTEXT_BYTES` covers some of it).
 """
 
 from __future__ import annotations
@@ -95,6 +98,17 @@ class MemoryInputs:
     sync_bucket_bytes: int = 512 * 2**20
     engine_sleep_level: int = 2
     """1: the colocated engine's weights wait in host memory while it sleeps; 2: freed."""
+    vision_hidden: int = 0
+    """The vision tower's width (0: no tower)."""
+    vision_layers: int = 0
+    vision_intermediate: int = 0
+    vision_merge: int = 2
+    """Patches merged into one vision token per side (spatial_merge_size)."""
+    vision_patch_dim: int = 0
+    """Values of one patch row of the pixels (channels × temporal patch × patch²): the tower's input,
+    which its patch embedding keeps for backward."""
+    update_vision_tokens: int = 0
+    """Merged vision tokens one rank holds in one update micro-batch."""
 
 
 @dataclass
@@ -184,6 +198,16 @@ def activation_bytes(i: MemoryInputs) -> int:
     return per_token * i.update_tokens
 
 
+def vision_activation_bytes(i: MemoryInputs) -> int:
+    """The vision tower's saved activations for the update micro-batch's patch rows: its input pixels
+    and its blocks' tensors."""
+    per_layer = i.dtype_bytes * (ACTIVATION_UNITS_PER_LAYER * i.vision_hidden + 4 * i.vision_intermediate)
+    per_row = (i.vision_layers * i.vision_hidden * i.dtype_bytes + per_layer) if i.checkpointing \
+        else i.vision_layers * per_layer
+    per_row += i.vision_patch_dim * i.dtype_bytes
+    return per_row * i.update_vision_tokens * i.vision_merge ** 2
+
+
 def logprob_pass_bytes(i: MemoryInputs) -> int:
     """A no-grad pass: one layer's intermediates and the residual stream."""
     return i.dtype_bytes * (6 * i.hidden + 3 * i.intermediate) * i.logprob_tokens
@@ -215,7 +239,8 @@ def estimate_memory(i: MemoryInputs) -> MemoryEstimate:
     step_grads = int(min(i.sub_group_elements, i.params // i.ranks) * 4 * kept)
     phases["update"] = {**states, **reference, **asleep, **gathered,
                         "gradient bucket": i.reduce_bucket_elements * i.dtype_bytes,
-                        "activations": max(activation_bytes(i) + i.logprob_chunk_bytes, step_grads), **fixed}
+                        "activations": max(activation_bytes(i) + i.logprob_chunk_bytes, step_grads),
+                        **({"vision activations": vision_activation_bytes(i)} if i.vision_layers else {}), **fixed}
     if i.engine:
         phases["sync"] = {**states, **reference, "engine weights": i.params * i.dtype_bytes,
                           "sync bucket": i.sync_bucket_bytes, **gathered, **fixed}

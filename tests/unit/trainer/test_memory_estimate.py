@@ -10,7 +10,7 @@ import pytest
 
 from flexrl_ds.trainer.memory_estimate import (CONTEXT_BYTES, ENGINE_ASLEEP_BYTES, GIB, HOST_BASE_BYTES,
                                                MemoryInputs, activation_bytes, estimate_memory, host_memory,
-                                               policy_states, states_kept_in_rollout)
+                                               policy_states, states_kept_in_rollout, vision_activation_bytes)
 
 SMALL = dict(params=1000, hidden=8, layers=2, intermediate=16, kv_dim=4, largest_param=100, device_bytes=10**6)
 
@@ -50,6 +50,39 @@ def test_activations_by_hand():
     assert activation_bytes(inputs) == 2 * 352 * 10
     # checkpointed: one hidden state per layer (2 x 8 x 2 B) and one layer's whole set
     assert activation_bytes(dataclasses.replace(inputs, checkpointing=True)) == (2 * 8 * 2 + 352) * 10
+
+
+def test_vision_activations_against_the_towers_saved_tensors(tiny_model):
+    """The estimate's vision term against what autograd actually saves for backward in transformers'
+    vision tower (tiny Qwen2.5-VL, fp32, no checkpointing): 48 images of 8 x 8 patches, each its own
+    attention span, so that the per-span attention matrices stay small beside the per-row terms."""
+    import torch
+    import transformers
+
+    from flexrl_ds.trainer.memory_check import model_size
+
+    model = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.from_pretrained(tiny_model))
+    visual = model.model.visual
+    vision = model.config.vision_config
+    grids = torch.tensor([[1, 8, 8]] * 48)
+    rows = int(grids.prod(dim=1).sum())
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    pixels = torch.randn(rows, patch_dim, requires_grad=True)
+    weights = {p.data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(tensor):
+        if tensor.data_ptr() not in weights:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        visual(pixels, grid_thw=grids)
+    size = {k: v for k, v in model_size(tiny_model).items() if k.startswith("vision")}
+    estimate = vision_activation_bytes(MemoryInputs(**SMALL, **size, dtype_bytes=4,
+                                                    update_vision_tokens=rows // size["vision_merge"] ** 2))
+    measured = sum(saved.values())
+    assert 0.7 * measured <= estimate <= 1.4 * measured, (estimate, measured)
 
 
 def test_phases_by_hand():
