@@ -65,11 +65,13 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.planning.plan import Workload
 from flexrl_ds.parallel.launch import init_distributed, one_rank_env
+from flexrl_ds.sp import flash_attention_backend
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.validation import model_dtype
 
 
 WAYS = ("hf", "hf_batched", "flexrl", "zero3", "logprob", "grpo")
+HF_ATTENTIONS = ("sdpa", "flash_attention_2")
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,10 @@ class UpdateBenchConfig:
     """With `profile_dir`: each profile's trace too (`<way>.json.gz`; minutes to write for big runs)."""
     hf_batch_tokens: int = 16384
     """hf_batched: padded tokens (rows × longest row) of one micro-batch."""
+    hf_attention: str = "sdpa"
+    """The hf ways' attention implementation, as a transformers user picks it: "sdpa" (the default;
+    the vision tower one call per window) or "flash_attention_2" (where flash-attn is installed: varlen
+    in both towers, padding removed inside transformers)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.ways) - set(WAYS))
@@ -99,6 +105,8 @@ class UpdateBenchConfig:
             raise ValueError(f"--ways: {', '.join(unknown) or 'none given'}: choose from {', '.join(WAYS)}")
         if self.response_length < 1 or self.samples_per_prompt < 1 or self.repeats < 1:
             raise ValueError("--response-length, --samples-per-prompt and --repeats must be at least 1")
+        if self.hf_attention not in HF_ATTENTIONS:
+            raise ValueError(f"--hf-attention: one of {', '.join(HF_ATTENTIONS)}, got {self.hf_attention!r}")
         if self.hf_batch_tokens < 1:
             raise ValueError(f"--hf-batch-tokens must be at least 1, got {self.hf_batch_tokens}")
         if self.max_prompts is not None and self.max_prompts < 1:
@@ -289,6 +297,10 @@ def _hf_ways(info, model, samples, temperature: float, config: UpdateBenchConfig
     """The plain-transformers ways asked in `config.ways`: hf (per sample) and hf_batched (padded
     micro-batches, bench/hf_baseline.py; profiled too with `profile_dir`)."""
     flops = 3 * model_flops(model.config, samples, shared_media=False)
+    if {"hf", "hf_batched"} & set(config.ways):
+        if config.hf_attention == "flash_attention_2" and not flash_attention_backend.flash_attn_available():
+            raise ValueError("--hf-attention flash_attention_2: flash-attn is not installed here")
+        model.set_attn_implementation(config.hf_attention)  # FlexUlyssesLM later sets its own
     if "hf" in config.ways:
         per_sample = hf_pass(model, samples, temperature)
         seconds, loss = _best_time(info, per_sample, config.repeats)

@@ -130,6 +130,8 @@ def _add_bench_update(bench) -> None:
                              "update step)")
     update.add_argument("--hf-batch-tokens", type=int, default=16384,
                         help="hf_batched: padded tokens (rows × longest row) per micro-batch")
+    update.add_argument("--hf-attention", default="sdpa", choices=("sdpa", "flash_attention_2"),
+                        help="the hf ways' attention implementation (flash_attention_2: where flash-attn is installed)")
     update.add_argument("--seed", type=int, default=0)
     update.add_argument("--json", default=None, help="write the result here")
     update.add_argument("--profile", default=None, metavar="DIR",
@@ -150,7 +152,7 @@ def _bench_update(args: argparse.Namespace) -> int:
                                repeats=args.repeats, activation_checkpointing=args.checkpointing, seed=args.seed,
                                ways=tuple(way.strip() for way in args.ways.split(",") if way.strip()),
                                profile_dir=args.profile, profile_trace=not args.profile_tables_only,
-                               hf_batch_tokens=args.hf_batch_tokens)
+                               hf_batch_tokens=args.hf_batch_tokens, hf_attention=args.hf_attention)
     if args.json:
         output_file(args.json)  # a folder in the way is named now, not after the benchmark
     write_result(run_update_bench(config), args.json)
