@@ -297,9 +297,9 @@ def _hf_ways(info, model, samples, temperature: float, config: UpdateBenchConfig
     """The plain-transformers ways asked in `config.ways`: hf (per sample) and hf_batched (padded
     micro-batches, bench/hf_baseline.py; profiled too with `profile_dir`)."""
     flops = 3 * model_flops(model.config, samples, shared_media=False)
-    if {"hf", "hf_batched"} & set(config.ways):
-        if config.hf_attention == "flash_attention_2" and not flash_attention_backend.flash_attn_available():
-            raise ValueError("--hf-attention flash_attention_2: flash-attn is not installed here")
+    if {"hf", "hf_batched"} & set(config.ways) and config.hf_attention != "sdpa":  # sdpa: as loaded
+        if not flash_attention_backend.flash_attn_available():
+            raise ValueError(f"--hf-attention {config.hf_attention}: flash-attn is not installed here")
         model.set_attn_implementation(config.hf_attention)  # FlexUlyssesLM later sets its own
     if "hf" in config.ways:
         per_sample = hf_pass(model, samples, temperature)
