@@ -44,21 +44,25 @@ from flexrl_ds.rollout.base import RolloutRequest, SamplingParams
 from flexrl_ds.rollout.hf_options import KV_CACHE_MODES
 from flexrl_ds.rollout.hf_engine import HFRolloutEngine
 
-QWEN_VL_VISION = dict(vision_hidden_size=1280, vision_depth=32, vision_num_heads=16, vision_intermediate_size=3420,
-                      vision_window_size=112, vision_full_attention_blocks=(7, 15, 23, 31))
-"""Qwen2.5-VL-3B's and -7B's vision tower (the same in both)."""
 SHAPES = {
     "7b": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28,
-               intermediate_size=18944, **QWEN_VL_VISION, vocab_size=QWEN_VL_VOCAB_SIZE),
+               intermediate_size=18944, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16,
+               vocab_size=QWEN_VL_VOCAB_SIZE),
     "3b": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, num_hidden_layers=36,
-               intermediate_size=11008, **QWEN_VL_VISION, vocab_size=QWEN_VL_VOCAB_SIZE),
+               intermediate_size=11008, vision_hidden_size=1280, vision_depth=32, vision_num_heads=16,
+               vocab_size=QWEN_VL_VOCAB_SIZE),
     "tiny": dict(),
 }
 """Model shapes (TinyModelConfig fields): Qwen2.5-VL-7B and -3B decoder, vision tower and vocabulary
-(151,936 rows; until 2026-12-05 the tiny tokenizer's 640). The vision tower's MLP width (3420), window
-(112 px) and full-attention blocks (7, 15, 23, 31) are the released models' since 2026-12-05; before,
-2560, 56 px and the last block only: ~3x the released model's attention windows on the bench's media,
-each one call from Python under transformers' sdpa."""
+(151,936 rows; until 2026-12-05 the tiny tokenizer's 640)."""
+QWEN_VL_VISION: dict[str, Any] = dict(vision_intermediate_size=3420, vision_window_size=112,
+                                      vision_full_attention_blocks=(7, 15, 23, 31))
+"""Qwen2.5-VL-3B's and -7B's released vision tower beyond its width, depth and heads (the same in both),
+in SHAPES since 2026-12-05; before, MLP 2560, 56 px windows and full attention in the last block only:
+~2.6x the released model's attention windows on the bench's media, each one call from Python under
+transformers' sdpa (docs/notes/update-gap-hypotheses.md)."""
+for _qwen25_vl in ("3b", "7b"):
+    SHAPES[_qwen25_vl] = {**SHAPES[_qwen25_vl], **QWEN_VL_VISION}
 
 
 @dataclass
