@@ -55,6 +55,7 @@ SHAPES = {
 }
 """Model shapes (TinyModelConfig fields): Qwen2.5-VL-7B and -3B decoder, vision tower and vocabulary
 (151,936 rows; until 2026-12-05 the tiny tokenizer's 640)."""
+
 QWEN_VL_VISION: dict[str, Any] = dict(vision_intermediate_size=3420, vision_window_size=112,
                                       vision_full_attention_blocks=(7, 15, 23, 31))
 """Qwen2.5-VL-3B's and -7B's released vision tower beyond its width, depth and heads (the same in both),
