@@ -9,16 +9,23 @@ positions only, `chunk_tokens` of them at a time through lm_head and log-softmax
 recomputed in the backward (torch.utils.checkpoint), so no [tokens × vocabulary] logit block is
 ever whole. The loss is the other ways' -(sum of the response tokens' log-probs) / their number,
 the gradients adding up over the micro-batches. Media are encoded per sample, as the model's own
-forward does (no sharing across a prompt's samples).
+forward does (no sharing across a prompt's samples), by the vision tower as transformers runs it
+under the model's attention implementation (sdpa: one attention call per window from Python, the
+tower's host-bound part on a GPU; `vision_alone_pass` times the tower alone, so that its share is
+reported beside the way's). The padded batches are built once, on the device, before any timed run
+(a data loader's work, as the other ways' step batches are built once); `use_cache=False` (no KV
+cache is wanted in training).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from flexrl_ds.families import family_of
 from flexrl_ds.models.flex_model import reference_inputs
 from flexrl_ds.parallel.profiling import region
 
@@ -74,14 +81,23 @@ def chunked_target_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targ
     return torch.cat(pieces)
 
 
-def batched_response_logprobs(model, samples: list, temperature: float, chunk_tokens: int) -> torch.Tensor:
-    """The response tokens' log-probs of one padded micro-batch (rows in order, each row's response
-    positions in order), through the decoder once and lm_head in chunks."""
+def prepared_batches(model, samples: dict[str, Any], budget_tokens: int) -> list[tuple[dict, list]]:
+    """Each padded micro-batch's inputs on the model's device and its rows' (response start, length)."""
     device = next(model.parameters()).device
-    inputs, spans = padded_inputs(model, samples)
-    inputs = {name: value.to(device) for name, value in inputs.items()}
+    prepared = []
+    for names in padded_micro_batches({name: sample.length for name, sample in samples.items()}, budget_tokens):
+        inputs, spans = padded_inputs(model, [samples[name] for name in names])
+        prepared.append(({key: value.to(device) for key, value in inputs.items()}, spans))
+    return prepared
+
+
+def batched_response_logprobs(model, inputs: dict[str, torch.Tensor], spans: list[tuple[int, int]],
+                              temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """The response tokens' log-probs of one padded micro-batch (`padded_inputs` on the model's
+    device; rows in order, each row's response positions in order), through the model once (its
+    vision tower inside) and lm_head in chunks."""
     with region("decoder"):  # the trainer's region names: a profile compares them (forward only)
-        hidden = model.model(**inputs).last_hidden_state
+        hidden = model.model(**inputs, use_cache=False).last_hidden_state
     # Position t predicts token t + 1: a row's response tokens [start, length) from [start - 1, length - 1).
     states = torch.cat([hidden[row, start - 1:length - 1] for row, (start, length) in enumerate(spans)])
     targets = torch.cat([inputs["input_ids"][row, start:length] for row, (start, length) in enumerate(spans)])
@@ -93,16 +109,81 @@ def hf_batched_pass(model, samples: dict[str, Any], temperature: float, budget_t
                     chunk_tokens: int = 4096) -> Callable[[], float]:
     """The bench's `hf_batched` way (module docstring): per padded micro-batch, forward, loss,
     backward; returns the summed loss of a run."""
-    batches = padded_micro_batches({name: sample.length for name, sample in samples.items()}, budget_tokens)
+    prepared = prepared_batches(model, samples, budget_tokens)
     count = sum(sample.length - sample.response_start for sample in samples.values())
 
     def run() -> float:
         model.zero_grad(set_to_none=True)
         total = 0.0
-        for names in batches:
-            logprobs = batched_response_logprobs(model, [samples[n] for n in names], temperature, chunk_tokens)
+        for inputs, spans in prepared:
+            logprobs = batched_response_logprobs(model, inputs, spans, temperature, chunk_tokens)
             loss = -logprobs.float().sum() / count
-            loss.backward()
+            with region("backward"):
+                loss.backward()
             total += float(loss.detach())
         return total
     return run
+
+
+MEDIA_KEYS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+"""(pixels, grids) input names of each media kind, as the HF processor names them."""
+
+
+def media_groups(model, batches: list[list]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per micro-batch (a list of samples), the (pixels, grids) of each media kind its samples hold
+    (one tower call per kind, as transformers' forward makes), on the model's device."""
+    device = next(model.parameters()).device
+    groups = []
+    for samples in batches:
+        inputs, _ = padded_inputs(model, samples) if samples else ({}, [])
+        groups.append([(inputs[pixels].to(device), inputs[grids].to(device))
+                       for pixels, grids in MEDIA_KEYS if pixels in inputs])
+    return groups
+
+
+def vision_alone_pass(model, groups: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> Callable[[], float]:
+    """The vision tower alone over `groups` (media_groups), forward and backward (of the merged
+    rows' sum: the same work as any loss's), under the model's current vision attention and
+    checkpointing: what the tower costs inside a way whose micro-batches encode these media."""
+    family = family_of(model.config)
+    visual = family.vision_tower(model)
+
+    def run() -> float:
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for group in groups:
+            for pixels, grids in group:
+                with region("vision_tower"):
+                    rows, _ = family.encode_vision(visual, pixels, grids)
+                total_rows = rows.float().sum()
+                with region("backward"):
+                    total_rows.backward()
+                total += float(total_rows.detach())
+        return total
+    return run
+
+
+@contextlib.contextmanager
+def vision_tower_region(model) -> Iterator[None]:
+    """While inside, each forward of the model's vision tower is the profile region
+    `flexrl/vision_tower` (forward hooks, removed on exit): transformers calls the tower from inside
+    the model's forward, so hf_batched's `decoder` region holds it; a text model has none."""
+    visual = family_of(model.config).vision_tower(model)
+    if visual is None:
+        yield
+        return
+    open_regions: list = []
+
+    def enter(_module, _args):
+        open_regions.append(region("vision_tower"))
+        open_regions[-1].__enter__()
+
+    def leave(_module, _args, _output):
+        open_regions.pop().__exit__(None, None, None)
+
+    handles = [visual.register_forward_pre_hook(enter), visual.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

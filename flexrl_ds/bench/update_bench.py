@@ -22,15 +22,16 @@ number, timed in up to six ways (the best of `repeats` after one warm-up each):
 - `grpo`: the trainer's update itself (models/policy_update.train_step: forward with the tokens'
   entropy, the GRPO loss of the run config's `flexrl.rl` against the engine's own log-probs as the
   old and reference ones and random advantages, backward, optimizer step).
-With `profile_dir`, one more zero3 forward+backward and optimizer step run under torch.profiler
-after the timed ones (parallel/profiling.py): `<profile_dir>/zero3.txt` (regions
-`flexrl/zero3_forward_backward` and `flexrl/zero3_optimizer_step`, the ops with the most device and
-host time) and the trace beside it; where an offloaded optimizer's time goes, for one. With
-hf_batched among the ways, one more hf_batched run too: `<profile_dir>/hf_batched.txt` (its
-`decoder` and `lm_head` regions named as the trainer's).
+With `profile_dir`, one more run of every way asked under torch.profiler after its timed ones,
+each into its own table (`<profile_dir>/<way>.txt`; zero3's with its optimizer step), the regions
+splitting its time into vision tower, decoder, lm_head, loss, backward and optimizer step
+(bench/update_profile.py).
 Each reports seconds, model TFLOP/s (models/flops.py: the language model and the vision tower as
 each way encodes it) and, on a GPU with a known peak, MFU; and, but for grpo, its loss, the same
-for all (a check that they compute the same thing, up to the dtype's rounding).
+for all (a check that they compute the same thing, up to the dtype's rounding). For hf_batched and
+flexrl, the vision tower alone over the same micro-batches' media too (`vision_seconds`, forward and
+backward: per sample with transformers' attention, against each prompt's media once per micro-batch
+with the trainer's), so that each way's time splits into the tower's and the rest.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from typing import Any, Callable
 
 import torch
 
-from flexrl_ds.bench.hf_baseline import hf_batched_pass
+from flexrl_ds.bench.hf_baseline import hf_batched_pass, media_groups, padded_micro_batches, vision_alone_pass
+from flexrl_ds.bench.update_profile import profile_run
 from flexrl_ds.families import family_of
 from flexrl_ds.common.output_files import output_file
 from flexrl_ds.config.flexrl_config import load_run_config
@@ -57,17 +59,19 @@ from flexrl_ds.models.loading import load_model, ordinary_token_bound
 from flexrl_ds.models.policy_update import UpdateInputs, denominators, local_response_values, train_step
 from flexrl_ds.models.processing import encode_records
 from flexrl_ds.parallel import device as device_mod
-from flexrl_ds.parallel.profiling import RankProfiler, region
+from flexrl_ds.parallel.profiling import region
 from flexrl_ds.planning.config import SPConfig
 from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.planning.micro_batches import plan_micro_batches
 from flexrl_ds.planning.plan import Workload
 from flexrl_ds.parallel.launch import init_distributed, one_rank_env
+from flexrl_ds.sp import flash_attention_backend
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.trainer.validation import model_dtype
 
 
 WAYS = ("hf", "hf_batched", "flexrl", "zero3", "logprob", "grpo")
+HF_ATTENTIONS = ("sdpa", "flash_attention_2")
 
 
 @dataclass(frozen=True)
@@ -85,9 +89,15 @@ class UpdateBenchConfig:
     ways: tuple[str, ...] = WAYS
     """Which of `WAYS` to time (zero3 includes zero3_step; zero3, logprob and grpo share one engine)."""
     profile_dir: str | None = None
-    """Profile one more zero3 forward+backward and step here (module docstring); needs zero3 in `ways`."""
+    """Profile one more run of each way here, a table each (module docstring)."""
+    profile_trace: bool = True
+    """With `profile_dir`: each profile's trace too (`<way>.json.gz`; minutes to write for big runs)."""
     hf_batch_tokens: int = 16384
     """hf_batched: padded tokens (rows × longest row) of one micro-batch."""
+    hf_attention: str = "sdpa"
+    """The hf ways' attention implementation, as a transformers user picks it: "sdpa" (the default;
+    the vision tower one call per window) or "flash_attention_2" (where flash-attn is installed: varlen
+    in both towers, padding removed inside transformers)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.ways) - set(WAYS))
@@ -95,12 +105,12 @@ class UpdateBenchConfig:
             raise ValueError(f"--ways: {', '.join(unknown) or 'none given'}: choose from {', '.join(WAYS)}")
         if self.response_length < 1 or self.samples_per_prompt < 1 or self.repeats < 1:
             raise ValueError("--response-length, --samples-per-prompt and --repeats must be at least 1")
+        if self.hf_attention not in HF_ATTENTIONS:
+            raise ValueError(f"--hf-attention: one of {', '.join(HF_ATTENTIONS)}, got {self.hf_attention!r}")
         if self.hf_batch_tokens < 1:
             raise ValueError(f"--hf-batch-tokens must be at least 1, got {self.hf_batch_tokens}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"--max-prompts must be at least 1, got {self.max_prompts}")
-        if self.profile_dir and "zero3" not in self.ways:
-            raise ValueError(f"--profile profiles the zero3 way, which --ways {','.join(self.ways)} leaves out")
 
 
 @dataclass
@@ -121,6 +131,8 @@ class UpdateBenchResult:
     tflops: dict[str, float] = field(default_factory=dict)
     mfu: dict[str, float] = field(default_factory=dict)
     loss: dict[str, float] = field(default_factory=dict)
+    vision_seconds: dict[str, float] = field(default_factory=dict)
+    """The vision tower alone over a way's micro-batches' media, forward and backward (hf_batched, flexrl)."""
 
 
 def bench_samples(config: UpdateBenchConfig, token_bound: int) -> dict[str, Any]:
@@ -192,7 +204,8 @@ def hf_pass(model, samples: dict[str, Any], temperature: float = 1.0) -> Callabl
         total = 0.0
         for sample in samples.values():
             loss = -reference_logprobs(model, sample, temperature).float().sum() / count
-            loss.backward()
+            with region("backward"):
+                loss.backward()
             total += float(loss.detach())
         return total
     return run
@@ -213,7 +226,8 @@ def flexrl_pass(module, batches, samples, backward: Callable, zero_grad: Callabl
                 boundary(index == len(batches) - 1)
             outputs = module(batch)
             loss = -(outputs.logprobs.float() * mask.to(outputs.logprobs.device)).sum() / count + outputs.zero
-            backward(loss)
+            with region("backward"):
+                backward(loss)
             total += float(loss.detach())
         return total
     return run
@@ -261,9 +275,14 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
     module_options = trainer_module_options(run)
     if "flexrl" in config.ways:
         flex = FlexUlyssesLM(model, attention=FlexUlyssesAttention(overlap=run.flexrl.sp.overlap), **module_options)
-        seconds, loss = _best_time(context.info, flexrl_pass(flex, batches, samples, lambda value: value.backward(),
-                                                             lambda: flex.zero_grad(set_to_none=True)), config.repeats)
+        flex_run = flexrl_pass(flex, batches, samples, lambda value: value.backward(),
+                               lambda: flex.zero_grad(set_to_none=True))
+        seconds, loss = _best_time(context.info, flex_run, config.repeats)
         record("flexrl", seconds, loss, shared)
+        record.profile(context.info, flex_run, "flexrl", config)
+        if family_of(model.config).has_vision:  # the tower alone: each prompt's media once per micro-batch
+            record.vision("flexrl", _best_time(context.info, vision_alone_pass(model, media_groups(
+                model, [_one_sample_per_prompt(batch, samples) for batch in batches])), config.repeats)[0])
         model.zero_grad(set_to_none=True)
     if {"zero3", "logprob", "grpo"} & set(config.ways):
         # a schedule's "auto" length (the shipped configs'): any will do, the bench times steps, not their lr
@@ -278,17 +297,25 @@ def _hf_ways(info, model, samples, temperature: float, config: UpdateBenchConfig
     """The plain-transformers ways asked in `config.ways`: hf (per sample) and hf_batched (padded
     micro-batches, bench/hf_baseline.py; profiled too with `profile_dir`)."""
     flops = 3 * model_flops(model.config, samples, shared_media=False)
+    if {"hf", "hf_batched"} & set(config.ways) and config.hf_attention != "sdpa":  # sdpa: as loaded
+        if not flash_attention_backend.flash_attn_available():
+            raise ValueError(f"--hf-attention {config.hf_attention}: flash-attn is not installed here")
+        model.set_attn_implementation(config.hf_attention)  # FlexUlyssesLM later sets its own
     if "hf" in config.ways:
-        seconds, loss = _best_time(info, hf_pass(model, samples, temperature), config.repeats)
+        per_sample = hf_pass(model, samples, temperature)
+        seconds, loss = _best_time(info, per_sample, config.repeats)
         record("hf", seconds, loss, flops)
+        record.profile(info, per_sample, "hf", config, model=model)
         model.zero_grad(set_to_none=True)  # the next ways start without its gradients
     if "hf_batched" in config.ways:
         batched = hf_batched_pass(model, samples, temperature, config.hf_batch_tokens)
         seconds, loss = _best_time(info, batched, config.repeats)
         record("hf_batched", seconds, loss, flops)
-        if config.profile_dir:
-            table = profile_run(info, batched, config.profile_dir, "hf_batched")
-            record.progress(f"bench update: hf_batched profiled: {table}")
+        record.profile(info, batched, "hf_batched", config, model=model)
+        if family_of(model.config).has_vision:  # the tower alone: per sample, transformers' attention
+            names = padded_micro_batches({name: s.length for name, s in samples.items()}, config.hf_batch_tokens)
+            groups = media_groups(model, [[samples[name] for name in batch] for batch in names])
+            record.vision("hf_batched", _best_time(info, vision_alone_pass(model, groups), config.repeats)[0])
         model.zero_grad(set_to_none=True)
 
 
@@ -299,54 +326,23 @@ def _engine_ways(info, engine, both_batches, samples, rl_config, config: UpdateB
     batches, logprob_batches = both_batches
     forward_flops, logprob_flops = both_flops
     if "logprob" in config.ways:
-        seconds, loss = _best_time(info, logprob_pass(engine, logprob_batches, samples), config.repeats)
+        no_grad = logprob_pass(engine, logprob_batches, samples)
+        seconds, loss = _best_time(info, no_grad, config.repeats)
         record("logprob", seconds, loss, logprob_flops)
+        record.profile(info, no_grad, "logprob", config)
     if "zero3" in config.ways:
         seconds, step_seconds, loss = _zero3_times(info, engine, flexrl_pass(
             engine, batches, samples, engine.backward, lambda: None, engine.set_gradient_accumulation_boundary),
             config.repeats)
         record("zero3", seconds, loss, 3 * forward_flops)
         record("zero3_step", step_seconds, None, 0.0)
-        if config.profile_dir:
-            table = profile_zero3(info, engine, batches, samples, config.profile_dir)
-            record.progress(f"bench update: zero3 profiled: {table}")
+        record.profile(info, flexrl_pass(engine, batches, samples, engine.backward, lambda: None,
+                                         engine.set_gradient_accumulation_boundary), "zero3", config, step=engine.step)
     if "grpo" in config.ways:
-        seconds, _ = _best_time(info, grpo_pass(engine, batches, samples, rl_config, config.seed), config.repeats)
+        update = grpo_pass(engine, batches, samples, rl_config, config.seed)
+        seconds, _ = _best_time(info, update, config.repeats)
         record("grpo", seconds, None, 3 * forward_flops)
-
-
-def profile_zero3(info, engine, batches, samples, profile_dir: str) -> str:
-    """One zero3 forward+backward and optimizer step under torch.profiler; the table's path."""
-    run = flexrl_pass(engine, batches, samples, engine.backward, lambda: None,
-                      engine.set_gradient_accumulation_boundary)
-    profiler = RankProfiler()
-    profiler.start()
-    try:
-        with region("zero3_forward_backward"):
-            run()
-            device_mod.synchronize(info)
-        with region("zero3_optimizer_step"):
-            engine.step()
-            device_mod.synchronize(info)
-    except BaseException:
-        profiler.discard()
-        raise
-    return profiler.stop(Path(profile_dir) / "zero3")
-
-
-def profile_run(info, run: Callable[[], float], profile_dir: str, name: str) -> str:
-    """One more `run` (a forward+backward) under torch.profiler in region `<name>_forward_backward`;
-    the table's path (`<profile_dir>/<name>.txt`)."""
-    profiler = RankProfiler()
-    profiler.start()
-    try:
-        with region(f"{name}_forward_backward"):
-            run()
-            device_mod.synchronize(info)
-    except BaseException:
-        profiler.discard()
-        raise
-    return profiler.stop(Path(profile_dir) / name)
+        record.profile(info, update, "grpo", config)
 
 
 def logprob_pass(engine, batches, samples) -> Callable[[], float]:
@@ -381,6 +377,13 @@ def grpo_pass(engine, batches, samples, rl_config, seed: int) -> Callable[[], fl
     return run
 
 
+def _one_sample_per_prompt(batch, samples: dict[str, Any]) -> list:
+    """One sample of each prompt in `batch` (bench names are `<record>#<copy>`; copies share media)."""
+    names = [name for pack in batch.layout.packs for name in pack.sequence_ids]
+    first = {name.rsplit("#", 1)[0]: name for name in reversed(names)}
+    return [samples[name] for name in first.values()]
+
+
 def bench_batches(model, model_dir: str, samples: dict[str, Any], sp: SPConfig) -> list:
     """The StepBatch of each micro-batch the trainer would run these samples as on one rank under
     `sp` (planning/micro_batches.py: one unless they overflow `sp.max_tokens_per_rank`)."""
@@ -401,6 +404,19 @@ class _Recorder:
     def __init__(self, result: UpdateBenchResult, progress: Callable[[str], None]):
         self.result, self.progress = result, progress
         self.peak = peak_bf16_flops(device_mod.accelerator_name())
+
+    def profile(self, info, run: Callable[[], Any], way: str, config: UpdateBenchConfig, **options) -> None:
+        """With `config.profile_dir`: one more `run` of `way` profiled (bench/update_profile.py)."""
+        if config.profile_dir:
+            table = profile_run(info, run, config.profile_dir, way, config.profile_trace, **options)
+            self.progress(f"bench update: {way} profiled: {table}")
+
+    def vision(self, way: str, seconds: float) -> None:
+        """The vision tower alone over `way`'s media: its seconds, and their share of the way's."""
+        self.result.vision_seconds[way] = seconds
+        share = f" ({seconds / self.result.seconds[way]:.0%} of the way's)" if self.result.seconds.get(way) else ""
+        self.progress(f"bench update: {way}'s vision tower alone (forward+backward over its micro-batches' media): "
+                      f"{seconds:.3f} s{share}")
 
     def __call__(self, way: str, seconds: float, loss: float | None, flops: float) -> None:
         result = self.result

@@ -130,11 +130,17 @@ def _add_bench_update(bench) -> None:
                              "update step)")
     update.add_argument("--hf-batch-tokens", type=int, default=16384,
                         help="hf_batched: padded tokens (rows × longest row) per micro-batch")
+    update.add_argument("--hf-attention", default="sdpa", choices=("sdpa", "flash_attention_2"),
+                        help="the hf ways' attention implementation (flash_attention_2: where flash-attn is installed)")
     update.add_argument("--seed", type=int, default=0)
     update.add_argument("--json", default=None, help="write the result here")
     update.add_argument("--profile", default=None, metavar="DIR",
-                        help="after the timed repeats, one more zero3 forward+backward and optimizer step under "
-                             "torch.profiler: DIR/zero3.txt (regions, top ops) and DIR/zero3.json.gz (the trace)")
+                        help="after each way's timed repeats, one more run of it under torch.profiler: DIR/<way>.txt "
+                             "(its time split by region: vision tower, decoder, lm_head, loss, backward, optimizer "
+                             "step; the top ops by device and host time)")
+    update.add_argument("--profile-tables-only", action="store_true",
+                        help="with --profile: the tables alone, without each way's trace DIR/<way>.json.gz (which "
+                             "takes minutes to write for a big run)")
     update.set_defaults(func=_bench_update)
 
 
@@ -145,7 +151,8 @@ def _bench_update(args: argparse.Namespace) -> int:
                                samples_per_prompt=args.samples_per_prompt, max_prompts=args.max_prompts,
                                repeats=args.repeats, activation_checkpointing=args.checkpointing, seed=args.seed,
                                ways=tuple(way.strip() for way in args.ways.split(",") if way.strip()),
-                               profile_dir=args.profile, hf_batch_tokens=args.hf_batch_tokens)
+                               profile_dir=args.profile, profile_trace=not args.profile_tables_only,
+                               hf_batch_tokens=args.hf_batch_tokens, hf_attention=args.hf_attention)
     if args.json:
         output_file(args.json)  # a folder in the way is named now, not after the benchmark
     write_result(run_update_bench(config), args.json)

@@ -14,7 +14,9 @@ runs the HF decoder on `inputs_embeds` (the family's call, `ModelFamily.run_deco
 DeepStack rows, which travel with the merged vision rows, added after its first decoder layers at this
 rank's vision tokens) with FlexUlysses attention (the layout travels as the
 `flexrl_step` forward keyword, see flexrl_ds/models/hf_adapter.py) and returns per-token log-probs of
-the targets (and their distributions' entropy when asked) under the logits divided by the sampling
+the targets at the response rows (the only rows a loss or a log-prob pass reads: the prompt's and the
+vision placeholders' hidden states never go through the vocabulary-sized lm_head; 0 there)
+(and their distributions' entropy when asked) under the logits divided by the sampling
 temperature (the distribution the rollout drew from, before top-k / top-p), computed in chunks of as many
 tokens as `logits_chunk_bytes` allows (models/logprob_chunks.py: each target's logit minus the row's
 log-sum-exp, no log-softmax): full (tokens, vocab) logits never exist, with or without grad (each chunk is
@@ -204,9 +206,10 @@ class TokenOutputs(NamedTuple):
     """What `FlexUlyssesLM.forward` returns for one rank's local tokens."""
 
     logprobs: torch.Tensor
-    """(local,) fp32 log p(target) (arbitrary where the target is IGNORE: mask with response_mask)."""
+    """(local,) fp32 log p(target) at the response rows (`StepBatch.response_mask`), 0 at every other
+    row (prompt and vision rows skip lm_head: mask with response_mask)."""
     entropy: torch.Tensor | None
-    """(local,) fp32 entropy of each token's next-token distribution; None unless asked for."""
+    """(local,) fp32 entropy of each response row's next-token distribution (0 elsewhere); None unless asked for."""
     zero: torch.Tensor
     """A scalar 0 that depends on every module's output: add it to the loss (ZeRO-3 needs every
     parameter's gradient on every rank, also where a rank's share of a module's work is empty)."""
@@ -303,8 +306,10 @@ class FlexUlyssesLM(torch.nn.Module):
             zero = zero + hidden.float().sum() * 0.0
             hidden = hidden[:0]
         with region("lm_head"):
-            logprobs, entropy = self._token_outputs(hidden, batch.targets.to(hidden.device), with_entropy, entropy_grad)
+            logprobs, entropy = self._response_outputs(hidden, batch, with_entropy, entropy_grad)
         zero = zero + logprobs.sum() * 0.0 + (entropy.sum() * 0.0 if entropy is not None else 0.0)
+        if not bool(batch.response_mask.any()):  # no row reached lm_head: the decoder's gradient still must
+            zero = zero + hidden.float().sum() * 0.0
         self.last_router_stats = router
         return TokenOutputs(logprobs, entropy, zero)
 
@@ -324,6 +329,18 @@ class FlexUlyssesLM(torch.nn.Module):
         value = torch.tensor([count], dtype=torch.long, device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.zero_group)
         return int(value.item())
+
+    def _response_outputs(self, hidden, batch: StepBatch, with_entropy: bool, entropy_grad: bool = True):
+        """`_token_outputs` at the response rows only (`batch.response_mask`: all that the losses and the
+        log-prob passes read), placed back into (local,) tensors holding 0 at every other row: the
+        prompt's and the vision placeholders' hidden states never go through the vocabulary-sized head."""
+        rows = batch.response_mask.nonzero().squeeze(1).to(hidden.device)
+        targets = batch.targets.to(hidden.device).index_select(0, rows)
+        logprobs, entropy = self._token_outputs(hidden.index_select(0, rows), targets, with_entropy, entropy_grad)
+
+        def placed(values: torch.Tensor) -> torch.Tensor:
+            return values.new_zeros(hidden.shape[0]).index_copy(0, rows, values)
+        return placed(logprobs), (placed(entropy) if entropy is not None else None)
 
     def _token_outputs(self, hidden, targets, with_entropy: bool, entropy_grad: bool = True):
         """Per-token target log-probs (and entropy), `chunk_tokens` tokens at a time."""

@@ -55,8 +55,8 @@ class RankProfiler:
             active, self.active = self.active, None
             active.stop()
 
-    def stop(self, stem: str | Path) -> str:
-        """End the profile; write `<stem>.txt` and `<stem>.json.gz`; returns the .txt path."""
+    def stop(self, stem: str | Path, trace: bool = True) -> str:
+        """End the profile; write `<stem>.txt` and (with `trace`) `<stem>.json.gz`; returns the .txt path."""
         if self.active is None:
             raise RuntimeError("no profile is running on this rank")
         prof, self.active = self.active, None
@@ -71,7 +71,8 @@ class RankProfiler:
                               busy_seconds=device_busy_seconds(events) if device else None,
                               calls=region_calls(events))
         (stem.parent / f"{stem.name}.txt").write_text(text)  # first: the trace of a big step takes longer
-        prof.export_chrome_trace(str(stem.parent / f"{stem.name}.json.gz"))
+        if trace:
+            prof.export_chrome_trace(str(stem.parent / f"{stem.name}.json.gz"))
         return str(stem.parent / f"{stem.name}.txt")
 
 

@@ -87,6 +87,14 @@ def test_every_way_computes_the_reference_loss(bench_assets):
     # hf_batched profiled too, its regions named as the trainer's.
     table = (root / "profile" / "hf_batched.txt").read_text()
     assert all(f"flexrl/{name}" in table for name in ("hf_batched_forward_backward", "decoder", "lm_head"))
+    # Every way asked has its own table, split by the same regions; the hf ways' vision tower marked too.
+    for way in ("hf_batched", "flexrl", "zero3", "logprob"):
+        table = (root / "profile" / f"{way}.txt").read_text()
+        assert f"flexrl/{way}_forward_backward" in table and "flexrl/vision_tower" in table, way
+        assert ("flexrl/backward" in table) == (way != "logprob"), way
+    # The vision tower alone over each way's media: hf_batched's per sample, flexrl's once per prompt.
+    assert set(capped["vision_seconds"]) == {"hf_batched", "flexrl"}
+    assert all(seconds > 0 for seconds in capped["vision_seconds"].values())
 
 
 def test_a_sample_over_the_cap_is_an_error_even_where_the_run_drops_it(bench_assets):

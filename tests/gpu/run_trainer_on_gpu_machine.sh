@@ -83,8 +83,9 @@
 #     files, or CKPT=1): one update's forward
 #     and backward as plain transformers, as FlexUlyssesLM, and in the run config's ZeRO-3 engine
 #     (OUT/update_bench.txt and .json; the whole output in OUT/update_bench.log). UPDATE_BENCH_ARGS:
-#     more arguments, e.g. "--ways flexrl,zero3 --repeats 2". UPDATE_BENCH_PROFILE=1: one more zero3
-#     forward+backward and optimizer step under torch.profiler (OUT/update_profile/zero3.txt and the trace).
+#     more arguments, e.g. "--ways flexrl,zero3 --repeats 2". UPDATE_BENCH_PROFILE=1: one more run of
+#     each way under torch.profiler, a table each split by region (vision tower, decoder, lm_head, loss,
+#     backward, optimizer step): OUT/update_profile/<way>.txt, without the traces (minutes to write).
 #   LOADING=central: `flexrl.data.loading` central, the veRL-style baseline (the loader service decodes
 #     each step when asked and ships every pixel) instead of the ShadowLoader; metrics.jsonl `loader`
 #     has the exposed data time, the bytes through the controller and the peak RSS of both sides.
@@ -132,7 +133,7 @@ start=$(date +%s)
 # locally built byte-level BPE grown with filler tokens, models/vocabulary.py; until 2026-12-05 the runs
 # had the tiny tokenizer's ~640 rows). Weights are made on the GPU in bf16 and saved.
 vocab=${VOCAB_SIZE:-151936}
-model="$work/m$shape-v$vocab"
+model="$work/m$shape-v$vocab-vis112"  # -vis112: the released vision tower (bench/rollout_bench.py SHAPES), not an older build
 [ -f "$model/model.safetensors.index.json" ] || [ -f "$model/model.safetensors" ] || \
   python3 - "$model" "$shape" "$vocab" <<'PY'
 import sys
@@ -226,7 +227,7 @@ cp "$work/config.json" "$out/config.json"
 if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs FlexUlysses vs its ZeRO-3 engine
   python3 -m flexrl_ds bench update --model "$model" --data "$data/train.jsonl" --config "$work/config.json" \
     --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $(python3 -c "import json, sys; print('--checkpointing' if json.load(open(sys.argv[1]))['flexrl']['trainer']['activation_checkpointing'] else '')" "$work/config.json") ${UPDATE_BENCH_ARGS:-} \
-    $([ "${UPDATE_BENCH_PROFILE:-0}" = 1 ] && echo --profile "$out/update_profile") \
+    $([ "${UPDATE_BENCH_PROFILE:-0}" = 1 ] && echo --profile "$out/update_profile" --profile-tables-only) \
     --json "$out/update_bench.json" > "$out/update_bench.log" 2>&1 || echo "bench update failed: exit $?" >> "$out/update_bench.log"
   grep "bench update" "$out/update_bench.log" | tee "$out/update_bench.txt"
   tail -n 15 "$out/update_bench.log"  # the failure, where there is one
