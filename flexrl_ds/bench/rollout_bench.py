@@ -76,14 +76,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 (128 experts, 8 active, 48 layers in the release) at QWEN3_VL_MOE_LAYERS decoder layers, so that it
 trains on one GPU."""
 
-QWEN_VL_VISION: dict[str, Any] = dict(vision_intermediate_size=3420, vision_window_size=112,
-                                      vision_full_attention_blocks=(7, 15, 23, 31))
-"""Qwen2.5-VL-3B's and -7B's released vision tower beyond its width, depth and heads (the same in both),
-in SHAPES since 2026-12-05; before, MLP 2560, 56 px windows and full attention in the last block only:
-~2.6x the released model's attention windows on the bench's media, each one call from Python under
-transformers' sdpa (docs/notes/update-gap-hypotheses.md)."""
+QWEN_VL_VISION: dict[str, Any] = dict(intermediate_size=3420, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+"""Qwen2.5-VL-3B's and -7B's released vision tower beyond its width, depth and heads (the same in both;
+HF vision-config fields), in SHAPES since 2026-12-05; before, MLP 2560, 56 px windows and full attention
+in the last block only: ~2.6x the released model's attention windows on the bench's media, each one call
+from Python under transformers' sdpa (docs/notes/update-gap-hypotheses.md)."""
 for _qwen25_vl in ("3b", "7b"):
-    SHAPES[_qwen25_vl] = {**SHAPES[_qwen25_vl], **QWEN_VL_VISION}
+    SHAPES[_qwen25_vl] = {**SHAPES[_qwen25_vl], "vision_overrides": dict(QWEN_VL_VISION)}
 
 
 @dataclass
@@ -155,7 +154,7 @@ class RolloutBenchResult:
 
 def _model_dir(config: RolloutBenchConfig) -> Path:
     shape = SHAPES[config.shape]  # a folder of an older build (tiny vocabulary, 56 px windows) is not reused
-    vocab, window = shape.get("vocab_size"), shape.get("vision_window_size")
+    vocab, window = shape.get("vocab_size"), shape.get("vision_overrides", {}).get("window_size")
     out = Path(config.work_dir) / (f"model-{config.shape}" + (f"-v{vocab}" if vocab else "")
                                    + (f"-vis{window}" if window else ""))
     if not (out / "config.json").is_file():

@@ -104,14 +104,8 @@ class TinyModelConfig:
     vision_hidden_size: int = 32
     """Vision tower width."""
     vision_depth: int = 2
-    """Vision tower blocks (the last full attention unless `vision_full_attention_blocks` says; the others windowed)."""
-    vision_intermediate_size: int | None = None
-    """Vision MLP width (Qwen2.5-VL-3B/7B: 3420); None: twice `vision_hidden_size`."""
-    vision_window_size: int = 56
-    """Qwen2.5-VL's attention window in pixels (112 in the released models: 8 x 8 patches of 14; 56 here
-    by default, so that the tiny test images hold several windows)."""
-    vision_full_attention_blocks: tuple[int, ...] | None = None
-    """Qwen2.5-VL blocks with full attention (the released models: 7, 15, 23, 31); None: the last one."""
+    """Vision tower blocks (Qwen2.5-VL: the last one full attention, the others windowed, unless
+    `vision_overrides` names `fullatt_block_indexes`)."""
     vision_num_heads: int = 2
     """Vision attention heads (Qwen2.5-VL: 16, head_dim 80; vLLM's vision attention needs head_dim <= 256)."""
     min_pixels: int = 4 * 28 * 28
@@ -238,14 +232,14 @@ def build_model_config(config: TinyModelConfig, tokenizer):
     vision_config = dict(
         depth=config.vision_depth,
         hidden_size=config.vision_hidden_size,
-        intermediate_size=config.vision_intermediate_size or 2 * config.vision_hidden_size,
+        intermediate_size=2 * config.vision_hidden_size,
         num_heads=config.vision_num_heads,
         patch_size=14,
         temporal_patch_size=2,
         spatial_merge_size=2,
-        window_size=config.vision_window_size,
+        window_size=56,  # 112 in the released models (8 x 8 patches of 14): the tiny test images hold several
         out_hidden_size=config.hidden_size,
-        fullatt_block_indexes=list(config.vision_full_attention_blocks or [config.vision_depth - 1]),
+        fullatt_block_indexes=[config.vision_depth - 1],
         tokens_per_second=2,
     )
     return transformers.Qwen2_5_VLConfig(
