@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.parallel import network
 
 
 @dataclass(frozen=True)
@@ -91,13 +92,25 @@ def init_distributed(env: Mapping[str, str] | None = None, force_cpu: bool | Non
     device_mod.configure_deepspeed_accelerator(info)
     device = device_mod.set_local_device(info, launch.local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=info.backend, rank=launch.rank, world_size=launch.world_size,
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        device_mod.pin_collectives(launch.master_addr)
+        dist.init_process_group(backend=info.backend, rank=launch.rank, world_size=launch.world_size,
+                                store=rendezvous_store(launch, timeout), timeout=timeout)
     return DistContext(launch=launch, info=info, device=device,
                        deepspeed_comm=with_deepspeed and ensure_deepspeed_comm(info.backend))
+
+
+def rendezvous_store(launch: LaunchEnv, timeout: datetime.timedelta):
+    """The job's rendezvous store at MASTER_ADDR:MASTER_PORT, hosted by rank 0. On a loopback
+    MASTER_ADDR (one machine) it listens there only (torch's own listens on every interface:
+    parallel/network.py); on another host's address, as torch's `tcp://` rendezvous does."""
+    import torch.distributed as dist
+
+    listen_fd = None
+    if launch.rank == 0 and network.is_loopback(launch.master_addr):
+        listen_fd = network.listening_socket(launch.master_addr, launch.master_port).detach()
+    return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=launch.rank == 0,
+                         timeout=timeout, master_listen_fd=listen_fd)
 
 
 def ensure_deepspeed_comm(backend: str) -> bool:

@@ -33,6 +33,8 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from flexrl_ds.common import notes
+from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.parallel import network
 from flexrl_ds.runtime.rank_failures import wait_ranks
 
 logger = logging.getLogger(__package__)
@@ -70,10 +72,13 @@ def remote_name(worker_class: type | None, method: Callable[..., Any]) -> str:
 
 
 def open_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
-    """A TCPStore hosted here on a port the OS picks (no race between choosing and binding it);
+    """A TCPStore hosted here on a port the OS picks (no race between choosing and binding it),
+    listening on `host` only (torch's own would listen on every interface: parallel/network.py);
     `size` processes connect to it at `host`:`store.port`."""
-    return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    listener = network.listening_socket(host)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 _HOSTED_STORES: dict[tuple[str, int], dist.TCPStore] = {}
@@ -90,6 +95,7 @@ def host_rendezvous(address: str, world_size: int, timeout_s: float) -> int:
 def join_process_group(place: WorkerPlace, backend: str, timeout_s: float) -> None:
     """Join the group's default process group through its rendezvous store at `place`'s address."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    device_mod.pin_collectives(place.master_addr)
     store = _HOSTED_STORES.get((place.master_addr, place.master_port))
     if store is None:
         store = dist.TCPStore(place.master_addr, place.master_port, place.world_size, is_master=False,
