@@ -262,11 +262,8 @@ def _actor_killed(folder: Path) -> Observed:
 
 def _engine_killed(folder: Path) -> Observed:
     assets, out = _assets(folder.parent), folder / "run"
-    config = json.loads((assets / "run.json").read_text())
-    config["flexrl"]["trainer"]["colocate"] = False
-    config["flexrl"]["rollout"].update(num_engines=1, num_cpus_per_engine=0.25)
-    (folder / "separate.json").write_text(json.dumps(config))
-    child = _start(assets, out, config=folder / "separate.json")
+    separate = _separate_config(folder, assets)
+    child = _start(assets, out, config=separate)
     _wait_for(lambda: _steps_done(out) >= 1 and (out / "checkpoints" / "step_0").is_dir(), child)
     victim = _policy_pids(child, "_RolloutActor")[-1]
     injected = time.perf_counter()
@@ -276,13 +273,55 @@ def _engine_killed(folder: Path) -> Observed:
     line = next((line for line in _log(out).splitlines() if line.startswith("RuntimeError: ")
                  and "a worker died" in line and "At step" in line and "--resume, from" in line), None)
     started = time.perf_counter()
-    resumed = _finish(_start(assets, out, resume=True, config=folder / "separate.json"))
+    resumed = _finish(_start(assets, out, resume=True, config=separate))
     recover = time.perf_counter() - started
     steps = [json.loads(row)["step"] for row in (out / "metrics.jsonl").read_text().splitlines()]
     passed = code != 0 and line is not None and resumed == 0 and steps == list(range(STEPS))
     return Observed(f"exit {code} after {detect:.1f} s: {line}; --resume: exit {resumed}, steps logged {steps}",
                     passed, lost=len(set(range(STEPS)) - set(steps)), duplicated=len(steps) - len(set(steps)),
                     detect_s=detect, recover_s=recover)
+
+
+def _separate_config(folder: Path, assets: Path, max_restarts: int = 0) -> Path:
+    """The run's config with one separate rollout engine (`colocate` false), written in `folder`."""
+    config = json.loads((assets / "run.json").read_text())
+    config["flexrl"]["trainer"].update(colocate=False, max_restarts=max_restarts)
+    config["flexrl"]["rollout"].update(num_engines=1, num_cpus_per_engine=0.25)
+    path = folder / f"separate_{max_restarts}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def separate_reference(scratch: Path) -> Path:
+    """The uninterrupted run with a separate engine (made once per scratch folder)."""
+    assets, out = _assets(scratch), scratch / "train_reference_separate"
+    if _steps_done(out) < STEPS:
+        code = _finish(_start(assets, out, config=_separate_config(scratch, assets)))
+        if code != 0:
+            raise RuntimeError(f"the separate-engine reference run failed (exit {code}): {_log(out)[-600:]}")
+    return out
+
+
+def _engine_recreated(folder: Path) -> Observed:
+    reference_out, assets, out = separate_reference(folder.parent), _assets(folder.parent), folder / "run"
+    child = _start(assets, out, config=_separate_config(folder, assets, max_restarts=1))
+    _wait_for(lambda: _steps_done(out) >= 1 and (out / "checkpoints" / "step_0").is_dir(), child)
+    os.kill(_policy_pids(child, "_RolloutActor")[-1], signal.SIGKILL)
+    injected = time.perf_counter()
+    code = _finish(child)
+    finished = time.perf_counter() - injected
+    if code != 0:
+        return Observed(f"the run failed (exit {code}): {_log(out)[-400:]}", False)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    said = [line for line in _log(out).splitlines() if "every engine recreated in place" in line]
+    differences, lost, duplicated = compare_runs(reference_out, out)
+    seen = (f"{said[:1]}; num_engine_restarts per step {[row.get('num_engine_restarts') for row in rows]}, "
+            f"num_restarts {[row.get('num_restarts') for row in rows]}; against the uninterrupted separate-engine "
+            "run: " + ("; ".join(differences) if differences else "the same sample ids, responses, metrics and "
+                                                                  "parameters"))
+    passed = (not differences and bool(said) and rows[-1].get("num_engine_restarts") == 1
+              and rows[-1].get("num_restarts") == 0 and not lost and not duplicated)
+    return Observed(seen, passed, lost, duplicated, recover_s=finished)
 
 
 def _session_listeners(child: subprocess.Popen) -> set[tuple[str, str, int]]:
@@ -308,11 +347,7 @@ def _services_bind(folder: Path) -> Observed:
     """A separate-engine run (Ray, the ShadowLoader's actors, the policy ranks' and the weight channel's
     rendezvous and gloo groups), its listening sockets listed every second until it ends."""
     assets, out = _assets(folder.parent), folder / "run"
-    config = json.loads((assets / "run.json").read_text())
-    config["flexrl"]["trainer"]["colocate"] = False
-    config["flexrl"]["rollout"].update(num_engines=1, num_cpus_per_engine=0.25)
-    (folder / "separate.json").write_text(json.dumps(config))
-    child = _start(assets, out, config=folder / "separate.json",
+    child = _start(assets, out, config=_separate_config(folder, assets),
                    unset=(network.ENV_VAR, "MASTER_ADDR", "RAY_ADDRESS", network.RAY_SINGLE_MACHINE_VAR))
     seen: set[tuple[str, str, int]] = set()
     try:
@@ -347,8 +382,12 @@ CASES = [
          slow=True),
     Case("train:rollout_engine_killed", "the separate rollout engine's process SIGKILLed after step 1 "
          "(flexrl.trainer.colocate false)", "the run ends with one line saying a worker died, the step and the "
-         "checkpoint to resume from (not recreated: max_restarts does that); --resume runs to the end",
+         "checkpoint to resume from (max_restarts 0: not recreated); --resume runs to the end",
          _engine_killed, slow=True),
+    Case("train:rollout_engine_killed_recreated", "the separate rollout engine's process SIGKILLed after step 1, "
+         "flexrl.trainer.max_restarts 1", "the engine recreated in place from the policy's current weights and the "
+         "call retried: the run finishes equal to an uninterrupted separate-engine run, num_engine_restarts 1, "
+         "num_restarts 0", _engine_recreated, slow=True),
     Case("security:services_bind", "a `flexrl train` run with a separate rollout engine, its processes' listening "
          "sockets listed every second (no FLEXRL_NODE_IP_ADDRESS, MASTER_ADDR or RAY_ADDRESS)",
          "every socket on 127.0.0.1: Ray's GCS, raylet, workers and agents (Ray's single-machine mode, "

@@ -48,7 +48,7 @@ from flexrl_ds.trainer.floor_metrics import job_gpus
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rl_step import resolved_rl
-from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
+from flexrl_ds.trainer.rollout_group import ColocatedRollout, RestartBudget, SeparateRollout
 if TYPE_CHECKING:
     from flexrl_ds.loader.config import DataConfig
     from flexrl_ds.rl.reward_fn import RewardFn
@@ -298,17 +298,18 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
     clock = time.perf_counter()
     started = connect_ray(ray_cpus(run, prepared.num_ranks))
     clock = _progress(f"Ray {'started' if started else 'joined'}", clock)
-    restarts, allowed = 0, run.flexrl.trainer.max_restarts
+    restarts, budget = 0, RestartBudget(run.flexrl.trainer.max_restarts)  # shared with engines recreated in place
     try:
         while True:
             try:
-                return _run_groups(run, prepared, raw_config, clock, restarts)
+                return _run_groups(run, prepared, raw_config, clock, restarts, budget)
             except Exception as error:
-                if restarts >= allowed or not is_lost_worker(error):
+                if not is_lost_worker(error) or not budget.take():
                     raise
                 restarts += 1
-                logger.info(f"flexrl train: {str(error).splitlines()[0]}\nflexrl train: restart {restarts} of "
-                            f"{allowed} (flexrl.trainer.max_restarts): every worker rebuilt, from the last checkpoint")
+                logger.info(f"flexrl train: {str(error).splitlines()[0]}\nflexrl train: restart {budget.used} of "
+                            f"{budget.allowed} (flexrl.trainer.max_restarts): every worker rebuilt, from the last "
+                            "checkpoint")
                 checkpoint, start = resume_point(dataclasses.replace(args, resume=True))
                 prepared = dataclasses.replace(prepared, checkpoint=checkpoint, start_step=start)
                 clock = time.perf_counter()
@@ -317,8 +318,10 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
             ray.shutdown()
 
 
-def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, restarts: int) -> int:
-    """Build the data controller, the policy group and the rollout engines, drive the run, shut them down."""
+def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, restarts: int,
+                budget: RestartBudget) -> int:
+    """Build the data controller, the policy group and the rollout engines, drive the run, shut them down;
+    `budget`: the restarts left, which separate engines lost in a step may take (trainer/rollout_group.py)."""
     trainer, rollout_config, args = run.flexrl.trainer, run.flexrl.rollout, prepared.args
     controller = policy = None
     rollout: ColocatedRollout | SeparateRollout | None = None
@@ -339,7 +342,8 @@ def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, re
                                       controller.pixels, setup.dtype, rollout_config.num_cpus_per_engine,
                                       rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
                                       trainer.timeout_s, rollout_config.engine_options(colocated=False),
-                                      gpus_per_policy_rank=trainer.num_gpus_per_rank, env=worker_env())
+                                      gpus_per_policy_rank=trainer.num_gpus_per_rank, env=worker_env(),
+                                      restart_budget=budget)
         return drive(prepared, controller, policy, rollout, raw_config, restarts)
     finally:
         for part in (rollout, policy, controller):
