@@ -304,10 +304,14 @@ def separate_reference(scratch: Path) -> Path:
 
 def _engine_recreated(folder: Path) -> Observed:
     reference_out, assets, out = separate_reference(folder.parent), _assets(folder.parent), folder / "run"
-    child = _start(assets, out, config=_separate_config(folder, assets, max_restarts=1))
-    _wait_for(lambda: _steps_done(out) >= 1 and (out / "checkpoints" / "step_0").is_dir(), child)
-    os.kill(_policy_pids(child, "_RolloutActor")[-1], signal.SIGKILL)
+    child = _start(assets, out, config=_separate_config(folder, assets, max_restarts=2))
+    _wait_for(lambda: _steps_done(out) >= 1 and _policy_pids(child, "_RolloutActor"), child)
+    first = _policy_pids(child, "_RolloutActor")[-1]
+    _wait_for(lambda: (out / "checkpoints" / "step_0").is_dir(), child, poll_s=0.02)
+    os.kill(first, signal.SIGKILL)  # between steps: found lost by the next sync or rollout
     injected = time.perf_counter()
+    _wait_for(lambda: _steps_done(out) >= 2 and set(_policy_pids(child, "_RolloutActor")) - {first}, child)
+    os.kill(_policy_pids(child, "_RolloutActor")[-1], signal.SIGKILL)  # wherever step 3 is
     code = _finish(child)
     finished = time.perf_counter() - injected
     if code != 0:
@@ -315,11 +319,11 @@ def _engine_recreated(folder: Path) -> Observed:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     said = [line for line in _log(out).splitlines() if "every engine recreated in place" in line]
     differences, lost, duplicated = compare_runs(reference_out, out)
-    seen = (f"{said[:1]}; num_engine_restarts per step {[row.get('num_engine_restarts') for row in rows]}, "
+    seen = (f"{said}; num_engine_restarts per step {[row.get('num_engine_restarts') for row in rows]}, "
             f"num_restarts {[row.get('num_restarts') for row in rows]}; against the uninterrupted separate-engine "
             "run: " + ("; ".join(differences) if differences else "the same sample ids, responses, metrics and "
                                                                   "parameters"))
-    passed = (not differences and bool(said) and rows[-1].get("num_engine_restarts") == 1
+    passed = (not differences and len(said) == 2 and rows[-1].get("num_engine_restarts") == 2
               and rows[-1].get("num_restarts") == 0 and not lost and not duplicated)
     return Observed(seen, passed, lost, duplicated, recover_s=finished)
 
@@ -384,10 +388,12 @@ CASES = [
          "(flexrl.trainer.colocate false)", "the run ends with one line saying a worker died, the step and the "
          "checkpoint to resume from (max_restarts 0: not recreated); --resume runs to the end",
          _engine_killed, slow=True),
-    Case("train:rollout_engine_killed_recreated", "the separate rollout engine's process SIGKILLed after step 1, "
-         "flexrl.trainer.max_restarts 1", "the engine recreated in place from the policy's current weights and the "
-         "call retried: the run finishes equal to an uninterrupted separate-engine run, num_engine_restarts 1, "
-         "num_restarts 0", _engine_recreated, slow=True),
+    Case("train:rollout_engine_killed_recreated", "the separate rollout engine's process SIGKILLed as step 1's "
+         "checkpoint appears, its successor after step 2 (found lost by a sync or a rollout: the observed lines "
+         "say which), flexrl.trainer.max_restarts 2",
+         "each time the engine recreated in place from the policy's current weights and the call retried: "
+         "the run finishes equal to an uninterrupted separate-engine run, "
+         "num_engine_restarts 2, num_restarts 0", _engine_recreated, slow=True),
     Case("security:services_bind", "a `flexrl train` run with a separate rollout engine, its processes' listening "
          "sockets listed every second (no FLEXRL_NODE_IP_ADDRESS, MASTER_ADDR or RAY_ADDRESS)",
          "every socket on 127.0.0.1: Ray's GCS, raylet, workers and agents (Ray's single-machine mode, "
