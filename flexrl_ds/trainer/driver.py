@@ -141,6 +141,7 @@ class GRPOTrainer:
                         f"{self.o.start_step}..{self.o.max_steps - 1}: nothing is profiled")
         rows = []
         for step in range(self.o.start_step, self.o.max_steps):
+            self.policy.note_step(step)
             try:
                 rows.append(self.train_step(step))
                 last = self.o.save_last and step == self.o.max_steps - 1

@@ -38,7 +38,7 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams, stop_token_ids
 from flexrl_ds.runtime.data_controller import DataController, usable_records
-from flexrl_ds.runtime.rank_failures import is_lost_worker
+from flexrl_ds.runtime.rank_failures import LostRanks, is_lost_worker
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
 from flexrl_ds.trainer.checkpoint import check_out_dir, read_trainer_state, resume_checkpoint, resume_config_note
@@ -399,6 +399,7 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
         ray.init(address=address, namespace=pixels.namespace, log_to_driver=False, configure_logging=False)
     place = WorkerPlace(rank, world, context.launch.master_addr, context.launch.master_port, context.launch.local_rank)
     group = SPMDWorkerGroup(PolicyWorker(place, policy_setup(run, args.model_dir, pixels, colocated=True)), rank, world)
+    group.name_losses_when_stopped()  # the launcher's SIGTERM after a rank failed: this rank's line first
     dist.barrier()  # every rank has built its models, engines and rollout engine
     if rank != 0:
         group.serve()
@@ -407,6 +408,9 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
     _progress(f"{policy_ranks(world)} ready (models loaded, DeepSpeed engines built, rollout engines inside)", clock)
     try:
         return drive(prepared, controller, group, ColocatedRollout(group), raw_config)
+    except LostRanks as error:  # said before the clean-up, which the launcher's SIGTERM may cut short
+        logger.error(f"flexrl train: {error}")
+        return 1
     finally:
         group.shutdown()
         controller.close()
