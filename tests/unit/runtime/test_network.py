@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from flexrl_ds.parallel import device, network
-from flexrl_ds.parallel.launch import LaunchEnv, rendezvous_store
+from flexrl_ds.parallel.launch import LaunchEnv, launcher_hosts_store, rendezvous_store
 from flexrl_ds.runtime.worker_group import open_store
 
 
@@ -94,8 +94,6 @@ def test_collectives_pinned_to_the_loopback_interface(monkeypatch):
 def test_a_launcher_hosted_store_is_joined_not_hosted():
     hosted = open_store("127.0.0.1", 1, 30.0)  # as torchrun's agent holds it (TORCHELASTIC_USE_AGENT_STORE)
     launch = LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=hosted.port)
-    from flexrl_ds.parallel.launch import launcher_hosts_store
-
     assert launcher_hosts_store({"TORCHELASTIC_USE_AGENT_STORE": "True"}) and not launcher_hosts_store({})
     client = rendezvous_store(launch, datetime.timedelta(seconds=30), launcher_hosted=True)
     client.set("key", "value")
