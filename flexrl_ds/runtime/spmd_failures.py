@@ -87,14 +87,18 @@ def where(step: int | None) -> str:
     return f" at step {step + 1} (0-based {step})" if step is not None else " before the first step"
 
 
-def survivor_line(rank: int, step: int | None, lost: dict[int, str], seen: str, stopped: bool = False) -> str:
-    """A survivor's line, as the Ray path's (runtime/rank_failures.LostRanks)."""
+def survivor_line(rank: int, step: int | None, lost: dict[int, str], seen: str, stopped: bool = False,
+                  resume_from: str | None = None) -> str:
+    """A survivor's line, as the Ray path's (runtime/rank_failures.LostRanks); `resume_from`: the
+    checkpoint a --resume would continue from ("": none yet; None: not known here)."""
     verb = "stopped" if stopped else "failed"
+    resume = "" if resume_from is None else (f"; the run can go on with --resume, from {resume_from}" if resume_from
+                                              else "; no checkpoint was written yet: --resume would start over")
     if not lost:
-        return f"rank {rank} {verb}{where(step)}: {seen} (no rank lost that it can see)"
+        return f"rank {rank} {verb}{where(step)}: {seen} (no rank lost that it can see){resume}"
     names = ", ".join(f"rank {other}" for other in sorted(lost))
     detail = "; ".join(f"rank {other} {how}" for other, how in sorted(lost.items()))
-    return f"rank {rank} (survivor) {verb}{where(step)} after losing {names}: {seen} [{detail}]"
+    return f"rank {rank} (survivor) {verb}{where(step)} after losing {names}: {seen} [{detail}]{resume}"
 
 
 def on_launcher_stop(say: Callable[[], str]) -> None:

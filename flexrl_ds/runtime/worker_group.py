@@ -319,6 +319,8 @@ class SPMDWorkerGroup:
         """The driver's step (`note_step`; the other ranks learn it with each call)."""
         self.broken = False
         """A call failed: the group's collectives are not to be used again (`shutdown` sends nothing)."""
+        self.resume_from: Callable[[], str] | None = None
+        """The checkpoint a --resume would continue from, named in a survivor's line (`name_losses_when_stopped`)."""
 
     def note_step(self, step: int) -> None:
         """The step the driver's next calls belong to (named if a rank is lost)."""
@@ -373,11 +375,14 @@ class SPMDWorkerGroup:
     def survivor_line(self, seen: str, stopped: bool = False) -> str:
         """This rank's line as a survivor: the ranks lost as it sees them, the step, `seen`."""
         lost = spmd_failures.lost_peers(self.places, self.rank)
-        return spmd_failures.survivor_line(self.rank, self.step, lost, seen, stopped)
+        resume_from = self.resume_from() if self.resume_from is not None else None
+        return spmd_failures.survivor_line(self.rank, self.step, lost, seen, stopped, resume_from)
 
-    def name_losses_when_stopped(self) -> None:
+    def name_losses_when_stopped(self, resume_from: Callable[[], str] | None = None) -> None:
         """On the launcher's SIGTERM (it stops every rank when one fails), say this rank's survivor
-        line and exit (runtime/spmd_failures.py; main thread only)."""
+        line and exit (runtime/spmd_failures.py; main thread only); `resume_from`: the checkpoint a
+        --resume would continue from, asked when the line is said ("": none)."""
+        self.resume_from = resume_from
         spmd_failures.on_launcher_stop(lambda: self.survivor_line("the launcher stopped it (SIGTERM)", stopped=True))
 
     def shutdown(self) -> None:

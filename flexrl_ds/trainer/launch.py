@@ -41,7 +41,8 @@ from flexrl_ds.runtime.data_controller import DataController, usable_records
 from flexrl_ds.runtime.rank_failures import LostRanks, is_lost_worker
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
-from flexrl_ds.trainer.checkpoint import check_out_dir, read_trainer_state, resume_checkpoint, resume_config_note
+from flexrl_ds.trainer.checkpoint import (check_out_dir, latest_checkpoint, read_trainer_state, resume_checkpoint,
+                                         resume_config_note)
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.memory_check import check_memory
 from flexrl_ds.trainer.floor_metrics import job_gpus
@@ -399,7 +400,8 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
         ray.init(address=address, namespace=pixels.namespace, log_to_driver=False, configure_logging=False)
     place = WorkerPlace(rank, world, context.launch.master_addr, context.launch.master_port, context.launch.local_rank)
     group = SPMDWorkerGroup(PolicyWorker(place, policy_setup(run, args.model_dir, pixels, colocated=True)), rank, world)
-    group.name_losses_when_stopped()  # the launcher's SIGTERM after a rank failed: this rank's line first
+    # the launcher's SIGTERM after a rank failed: this rank's line first, with the checkpoint to resume from
+    group.name_losses_when_stopped(lambda: str(latest_checkpoint(Path(args.out_dir)) or ""))
     dist.barrier()  # every rank has built its models, engines and rollout engine
     if rank != 0:
         group.serve()
