@@ -305,10 +305,10 @@ def separate_reference(scratch: Path) -> Path:
 def _engine_recreated(folder: Path) -> Observed:
     reference_out, assets, out = separate_reference(folder.parent), _assets(folder.parent), folder / "run"
     child = _start(assets, out, config=_separate_config(folder, assets, max_restarts=2))
-    _wait_for(lambda: _steps_done(out) >= 1 and _policy_pids(child, "_RolloutActor"), child)
-    first = _policy_pids(child, "_RolloutActor")[-1]
-    _wait_for(lambda: (out / "checkpoints" / "step_0").is_dir(), child, poll_s=0.02)
-    os.kill(first, signal.SIGKILL)  # between steps: found lost by the next sync or rollout
+    _wait_for(lambda: _policy_pids(child, "_RolloutActor"), child)
+    first, saved = _policy_pids(child, "_RolloutActor")[-1], out / "checkpoints" / "step_0"
+    _wait_for(lambda: saved.with_name("step_0.partial").is_dir() or saved.is_dir(), child, poll_s=0.02)
+    os.kill(first, signal.SIGKILL)  # while step 1's checkpoint is written: found lost by step 2's rollout
     injected = time.perf_counter()
     _wait_for(lambda: _steps_done(out) >= 2 and set(_policy_pids(child, "_RolloutActor")) - {first}, child)
     os.kill(_policy_pids(child, "_RolloutActor")[-1], signal.SIGKILL)  # wherever step 3 is
@@ -388,9 +388,9 @@ CASES = [
          "(flexrl.trainer.colocate false)", "the run ends with one line saying a worker died, the step and the "
          "checkpoint to resume from (max_restarts 0: not recreated); --resume runs to the end",
          _engine_killed, slow=True),
-    Case("train:rollout_engine_killed_recreated", "the separate rollout engine's process SIGKILLed as step 1's "
-         "checkpoint appears, its successor after step 2 (found lost by a sync or a rollout: the observed lines "
-         "say which), flexrl.trainer.max_restarts 2",
+    Case("train:rollout_engine_killed_recreated", "the separate rollout engine's process SIGKILLed while step 1's "
+         "checkpoint is written (found lost by step 2's rollout), its successor after step 2 (wherever the run is: "
+         "often in a sync; the observed lines say where), flexrl.trainer.max_restarts 2",
          "each time the engine recreated in place from the policy's current weights and the call retried: "
          "the run finishes equal to an uninterrupted separate-engine run, "
          "num_engine_restarts 2, num_restarts 0", _engine_recreated, slow=True),

@@ -168,7 +168,7 @@ class SeparateRollout:
             try:
                 return self._generate(step, jobs, params)
             except Exception as error:
-                self._recreate_or_raise(error, f"step {step}'s rollout", resync=True)
+                self._recreate_or_raise(error, f"the rollout of step {step + 1} (0-based {step})", resync=True)
 
     def _generate(self, step: int, jobs: Sequence[PromptJob], params: SamplingParams) -> RolloutOutput:
         shares = spread_jobs(jobs, len(self.hosts))
