@@ -2,7 +2,8 @@
 # Submit `flexrl train` as a Ray job and wait for it; exits with the job's status (0: SUCCEEDED).
 #   bash scripts/train_ray_job.sh CONFIG [flexrl train args: --model M --data D --out O ...]
 # RAY_ADDRESS names the cluster's job server (e.g. http://head:8265). Without it, a local Ray head
-# bound to 127.0.0.1 is started first and stopped after. The job's entrypoint runs in this folder on
+# bound to 127.0.0.1 (FLEXRL_NODE_IP_ADDRESS to bind elsewhere, as `ray start --node-ip-address`) is
+# started first and stopped after. The job's entrypoint runs in this folder on
 # the head node with this checkout's Python (PYTHON to override), so relative paths resolve as here;
 # on a remote cluster the paths must exist on the head node. SIGTERM or ^C stops the local head (and
 # the job with it); a job on RAY_ADDRESS's cluster keeps running, and the launcher says how to stop it.
@@ -27,11 +28,16 @@ held = [socket.socket() for _ in range(4)]
 for s in held: s.bind(('127.0.0.1', 0))
 print(*(s.getsockname()[1] for s in held))")
   port=${FLEXRL_RAY_DASHBOARD_PORT:-$free_port}
-  echo "[train_ray_job] no RAY_ADDRESS: starting a local Ray head on 127.0.0.1 (job server :$port)"
+  node_ip=${FLEXRL_NODE_IP_ADDRESS:-127.0.0.1}
+  # Ray binds its core servers to the loopback only in its single-machine mode (otherwise it turns a
+  # node IP of 127.0.0.1 into the machine's routable address and listens on every interface):
+  # flexrl_ds/parallel/network.py. The job's driver inherits the head's environment.
+  case "$node_ip" in 127.*|localhost|::1) export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER:-0};; esac
+  echo "[train_ray_job] no RAY_ADDRESS: starting a local Ray head on $node_ip (job server :$port)"
   # A head of our own, held by `ray start --block` in the background: stopping that process stops
   # exactly this head (`ray stop` would stop every Ray cluster on the machine).
   ray_dir=$(mktemp -d /tmp/rayfx.XXXXXX)
-  "$ray_bin" start --head --port "$gcs_port" --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 \
+  "$ray_bin" start --head --port "$gcs_port" --node-ip-address "$node_ip" --dashboard-host "$node_ip" \
     --include-dashboard true --dashboard-port "$port" --dashboard-agent-listen-port "$agent_port" \
     --ray-client-server-port "$client_port" --num-cpus "${FLEXRL_RAY_CPUS:-8}" --temp-dir "$ray_dir" \
     --disable-usage-stats --block >"$ray_dir/head.log" 2>&1 &
@@ -45,11 +51,11 @@ print(*(s.getsockname()[1] for s in held))")
   trap 'exit 143' TERM  # a signal ends the script through its EXIT trap, so the head is stopped
   trap 'exit 130' INT
   for _ in $(seq 1 120); do
-    timeout 30 "$ray_bin" job list --address "http://127.0.0.1:$port" >/dev/null 2>&1 && break
+    timeout 30 "$ray_bin" job list --address "http://$node_ip:$port" >/dev/null 2>&1 && break
     kill -0 "$head_pid" 2>/dev/null || { cat "$ray_dir/head.log" >&2; echo "$0: the Ray head did not start" >&2; exit 1; }
     sleep 1
   done
-  export RAY_ADDRESS=http://127.0.0.1:$port
+  export RAY_ADDRESS=http://$node_ip:$port
 fi
 job=flexrl-train-$(date +%Y%m%d-%H%M%S)-$$
 entry="cd $(printf %q "$PWD") && exec $(printf %q "$python") -m flexrl_ds train --config $(printf %q "$config")"

@@ -26,6 +26,7 @@ from pathlib import Path
 from flexrl_ds.bench.datasets import make_dataset
 from flexrl_ds.bench.faults import Case, Observed
 from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+from flexrl_ds.parallel import network
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -51,13 +52,16 @@ def _assets(scratch: Path) -> Path:
     return root
 
 
-def _start(assets: Path, out: Path, resume: bool = False, config: Path | None = None) -> subprocess.Popen:
+def _start(assets: Path, out: Path, resume: bool = False, config: Path | None = None,
+           unset: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`flexrl train` on the assets, writing to `out`, without the environment variables `unset`."""
     argv = [sys.executable, "-m", "flexrl_ds", "train", "--config", str(config or assets / "run.json"),
             "--model", str(assets / "model"), "--data", str(assets / "data" / "train.jsonl"), "--out", str(out),
             "--max-steps", str(STEPS)] + (["--resume"] if resume else [])
     out.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}{'.resume' if resume else ''}.log", "w")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + sys.path[1:])}
+    env = {**{name: value for name, value in os.environ.items() if name not in unset},
+           "PYTHONPATH": os.pathsep.join([str(ROOT)] + sys.path[1:])}
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -258,11 +262,8 @@ def _actor_killed(folder: Path) -> Observed:
 
 def _engine_killed(folder: Path) -> Observed:
     assets, out = _assets(folder.parent), folder / "run"
-    config = json.loads((assets / "run.json").read_text())
-    config["flexrl"]["trainer"]["colocate"] = False
-    config["flexrl"]["rollout"].update(num_engines=1, num_cpus_per_engine=0.25)
-    (folder / "separate.json").write_text(json.dumps(config))
-    child = _start(assets, out, config=folder / "separate.json")
+    separate = _separate_config(folder, assets)
+    child = _start(assets, out, config=separate)
     _wait_for(lambda: _steps_done(out) >= 1 and (out / "checkpoints" / "step_0").is_dir(), child)
     victim = _policy_pids(child, "_RolloutActor")[-1]
     injected = time.perf_counter()
@@ -272,7 +273,7 @@ def _engine_killed(folder: Path) -> Observed:
     line = next((line for line in _log(out).splitlines() if line.startswith("RuntimeError: ")
                  and "a worker died" in line and "At step" in line and "--resume, from" in line), None)
     started = time.perf_counter()
-    resumed = _finish(_start(assets, out, resume=True, config=folder / "separate.json"))
+    resumed = _finish(_start(assets, out, resume=True, config=separate))
     recover = time.perf_counter() - started
     steps = [json.loads(row)["step"] for row in (out / "metrics.jsonl").read_text().splitlines()]
     passed = code != 0 and line is not None and resumed == 0 and steps == list(range(STEPS))
@@ -281,33 +282,90 @@ def _engine_killed(folder: Path) -> Observed:
                     detect_s=detect, recover_s=recover)
 
 
-_LISTENERS = """
-import json, os, psutil
-from flexrl_ds.runtime.ray_session import connect_ray
-connect_ray(2)
-import ray
-ray.get(ray.remote(lambda: 1).remote())
-mine = {os.getpid()} | {child.pid for child in psutil.Process().children(recursive=True)}
-found = [(psutil.Process(c.pid).name(), c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet")
-         if c.status == psutil.CONN_LISTEN and c.pid in mine]
-print(json.dumps(sorted(set(found))))
-"""
-DASHBOARD_PORT = 8265
-LOOPBACK = ("127.0.0.1", "::1")
+def _separate_config(folder: Path, assets: Path, max_restarts: int = 0) -> Path:
+    """The run's config with one separate rollout engine (`colocate` false), written in `folder`."""
+    config = json.loads((assets / "run.json").read_text())
+    config["flexrl"]["trainer"].update(colocate=False, max_restarts=max_restarts)
+    config["flexrl"]["rollout"].update(num_engines=1, num_cpus_per_engine=0.25)
+    path = folder / f"separate_{max_restarts}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def separate_reference(scratch: Path) -> Path:
+    """The uninterrupted run with a separate engine (made once per scratch folder)."""
+    assets, out = _assets(scratch), scratch / "train_reference_separate"
+    if _steps_done(out) < STEPS:
+        code = _finish(_start(assets, out, config=_separate_config(scratch, assets)))
+        if code != 0:
+            raise RuntimeError(f"the separate-engine reference run failed (exit {code}): {_log(out)[-600:]}")
+    return out
+
+
+def _engine_recreated(folder: Path) -> Observed:
+    reference_out, assets, out = separate_reference(folder.parent), _assets(folder.parent), folder / "run"
+    child = _start(assets, out, config=_separate_config(folder, assets, max_restarts=2))
+    _wait_for(lambda: _policy_pids(child, "_RolloutActor"), child)
+    first, saved = _policy_pids(child, "_RolloutActor")[-1], out / "checkpoints" / "step_0"
+    _wait_for(lambda: saved.with_name("step_0.partial").is_dir() or saved.is_dir(), child, poll_s=0.02)
+    os.kill(first, signal.SIGKILL)  # while step 1's checkpoint is written: found lost by step 2's rollout
+    injected = time.perf_counter()
+    _wait_for(lambda: _steps_done(out) >= 2 and set(_policy_pids(child, "_RolloutActor")) - {first}, child)
+    os.kill(_policy_pids(child, "_RolloutActor")[-1], signal.SIGKILL)  # wherever step 3 is
+    code = _finish(child)
+    finished = time.perf_counter() - injected
+    if code != 0:
+        return Observed(f"the run failed (exit {code}): {_log(out)[-400:]}", False)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    said = [line for line in _log(out).splitlines() if "every engine recreated in place" in line]
+    differences, lost, duplicated = compare_runs(reference_out, out)
+    seen = (f"{said}; num_engine_restarts per step {[row.get('num_engine_restarts') for row in rows]}, "
+            f"num_restarts {[row.get('num_restarts') for row in rows]}; against the uninterrupted separate-engine "
+            "run: " + ("; ".join(differences) if differences else "the same sample ids, responses, metrics and "
+                                                                  "parameters"))
+    passed = (not differences and len(said) == 2 and rows[-1].get("num_engine_restarts") == 2
+              and rows[-1].get("num_restarts") == 0 and not lost and not duplicated)
+    return Observed(seen, passed, lost, duplicated, recover_s=finished)
+
+
+def _session_listeners(child: subprocess.Popen) -> set[tuple[str, str, int]]:
+    """(process name, address, port) of every socket the run's processes listen on now."""
+    import psutil
+
+    names = {}
+    for process in psutil.process_iter(["pid", "name"]):
+        try:
+            if os.getsid(process.pid) == child.pid:
+                names[process.pid] = process.info["name"]
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return {(names[entry.pid], entry.laddr.ip, entry.laddr.port) for entry in psutil.net_connections("inet")
+            if entry.status == psutil.CONN_LISTEN and entry.pid in names}
+
+
+def _loopback(address: str) -> bool:
+    return network.is_loopback(address.removeprefix("::ffff:"))  # an IPv4 address on an IPv6 socket
 
 
 def _services_bind(folder: Path) -> Observed:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + sys.path[1:]), "RAY_ADDRESS": ""}
-    done = subprocess.run([sys.executable, "-c", _LISTENERS], capture_output=True, text=True, env=env, timeout=300,
-                          start_new_session=True)
-    listeners = json.loads(done.stdout.strip().splitlines()[-1])
-    dashboard = [entry for entry in listeners if entry[2] == DASHBOARD_PORT]
-    exposed = sorted({f"{name} {ip}:{port}" for name, ip, port in listeners if ip not in LOOPBACK})
-    foreign = [entry for entry in exposed if not entry.startswith(("gcs_server", "raylet", "ray::", "python"))]
-    seen = (f"dashboard {'LISTENING' if dashboard else 'not started'}; {len(listeners)} listening sockets, "
-            f"{len(exposed)} not on loopback, all Ray's own processes' ({', '.join(exposed[:6])}"
-            f"{' ...' if len(exposed) > 6 else ''})" + (f"; NOT Ray's: {foreign}" if foreign else ""))
-    return Observed(seen, not dashboard and not foreign)
+    """A separate-engine run (Ray, the ShadowLoader's actors, the policy ranks' and the weight channel's
+    rendezvous and gloo groups), its listening sockets listed every second until it ends."""
+    assets, out = _assets(folder.parent), folder / "run"
+    child = _start(assets, out, config=_separate_config(folder, assets),
+                   unset=(network.ENV_VAR, "MASTER_ADDR", "RAY_ADDRESS", network.RAY_SINGLE_MACHINE_VAR))
+    seen: set[tuple[str, str, int]] = set()
+    try:
+        while child.poll() is None:
+            seen |= _session_listeners(child)
+            time.sleep(1.0)
+    finally:
+        code = _finish(child)
+    exposed = sorted(f"{name} {ip}:{port}" for name, ip, port in seen if not _loopback(ip))
+    processes = sorted({name for name, _, _ in seen})
+    said = (f"exit {code}; {len(seen)} listening sockets of {len(processes)} kinds of process "
+            f"({', '.join(processes[:8])}{' ...' if len(processes) > 8 else ''}); not on the loopback: "
+            + (", ".join(exposed) if exposed else "none"))
+    return Observed(said, code == 0 and bool(seen) and not exposed)
 
 
 CASES = [
@@ -328,10 +386,16 @@ CASES = [
          slow=True),
     Case("train:rollout_engine_killed", "the separate rollout engine's process SIGKILLed after step 1 "
          "(flexrl.trainer.colocate false)", "the run ends with one line saying a worker died, the step and the "
-         "checkpoint to resume from (not recreated: max_restarts does that); --resume runs to the end",
+         "checkpoint to resume from (max_restarts 0: not recreated); --resume runs to the end",
          _engine_killed, slow=True),
-    Case("security:services_bind", "a local Ray started as `flexrl train` starts it",
-         "no dashboard (include_dashboard=False; Ray's default host when on is 127.0.0.1); no service of flexrl's "
-         "own on another address. Ray's core gRPC servers and agent listen on every interface (Ray 2.60 has no "
-         "option against it): listed", _services_bind, slow=True),
+    Case("train:rollout_engine_killed_recreated", "the separate rollout engine's process SIGKILLed while step 1's "
+         "checkpoint is written (found lost by step 2's rollout), its successor after step 2 (wherever the run is: "
+         "often in a sync; the observed lines say where), flexrl.trainer.max_restarts 2",
+         "each time the engine recreated in place from the policy's current weights and the call retried: "
+         "the run finishes equal to an uninterrupted separate-engine run, "
+         "num_engine_restarts 2, num_restarts 0", _engine_recreated, slow=True),
+    Case("security:services_bind", "a `flexrl train` run with a separate rollout engine, its processes' listening "
+         "sockets listed every second (no FLEXRL_NODE_IP_ADDRESS, MASTER_ADDR or RAY_ADDRESS)",
+         "every socket on 127.0.0.1: Ray's GCS, raylet, workers and agents (Ray's single-machine mode, "
+         "parallel/network.py), the rendezvous stores, the gloo groups", _services_bind, slow=True),
 ]

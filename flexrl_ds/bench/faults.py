@@ -7,7 +7,8 @@ duplicated, the seconds until the fault was detected and until the run was back 
 does not apply) and whether the case passed. The cases live in bench/fault_data.py (bad inputs, the
 dataset root, pickle), bench/fault_steps.py (rewards, checkpoints, services) and
 bench/fault_train.py (whole `flexrl train` runs: the driver killed, a policy rank killed or stalled,
-a preprocessing actor or a rollout engine killed); those marked `slow` run only with `--slow` (or
+a preprocessing actor or a rollout engine killed, the sockets a run listens on) and bench/fault_spmd.py
+(a rank of a `deepspeed --hostfile` run killed); those marked `slow` run only with `--slow` (or
 `--only`): they start Ray and train, minutes on a small CPU machine.
 
 A case is a function of a scratch folder returning `Observed`; a case that raises fails with the
@@ -73,9 +74,9 @@ class CaseRow:
 def all_cases() -> list[Case]:
     """Every case of the suite, fast ones first."""
     # lazy: the case modules import torch, DeepSpeed and Ray; `flexrl --help` imports only the CLI
-    from flexrl_ds.bench import fault_data, fault_steps, fault_train
+    from flexrl_ds.bench import fault_data, fault_spmd, fault_steps, fault_train
 
-    return fault_data.CASES + fault_steps.CASES + fault_train.CASES
+    return fault_data.CASES + fault_steps.CASES + fault_train.CASES + fault_spmd.CASES
 
 
 def select_cases(cases: list[Case], only: list[str] | None, slow: bool) -> list[Case]:

@@ -16,6 +16,7 @@ import os
 import sys
 
 from flexrl_ds.common import logs
+from flexrl_ds.parallel import network
 
 # Modules that register commands, in the order they appear in `flexrl --help`.
 COMMAND_MODULES = (
@@ -46,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", type=str.upper, choices=logs.LEVELS, default=None,
                         help=f"console log level (default: ${logs.ENV_VAR}, else {logs.DEFAULT_LEVEL}); WARNING "
                              "keeps warnings and errors only. Exported to the processes the command starts")
+    parser.add_argument("--node-ip-address", default=None, metavar="ADDR",
+                        help=f"the address this node's services listen on and announce: the Ray the command starts "
+                             f"(as `ray start --node-ip-address`), the ranks' rendezvous stores (default: "
+                             f"${network.ENV_VAR}, else 127.0.0.1 unless MASTER_ADDR names another host). Ray's "
+                             "core servers listen on every interface for any address but 127.0.0.1. Exported "
+                             "to the processes the command starts")
     commands = parser.add_subparsers(dest="command", metavar="<command>")
     bench_parser = commands.add_parser("bench", help="benchmarks (`flexrl bench --help` lists them)")
     bench = bench_parser.add_subparsers(dest="bench_command", metavar="<benchmark>")
@@ -70,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
+    if args.node_ip_address:
+        os.environ[network.ENV_VAR] = args.node_ip_address
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return 2

@@ -17,6 +17,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from flexrl_ds.parallel import network
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -219,6 +221,20 @@ def accelerator_name() -> str | None:
 def current_device(info: DeviceInfo) -> torch.device:
     """The device this process computes on now (its current GPU, or the CPU)."""
     return torch.device(info.kind, torch.cuda.current_device()) if info.is_gpu else torch.device("cpu")
+
+
+INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""The variables naming the network interface gloo's and NCCL's sockets listen on."""
+
+
+def pin_collectives(master_addr: str) -> None:
+    """Where a group's rendezvous host is the loopback, its collectives' sockets (gloo's, NCCL's
+    bootstrap) listen on the loopback interface too (parallel/network.py): INTERFACE_VARS set to it,
+    unless the user set them. Runs before the group is created (both read them then)."""
+    if network.is_loopback(master_addr):
+        interface = network.loopback_interface()
+        for name in INTERFACE_VARS:
+            os.environ.setdefault(name, interface)
 
 
 def new_private_group(info: DeviceInfo, store, rank: int, size: int, timeout_s: float):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.parallel import network
 
 
 @dataclass(frozen=True)
@@ -91,13 +92,33 @@ def init_distributed(env: Mapping[str, str] | None = None, force_cpu: bool | Non
     device_mod.configure_deepspeed_accelerator(info)
     device = device_mod.set_local_device(info, launch.local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=info.backend, rank=launch.rank, world_size=launch.world_size,
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        device_mod.pin_collectives(launch.master_addr)
+        dist.init_process_group(backend=info.backend, rank=launch.rank, world_size=launch.world_size,
+                                store=rendezvous_store(launch, timeout, launcher_hosts_store(env)), timeout=timeout)
     return DistContext(launch=launch, info=info, device=device,
                        deepspeed_comm=with_deepspeed and ensure_deepspeed_comm(info.backend))
+
+
+def launcher_hosts_store(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the launcher hosts the rendezvous store itself (torchrun's agent, a test pool:
+    TORCHELASTIC_USE_AGENT_STORE=True, as torch reads it); then every rank is its client."""
+    return (os.environ if env is None else env).get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
+def rendezvous_store(launch: LaunchEnv, timeout: datetime.timedelta, launcher_hosted: bool = False):
+    """The job's rendezvous store at MASTER_ADDR:MASTER_PORT, hosted by rank 0 unless the launcher
+    hosts it (`launcher_hosted`). On a loopback MASTER_ADDR (one machine) rank 0's listens there only
+    (torch's own listens on every interface: parallel/network.py); on another host's address, as
+    torch's `tcp://` rendezvous does."""
+    import torch.distributed as dist
+
+    hosts = launch.rank == 0 and not launcher_hosted
+    listen_fd = None
+    if hosts and network.is_loopback(launch.master_addr):
+        listen_fd = network.listening_socket(launch.master_addr, launch.master_port).detach()
+    return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=hosts,
+                         timeout=timeout, master_listen_fd=listen_fd)
 
 
 def ensure_deepspeed_comm(backend: str) -> bool:

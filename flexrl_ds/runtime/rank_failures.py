@@ -25,7 +25,7 @@ GRACE_S = 5.0
 """Seconds beyond the collective timeout that the other ranks get after a first failure."""
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """What a rank raised, in a line: the innermost cause Ray carries, else the error itself."""
     cause = getattr(error, "cause", None) or error
     text = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
@@ -139,7 +139,7 @@ def _raise_lost(refs, outcomes, finished, times, what, timeout_s, memory_hint) -
     stalled = f"stalled: no answer {silent_s:.0f} s after the first rank's answer or failure" if outcomes else \
         f"stalled: no answer within {timeout_s:.0f} s"
     lost.update({rank: stalled for rank in range(len(refs)) if rank not in outcomes})
-    survivors = {rank: _first_line(error) for rank, (kind, error) in outcomes.items() if kind == "raised"}
+    survivors = {rank: first_line(error) for rank, (kind, error) in outcomes.items() if kind == "raised"}
     if not lost:  # every failing rank's own code raised: no rank was lost, the first error as it is
         raise_as_the_worker_raised(next(error for kind, error in outcomes.values() if kind == "raised"))
     waited = max((finished[rank] - start for rank in survivors), default=0.0)

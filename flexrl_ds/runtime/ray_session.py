@@ -5,7 +5,9 @@ starts or joins a cluster.
   RAY_ADDRESS is joined (as under `ray job submit`, which sets it to the cluster's GCS address);
   else a new local one with `num_cpus` logical CPUs is started, also where `ray start` left a
   cluster running on this machine (Ray would join that one, and refuse `num_cpus`). Returns True
-  when it started one (the caller stops it with `ray.shutdown()`).
+  when it started one (the caller stops it with `ray.shutdown()`). The one it starts has
+  parallel/network.py's node address: 127.0.0.1 unless told otherwise, its servers listening there
+  only (no dashboard either way).
 - `ray_address()`: RAY_ADDRESS, checked to be one a driver can join (not a job server's URL) and,
   where it is host:port, to accept connections (Ray would wait for minutes).
 - `join_ray(address, namespace)`: a second driver process joining a given cluster (a benchmark's
@@ -14,10 +16,15 @@ starts or joins a cluster.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
 import ray
+
+from flexrl_ds.parallel import network
+
+logger = logging.getLogger(__package__)
 
 
 def ray_address() -> str | None:
@@ -67,9 +74,22 @@ def connect_ray(num_cpus: int) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
         return False
+    node_ip = network.node_ip_address()
+    check_loopback_mode(node_ip)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False, **({} if node_ip is None else {"_node_ip_address": node_ip}))
     return True
+
+
+def check_loopback_mode(node_ip: str | None) -> None:
+    """A warning where a Ray to be started on the loopback would listen on every interface: Ray was
+    imported before flexrl_ds could choose its single-machine mode (parallel/network.py)."""
+    if node_ip is None or not network.is_loopback(node_ip):
+        return
+    if not network.is_loopback(ray.util.get_node_ip_address()):
+        logger.warning(f"Ray was imported before flexrl_ds, without {network.RAY_SINGLE_MACHINE_VAR}=0: the local "
+                       f"Ray's servers listen on every interface, not on {node_ip} only. Import flexrl_ds first, "
+                       f"or set {network.RAY_SINGLE_MACHINE_VAR}=0 before Python starts")
 
 
 def join_ray(address: str, namespace: str | None = None) -> None:

@@ -117,6 +117,7 @@ class WeightChannel:
         if store is None:
             store = dist.TCPStore(address.host, address.port, address.size, is_master=False,
                                   timeout=datetime.timedelta(seconds=address.timeout_s))
+        device_mod.pin_collectives(address.host)
         self.transport = self._agree_transport(dist.PrefixStore("flexrl-where", store), address)
         on_gpu = self.transport in (SAME_GPU, BETWEEN_GPUS)
         self.device = device_mod.current_device(device_mod.GPU if on_gpu else device_mod.CPU)

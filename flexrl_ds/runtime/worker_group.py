@@ -27,13 +27,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
 from flexrl_ds.common import notes
-from flexrl_ds.runtime.rank_failures import wait_ranks
+from flexrl_ds.parallel import device as device_mod
+from flexrl_ds.parallel import network
+from flexrl_ds.runtime import spmd_failures
+from flexrl_ds.runtime.rank_failures import LostRanks, first_line, wait_ranks
 
 logger = logging.getLogger(__package__)
 
@@ -70,10 +74,13 @@ def remote_name(worker_class: type | None, method: Callable[..., Any]) -> str:
 
 
 def open_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
-    """A TCPStore hosted here on a port the OS picks (no race between choosing and binding it);
+    """A TCPStore hosted here on a port the OS picks (no race between choosing and binding it),
+    listening on `host` only (torch's own would listen on every interface: parallel/network.py);
     `size` processes connect to it at `host`:`store.port`."""
-    return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    listener = network.listening_socket(host)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 _HOSTED_STORES: dict[tuple[str, int], dist.TCPStore] = {}
@@ -90,6 +97,7 @@ def host_rendezvous(address: str, world_size: int, timeout_s: float) -> int:
 def join_process_group(place: WorkerPlace, backend: str, timeout_s: float) -> None:
     """Join the group's default process group through its rendezvous store at `place`'s address."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    device_mod.pin_collectives(place.master_addr)
     store = _HOSTED_STORES.get((place.master_addr, place.master_port))
     if store is None:
         store = dist.TCPStore(place.master_addr, place.master_port, place.world_size, is_master=False,
@@ -269,6 +277,10 @@ class RayWorkerGroup:
         calls = [(args, kwargs)] * self.num_ranks
         return self._get(self._start("call_and_take_notes", method, calls), method.__name__)
 
+    def note_step(self, step: int) -> None:
+        """The driver's step (an SPMD group names it with a lost rank; here Ray's errors carry the call
+        and the driver adds the step)."""
+
     def run_each_async(self, method: Callable[..., Any], per_rank: Sequence[tuple]) -> list:
         """Start `method(*per_rank[r])` on rank r; the Ray references, in rank order (calls from one
         caller run on each rank in the order they were started)."""
@@ -296,10 +308,23 @@ class SPMDWorkerGroup:
 
     Build it on every rank after `torch.distributed` is initialised (the launcher's environment,
     `parallel.launch.init_distributed`); rank 0 calls `run`/`run_each`, the others call `serve()`,
-    which returns after rank 0's `shutdown()`."""
+    which returns after rank 0's `shutdown()`. A lost rank is named by every survivor with the step
+    (runtime/spmd_failures.py): rank 0's call raises `LostRanks`, the others say their line."""
 
-    def __init__(self, worker: Any, rank: int, world_size: int, group: Any = None):
-        self.worker, self.rank, self.num_ranks, self.group = worker, rank, world_size, group
+    def __init__(self, worker: Any, rank: int, world_size: int, group: Any = None, name: str = "policy"):
+        self.worker, self.rank, self.num_ranks, self.group, self.name = worker, rank, world_size, group, name
+        self.places = spmd_failures.gather_places(group)
+        """Every rank's pid and host, to name a lost one."""
+        self.step: int | None = None
+        """The driver's step (`note_step`; the other ranks learn it with each call)."""
+        self.broken = False
+        """A call failed: the group's collectives are not to be used again (`shutdown` sends nothing)."""
+        self.resume_from: Callable[[], str] | None = None
+        """The checkpoint a --resume would continue from, named in a survivor's line (`name_losses_when_stopped`)."""
+
+    def note_step(self, step: int) -> None:
+        """The step the driver's next calls belong to (named if a rank is lost)."""
+        self.step = step
 
     def _broadcast(self, message: Any) -> Any:
         import torch.distributed as dist
@@ -311,27 +336,55 @@ class SPMDWorkerGroup:
     def _execute(self, message: tuple) -> list | None:
         import torch.distributed as dist
 
-        method, per_rank, kwargs = message
+        method, per_rank, kwargs, self.step = message
         result = getattr(self.worker, method)(*per_rank[self.rank], **kwargs)
         gathered = [None] * self.num_ranks if self.rank == 0 else None
         dist.gather_object(result, gathered, dst=0, group=self.group)
         return gathered
 
+    def _drive(self, name: str, per_rank: list, kwargs: dict) -> list:
+        started = time.monotonic()
+        try:
+            return self._execute(self._broadcast((name, per_rank, kwargs, self.step))) or []
+        except Exception as error:
+            self.broken = True
+            lost = spmd_failures.lost_peers(self.places, self.rank)
+            if not lost:
+                raise
+            raise LostRanks(f"{self.name}.{name}", lost, {0: first_line(error)},
+                            time.monotonic() - started) from error
+
     def run(self, method: Callable[..., Any], *args, **kwargs) -> list:
         assert self.rank == 0, "only rank 0 drives an SPMD group"
-        name = remote_name(type(self.worker), method)
-        return self._execute(self._broadcast((name, [args] * self.num_ranks, kwargs)))
+        return self._drive(remote_name(type(self.worker), method), [args] * self.num_ranks, kwargs)
 
     def run_each(self, method: Callable[..., Any], per_rank: Sequence[tuple]) -> list:
         assert self.rank == 0 and len(per_rank) == self.num_ranks
-        name = remote_name(type(self.worker), method)
-        return self._execute(self._broadcast((name, [tuple(a) for a in per_rank], {})))
+        return self._drive(remote_name(type(self.worker), method), [tuple(a) for a in per_rank], {})
 
     def serve(self) -> None:
-        """Ranks other than 0: execute rank 0's calls until it shuts the group down."""
-        while (message := self._broadcast(None)) != _STOP:
-            self._execute(message)
+        """Ranks other than 0: execute rank 0's calls until it shuts the group down; a failed call
+        (a lost rank) is said with the lost rank and the step before it is raised."""
+        try:
+            while (message := self._broadcast(None)) != _STOP:
+                self._execute(message)
+        except Exception as error:
+            print(self.survivor_line(first_line(error)), flush=True)
+            raise
+
+    def survivor_line(self, seen: str, stopped: bool = False) -> str:
+        """This rank's line as a survivor: the ranks lost as it sees them, the step, `seen`."""
+        lost = spmd_failures.lost_peers(self.places, self.rank)
+        resume_from = self.resume_from() if self.resume_from is not None else None
+        return spmd_failures.survivor_line(self.rank, self.step, lost, seen, stopped, resume_from)
+
+    def name_losses_when_stopped(self, resume_from: Callable[[], str] | None = None) -> None:
+        """On the launcher's SIGTERM (it stops every rank when one fails), say this rank's survivor
+        line and exit (runtime/spmd_failures.py; main thread only); `resume_from`: the checkpoint a
+        --resume would continue from, asked when the line is said ("": none)."""
+        self.resume_from = resume_from
+        spmd_failures.on_launcher_stop(lambda: self.survivor_line("the launcher stopped it (SIGTERM)", stopped=True))
 
     def shutdown(self) -> None:
-        if self.rank == 0:
+        if self.rank == 0 and not self.broken:
             self._broadcast(_STOP)

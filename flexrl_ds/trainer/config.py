@@ -90,8 +90,11 @@ class TrainerConfig:
     rollout engine killed, crashed or stalled: runtime/rank_failures.py): every worker group is rebuilt
     and the run continues from the last complete checkpoint, as TorchElastic restarts a group; the
     steps after that checkpoint are run again (the same samples: resume is exact). Counted in the
-    metrics (`num_restarts`). 0: a lost worker ends the run (--resume continues it). Ray path only;
-    under a launcher its own restarts apply (torchrun --max-restarts)."""
+    metrics (`num_restarts`). A separate rollout engine (`colocate` false) lost in a rollout or a
+    sync takes one of these restarts too, but cheaper: the engines alone are recreated in place from
+    the policy's current weights and the call retried (trainer/rollout_group.py; `num_engine_restarts`).
+    0: a lost worker ends the run (--resume continues it). Ray path only; under a launcher its own
+    restarts apply (torchrun --max-restarts)."""
     profile_step: int | None = None
     """A step (0-based) whose log-prob, update and sync phases every policy rank profiles with
     torch.profiler (parallel/profiling.py): OUT/profile/step_N_rank_R.txt, flexrl's regions (batch

@@ -141,6 +141,7 @@ class GRPOTrainer:
                         f"{self.o.start_step}..{self.o.max_steps - 1}: nothing is profiled")
         rows = []
         for step in range(self.o.start_step, self.o.max_steps):
+            self.policy.note_step(step)
             try:
                 rows.append(self.train_step(step))
                 last = self.o.save_last and step == self.o.max_steps - 1
@@ -445,7 +446,7 @@ class GRPOTrainer:
             "clipped_length_ratio": sum(samples.finish_reasons[n] == "length" for n in names) / len(names),
             "zero_variance_groups": reward_info["zero_variance_groups"],
             "num_reward_errors": reward_info["num_reward_errors"], "num_samples": len(names),
-            "num_restarts": self.o.restarts,
+            "num_restarts": self.o.restarts, "num_engine_restarts": self.rollout.restarts,
             "time_s": times, "tokens_per_gpu_s": tokens / self.o.num_ranks / max(times["step"], 1e-9),
             "attention_balance": max(float(r.metrics.attention_balance) for r in plans),
             "rollout_logprob_diff": gaps.mean, "rollout_logprob_diff_by_media": gaps.by_media,

@@ -38,17 +38,18 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams, stop_token_ids
 from flexrl_ds.runtime.data_controller import DataController, usable_records
-from flexrl_ds.runtime.rank_failures import is_lost_worker
+from flexrl_ds.runtime.rank_failures import LostRanks, is_lost_worker
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
-from flexrl_ds.trainer.checkpoint import check_out_dir, read_trainer_state, resume_checkpoint, resume_config_note
+from flexrl_ds.trainer.checkpoint import (check_out_dir, latest_checkpoint, read_trainer_state, resume_checkpoint,
+                                         resume_config_note)
 from flexrl_ds.trainer.driver import GRPOTrainer, TrainOptions
 from flexrl_ds.trainer.memory_check import check_memory
 from flexrl_ds.trainer.floor_metrics import job_gpus
 from flexrl_ds.trainer.metrics import StepLog
 from flexrl_ds.trainer.policy_worker import PolicySetup, PolicyWorker
 from flexrl_ds.trainer.rl_step import resolved_rl
-from flexrl_ds.trainer.rollout_group import ColocatedRollout, SeparateRollout
+from flexrl_ds.trainer.rollout_group import ColocatedRollout, RestartBudget, SeparateRollout
 if TYPE_CHECKING:
     from flexrl_ds.loader.config import DataConfig
     from flexrl_ds.rl.reward_fn import RewardFn
@@ -298,17 +299,18 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
     clock = time.perf_counter()
     started = connect_ray(ray_cpus(run, prepared.num_ranks))
     clock = _progress(f"Ray {'started' if started else 'joined'}", clock)
-    restarts, allowed = 0, run.flexrl.trainer.max_restarts
+    restarts, budget = 0, RestartBudget(run.flexrl.trainer.max_restarts)  # shared with engines recreated in place
     try:
         while True:
             try:
-                return _run_groups(run, prepared, raw_config, clock, restarts)
+                return _run_groups(run, prepared, raw_config, clock, restarts, budget)
             except Exception as error:
-                if restarts >= allowed or not is_lost_worker(error):
+                if not is_lost_worker(error) or not budget.take():
                     raise
                 restarts += 1
-                logger.info(f"flexrl train: {str(error).splitlines()[0]}\nflexrl train: restart {restarts} of "
-                            f"{allowed} (flexrl.trainer.max_restarts): every worker rebuilt, from the last checkpoint")
+                logger.info(f"flexrl train: {str(error).splitlines()[0]}\nflexrl train: restart {budget.used} of "
+                            f"{budget.allowed} (flexrl.trainer.max_restarts): every worker rebuilt, from the last "
+                            "checkpoint")
                 checkpoint, start = resume_point(dataclasses.replace(args, resume=True))
                 prepared = dataclasses.replace(prepared, checkpoint=checkpoint, start_step=start)
                 clock = time.perf_counter()
@@ -317,8 +319,10 @@ def train_with_ray(run: Any, args: TrainArgs, raw_config: dict) -> int:
             ray.shutdown()
 
 
-def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, restarts: int) -> int:
-    """Build the data controller, the policy group and the rollout engines, drive the run, shut them down."""
+def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, restarts: int,
+                budget: RestartBudget) -> int:
+    """Build the data controller, the policy group and the rollout engines, drive the run, shut them down;
+    `budget`: the restarts left, which separate engines lost in a step may take (trainer/rollout_group.py)."""
     trainer, rollout_config, args = run.flexrl.trainer, run.flexrl.rollout, prepared.args
     controller = policy = None
     rollout: ColocatedRollout | SeparateRollout | None = None
@@ -339,7 +343,8 @@ def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, re
                                       controller.pixels, setup.dtype, rollout_config.num_cpus_per_engine,
                                       rollout_config.num_gpus_per_engine, rollout_config.max_batch_sequences,
                                       trainer.timeout_s, rollout_config.engine_options(colocated=False),
-                                      gpus_per_policy_rank=trainer.num_gpus_per_rank, env=worker_env())
+                                      gpus_per_policy_rank=trainer.num_gpus_per_rank, env=worker_env(),
+                                      restart_budget=budget)
         return drive(prepared, controller, policy, rollout, raw_config, restarts)
     finally:
         for part in (rollout, policy, controller):
@@ -395,6 +400,8 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
         ray.init(address=address, namespace=pixels.namespace, log_to_driver=False, configure_logging=False)
     place = WorkerPlace(rank, world, context.launch.master_addr, context.launch.master_port, context.launch.local_rank)
     group = SPMDWorkerGroup(PolicyWorker(place, policy_setup(run, args.model_dir, pixels, colocated=True)), rank, world)
+    # the launcher's SIGTERM after a rank failed: this rank's line first, with the checkpoint to resume from
+    group.name_losses_when_stopped(lambda: str(latest_checkpoint(Path(args.out_dir)) or ""))
     dist.barrier()  # every rank has built its models, engines and rollout engine
     if rank != 0:
         group.serve()
@@ -403,6 +410,9 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
     _progress(f"{policy_ranks(world)} ready (models loaded, DeepSpeed engines built, rollout engines inside)", clock)
     try:
         return drive(prepared, controller, group, ColocatedRollout(group), raw_config)
+    except LostRanks as error:  # said before the clean-up, which the launcher's SIGTERM may cut short
+        logger.error(f"flexrl train: {error}")
+        return 1
     finally:
         group.shutdown()
         controller.close()

@@ -188,11 +188,12 @@ def test_checkpoint_steps_follow_save_every_and_save_last(save_every, save_last,
     trainer = object.__new__(GRPOTrainer)  # only the step loop: no workers behind it
     trainer.o = SimpleNamespace(start_step=0, max_steps=4, save_every=save_every, save_last=save_last,
                                 profile_step=None)
-    written = []
+    written, noted = [], []
+    trainer.policy = SimpleNamespace(note_step=noted.append)  # the worker group told each step (lost-rank lines)
     trainer.train_step = lambda step: {"step": step}
     trainer.save = written.append
     assert trainer.run() == [{"step": step} for step in range(4)]
-    assert written == saved
+    assert written == saved and noted == [0, 1, 2, 3]
 
 
 def test_a_steps_rollout_output_merges_its_hosts_and_takes_each_parts_slowest():

@@ -15,6 +15,7 @@ def stand_in(profile_step, start_step=0, max_steps=3) -> GRPOTrainer:
     trainer.o = SimpleNamespace(profile_step=profile_step, start_step=start_step, max_steps=max_steps,
                                 save_last=False, save_every=0)
     trainer.train_step = lambda step: {"step": step}
+    trainer.policy = SimpleNamespace(note_step=lambda step: None)  # the worker group told each step
     return trainer
 
 
