@@ -129,11 +129,13 @@ export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 work=/tmp/flexrl-trainer
 mkdir -p "$work"
 start=$(date +%s)
-# Qwen2.5-VL decoder, vision and vocabulary shapes: VOCAB_SIZE rows (default 151,936, Qwen2.5-VL's: a
-# locally built byte-level BPE grown with filler tokens, models/vocabulary.py; until 2026-12-05 the runs
-# had the tiny tokenizer's ~640 rows). Weights are made on the GPU in bf16 and saved.
+# The shape's decoder, vision and vocabulary (bench/rollout_bench.py SHAPES): VOCAB_SIZE rows (default
+# 151,936, Qwen2.5-VL's and Qwen3-VL's: a locally built byte-level BPE grown with filler tokens,
+# models/vocabulary.py; until 2026-12-05 the runs had the tiny tokenizer's ~640 rows). Weights are made
+# on the GPU in bf16 and saved.
 vocab=${VOCAB_SIZE:-151936}
-model="$work/m$shape-v$vocab-vis112"  # -vis112: the released vision tower (bench/rollout_bench.py SHAPES), not an older build
+model="$work/m$shape-v$vocab"
+case "$shape" in 3b|7b) model="$model-vis112" ;; esac  # the released Qwen2.5-VL tower, not an older build
 [ -f "$model/model.safetensors.index.json" ] || [ -f "$model/model.safetensors" ] || \
   python3 - "$model" "$shape" "$vocab" <<'PY'
 import sys
