@@ -99,6 +99,8 @@
 #     most 64 frames of at most 64x28x28 pixels). Writes OUT/central/ and OUT/shadow/ (each run's
 #     metrics.jsonl, rollouts/), OUT/train_{central,shadow}.log and the table of
 #     `flexrl bench ablation-report OUT/central OUT/shadow`: OUT/ablation.md (printed) and OUT/ablation.json.
+#     ABLATION_RUNS="central" then ABLATION_RUNS="shadow" with the same OUT (a folder on that machine): one run a call,
+#     each call with its 600 s; the report comes with the second.
 #     With MODEL_ONLY=1 it builds the model and the clips only (then the ablation call has its 600 s): e.g.
 #     `ABLATION=1 MODEL_ONLY=1 R` then `ABLATION=1 R` in one batch; with BACKEND=vllm, the first in the
 #     call that carries .whl and the second after vLLM's install (tests/gpu/run_vllm_on_gpu_machine.sh's batch).
@@ -249,14 +251,14 @@ train() {  # $1: the run config, $2: its --out (a new run each time: flexrl trai
     --out "$2" --max-steps "$steps" 2>&1 | tee "$3" | grep -v "Loading weights" | tail -40
 }
 if [ "$ablation" = 1 ]; then  # central, then shadow: the same prompts, seeds and responses
-  for loading in central shadow; do
+  for loading in ${ABLATION_RUNS:-central shadow}; do
     python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['flexrl']['data']['loading'] = sys.argv[2]
 json.dump(c, open(sys.argv[3], 'w'), indent=1)" "$work/config.json" "$loading" "$work/config_$loading.json"
     echo "== $loading loading, after $(( $(date +%s) - start )) s"
     train "$work/config_$loading.json" "$out/$loading" "$out/train_$loading.log"
   done
-  python3 -m flexrl_ds bench ablation-report "$out/central" "$out/shadow" --out "$out/ablation.md" \
-    --json "$out/ablation.json" || echo "ablation-report failed: exit $?"
+  [ -d "$out/central" ] && [ -d "$out/shadow" ] && { python3 -m flexrl_ds bench ablation-report "$out/central" \
+    "$out/shadow" --out "$out/ablation.md" --json "$out/ablation.json" || echo "ablation-report failed: exit $?"; }
 else
   train "$work/config.json" "$out/run" "$out/train.log"
 fi
