@@ -6,6 +6,8 @@
 #   SHAPE=3b (default): with the H200 file all ZeRO-3 states on the GPU.
 #   SHAPE=qwen3-vl-8b | qwen3-vl-moe: Qwen3-VL-8B's layers, or Qwen3-VL-30B-A3B's at 12 of its 48 decoder
 #     layers (bench/rollout_bench.py SHAPES), with ds_configs/grpo_vl8b_1xh200.json (an H200 only).
+#   LAYERS=n: the shape at n decoder layers (its own model folder), e.g. the MoE reduced further to train on
+#     an 80 GB card: `SHAPE=qwen3-vl-moe LAYERS=4 RUN_CONFIG=ds_configs/grpo_vl3b_1xh100.json`.
 #   RUN_CONFIG=path: another run config (e.g. the 8B file under SHAPE=7b: the Qwen2.5-VL-7B baseline of
 #     the Qwen3-VL runs, same settings).
 #   CARD=h100|h200: which shipped one-GPU file, ds_configs/grpo_vl{3b,7b}_1x{h100,h200}.json (default: h100
@@ -138,13 +140,16 @@ start=$(date +%s)
 vocab=${VOCAB_SIZE:-151936}
 model="$work/m$shape-v$vocab"
 case "$shape" in 3b|7b) model="$model-vis112" ;; esac  # the released Qwen2.5-VL tower, not an older build
+[ -n "${LAYERS:-}" ] && model="$model-l$LAYERS"  # the shape at LAYERS decoder layers
 [ -f "$model/model.safetensors.index.json" ] || [ -f "$model/model.safetensors" ] || \
   python3 - "$model" "$shape" "$vocab" <<'PY'
-import sys
+import os, sys
 import torch, transformers
 from flexrl_ds.bench.rollout_bench import SHAPES
 from flexrl_ds.models.tiny import ARCH_CLASSES, TinyModelConfig, make_tiny_model
 shape = dict(SHAPES[sys.argv[2]], vocab_size=int(sys.argv[3]))
+if os.environ.get("LAYERS"):  # a shape reduced in depth (e.g. the MoE on an 80 GB card)
+    shape["num_hidden_layers"] = int(os.environ["LAYERS"])
 config = TinyModelConfig(out_dir=sys.argv[1], **shape)
 out = make_tiny_model(config, weights=False)
 torch.manual_seed(0)
