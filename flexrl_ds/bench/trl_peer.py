@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from flexrl_ds.bench.trl_peer_report import (OurSettings, StepFigures, differences, format_table, grpo_arguments,
@@ -58,12 +58,13 @@ class TrlPeerConfig:
     run_config: str | None = None
     """Our run config (ds_configs/*.json): optimizer, clip, KL, checkpointing, sampling, reward and
     loader order copied from it; None: `OurSettings`' defaults."""
-    prompts_per_step: int = 4
-    """Prompts per step (our `flexrl.data.loader.global_batch`)."""
-    samples_per_prompt: int = 4
-    """Completions per prompt (our `num_samples_per_prompt`, TRL's `num_generations`)."""
-    response_length: int = 128
-    """Most tokens per completion (our `max_response_length`, TRL's `max_completion_length`)."""
+    prompts_per_step: int | None = None
+    """Prompts per step; None: the run config's `flexrl.data.loader.global_batch` (else 4)."""
+    samples_per_prompt: int | None = None
+    """Completions per prompt (TRL's `num_generations`); None: the run config's `num_samples_per_prompt`."""
+    response_length: int | None = None
+    """Most tokens per completion (TRL's `max_completion_length`); None: the run config's
+    `flexrl.rollout.max_response_length`."""
     steps: int = 2
     """Optimizer steps to run."""
     learning_rate: float | None = None
@@ -234,6 +235,9 @@ def run_trl_peer(config: TrlPeerConfig, processing_class=None) -> dict[str, Any]
     if config.run_config:
         run = load_run_config(config.run_config)
         ours = OurSettings.from_run_config(run.deepspeed, run.flexrl)
+    config = replace(config, prompts_per_step=config.prompts_per_step or ours.global_batch,
+                     samples_per_prompt=config.samples_per_prompt or ours.num_samples_per_prompt,
+                     response_length=config.response_length or ours.max_response_length)
     use_vllm = _use_vllm(config.rollout)
     records, dropped = peer_records(config.data, ours, config)
     completions = config.prompts_per_step * config.samples_per_prompt

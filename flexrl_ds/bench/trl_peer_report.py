@@ -59,6 +59,8 @@ class OurSettings:
     """`flexrl.rollout.backend`."""
     vllm_gpu_memory_utilization: float = 0.35
     """`flexrl.rollout.vllm.gpu_memory_utilization` (the peer's `vllm_gpu_memory_utilization`)."""
+    vllm_max_model_len: int | None = None
+    """`flexrl.rollout.vllm.max_model_len` (the peer's `vllm_max_model_length`; None: the model's)."""
     zero_stage: int = 3
     """DeepSpeed ZeRO stage of our policy."""
     optimizer_offload_ratio: float = 0.0
@@ -67,6 +69,12 @@ class OurSettings:
     """`flexrl.sp.max_tokens_per_rank`: our micro-batch cap in tokens."""
     loader_seed: int = 0
     """`flexrl.data.loader.seed`: the order of the records, which the peer follows."""
+    global_batch: int = 4
+    """`flexrl.data.loader.global_batch`: prompts per step."""
+    num_samples_per_prompt: int = 4
+    """`flexrl.data.loader.num_samples_per_prompt`."""
+    max_response_length: int = 128
+    """`flexrl.rollout.max_response_length`."""
     loader_shuffle: bool = True
     """`flexrl.data.loader.shuffle`."""
 
@@ -90,10 +98,14 @@ class OurSettings:
             mini_batches_per_step=rl.mini_batches_per_step, ppo_epochs=rl.ppo_epochs,
             temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, backend=rollout.backend,
             vllm_gpu_memory_utilization=rollout.vllm.gpu_memory_utilization,
+            vllm_max_model_len=rollout.vllm.max_model_len,
             zero_stage=int(zero.get("stage", 0)),
             optimizer_offload_ratio=float(offload.get("ratio", 1.0)) if offloaded else 0.0,
             max_tokens_per_rank=flexrl.sp.max_tokens_per_rank,
-            loader_seed=flexrl.data.loader.seed, loader_shuffle=flexrl.data.loader.shuffle)
+            loader_seed=flexrl.data.loader.seed, loader_shuffle=flexrl.data.loader.shuffle,
+            global_batch=flexrl.data.loader.global_batch,
+            num_samples_per_prompt=flexrl.data.loader.num_samples_per_prompt,
+            max_response_length=rollout.max_response_length)
 
 
 def grpo_arguments(ours: OurSettings, learning_rate: float | None, use_vllm: bool,
@@ -116,7 +128,7 @@ def grpo_arguments(ours: OurSettings, learning_rate: float | None, use_vllm: boo
         "temperature": ours.temperature, "top_p": ours.top_p, "top_k": ours.top_k,
         "use_vllm": use_vllm, "vllm_mode": "colocate",
         "vllm_gpu_memory_utilization": ours.vllm_gpu_memory_utilization,
-        "vllm_enable_sleep_mode": use_vllm,
+        "vllm_max_model_length": ours.vllm_max_model_len, "vllm_enable_sleep_mode": use_vllm,
         # ours applies no rollout-vs-trainer correction unless flexrl.rl.tis_level is set (the shipped
         # files do not): TRL's default would add an old-policy pass and a sequence mask
         "vllm_importance_sampling_correction": False,

@@ -18,9 +18,11 @@ def register(commands, bench) -> None:
     peer.add_argument("--data", required=True, help="dataset file (train.jsonl of `flexrl make-dataset`)")
     peer.add_argument("--config", default=None,
                       help="our run config (ds_configs/*.json) whose settings the peer copies")
-    peer.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    peer.add_argument("--samples-per-prompt", type=int, default=4, help="completions per prompt")
-    peer.add_argument("--response-length", type=int, default=128, help="most tokens per completion")
+    peer.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the run config's)")
+    peer.add_argument("--samples-per-prompt", type=int, default=None,
+                      help="completions per prompt (default: the run config's)")
+    peer.add_argument("--response-length", type=int, default=None,
+                      help="most tokens per completion (default: the run config's)")
     peer.add_argument("--steps", type=int, default=2, help="optimizer steps")
     peer.add_argument("--lr", type=float, default=None, help="learning rate (default: the run config's)")
     peer.add_argument("--rollout", choices=("auto", "vllm", "hf"), default="auto",
