@@ -139,44 +139,62 @@ def grpo_arguments(ours: OurSettings, learning_rate: float | None, use_vllm: boo
 def differences(ours: OurSettings, use_vllm: bool, dtype: str, micro_batch: int,
                 dropped_videos: int) -> list[str]:
     """What TRL's run does otherwise than ours with the same config, one line each."""
+    return _system_lines(ours, use_vllm, dtype, micro_batch, dropped_videos) + _algorithm_lines(ours)
+
+
+def _system_lines(ours: OurSettings, use_vllm: bool, dtype: str, micro_batch: int, dropped_videos: int) -> list[str]:
     offload = (f", {ours.optimizer_offload_ratio:.0%} of it on the host (DeepSpeed CPUAdam)"
                if ours.optimizer_offload_ratio else "")
-    master = ("bf16 weights, gradients and AdamW moments (no fp32 master copy: TRL loads the model in "
-              "the dtype asked)" if dtype == "bfloat16" else "fp32 weights and AdamW moments, bf16 autocast")
-    rollout = ("vLLM colocate (its own vLLM LLM in the process, sleep mode level 2, weights pushed each step)"
-               if use_vllm else "HF generate (model.generate on the training module)")
+    master = ("bf16 weights, gradients and AdamW moments (no fp32 master copy: TRL keeps the model in the "
+              "dtype it loads), bf16 compute" if dtype == "bfloat16" else
+              "fp32 weights, gradients and AdamW moments, bf16 autocast on a GPU")
+    rollout = ("vLLM colocate: its own vLLM LLM in the process, started from the model folder's weights, "
+               "max_num_batched_tokens 4096 (fixed by TRL), asleep at level 2 between steps, woken and given "
+               "the module's weights by load_weights each step" if use_vllm else
+               "HF generate (model.generate on the training module, left-padded prompts)")
     lines = [
-        f"parallelism: TRL one process, plain PyTorch module under accelerate (no DeepSpeed); ours ZeRO-stage "
+        f"parallelism: TRL one process, a plain PyTorch module under accelerate (no DeepSpeed); ours a ZeRO-stage "
         f"{ours.zero_stage} DeepSpeed engine (fp32 master weights and moments{offload}), FlexUlysses on 1 rank",
         f"precision: TRL {master}; ours bf16 compute on fp32 master weights",
-        f"rollout: TRL {rollout}; ours the {ours.backend} backend colocated (rollout/)",
-        "reference model: " + (f"both with KL coefficient {ours.kl_coef} (k3): TRL a second full copy of the model "
-                               "in its dtype on the device; ours a second ZeRO-3 engine" if ours.kl_coef else
-                               "none in either (KL coefficient 0)")
-        + ("" if ours.kl_estimator == "k3" else f"; ours estimator {ours.kl_estimator}, TRL k3"),
-        f"loss: TRL loss_type dapo (token mean over the step's tokens), clip {ours.eps_clip_low}/"
-        f"{ours.eps_clip_high}; ours {ours.loss_reduction}, same clip"
-        + ("" if ours.advantage_estimator == "group_norm" else f"; ours advantages {ours.advantage_estimator}"),
-        f"optimizer steps: TRL one per step; ours {ours.mini_batches_per_step} mini-batch(es) x "
-        f"{ours.ppo_epochs} epoch(s)",
-        "old-policy pass: neither (one mini-batch, one epoch: the update's forward is the old policy); "
-        "TRL's vLLM importance-sampling correction off, as ours has no TIS in the shipped configs",
-        f"micro-batches: TRL {micro_batch} completions per padded forward/backward (right-padded to the "
-        f"longest); ours packed sequences up to flexrl.sp.max_tokens_per_rank={ours.max_tokens_per_rank}",
-        "attention: TRL the model's own (sdpa, padded batch); ours FlexUlysses varlen per sequence",
+        f"rollout: TRL {rollout}; ours the {ours.backend} backend colocated (rollout/), its weights by ZeRO-3 "
+        "gathers in buckets",
+        f"micro-batches: TRL {micro_batch} completions per forward/backward, padded to the longest prompt (left) "
+        "plus the longest completion (right); ours the step's samples unpadded in one pass unless they exceed "
+        f"flexrl.sp.max_tokens_per_rank={ours.max_tokens_per_rank} (then the fewest micro-batches), short ones packed",
+        "attention: TRL the model's own (sdpa on the padded batch; the vision tower as transformers runs it, one "
+        "call per window); ours FlexUlysses varlen per sequence, the vision tower's varlen (one call per layer)",
         "log-probs: TRL 1.16's fused LM head (tiles over the completion positions, no [tokens x vocabulary] "
         "block); ours chunked by bytes at the response rows only, each chunk recomputed in the backward",
-        "learning-rate schedule: TRL constant; ours the config's scheduler (its warm-up); lr "
-        f"{ours.learning_rate}",
-        "sampling: same temperature/top-p/top-k, different random streams (TRL's seed, ours per-sample seeds)",
+        "data: TRL decodes the images in the training process (a datasets Image column) and runs the processor "
+        "there each step, twice (generation, then the forward's pixel values); ours the ShadowLoader's actors",
         ("prompts: the same records in the same order (our loader's seeded order)" if not dropped_videos else
-         "prompts: our loader's seeded order without its video records (so steps hold other prompts than ours)")
+         f"prompts: our loader's seeded order without its {dropped_videos} video record(s): TRL's GRPOTrainer "
+         "takes images only (its `images` column), so steps hold other prompts than ours")
         + "; rendered with the model's chat template in both (TRL's processor, ours media/ and models/processing.py)",
     ]
-    if dropped_videos:
-        lines.append(f"media: TRL's GRPOTrainer takes images only (its `images` column); {dropped_videos} "
-                     "video record(s) of the data left out of its order")
     return lines
+
+
+def _algorithm_lines(ours: OurSettings) -> list[str]:
+    reference = (f"both with KL coefficient {ours.kl_coef} in the loss: TRL a second full copy of the model on the "
+                 "device, k3; ours a second ZeRO-3 engine, " + ours.kl_estimator if ours.kl_coef else
+                 "none in either (KL coefficient 0)")
+    single = ours.mini_batches_per_step == 1 and ours.ppo_epochs == 1
+    return [
+        f"reference model: {reference}",
+        f"loss: TRL loss_type dapo (token mean over the step's tokens), clip {ours.eps_clip_low}/"
+        f"{ours.eps_clip_high}, advantages normalised per group (std + 1e-4); ours {ours.loss_reduction}, same "
+        f"clip, {ours.advantage_estimator}",
+        f"optimizer steps: TRL one per step (gradients accumulated over its micro-batches); ours "
+        f"{ours.mini_batches_per_step} mini-batch(es) x {ours.ppo_epochs} epoch(s)",
+        ("old-policy pass: neither (one mini-batch, one epoch: the update's forward is the old policy); "
+         if single else "old-policy pass: ours runs one (several mini-batches or epochs), TRL none; ")
+        + "TRL's vLLM importance-sampling correction off, as ours has no TIS in the shipped configs",
+        f"learning rate {ours.learning_rate}: TRL constant; ours the config's scheduler (the shipped files warm up "
+        "from 0.1 x lr over 5 steps)",
+        "sampling: same temperature/top-p/top-k and the vision tokens suppressed in both; different random "
+        "streams (TRL's seed; ours per-sample seeds)",
+    ]
 
 
 @dataclass
