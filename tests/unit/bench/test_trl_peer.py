@@ -72,6 +72,7 @@ def test_records_follow_our_loader_order_without_videos(tmp_path):
             peer_records(str(tmp_path / "train.jsonl"), ours, config)
     make_dataset(tmp_path / "img", "only-image", 12, seed=3, task="keyword")
     rows = read_dataset(tmp_path / "img" / "train.jsonl")
+    assert all(r.items and all(item.kind == "image" for item in r.items) for r in rows)
     order = EpochOrder(len(rows), seed=5, shuffle=True)
     records, dropped = peer_records(str(tmp_path / "img" / "train.jsonl"), ours, config)
     assert [r.id for r in records] == [rows[i].id for _ in range(2) for i in order.take(3)] and dropped == 0
