@@ -28,6 +28,7 @@ MIXES = {
     "image-heavy": {"image": 5, "short_video": 2, "long_video": 1},
     "video-heavy": {"image": 1, "short_video": 2, "long_video": 5},
     "only-video": {"image": 0, "short_video": 1, "long_video": 1},
+    "only-image": {"image": 1, "short_video": 0, "long_video": 0},  # for peers that take no videos (TRL)
 }
 
 

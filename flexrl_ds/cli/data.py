@@ -22,7 +22,7 @@ def register(commands, bench) -> None:
         description="Generate records following the image / short_video / long_video workload "
                     "profiles (scaled down) with real media files, and DIR/train.jsonl.",
     )
-    make.add_argument("--mix", required=True, choices=["image-heavy", "video-heavy", "only-video"])
+    make.add_argument("--mix", required=True, choices=["image-heavy", "video-heavy", "only-video", "only-image"])
     make.add_argument("--num", type=int, required=True, help="number of records")
     make.add_argument("--scale", default="small", choices=["small", "medium", "nextqa"],
                       help="media sizes (default small); nextqa: NExTQA-like clips of 20-60 s at 360p-720p, 30 fps "

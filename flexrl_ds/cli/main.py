@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "flexrl_ds.cli.train",  # train
     "flexrl_ds.cli.rollout",  # bench rollout
     "flexrl_ds.cli.faults",  # bench faults
+    "flexrl_ds.cli.peers",  # bench trl-peer
 )
 
 

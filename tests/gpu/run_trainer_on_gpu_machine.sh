@@ -107,6 +107,15 @@
 #     `ABLATION=1 MODEL_ONLY=1 R` then `ABLATION=1 R` in one batch; with BACKEND=vllm, the first in the
 #     call that carries .whl and the second after vLLM's install (tests/gpu/run_vllm_on_gpu_machine.sh's batch).
 #   MODEL_ONLY=1: only build the model directory (a separate call, so the trainer call has its 600 s).
+#   PEER=trl: TRL 1.16.0's GRPOTrainer instead of our trainer (`flexrl bench trl-peer`, flexrl_ds/bench/trl_peer.py)
+#     on the same model folder, data and run config (PROMPTS, RESPONSE_LENGTH, CKPT, sampling, the reward, the
+#     loader's order), STEPS steps, BACKEND=vllm: TRL's vLLM colocate mode, hf: HF generate. Its data is
+#     `--mix only-image` (TRL takes no videos): run ours on the same with MIX=only-image. MICRO_BATCH=n:
+#     completions per forward/backward (default the samples per prompt); TRL_PEER_ARGS: more arguments.
+#     Writes OUT/trl_peer.{json,txt,log}. Bring TRL first: bash scripts/fetch-trl-wheels.sh here, carry .trl
+#     and start the command with `bash .trl/install.sh &&` (its lines say how with vLLM).
+#   MIX=image-heavy|video-heavy|only-video|only-image: the generated data's mix (default video-heavy; only-image
+#     under PEER=trl).
 # vLLM: bring it first (../shared/device/README.md; tests/gpu/run_vllm_on_gpu_machine.sh shows the calls).
 # Prepare on the development machine: bash ../shared/device/fetch-wheels.sh  (DeepSpeed + Ray into .whl/)
 # Run there (device tool, carry .whl):  bash tests/gpu/run_trainer_on_gpu_machine.sh [OUT]
@@ -168,10 +177,11 @@ if [ "$ablation" = 1 ]; then  # NExTQA-like clips of realistic sizes, one encodi
     --scale nextqa --task keyword --seed 0 --out "$data"
   echo "data ready after $(( $(date +%s) - start )) s"
   [ "${MODEL_ONLY:-0}" = 1 ] && exit 0
-else  # 16 records (the measured runs' set), or PROMPTS of them where a step asks for more.
+else  # 16 records (the measured runs' set), or PROMPTS of them where a step asks for more; MIX: their mix
   records=$(( ${PROMPTS:-16} > 16 ? ${PROMPTS:-16} : 16 ))
-  data="$work/data-small-$records"
-  [ -f "$data/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix video-heavy --num "$records" --scale small \
+  mix=${MIX:-$([ "${PEER:-}" = trl ] && echo only-image || echo video-heavy)}  # TRL's GRPOTrainer takes no videos
+  data="$work/data-small-$records$([ "$mix" = video-heavy ] || echo "-$mix")"
+  [ -f "$data/train.jsonl" ] || python3 -m flexrl_ds make-dataset --mix "$mix" --num "$records" --scale small \
     --task keyword --seed 0 --out "$data"
 fi
 python3 - "$work/config.json" "$backend" "$shape" "${COLOCATE:-1}" "$(nvidia-smi -L | wc -l)" <<'PY'
@@ -233,6 +243,17 @@ elif colocate == "0":
 json.dump(config, open(path, "w"), indent=1)
 PY
 cp "$work/config.json" "$out/config.json"
+if [ "${PEER:-}" = trl ]; then  # TRL's GRPOTrainer instead of ours, on the same model folder, data and run config
+  python3 -m flexrl_ds bench trl-peer --model "$model" --data "$data/train.jsonl" --config "$work/config.json" \
+    --steps "$steps" --rollout "$backend" ${MICRO_BATCH:+--micro-batch "$MICRO_BATCH"} ${TRL_PEER_ARGS:-} \
+    --json "$out/trl_peer.json" --text "$out/trl_peer.txt" > "$out/trl_peer.log" 2>&1 \
+    || echo "bench trl-peer failed: exit $?" >> "$out/trl_peer.log"
+  grep -v "Loading weights\|^INFO\|^(EngineCore" "$out/trl_peer.log" | tail -40
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$out/summary.txt"
+  echo "total $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
+  ! grep -q "bench trl-peer failed" "$out/trl_peer.log"
+  exit
+fi
 if [ "${UPDATE_BENCH:-0}" = 1 ]; then  # the update alone: plain transformers vs FlexUlysses vs its ZeRO-3 engine
   python3 -m flexrl_ds bench update --model "$model" --data "$data/train.jsonl" --config "$work/config.json" \
     --response-length "${RESPONSE_LENGTH:-350}" --samples-per-prompt 4 $(python3 -c "import json, sys; print('--checkpointing' if json.load(open(sys.argv[1]))['flexrl']['trainer']['activation_checkpointing'] else '')" "$work/config.json") ${UPDATE_BENCH_ARGS:-} \
