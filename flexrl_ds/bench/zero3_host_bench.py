@@ -119,6 +119,8 @@ class HostBenchRow:
     """The real shape's persistent parameters in bf16: kept whole on every rank."""
     real_leaf_bytes: int = 0
     """The real shape's largest leaf module in bf16: gathered whole at once."""
+    error: str = ""
+    """What the engine raised, if it could not run the passes (the setting breaks this model)."""
 
 
 @dataclass
@@ -184,6 +186,9 @@ def run_host_bench(config: HostBenchConfig, progress: Callable[[str], None] = pr
     for name in config.settings:
         row = bench.setting(name)
         result.rows.append(row)
+        if row.error:
+            progress(f"bench zero3-host: {name}: fails ({row.leaves} leaves): {row.error}")
+            continue
         if abs(row.loss - result.bare_loss) > 1e-5 * abs(result.bare_loss):
             raise AssertionError(f"setting {name}: loss {row.loss} != the bare module's {result.bare_loss}")
         progress(f"bench zero3-host: {name}: {row.seconds:.3f} s (+{row.seconds - result.bare_seconds:.3f} over bare), "
@@ -262,16 +267,18 @@ class _Bench:
         base = {k: v for k, v in self.run.deepspeed["zero_optimization"].items() if k.startswith("stage3_")}
         zero, leaves = zero3_settings.small_zero_settings(self.real, {**base, **SETTINGS[name]}, self.model())
         engine = zero3.build_engine(self.model(tuple(leaves)), engine_config(self.run.deepspeed, zero), **self.options)
+        row = HostBenchRow(name, zero, leaves=sum(1 for module in engine.module.modules() if z3_leaf_module(module)),
+                           persistent=sum(1 for p in engine.module.parameters() if getattr(p, "ds_persist", False)))
         try:
             work = flexrl_pass(engine, self.batches, self.samples, engine.backward, lambda: None,
                                engine.set_gradient_accumulation_boundary)
-            seconds, loss = self.timed(work, engine.step)
+            row.seconds, row.loss = self.timed(work, engine.step)
             profile = cProfile.Profile()
             profile.runcall(work)
             engine.step()
-            row = HostBenchRow(name, zero, seconds, loss, count_calls(profile),
-                               leaves=sum(1 for module in engine.module.modules() if z3_leaf_module(module)),
-                               persistent=sum(1 for p in engine.module.parameters() if getattr(p, "ds_persist", False)))
+            row.calls = count_calls(profile)
+        except (RuntimeError, AssertionError, TypeError, ValueError) as error:  # DeepSpeed's, from inside the passes
+            row.error = f"{type(error).__name__}: {error}"[:200]
         finally:
             engine.destroy()
             torch.distributed.barrier()
@@ -307,6 +314,9 @@ def format_result(result: HostBenchResult) -> str:
              f"{'setting':<28}{'s/mb':>8}{'hooks s/mb':>11}{'hooks':>7}{'fetch':>7}{'release':>8}{'gathers':>8}"
              f"{'freed':>7}{'grad red.':>10}{'leaves':>7}{'persist':>8}{'persist GiB':>12}{'leaf GiB':>9}"]
     for row in result.rows:
+        if row.error:
+            lines.append(f"{row.setting:<28}fails ({row.leaves} leaves): {row.error[:90]}")
+            continue
         calls = {key: value / per for key, value in row.calls.items()}
         hooks = sum(calls[key] for key in COUNTED[:4])
         lines.append(f"{row.setting:<28}{row.seconds / per:>8.3f}{(row.seconds - result.bare_seconds) / per:>11.3f}"
