@@ -35,7 +35,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from flexrl_ds.bench import zero3_settings
+from flexrl_ds.bench.rollout_bench import SHAPES
+from flexrl_ds.bench.update_bench import (UpdateBenchConfig, bench_batches, bench_samples, flexrl_pass, one_rank_sp,
+                                          trainer_module_options)
+from flexrl_ds.config.flexrl_config import load_run_config
+from flexrl_ds.models import zero3
+from flexrl_ds.models.flex_model import FlexUlyssesLM
+from flexrl_ds.models.loading import load_model, model_without_weights, ordinary_token_bound
+from flexrl_ds.models.sample_data import write_scoring_dataset
+from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+from flexrl_ds.parallel.launch import init_distributed, one_rank_env
+from flexrl_ds.sp.attention import FlexUlyssesAttention
 
 SETTINGS: dict[str, dict[str, float]] = {
     "shipped": {},
@@ -136,9 +149,6 @@ class HostBenchResult:
 
 def structure_models(config: HostBenchConfig) -> tuple[Path, Any]:
     """(the tiny model's directory, the real shape's model on the meta device)."""
-    from flexrl_ds.bench.rollout_bench import SHAPES
-    from flexrl_ds.models.loading import model_without_weights
-    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 
     shape = SHAPES[config.shape]
     real_dir = make_tiny_model(TinyModelConfig(out_dir=str(Path(config.work_dir) / f"real-{config.shape}"),
@@ -152,7 +162,6 @@ def structure_models(config: HostBenchConfig) -> tuple[Path, Any]:
 def engine_config(run_deepspeed: dict, zero_overrides: dict) -> dict:
     """The run's DeepSpeed JSON for a CPU engine: fp32, torch's AdamW, no optimizer offload, the
     overrides over its `zero_optimization`, a fixed schedule length."""
-    from flexrl_ds.models import zero3
 
     config = zero3.with_schedule_length(copy.deepcopy(run_deepspeed), 100)
     config.pop("bf16", None)
@@ -173,7 +182,6 @@ def count_calls(profile: cProfile.Profile) -> dict[str, int]:
 
 def run_host_bench(config: HostBenchConfig, progress: Callable[[str], None] = print) -> HostBenchResult:
     """The bare module, then every asked setting's engine (module docstring)."""
-    from flexrl_ds.parallel.launch import init_distributed, one_rank_env
 
     context = init_distributed(one_rank_env("flexrl bench zero3-host"))
     bench = _Bench(config)
@@ -200,12 +208,6 @@ class _Bench:
     """The models, samples and micro-batches every way of one bench run shares."""
 
     def __init__(self, config: HostBenchConfig):
-        from flexrl_ds.bench.update_bench import (UpdateBenchConfig, bench_batches, bench_samples, one_rank_sp,
-                                                  trainer_module_options)
-        from flexrl_ds.config.flexrl_config import load_run_config
-        from flexrl_ds.models.loading import load_model, ordinary_token_bound
-        from flexrl_ds.models.sample_data import write_scoring_dataset
-        from flexrl_ds.sp.attention import FlexUlyssesAttention
 
         self.config = config
         self.run = load_run_config(config.run_config)
@@ -226,8 +228,6 @@ class _Bench:
 
     def model(self, leaves: tuple[str, ...] = ()):
         """A fresh copy of the tiny model in training mode, `leaves` marked, checkpointed as asked."""
-        from flexrl_ds.models import zero3
-        from flexrl_ds.models.loading import load_model
 
         model = load_model(str(self.model_dir))
         _mark_leaves(model, list(leaves))
@@ -249,8 +249,6 @@ class _Bench:
 
     def bare(self) -> tuple[float, float]:
         """The bare module's (seconds, loss)."""
-        from flexrl_ds.bench.update_bench import flexrl_pass
-        from flexrl_ds.models.flex_model import FlexUlyssesLM
 
         bare = FlexUlyssesLM(self.model(), **self.options)
         return self.timed(flexrl_pass(bare, self.batches, self.samples, lambda value: value.backward(),
@@ -258,11 +256,8 @@ class _Bench:
 
     def setting(self, name: str) -> HostBenchRow:
         """One setting's engine: timed, counted, its leaves and persistent parameters read back."""
-        import torch
-        from deepspeed.utils import z3_leaf_module
+        from deepspeed.utils import z3_leaf_module  # lazy: DeepSpeed's import takes seconds; the CLI imports this file
 
-        from flexrl_ds.bench.update_bench import flexrl_pass
-        from flexrl_ds.models import zero3
 
         base = {k: v for k, v in self.run.deepspeed["zero_optimization"].items() if k.startswith("stage3_")}
         zero, leaves = zero3_settings.small_zero_settings(self.real, {**base, **SETTINGS[name]}, self.model())
@@ -299,7 +294,7 @@ def real_memory(real, zero: dict) -> tuple[int, int]:
 
 def _mark_leaves(model, names: list[str]) -> None:
     """Mark the modules `names` of `model` as ZeRO-3 leaves (as a granularity threshold would)."""
-    from deepspeed.utils import set_z3_leaf_module
+    from deepspeed.utils import set_z3_leaf_module  # lazy: as in `_Bench.setting`
 
     modules = dict(model.named_modules())
     for name in names:
