@@ -5,7 +5,9 @@ at most 100 elements, the tiny model's norms and biases), every decoder
 layer and vision block a ZeRO-3 leaf (`build_engine(leaf_layers=True)`, `flexrl.trainer.zero3_leaf_layers`),
 both, and both with the optimizer or the parameters offloaded: a tiny Qwen2.5-VL (and the Qwen3-VL
 MoE, whose sparse blocks are leaves already) under FlexUlysses on 4 gloo ranks with activation
-checkpointing gives the single-process HF model's loss and every parameter's full gradient. The
+checkpointing gives the single-process HF model's loss and every parameter's full gradient, and
+after an optimizer step the same loss as the shipped settings' engine (every parameter gathered at
+each use, no leaves) after its step. The
 elements DeepSpeed marks persistent are those the memory estimate counts (trainer/memory_check.py).
 """
 
@@ -46,7 +48,8 @@ def _ds_config(persistence: int, offload: str) -> dict:
 def rank_step(model_dir: str, data_path: str, plan_json: dict, p_max: int, persistence: int, leaf_layers: bool,
               offload: str):
     """On every rank: the engine with the settings, one forward+backward under activation
-    checkpointing; rank 0 returns the full gradients."""
+    checkpointing (rank 0 returns the full gradients), an optimizer step, and the loss again
+    without grad (persistent or leaf parameters must carry the step's update)."""
     import torch.distributed as dist
 
     from flexrl_ds.models.flex_model import build_step_batch, positions_fn
@@ -65,10 +68,13 @@ def rank_step(model_dir: str, data_path: str, plan_json: dict, p_max: int, persi
     loss, local_nll, _ = flex_step_loss(engine, batch)
     engine.backward(loss)
     grads = full_grads(engine)
+    engine.step()
+    with torch.no_grad():
+        _, stepped_nll, _ = flex_step_loss(engine, batch)
     leaves = sum(1 for module in engine.module.modules() if getattr(module, "_z3_leaf", False))
     persistent = [p.ds_numel for p in engine.module.parameters() if p.ds_persist]
     engine.destroy()
-    return {"nll": float(local_nll), "grads": grads if dist.get_rank() == 0 else None, "leaves": leaves,
+    return {"nll": float(local_nll), "stepped_nll": float(stepped_nll), "grads": grads if dist.get_rank() == 0 else None, "leaves": leaves,
             "persistent": persistent}
 
 
@@ -120,3 +126,8 @@ def test_settings_match_single_process(assets, dist_pools, arch, persistence, le
     worst = max(((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-6)).item()
                 for n in ref_grads)
     assert worst < 1e-4, worst
+    shipped = dist_pools(4).run(rank_step, model_dir, str(data), plan.to_json(), plan.p_max, 0, False, "none",
+                                timeout_s=240)
+    stepped = sum(r["stepped_nll"] for r in per_rank)
+    assert stepped != pytest.approx(ref_nll, rel=1e-6)  # the step changed the weights
+    assert stepped == pytest.approx(sum(r["stepped_nll"] for r in shipped), rel=1e-5)
