@@ -184,7 +184,6 @@ def small_zero_settings(real: torch.nn.Module, zero: dict, small: torch.nn.Modul
         leaves = leaf_names(real, int(float(out.pop(LEAVES_KEY))))
     if out.pop(LAYER_LEAVES_KEY, False):
         leaves = layer_leaf_names(real)
-    for key in VOLUME_KEYS:
-        if key in zero:
-            out[key] = scaled_volume(real, float(zero[key]), small)
+    for key in VOLUME_KEYS:  # DeepSpeed's defaults too: they are volumes of the real model's size
+        out[key] = scaled_volume(real, float(out[key]), small)
     return out, leaves

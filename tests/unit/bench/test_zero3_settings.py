@@ -86,3 +86,27 @@ def test_leaf_choice_matches_deepspeeds_own(tmp_path):
     for threshold in [values[0] - 1, *values, values[-1] + 1]:
         ours = zero3_settings.leaf_names(model_without_weights(str(directory)), threshold)
         assert ours == _deepspeed_leaves(model_without_weights(str(directory)), threshold), threshold
+
+
+def test_small_zero_settings_scale_volumes_defaults_included(tmp_path):
+    """Element volumes, DeepSpeed's defaults among them, become as many decoder layers' worth of the
+    small model; leaf layers are named; the granularity threshold is named out as leaves."""
+    from flexrl_ds.models.loading import model_without_weights
+    from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
+
+    def model(name: str, hidden: int):
+        config = TinyModelConfig(out_dir=str(tmp_path / name), hidden_size=hidden, num_hidden_layers=3, vision_depth=2)
+        return model_without_weights(str(make_tiny_model(config, weights=False)))
+
+    real, small = model("real", 160), model("small", 80)
+    ratio = (sum(p.numel() for p in small.model.language_model.layers[0].parameters())
+             / sum(p.numel() for p in real.model.language_model.layers[0].parameters()))
+    zero, leaves = zero3_settings.small_zero_settings(real, {"stage3_max_reuse_distance": 2e6}, small)
+    assert zero["stage3_max_reuse_distance"] == int(2e6 * ratio)
+    assert zero["stage3_prefetch_bucket_size"] == int(5e7 * ratio)  # DeepSpeed's default, scaled
+    assert zero["stage3_max_live_parameters"] == int(1e9 * ratio)
+    assert leaves == []
+    _, leaves = zero3_settings.small_zero_settings(real, {zero3_settings.LAYER_LEAVES_KEY: 1}, small)
+    assert len(leaves) == 3 + 2 and all(name.rsplit(".", 2)[-2] in ("layers", "blocks") for name in leaves)
+    zero, leaves = zero3_settings.small_zero_settings(real, {"stage3_module_granularity_threshold": 10**9}, small)
+    assert zero["stage3_module_granularity_threshold"] == 1 and leaves == zero3_settings.leaf_names(real, 10**9)
