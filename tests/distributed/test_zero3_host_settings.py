@@ -35,18 +35,20 @@ def assets(tmp_path_factory):
     return root, write_scoring_dataset(root / "data", num_records=5, seed=2)
 
 
-def _ds_config(persistence: int, offload: str) -> dict:
+def _ds_config(persistence: int, offload: str, granularity: int = 0) -> dict:
     from zero3_configs import zero3_config
 
     from flexrl_ds.models.zero3 import with_param_offload
 
     config = zero3_config(offload_optimizer="torch_adam" if offload == "optimizer" else "none")
     config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+    if granularity:
+        config["zero_optimization"]["stage3_module_granularity_threshold"] = granularity
     return with_param_offload(config) if offload == "param" else config
 
 
 def rank_step(model_dir: str, data_path: str, plan_json: dict, p_max: int, persistence: int, leaf_layers: bool,
-              offload: str):
+              offload: str, granularity: int = 0):
     """On every rank: the engine with the settings, one forward+backward under activation
     checkpointing (rank 0 returns the full gradients), an optimizer step, and the loss again
     without grad (persistent or leaf parameters must carry the step's update)."""
@@ -63,7 +65,7 @@ def rank_step(model_dir: str, data_path: str, plan_json: dict, p_max: int, persi
     model = load_model(model_dir)
     batch = build_step_batch(model.config, parse_plan(plan_json), encode_records(model_dir, data_path),
                              tree.local_rank, tree, positions=positions_fn(model))
-    engine = build_engine(model, _ds_config(persistence, offload), activation_checkpointing=True,
+    engine = build_engine(model, _ds_config(persistence, offload, granularity), activation_checkpointing=True,
                           leaf_layers=leaf_layers)
     loss, local_nll, _ = flex_step_loss(engine, batch)
     engine.backward(loss)
@@ -91,6 +93,26 @@ def _reference(model_dir: str, data_path: str):
     (nll / sum(values.numel() for values in logprobs)).backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return float(nll.detach()), grads, {name: sample.length for name, sample in samples.items()}
+
+
+def test_a_granularity_threshold_beside_the_moe_leaves(assets, dist_pools):
+    """`stage3_module_granularity_threshold` 1 (no module that fine: it picks no leaf of its own, but
+    turns on DeepSpeed's faster leaf release) with the MoE's sparse blocks as leaves: the
+    single-process loss and gradients still."""
+    from flexrl_ds.models.sample_data import random_plan_for
+
+    root, data = assets
+    model_dir = str(root / "q3moe")
+    ref_nll, ref_grads, lengths = _reference(model_dir, str(data))
+    plan = random_plan_for(lengths, 4, p_max=4, seed=1)
+    per_rank = dist_pools(4).run(rank_step, model_dir, str(data), plan.to_json(), plan.p_max, 0, False, "none", 1,
+                                 timeout_s=240)
+    assert all(r["leaves"] >= 1 for r in per_rank)
+    assert sum(r["nll"] for r in per_rank) == pytest.approx(ref_nll, rel=1e-5)
+    grads = per_rank[0]["grads"]
+    worst = max(((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-6)).item()
+                for n in ref_grads)
+    assert worst < 1e-4, worst
 
 
 @pytest.mark.parametrize("arch,persistence,leaf_layers,offload", [
