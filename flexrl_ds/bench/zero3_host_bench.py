@@ -5,7 +5,8 @@ item 2). Each ZeRO-3 hook is Python on the host; the device waits for it when it
 host work is measured here on the CPU: a model with a real shape's module tree (`shape`: the 3B's
 36 decoder layers and 32 vision blocks, the released tower's geometry, the same 839 modules and
 825 parameter tensors) at tiny widths, so that its compute is small and the engine's time over the
-bare module's is the hooks' (and their gathers' copies, small at these widths). One rank, gloo.
+bare module's is the hooks' (on one rank a "gathered" parameter is a view of its partition: no copy,
+no collective). One rank, gloo.
 
 The samples are `flexrl bench update`'s (each of `prompts` records of a generated scoring set
 `samples_per_prompt` times, `response_length` random response tokens), cut into micro-batches as the
@@ -96,10 +97,12 @@ class HostBenchConfig:
     """bench/rollout_bench.py SHAPES: whose module tree the tiny model copies."""
     settings: tuple[str, ...] = tuple(SETTINGS)
     """Which of `SETTINGS` to time."""
-    prompts: int = 16
-    samples_per_prompt: int = 4
-    response_length: int = 350
-    repeats: int = 3
+    prompts: int = 8
+    """Records of the generated scoring set (the hooks' cost per micro-batch hardly depends on the tokens:
+    a small batch keeps the bare compute, and the noise with it, small)."""
+    samples_per_prompt: int = 2
+    response_length: int = 64
+    repeats: int = 5
     warmups: int = 2
     seed: int = 0
     checkpointing: bool | None = None
