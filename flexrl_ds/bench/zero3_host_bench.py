@@ -112,6 +112,8 @@ class HostBenchConfig:
         unknown = sorted(set(self.settings) - set(SETTINGS))
         if unknown or not self.settings:
             raise ValueError(f"--settings: {', '.join(unknown) or 'none given'}: choose from {', '.join(SETTINGS)}")
+        if self.shape not in SHAPES or self.shape == "tiny":
+            raise ValueError(f"--shape: one of {', '.join(k for k in SHAPES if k != 'tiny')}, got {self.shape!r}")
         for name in ("prompts", "samples_per_prompt", "response_length", "repeats", "warmups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
