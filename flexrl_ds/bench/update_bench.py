@@ -287,7 +287,8 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
     if {"zero3", "logprob", "grpo"} & set(config.ways):
         # a schedule's "auto" length (the shipped configs'): any will do, the bench times steps, not their lr
         engine = zero3.build_engine(model, zero3.with_schedule_length(copy.deepcopy(run.deepspeed), 100), train=True,
-                                    attention=FlexUlyssesAttention(overlap=run.flexrl.sp.overlap), **module_options)
+                                    attention=FlexUlyssesAttention(overlap=run.flexrl.sp.overlap),
+                                    leaf_layers=run.flexrl.trainer.zero3_leaf_layers, **module_options)
         _engine_ways(context.info, engine, (batches, logprob_batches), samples, run.flexrl.rl, config, record,
                      (shared / 3, batches_flops(model.config, logprob_batches, samples)))
     return result

@@ -48,6 +48,7 @@ def register(commands, bench) -> None:
 
     _add_bench_update(bench)
     _add_bench_zero3_trace(bench)
+    _add_bench_zero3_host(bench)
 
     vision = bench.add_parser("vision", help="vision-tower patches per rank: sequence owner vs pack group vs domain")
     vision.add_argument("--mix", default="image-heavy")
@@ -184,4 +185,45 @@ def _bench_zero3_trace(args: argparse.Namespace) -> int:
         raise ValueError(f"--reuse: comma-separated numbers of elements, got {args.reuse!r}") from error
     config = TraceBenchConfig(args.blocks, args.width, distances, args.passes)
     print(format_rows(run_trace_bench(config)))
+    return 0
+
+
+def _add_bench_zero3_host(bench) -> None:
+    host = bench.add_parser(
+        "zero3-host", help="host seconds of ZeRO-3's hooks per micro-batch on one rank, per setting, against the "
+                           "bare module",
+        description="A real shape's module tree at tiny widths, one rank: the bare FlexUlysses module's forward and "
+                    "backward against a ZeRO-3 engine's per setting, with DeepSpeed's hook, fetch, release and "
+                    "gather calls counted (flexrl_ds/bench/zero3_host_bench.py).")
+    host.add_argument("--work-dir", default="/tmp/flexrl-zero3-host", help="where the models and data are written")
+    host.add_argument("--config", default="ds_configs/grpo_vl3b_1xh100.json",
+                      help="run config: its zero_optimization is each setting's base, its flexrl.sp the micro-batches")
+    host.add_argument("--shape", default="3b", help="whose module tree (bench/rollout_bench.py SHAPES)")
+    host.add_argument("--settings", default=None, help="comma-separated names (default: all; see the module)")
+    host.add_argument("--prompts", type=int, default=8, help="records of the generated scoring set")
+    host.add_argument("--samples-per-prompt", type=int, default=2)
+    host.add_argument("--response-length", type=int, default=64)
+    host.add_argument("--repeats", type=int, default=5, help="timed passes per way (the best is its figure)")
+    host.add_argument("--checkpointing", choices=("config", "on", "off"), default="config",
+                      help="activation checkpointing (config: the run config's)")
+    host.add_argument("--json", default=None, help="write the result here")
+    host.set_defaults(func=_bench_zero3_host)
+
+
+def _bench_zero3_host(args: argparse.Namespace) -> int:
+    import json
+
+    # lazy: its run imports torch and DeepSpeed
+    from flexrl_ds.bench.zero3_host_bench import SETTINGS, HostBenchConfig, format_result, result_json, run_host_bench
+
+    settings = tuple(name.strip() for name in args.settings.split(",") if name.strip()) if args.settings \
+        else tuple(SETTINGS)
+    checkpointing = None if args.checkpointing == "config" else args.checkpointing == "on"
+    config = HostBenchConfig(args.work_dir, args.config, args.shape, settings, args.prompts, args.samples_per_prompt,
+                             args.response_length, args.repeats, checkpointing=checkpointing)
+    result = run_host_bench(config)
+    print(format_result(result))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result_json(result), handle, indent=1)
     return 0

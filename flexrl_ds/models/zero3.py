@@ -183,7 +183,8 @@ def _meant(name: str, known: list[str]) -> str:
 
 def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_group=None, train: bool = True,
                  logits_chunk: int | None = None, activation_checkpointing: bool = False, temperature: float = 1.0,
-                 vision_attention: str = "varlen", logits_chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 vision_attention: str = "varlen", logits_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 leaf_layers: bool = False):
     """A DeepSpeed ZeRO-3 engine around `FlexUlyssesLM(hf_model)`, configured by `ds_config` as written.
 
     torch.distributed (and deepspeed.comm) must be initialised. `attention` / `vision_group` /
@@ -195,7 +196,9 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     The module's `zero_group` is set to the group its parameters are partitioned over. A family's
     sparse MoE blocks (`ModelFamily.zero3_leaf_modules`) become ZeRO-3 leaf modules (DeepSpeed
     `set_z3_leaf_modules`): gathered whole, so ranks whose tokens route to different experts run the
-    same parameter gathers.
+    same parameter gathers. `leaf_layers`: every decoder layer and vision block is a ZeRO-3 leaf too
+    (`layer_classes`; `flexrl.trainer.zero3_leaf_layers`): one fetch and one release per layer
+    instead of one per module (~20x fewer hook calls; docs/notes/zero3-one-rank-host-cost.md).
     """
     import deepspeed
 
@@ -209,7 +212,7 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     module = FlexUlyssesLM(hf_model, attention=attention, vision_group=vision_group, logits_chunk=logits_chunk,
                            temperature=temperature, vision_attention=vision_attention,
                            logits_chunk_bytes=logits_chunk_bytes)
-    leaves = module.family.zero3_leaf_modules(hf_model)
+    leaves = module.family.zero3_leaf_modules(hf_model) + (layer_classes(hf_model) if leaf_layers else [])
     if leaves:  # a sparse MoE block is gathered whole: ranks routing to other experts gather the same
         from deepspeed.utils import set_z3_leaf_modules  # lazy: DeepSpeed is imported inside build_engine
 
@@ -228,6 +231,20 @@ def build_engine(hf_model, ds_config: dict[str, Any], attention=None, vision_gro
     else:
         engine.eval()
     return engine
+
+
+LAYER_LISTS = ("layers", "blocks")
+"""Names of the `ModuleList`s whose children are a model's repeated layers (decoder layers, vision blocks)."""
+
+
+def layer_classes(hf_model) -> list[type]:
+    """Classes of the children of every `ModuleList` named in `LAYER_LISTS` (decoder layers, vision
+    blocks): the modules `build_engine(leaf_layers=True)` makes ZeRO-3 leaves."""
+    found: dict[type, None] = {}
+    for name, module in hf_model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in LAYER_LISTS:
+            found.update((type(child), None) for child in module.children())
+    return list(found)
 
 
 WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")

@@ -143,7 +143,7 @@ def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool)
         seed=run.flexrl.trainer.seed, rollout_backend=run.flexrl.rollout.backend if colocated else None,
         max_batch_sequences=run.flexrl.rollout.max_batch_sequences,
         activation_checkpointing=run.flexrl.trainer.activation_checkpointing,
-        vision_attention=run.flexrl.trainer.vision_attention,
+        zero3_leaf_layers=run.flexrl.trainer.zero3_leaf_layers, vision_attention=run.flexrl.trainer.vision_attention,
         offload_states_in_rollout=run.flexrl.trainer.offload_states_in_rollout,
         reference_offload_param=run.flexrl.trainer.reference_offload_param,
         logprob_temperature=run.flexrl.rollout.temperature, logprob_chunk_bytes=run.flexrl.sp.logprob_chunk_bytes,

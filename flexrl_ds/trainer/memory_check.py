@@ -11,6 +11,7 @@ one line naming the phase and the settings that would take the most off it
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from flexrl_ds.parallel import device as device_mod
@@ -19,8 +20,12 @@ from flexrl_ds.trainer.memory_estimate import (GIB, UNCERTAINTY, MemoryEstimate,
                                                host_memory)
 
 
-def model_size(model_dir: str) -> dict[str, int]:
-    """Parameters (all, and the largest one's elements) and decoder shape of the model in `model_dir`."""
+def model_size(model_dir: str, persistence_threshold: int = 0,
+               model_persistence_threshold: int = sys.maxsize) -> dict[str, int]:
+    """Parameters (all, and the largest one's elements), decoder shape of the model in `model_dir`, and
+    the elements ZeRO-3 keeps whole under those persistence thresholds (DeepSpeed's rule: parameters
+    of at most `persistence_threshold` elements, in module order, while their sum stays within
+    `model_persistence_threshold`)."""
     import torch
     import transformers
 
@@ -31,6 +36,10 @@ def model_size(model_dir: str) -> dict[str, int]:
         model = model_class._from_config(config) if hasattr(model_class, "_from_config") \
             else model_class.from_config(config)
     sizes = [parameter.numel() for parameter in model.parameters()]
+    persistent = 0
+    for numel in sizes:
+        if numel <= persistence_threshold and persistent + numel <= model_persistence_threshold:
+            persistent += numel
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     vision = getattr(config, "vision_config", None)
@@ -38,7 +47,8 @@ def model_size(model_dir: str) -> dict[str, int]:
         "vision_hidden": int(vision.hidden_size), "vision_layers": int(vision.depth),
         "vision_intermediate": int(vision.intermediate_size), "vision_merge": int(vision.spatial_merge_size),
         "vision_patch_dim": int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2}
-    return {"params": sum(sizes), "largest_param": max(sizes), "hidden": int(text.hidden_size),
+    return {"params": sum(sizes), "largest_param": max(sizes), "persistent_elements": persistent,
+            "hidden": int(text.hidden_size),
             "layers": int(text.num_hidden_layers), "intermediate": int(text.intermediate_size),
             "kv_dim": int(text.num_key_value_heads) * int(head_dim), **tower}
 
@@ -87,7 +97,10 @@ def memory_inputs(run: Any, model_dir: str, num_ranks: int, device_bytes: int, p
     trainer, rollout = flexrl.trainer, flexrl.rollout
     engine = rollout.backend if trainer.colocate or spmd else None  # --spmd: engines always in the ranks
     options = getattr(rollout, rollout.backend, None)
-    sizes: dict[str, Any] = dict(size or model_size(model_dir))
+    zero = run.deepspeed.get("zero_optimization", {})
+    sizes: dict[str, Any] = dict(size or model_size(
+        model_dir, int(float(zero.get("stage3_param_persistence_threshold", 1e5))),
+        int(float(zero.get("stage3_model_persistence_threshold", sys.maxsize)))))
     budget: dict[str, Any] = token_budget(flexrl, num_ranks, prompt_tokens)
     return MemoryInputs(
         **sizes, device_bytes=device_bytes, ranks=num_ranks, **zero3_inputs(run.deepspeed),

@@ -7,6 +7,11 @@
   into the optimizer's dtype), the fp32 master weights (mixed precision) and Adam's two moments; the
   share `offload_optimizer.ratio` of the last three lives in host memory instead; `offload_param`
   takes the parameters off the device;
+- persistent parameters (`stage3_param_persistence_threshold`: `persistent_elements`), kept whole on
+  every rank (the policy's, and the reference's, which the same JSON configures): beyond their
+  partition, the other ranks' shares; with `offload_param` the whole of them on the device (their
+  partition stays there too, past one rank). On one rank without `offload_param` nothing: there
+  ZeRO-3's "gather" is a view of the partition;
 - ZeRO-3's working set: the parameters gathered at a time (the largest one, the prefetch bucket and
   what `stage3_max_reuse_distance` keeps gathered) and, in the update, the gradient bucket
   (`reduce_bucket_size`) and the step's fp32 gradients of one `sub_group_size`;
@@ -78,6 +83,8 @@ class MemoryInputs:
     param_offload: bool = False
     fused_adam: bool = False
     """DeepSpeed's FusedAdam on the device (every state can leave it during the rollout)."""
+    persistent_elements: int = 0
+    """Elements of the parameters ZeRO-3 keeps whole on every rank (`stage3_param_persistence_threshold`)."""
     prefetch_elements: int = 50_000_000
     reuse_elements: int = 1_000_000_000
     reduce_bucket_elements: int = 500_000_000
@@ -183,6 +190,15 @@ def states_kept_in_rollout(i: MemoryInputs, states: dict[str, int]) -> dict[str,
     return {name: states[name] for name in ("optimizer states", "policy gradients")}
 
 
+def persistent_bytes(i: MemoryInputs, offloaded: bool) -> int:
+    """One engine's persistent parameters beyond what its partitions count on this device: whole on
+    every rank; `offloaded` (`offload_param`: the partitions in host memory) those stay on the device."""
+    whole = i.persistent_elements * i.dtype_bytes
+    if offloaded:
+        return whole + (whole // i.ranks if i.ranks > 1 else 0)
+    return whole - whole // i.ranks
+
+
 def gathered_bytes(i: MemoryInputs) -> int:
     """ZeRO-3's gathered parameters at a time (also on one rank: a local copy)."""
     return min(i.params, i.largest_param + i.prefetch_elements + i.reuse_elements) * i.dtype_bytes
@@ -228,6 +244,9 @@ def estimate_memory(i: MemoryInputs) -> MemoryEstimate:
     fixed = {"context": CONTEXT_BYTES}
     asleep = {"engine asleep": ENGINE_ASLEEP_BYTES} if i.engine else {}
     gathered = {"zero3 gathered": gathered_bytes(i)}
+    if i.persistent_elements:
+        gathered["zero3 persistent"] = (persistent_bytes(i, i.param_offload) + (
+            persistent_bytes(i, i.reference_offload) if i.reference else 0))
     chunk = {"logprob chunk": i.logprob_chunk_bytes}
     phases: dict[str, dict[str, int]] = {}
     if i.engine:

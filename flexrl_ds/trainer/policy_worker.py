@@ -94,6 +94,8 @@ class PolicySetup:
     the engine starts without reading the model directory's weights; the first sync writes them)."""
     activation_checkpointing: bool = False
     """`flexrl.trainer.activation_checkpointing`: the policy recomputes layers in backward."""
+    zero3_leaf_layers: bool = False
+    """`flexrl.trainer.zero3_leaf_layers`: each layer's parameters fetched and released as one."""
     vision_attention: str = "varlen"
     """`flexrl.trainer.vision_attention`: "varlen" or "sdpa"."""
     offload_states_in_rollout: bool = True
@@ -196,7 +198,8 @@ class PolicyWorker:
                                   activation_checkpointing=train and self.setup.activation_checkpointing,
                                   temperature=self.setup.logprob_temperature,
                                   vision_attention=self.setup.vision_attention,
-                                  logits_chunk_bytes=self.setup.logprob_chunk_bytes)
+                                  logits_chunk_bytes=self.setup.logprob_chunk_bytes,
+                                  leaf_layers=self.setup.zero3_leaf_layers)
 
     # ---- passes -------------------------------------------------------------------------------
     def _batches(self, job: PassJob) -> list:

@@ -18,7 +18,7 @@ RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
 RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "REF_OFFLOAD", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
                    "TEMPERATURE", "TOP_P", "TOP_K", "PROMPTS", "RESPONSE_LENGTH", "MAX_TOKENS_PER_RANK", "LOGPROB_MAX_TOKENS_PER_RANK", "PROFILE_STEP",
                    "VISION_ATTENTION", "PACK_BELOW", "PACK_BUDGET", "ZERO3_PERSISTENCE",
-                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS", "CARD", "LOADING", "RUN_CONFIG")
+                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS", "ZERO3_LEAF_LAYERS", "ZERO3_GRANULARITY", "CARD", "LOADING", "RUN_CONFIG")
 """Environment variables the runner's config step reads (cleared, then set by each test)."""
 
 
@@ -116,6 +116,16 @@ def test_the_batch_and_profile_switches_land_in_their_sections(tmp_path):
     unset = build(tmp_path, "vllm", "3b")["flexrl"]
     assert unset["data"]["loader"]["global_batch"] == shipped["data"]["loader"]["global_batch"]
     assert unset["sp"] == shipped["sp"] and unset["rollout"]["max_response_length"] == shipped["rollout"]["max_response_length"]
+
+
+def test_the_zero3_leaf_switches_land_in_the_config(tmp_path):
+    run = load_run_config_of(build(tmp_path, "vllm", "3b", ZERO3_LEAF_LAYERS="1", ZERO3_GRANULARITY="2e6"),
+                             tmp_path / "leaves.json")
+    assert run.flexrl.trainer.zero3_leaf_layers is True
+    assert run.deepspeed["zero_optimization"]["stage3_module_granularity_threshold"] == 2_000_000
+    plain = build(tmp_path, "vllm", "3b")
+    assert load_run_config_of(plain, tmp_path / "plain.json").flexrl.trainer.zero3_leaf_layers is False
+    assert "stage3_module_granularity_threshold" not in plain["zero_optimization"]
 
 
 def test_separate_engines_share_one_gpu_or_take_whole_ones(tmp_path):

@@ -104,6 +104,41 @@ def test_phases_by_hand():
     assert set(separate.phases) == {"logprobs", "update"}
 
 
+def test_persistent_parameters_by_hand():
+    # 100 persistent elements in bf16 (200 B): one rank holds them whole in its partition already
+    inputs = MemoryInputs(**SMALL, persistent_elements=100, reference=False)
+    assert "zero3 persistent" in estimate_memory(inputs).phases["update"]
+    assert estimate_memory(inputs).phases["update"]["zero3 persistent"] == 0
+    # 4 ranks: each holds the whole (200 B) beside its quarter (50 B) already counted
+    four = dataclasses.replace(inputs, ranks=4)
+    assert estimate_memory(four).phases["update"]["zero3 persistent"] == 150
+    # parameters offloaded: the persistent ones stay on the device, whole and their partition
+    assert estimate_memory(dataclasses.replace(four, param_offload=True)).phases["logprobs"]["zero3 persistent"] == 250
+    assert estimate_memory(dataclasses.replace(inputs, param_offload=True)).phases["sync"]["zero3 persistent"] == 200
+    # the reference engine reads the same JSON; offloaded, its persistent parameters stay on the device too
+    both = dataclasses.replace(inputs, reference=True, reference_offload=True)
+    assert estimate_memory(both).phases["update"]["zero3 persistent"] == 200
+    assert "zero3 persistent" not in estimate_memory(dataclasses.replace(inputs, persistent_elements=0)).phases["update"]
+
+
+def test_model_size_counts_persistent_parameters_by_threshold(tiny_model):
+    from flexrl_ds.models.loading import model_without_weights
+    from flexrl_ds.trainer.memory_check import model_size
+
+    model = model_without_weights(tiny_model)
+    sizes = [p.numel() for p in model.parameters()]
+    assert model_size(tiny_model)["persistent_elements"] == 0
+    assert model_size(tiny_model, 10**15)["persistent_elements"] == sum(sizes)
+    assert model_size(tiny_model, 100)["persistent_elements"] == sum(n for n in sizes if n <= 100)
+    # the model-wide cap: parameters in module order while the sum stays within it
+    total = 0
+    for numel in sizes:
+        if numel <= 100 and total + numel <= 500:
+            total += numel
+    capped = model_size(tiny_model, 100, 500)["persistent_elements"]
+    assert capped == total <= 500
+
+
 def qwen_like(**changes) -> MemoryInputs:
     """A 3B-like model on an 80 GB card (the issue's H100 case)."""
     base = dict(params=3_960_000_000, hidden=2048, layers=36, intermediate=11008, kv_dim=256,

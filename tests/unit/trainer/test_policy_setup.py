@@ -94,6 +94,24 @@ def test_policy_worker_builds_both_engines_at_the_sampling_temperature(monkeypat
     assert [options["temperature"] for options in built] == [0.7, 0.7]
 
 
+@pytest.mark.parametrize("leaf_layers", [None, False, True])
+def test_zero3_leaf_layers_reach_both_engines(monkeypatch, leaf_layers):
+    """`flexrl.trainer.zero3_leaf_layers` (default off) reaches the policy's and the reference's engines."""
+    from types import SimpleNamespace
+
+    from flexrl_ds.trainer import policy_worker
+
+    built = []
+    monkeypatch.setattr(policy_worker, "load_model", lambda model_dir, dtype: SimpleNamespace(config=None))
+    monkeypatch.setattr(policy_worker.zero3, "build_engine", lambda model, ds_config, **options: built.append(options))
+    worker = policy_worker.PolicyWorker.__new__(policy_worker.PolicyWorker)
+    worker.setup = setup_with_trainer_setting("zero3_leaf_layers", leaf_layers)
+    worker.device, worker.tree = None, SimpleNamespace(domain_group=None)
+    worker._engine(train=True)
+    worker._engine(train=False)
+    assert [options["leaf_layers"] for options in built] == [bool(leaf_layers)] * 2
+
+
 @pytest.mark.parametrize("attention", [None, "varlen", "sdpa"])
 def test_vision_attention_reaches_the_policy_setup(attention):
     assert setup_with_trainer_setting("vision_attention", attention).vision_attention == (attention or "varlen")
