@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from grad_checks import worst_relative_grad_diff
 from harness import cached_group_tree
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -144,10 +145,7 @@ def test_zero3_flex_ulysses_matches_single_process(assets, dist_pools, arch, see
     paths = {p for r in per_rank for p in r["paths"]}
     assert seed < 0 or paths & {"flex", "flex-async", "deepspeed"}, json.dumps([r["paths"] for r in per_rank])
     assert dataset == "few" or "local" in paths, json.dumps([r["paths"] for r in per_rank])
-    grads = per_rank[0]["grads"]
-    assert set(grads) == set(ref_grads)
-    worst = max(((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-6)).item()
-                for n in ref_grads)
+    worst = worst_relative_grad_diff(per_rank[0]["grads"], ref_grads)
     assert worst < 1e-4, worst
     if arch != "q2":
         patches = per_rank[0]["patches"]
