@@ -20,12 +20,10 @@ Each time is the best of `repeats` after `warmups`.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from flexrl_ds.bench import zero3_settings
 from flexrl_ds.bench.update_bench import flexrl_pass, grpo_pass
@@ -33,25 +31,8 @@ from flexrl_ds.bench.zero3_host_bench import HostBenchConfig, _Bench, engine_con
 from flexrl_ds.models import policy_update as pu
 from flexrl_ds.models import zero3
 from flexrl_ds.parallel.launch import init_distributed, one_rank_env
+from flexrl_ds.parallel.profiling import SyncCounter
 from flexrl_ds.rl.losses import grpo_loss
-
-SYNC_METHODS = frozenset({"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"})
-"""Tensor methods that wait for the device's result (on a GPU)."""
-
-
-class SyncCounter(TorchFunctionMode):
-    """Counts the calls of `SYNC_METHODS` on tensors while active, by method name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: Counter[str] = Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in SYNC_METHODS:
-            self.calls[name] += 1
-        return func(*args, **(kwargs or {}))
-
 
 @dataclass
 class StepCostResult:
