@@ -44,20 +44,25 @@ class StepCostResult:
     """Per micro-batch: the host syncs of `rank_grpo_loss` and of `train_step`, by method."""
 
 
-def best_seconds(work: Callable[[], Any], repeats: int, warmups: int, then: Callable[[], Any] | None = None) -> float:
-    """Best seconds of `work` over `repeats` runs after `warmups`; `then` (a step), timed apart, after each:
-    with it, (best of `work`, best of `then`)."""
-    times, then_times = [], []
+def best_seconds(work: Callable[[], Any], repeats: int, warmups: int) -> float:
+    """Best seconds of `work` over `repeats` runs after `warmups`."""
+    return best_with_step(work, lambda: None, repeats, warmups)[0]
+
+
+def best_with_step(work: Callable[[], Any], step: Callable[[], Any], repeats: int,
+                   warmups: int) -> tuple[float, float]:
+    """(best seconds of `work`, best of `step`) over `repeats` runs after `warmups`, `step` after each `work`."""
+    times: list[float] = []
+    step_times: list[float] = []
     for index in range(warmups + repeats):
         started = time.perf_counter()
         work()
         middle = time.perf_counter()
-        if then is not None:
-            then()
+        step()
         if index >= warmups:
             times.append(middle - started)
-            then_times.append(time.perf_counter() - middle)
-    return min(times) if then is None else (min(times), min(then_times))  # type: ignore[return-value]
+            step_times.append(time.perf_counter() - middle)
+    return min(times), min(step_times)
 
 
 def run_step_cost_bench(config: HostBenchConfig, progress: Callable[[str], None] = print) -> StepCostResult:
@@ -76,7 +81,7 @@ def run_step_cost_bench(config: HostBenchConfig, progress: Callable[[str], None]
 
     zero3_run = flexrl_pass(engine, bench.batches, bench.samples, engine.backward, lambda: None,
                             engine.set_gradient_accumulation_boundary)
-    passes, steps = best_seconds(zero3_run, config.repeats, config.warmups, engine.step)  # type: ignore[misc]
+    passes, steps = best_with_step(zero3_run, engine.step, config.repeats, config.warmups)
     result.seconds["zero3 forward+backward"], result.seconds["engine.step"] = passes / per, steps / per
     grpo_run = grpo_pass(engine, bench.batches, bench.samples, rl, config.seed)
     result.seconds["train_step"] = timed(grpo_run)
@@ -129,11 +134,20 @@ def _parts(engine, bench: _Bench, rl, timed) -> dict[str, float]:
 
 
 def _syncs(engine, bench: _Bench, rl, grpo_run, zero3_run) -> dict[str, dict[str, float]]:
-    """Per micro-batch host syncs, by method: one `rank_grpo_loss`, the zero3 way (pass + step), `train_step`."""
+    """Per micro-batch host syncs, by method: one `rank_grpo_loss`, the engine's forward, backward and
+    step alone, the zero3 way (pass + step; its loss read once per micro-batch), `train_step`."""
     inputs, denoms, outputs = _loss_inputs(engine, bench, rl)
     with SyncCounter() as loss_counter:
         pu.rank_grpo_loss(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs, inputs.advantages, rl,
                           denoms, 1)
+    with SyncCounter() as forward_counter:
+        outputs = [engine(batch) for batch in bench.batches]
+    with SyncCounter() as backward_counter:
+        for index, out in enumerate(outputs):
+            engine.set_gradient_accumulation_boundary(index == len(outputs) - 1)
+            engine.backward(out.logprobs.sum() + out.zero)
+    with SyncCounter() as engine_step_counter:
+        engine.step()
     with SyncCounter() as zero3_counter:
         zero3_run()
         engine.step()
@@ -141,6 +155,8 @@ def _syncs(engine, bench: _Bench, rl, grpo_run, zero3_run) -> dict[str, dict[str
         grpo_run()
     per = len(bench.batches)
     return {"rank_grpo_loss": dict(loss_counter.calls),
+            **{f"engine {name}": {key: count / per for key, count in counter.calls.items()} for name, counter in
+               (("forward", forward_counter), ("backward", backward_counter), ("step", engine_step_counter))},
             "zero3 pass + engine.step": {name: count / per for name, count in zero3_counter.calls.items()},
             "train_step": {name: count / per for name, count in step_counter.calls.items()}}
 

@@ -15,9 +15,10 @@ averages gradients over ranks (as `zero3.flex_step_loss` does), and carries the 
 
 `RankStats` are sums over this rank's tokens (shares of the global means, token counts): `reduce_stats`
 all-reduces them into the step's metrics. `rank_loss_and_sums` keeps them as one device tensor (no
-host sync); `train_step` adds its micro-batches' up there and reads them once per step. `train_step` = forward + loss + `engine.backward` +
-`engine.step()`, with the global gradient norm before clipping as DeepSpeed reports it; a
-mini-batch cut into micro-batches (planning/micro_batches.py) accumulates their gradients first.
+host sync); `train_step` adds its micro-batches' up there and reads them once per step.
+`train_step` = forward + loss + `engine.backward` + `engine.step()`, with the global gradient norm
+before clipping as DeepSpeed reports it; a mini-batch cut into micro-batches
+(planning/micro_batches.py) accumulates their gradients first.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return values.to(device)
 
 
-def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, RankStats]:
+def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, RankStats]:
     """`rank_loss_and_sums` with the statistics read back as a `RankStats` (one wait for the device)."""
     loss, sums = rank_loss_and_sums(outputs, batch, *args, **kwargs)
     return loss, RankStats.from_sums(sums)
