@@ -294,8 +294,8 @@ def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig
         engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
         with region("forward"):
             outputs = engine(inputs.batch, with_entropy=True, entropy_grad=config.entropy_coef > 0)
-        if keep_logprobs:
-            kept.append(outputs.logprobs.detach().float().cpu())
+        if keep_logprobs:  # to the host after the step: a copy here would wait for the forward
+            kept.append(outputs.logprobs.detach().float())
         with region("loss"):
             loss, sums = rank_loss_and_sums(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
                                              inputs.advantages, config, denoms, data_parallel_size(engine),
@@ -311,4 +311,4 @@ def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig
     norm = engine.get_global_grad_norm()
     assert total is not None
     return TrainStepResult(RankStats.from_sums(total), float(norm) if norm is not None else float("nan"), float(lr),
-                           kept if keep_logprobs else None)
+                           [logprobs.cpu() for logprobs in kept] if keep_logprobs else None)

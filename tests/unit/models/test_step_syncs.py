@@ -28,6 +28,8 @@ class ReplayEngine:
         self.outputs = list(outputs)
         self.module = SimpleNamespace(last_router_stats=None)
         self.boundaries: list[bool] = []
+        self.counter: SyncCounter | None = None
+        self.syncs_at_backward: list[int] = []
 
     def __call__(self, batch, with_entropy=False, entropy_grad=True):
         assert with_entropy
@@ -37,6 +39,8 @@ class ReplayEngine:
         self.boundaries.append(is_boundary)
 
     def backward(self, loss) -> None:
+        if self.counter is not None:
+            self.syncs_at_backward.append(sum(self.counter.calls.values()))
         loss.backward()
 
     def step(self) -> None:
@@ -96,9 +100,14 @@ def test_train_step_reads_the_device_once_and_equals_a_plain_loop(tiny_assets, e
         inputs.append(pu.UpdateInputs(batch, old, None, pu.local_response_values(batch, advantages)))
     engine = ReplayEngine(outputs)
     with SyncCounter() as counter:
-        result = pu.train_step(engine, inputs, config, denoms)
-    assert dict(counter.calls) == {"tolist": 1}  # the step's statistics, read once
+        engine.counter = counter
+        result = pu.train_step(engine, inputs, config, denoms, keep_logprobs=True)
+    # the step's statistics read once, the kept log-probs copied to the host: all after the last backward
+    assert dict(counter.calls) == {"tolist": 1, "cpu": len(batches)} and engine.syncs_at_backward == [0, 0]
     assert engine.boundaries == [False, True]
+    assert result.logprobs is not None
+    for kept, out in zip(result.logprobs, outputs):
+        assert kept.device.type == "cpu" and torch.equal(kept, out.logprobs.detach())
 
     expected_loss, expected = 0.0, dict.fromkeys(("pg_loss", "entropy", "clip_count", "approx_kl_sum", "num_tokens"), 0.0)
     for batch, item in zip(batches, inputs):
