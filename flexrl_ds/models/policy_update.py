@@ -33,6 +33,7 @@ import torch.distributed.nn.functional as dist_nn
 from flexrl_ds.models.flex_model import StepBatch, TokenOutputs
 from flexrl_ds.models.moe import router_aux_term
 from flexrl_ds.models.zero3 import data_parallel_size
+from flexrl_ds.parallel.device import to_device
 from flexrl_ds.parallel.profiling import region
 from flexrl_ds.rl.config import GRPOConfig
 from flexrl_ds.rl.losses import STAT_SUMS, grpo_loss, reduce_masked, sequence_log_ratio_sums
@@ -141,16 +142,6 @@ def sequence_mean_log_ratios(log_ratio_sums_P: torch.Tensor, seq_ids: Sequence[s
     if dist.is_initialized():
         totals = dist_nn.all_reduce(totals)
     return totals[where_P] / full_counts_P.clamp_min(1)
-
-
-def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`values` on `device`. A host tensor goes to a GPU through pinned memory without blocking: a
-    blocking host-to-device copy waits for every kernel queued before it."""
-    if values.device == device:
-        return values
-    if device.type == "cuda" and values.device.type == "cpu":
-        return values.pin_memory().to(device, non_blocking=True)
-    return values.to(device)
 
 
 def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, *args: Any,
