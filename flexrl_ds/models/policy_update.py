@@ -14,9 +14,11 @@ The loss handed to `engine.backward` is multiplied by the data-parallel world si
 averages gradients over ranks (as `zero3.flex_step_loss` does), and carries the forward's zero term.
 
 `RankStats` are sums over this rank's tokens (shares of the global means, token counts): `reduce_stats`
-all-reduces them into the step's metrics. `train_step` = forward + loss + `engine.backward` +
-`engine.step()`, with the global gradient norm before clipping as DeepSpeed reports it; a
-mini-batch cut into micro-batches (planning/micro_batches.py) accumulates their gradients first.
+all-reduces them into the step's metrics. `rank_loss_and_sums` keeps them as one device tensor (no
+host sync); `train_step` adds its micro-batches' up there and reads them once per step.
+`train_step` = forward + loss + `engine.backward` + `engine.step()`, with the global gradient norm
+before clipping as DeepSpeed reports it; a mini-batch cut into micro-batches
+(planning/micro_batches.py) accumulates their gradients first.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import torch.distributed.nn.functional as dist_nn
 from flexrl_ds.models.flex_model import StepBatch, TokenOutputs
 from flexrl_ds.models.moe import router_aux_term
 from flexrl_ds.models.zero3 import data_parallel_size
+from flexrl_ds.parallel.device import to_device
 from flexrl_ds.parallel.profiling import region
 from flexrl_ds.rl.config import GRPOConfig
-from flexrl_ds.rl.losses import grpo_loss, reduce_masked, sequence_log_ratio_sums
+from flexrl_ds.rl.losses import STAT_SUMS, grpo_loss, reduce_masked, sequence_log_ratio_sums
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,11 @@ class RankStats:
     router_passes: float = 0.0
     """Forwards that reported router statistics (0: a dense model, no `router_aux_loss` metric)."""
 
+    @classmethod
+    def from_sums(cls, sums: torch.Tensor) -> "RankStats":
+        """From `rank_loss_and_sums`' tensor (the fields in order): one wait for the device."""
+        return cls(*sums.tolist())
+
     def __add__(self, other: "RankStats") -> "RankStats":
         return RankStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(RankStats)})
 
@@ -136,12 +144,21 @@ def sequence_mean_log_ratios(log_ratio_sums_P: torch.Tensor, seq_ids: Sequence[s
     return totals[where_P] / full_counts_P.clamp_min(1)
 
 
-def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.Tensor | None,
-                   ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, config: GRPOConfig,
-                   denoms: Denominators, dp_world_size: int, is_weights: torch.Tensor | None = None,
-                   kl_coef: float | None = None, router=None,
-                   router_weight: float = 1.0) -> tuple[torch.Tensor, RankStats]:
-    """(loss for `engine.backward`, this rank's summed statistics); per-token inputs are (local,).
+def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, RankStats]:
+    """`rank_loss_and_sums` with the statistics read back as a `RankStats` (one wait for the device)."""
+    loss, sums = rank_loss_and_sums(outputs, batch, *args, **kwargs)
+    return loss, RankStats.from_sums(sums)
+
+
+def rank_loss_and_sums(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.Tensor | None,
+                       ref_logprobs: torch.Tensor | None, advantages: torch.Tensor, config: GRPOConfig,
+                       denoms: Denominators, dp_world_size: int, is_weights: torch.Tensor | None = None,
+                       kl_coef: float | None = None, router=None,
+                       router_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss for `engine.backward`, this rank's summed statistics as a detached float64 device tensor in
+    `RankStats`' field order: no host sync, so that a step reads its micro-batches' sums once); per-token
+    inputs are (local,).
     `old_logprobs` None: the old policy is the current one (its detached log-probs; ratio 1).
     `router`: the forward's `moe.RouterStats` (a sparse decoder; collective over all ranks), else None;
     its auxiliary loss enters (and is reported) times `router_weight`: 1 / the optimizer step's
@@ -150,15 +167,15 @@ def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.
     logprobs = outputs.logprobs
     device = logprobs.device
     index, valid, seq_ids = _pieces_index(batch)
-    index, valid = index.to(device), valid.to(device)
-    mask_PL = valid & batch.response_mask.to(device)[index]
+    index, valid = to_device(index, device), to_device(valid, device)
+    mask_PL = valid & to_device(batch.response_mask, device)[index]
 
     def rows(values: torch.Tensor | None) -> torch.Tensor | None:
-        return None if values is None else values.to(device=device, dtype=torch.float32)[index]
+        return None if values is None else to_device(values, device).float()[index]
 
     logprobs_PL = rows(logprobs)
     old_PL = logprobs_PL.detach() if old_logprobs is None else rows(old_logprobs)
-    full_counts = torch.tensor([batch.response_tokens[s] for s in seq_ids], dtype=torch.float32, device=device)
+    full_counts = to_device(torch.tensor([batch.response_tokens[s] for s in seq_ids], dtype=torch.float32), device)
     reduce_args = dict(denominator=denoms.for_reduction(config.loss_reduction, config.loss_norm_length),
                        sequence_num_tokens_S=full_counts if config.loss_reduction == "sequence_mean" else None)
     sequence_log_ratio = None
@@ -180,12 +197,11 @@ def rank_grpo_loss(outputs: TokenOutputs, batch: StepBatch, old_logprobs: torch.
     aux = router_weight * router_aux_term(router)[0] if router is not None else torch.zeros((), device=device)
     if config.router_aux_loss_coef > 0:
         loss = loss + config.router_aux_loss_coef * aux
-    num_tokens = stats.num_tokens
-    summed = RankStats(loss=float(loss.detach()), pg_loss=stats.policy_loss, kl=stats.kl_loss,
-                       entropy=float(entropy.detach()), clip_count=stats.clip_fraction * num_tokens,
-                       dual_clip_count=stats.dual_clip_fraction * num_tokens,
-                       approx_kl_sum=stats.approx_kl * num_tokens, num_tokens=float(num_tokens),
-                       router_aux_loss=float(aux.detach()), router_passes=float(router is not None))
+    sums = dict(zip(STAT_SUMS, stats.sums.unbind()))
+    summed = torch.stack([loss.detach().double(), sums["policy_loss"], sums["kl_loss"], entropy.detach().double(),
+                          sums["clip_count"], sums["dual_clip_count"], sums["approx_kl_sum"], sums["num_tokens"],
+                          aux.detach().double(), torch.full((), float(router is not None), dtype=torch.float64,
+                                                            device=device)])
     return loss * dp_world_size + outputs.zero, summed
 
 
@@ -252,7 +268,8 @@ def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig
     only logged, computed without a graph), GRPO loss over the mini-batch's denominators,
     `engine.backward`; the gradients add
     up (DeepSpeed's accumulation boundary is set on the last micro-batch only), then one
-    `engine.step()`. The statistics are the micro-batches' sums.
+    `engine.step()`. The statistics are the micro-batches' sums, kept on the device and read once
+    after the step: no host sync per micro-batch (on a GPU each would drain the queue the host built ahead).
 
     Every backward must reach every parameter (the forward's zero term and the vision tower's
     placeholder see to it): with an offloaded optimizer, ZeRO-3 copies a parameter's accumulated
@@ -262,25 +279,27 @@ def train_step(engine, micro_batches: Sequence[UpdateInputs], config: GRPOConfig
     return each micro-batch's detached log-probs (`TrainStepResult.logprobs`)."""
     if not micro_batches:
         raise ValueError("train_step: no micro-batch")
-    total, kept = RankStats(), []
+    total: torch.Tensor | None = None
+    kept = []
     for index, inputs in enumerate(micro_batches):
         engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
         with region("forward"):
             outputs = engine(inputs.batch, with_entropy=True, entropy_grad=config.entropy_coef > 0)
-        if keep_logprobs:
-            kept.append(outputs.logprobs.detach().float().cpu())
+        if keep_logprobs:  # to the host after the step: a copy here would wait for the forward
+            kept.append(outputs.logprobs.detach().float())
         with region("loss"):
-            loss, stats = rank_grpo_loss(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
-                                         inputs.advantages, config, denoms, data_parallel_size(engine),
-                                         is_weights=inputs.is_weights, kl_coef=kl_coef,
-                                         router=engine.module.last_router_stats,
-                                         router_weight=1.0 / len(micro_batches))
+            loss, sums = rank_loss_and_sums(outputs, inputs.batch, inputs.old_logprobs, inputs.ref_logprobs,
+                                             inputs.advantages, config, denoms, data_parallel_size(engine),
+                                             is_weights=inputs.is_weights, kl_coef=kl_coef,
+                                             router=engine.module.last_router_stats,
+                                             router_weight=1.0 / len(micro_batches))
         with region("backward"):
             engine.backward(loss)
-        total = total + stats
+        total = sums if total is None else total + sums
     lr = engine.get_lr()[0] if hasattr(engine, "get_lr") else float("nan")
     with region("optimizer_step"):
         engine.step()
     norm = engine.get_global_grad_norm()
-    return TrainStepResult(total, float(norm) if norm is not None else float("nan"), float(lr),
-                           kept if keep_logprobs else None)
+    assert total is not None
+    return TrainStepResult(RankStats.from_sums(total), float(norm) if norm is not None else float("nan"), float(lr),
+                           [logprobs.cpu() for logprobs in kept] if keep_logprobs else None)

@@ -85,6 +85,16 @@ def synchronize(info: DeviceInfo) -> None:
         torch.cuda.synchronize()
 
 
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`values` on `device`. A host tensor goes to a GPU through pinned memory without blocking: a
+    blocking host-to-device copy waits for every kernel queued before it."""
+    if values.device == device:
+        return values
+    if device.type == "cuda" and values.device.type == "cpu":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
 def new_side_stream(info: DeviceInfo):
     """A stream for communication overlapped with compute, or None on CPU (async handles suffice)."""
     return torch.cuda.Stream() if info.is_gpu else None

@@ -21,8 +21,10 @@ seventeenth run").
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
+from torch.overrides import TorchFunctionMode
 from torch.profiler import profile, record_function
 
 from flexrl_ds.parallel import device as device_mod
@@ -161,3 +163,23 @@ def region_calls(events, shown: int = 16) -> list[str]:
         more = f" ... ({len(each)} calls)" if len(each) > shown else ""
         lines.append(f"  {name}: " + ", ".join(f"{ms:.1f}" for ms in each[:shown]) + more)
     return lines
+
+
+SYNC_METHODS = frozenset({"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"})
+"""Tensor methods that wait for the device's result (on a GPU: each drains the queue the host had built ahead)."""
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts the calls of `SYNC_METHODS` on tensors while active, by method name (on any device: a CPU
+    run counts what a GPU run would wait for). Blocking host-to-device copies also wait on a GPU and are
+    not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNC_METHODS:
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))

@@ -27,6 +27,7 @@ does, so DeepSpeed's gradient averaging yields the single-process gradient.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -82,18 +83,17 @@ def reduce_masked(
     sums_S = torch.where(mask_SL, values_SL, torch.zeros_like(values_SL)).sum(dim=-1)
     if reduction in TOKEN_SUM_REDUCTIONS:
         numerator = sums_S.sum()
-        local_count = int(mask_SL.sum()) if reduction == "token_mean" else int((mask_SL.sum(dim=-1) > 0).sum())
-        if reduction == "seq_mean_token_sum_norm" and denominator is None:
-            if norm_length is None:
-                raise ValueError("seq_mean_token_sum_norm: pass norm_length (or an explicit denominator)")
-            local_count *= norm_length
+        if reduction == "seq_mean_token_sum_norm" and denominator is None and norm_length is None:
+            raise ValueError("seq_mean_token_sum_norm: pass norm_length (or an explicit denominator)")
     else:
         counts_S = mask_SL.sum(dim=-1) if sequence_num_tokens_S is None else sequence_num_tokens_S
         if counts_S.shape != sums_S.shape:
             raise ValueError(f"sequence_num_tokens: shape {tuple(counts_S.shape)} is not {tuple(sums_S.shape)}")
         numerator = (sums_S / counts_S.clamp_min(1).to(sums_S.dtype)).sum()
-        local_count = int((mask_SL.sum(dim=-1) > 0).sum())
-    if denominator is None:
+    if denominator is None:  # counted from the mask only here: reading a count waits for the device
+        local_count = int(mask_SL.sum()) if reduction == "token_mean" else int((mask_SL.sum(dim=-1) > 0).sum())
+        if reduction == "seq_mean_token_sum_norm":
+            local_count *= norm_length  # type: ignore[operator]
         if local_count == 0:
             raise ValueError("response_mask: no response tokens; pass an explicit denominator")
         denominator = local_count
@@ -102,24 +102,63 @@ def reduce_masked(
     return numerator / denominator
 
 
+STAT_SUMS = ("policy_loss", "kl_loss", "clip_count", "dual_clip_count", "approx_kl_sum", "ratio_sum", "num_tokens")
+"""The entries of `PolicyLossStats.sums`, in order."""
+
+
 @dataclass
 class PolicyLossStats:
-    """Detached logging numbers of one `grpo_loss` call (means over its own response tokens)."""
+    """Detached logging numbers of one `grpo_loss` call (means over its own response tokens), kept on
+    the loss's device as one tensor: reading a property waits for the device once (all are read
+    together); a caller adding calls up takes `sums` without waiting."""
 
-    policy_loss: float
-    """The clipped surrogate part of the loss, reduced like the loss."""
-    kl_loss: float
-    """The reference-KL part before weighting by init_kl_coef, reduced like the loss (0 if unused)."""
-    clip_fraction: float
-    """Fraction of tokens whose clipped branch was taken (the ratio left the clip range the wrong way)."""
-    dual_clip_fraction: float
-    """Fraction of tokens capped by the dual clip (0 when it is off)."""
-    approx_kl: float
-    """Mean k3 estimate of KL(old policy || policy): how far this update has moved."""
-    mean_ratio: float
-    """Mean of exp(logprob - old_logprob)."""
-    num_tokens: int
-    """Response tokens these means are over (weight them by this to combine ranks)."""
+    sums: torch.Tensor
+    """(len(STAT_SUMS),) float64, detached: the policy and KL losses (reduced like the loss) and the
+    sums over response tokens of the clip and dual-clip indicators, the k3 KL estimate, the ratio,
+    and 1 (the token count)."""
+
+    @functools.cached_property
+    def _values(self) -> dict[str, float]:
+        return dict(zip(STAT_SUMS, self.sums.tolist()))
+
+    def _token_mean(self, name: str) -> float:
+        count = self._values["num_tokens"]
+        return self._values[name] / count if count > 0 else 0.0
+
+    @property
+    def policy_loss(self) -> float:
+        """The clipped surrogate part of the loss, reduced like the loss."""
+        return self._values["policy_loss"]
+
+    @property
+    def kl_loss(self) -> float:
+        """The reference-KL part before weighting by init_kl_coef, reduced like the loss (0 if unused)."""
+        return self._values["kl_loss"]
+
+    @property
+    def clip_fraction(self) -> float:
+        """Fraction of tokens whose clipped branch was taken (the ratio left the clip range the wrong way)."""
+        return self._token_mean("clip_count")
+
+    @property
+    def dual_clip_fraction(self) -> float:
+        """Fraction of tokens capped by the dual clip (0 when it is off)."""
+        return self._token_mean("dual_clip_count")
+
+    @property
+    def approx_kl(self) -> float:
+        """Mean k3 estimate of KL(old policy || policy): how far this update has moved."""
+        return self._token_mean("approx_kl_sum")
+
+    @property
+    def mean_ratio(self) -> float:
+        """Mean of exp(logprob - old_logprob)."""
+        return self._token_mean("ratio_sum")
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens these means are over (weight them by this to combine ranks)."""
+        return int(self._values["num_tokens"])
 
 
 def _check_shapes(mask_SL: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -225,20 +264,14 @@ def grpo_loss(
 
 
 def _stats(policy_loss, kl_loss, log_ratio_SL, clip_taken_SL, dual_taken_SL, mask_SL) -> PolicyLossStats:
+    """The stats as device tensors (`STAT_SUMS`): no host sync here."""
     with torch.no_grad():
-        num_tokens = int(mask_SL.sum())
 
-        def token_mean(values_SL: torch.Tensor) -> float:
-            if num_tokens == 0:
-                return 0.0
-            return float(torch.where(mask_SL, values_SL.to(log_ratio_SL.dtype), 0.0).sum() / num_tokens)
+        def token_sum(values_SL: torch.Tensor) -> torch.Tensor:
+            return torch.where(mask_SL, values_SL.to(log_ratio_SL.dtype), 0.0).sum().double()
 
-        return PolicyLossStats(
-            policy_loss=policy_loss.item(),
-            kl_loss=kl_loss.item(),
-            clip_fraction=token_mean(clip_taken_SL),
-            dual_clip_fraction=token_mean(dual_taken_SL),
-            approx_kl=token_mean(torch.expm1(log_ratio_SL.clamp(max=MAX_LOG_RATIO)) - log_ratio_SL),
-            mean_ratio=token_mean(log_ratio_SL.clamp(max=MAX_LOG_RATIO).exp()),
-            num_tokens=num_tokens,
-        )
+        clamped_SL = log_ratio_SL.clamp(max=MAX_LOG_RATIO)
+        return PolicyLossStats(torch.stack([
+            policy_loss.detach().double(), kl_loss.detach().double(), token_sum(clip_taken_SL),
+            token_sum(dual_taken_SL), token_sum(torch.expm1(clamped_SL) - log_ratio_SL), token_sum(clamped_SL.exp()),
+            mask_SL.sum().double()]))
