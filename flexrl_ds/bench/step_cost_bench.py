@@ -160,11 +160,3 @@ def _syncs(engine, bench: _Bench, rl, grpo_run, zero3_run) -> dict[str, dict[str
             "zero3 pass + engine.step": {name: count / per for name, count in zero3_counter.calls.items()},
             "train_step": {name: count / per for name, count in step_counter.calls.items()}}
 
-
-if __name__ == "__main__":
-    import sys
-
-    prompts, response_length, repeats = (int(value) for value in (sys.argv[1:4] or ("4", "32", "3")))
-    run_step_cost_bench(HostBenchConfig(work_dir=sys.argv[4] if len(sys.argv) > 4 else "/tmp/flexrl-step-cost",
-                                        settings=("shipped",), prompts=prompts, response_length=response_length,
-                                        repeats=repeats, warmups=1))

@@ -49,6 +49,7 @@ def register(commands, bench) -> None:
     _add_bench_update(bench)
     _add_bench_zero3_trace(bench)
     _add_bench_zero3_host(bench)
+    _add_bench_step_cost(bench)
 
     vision = bench.add_parser("vision", help="vision-tower patches per rank: sequence owner vs pack group vs domain")
     vision.add_argument("--mix", default="image-heavy")
@@ -226,4 +227,40 @@ def _bench_zero3_host(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result_json(result), handle, indent=1)
+    return 0
+
+
+def _add_bench_step_cost(bench) -> None:
+    cost = bench.add_parser(
+        "step-cost", help="the trainer's train_step beyond the ZeRO-3 engine, per micro-batch on one rank: its "
+                          "parts' host seconds and its device reads",
+        description="zero3-host's model (a real shape's module tree at tiny widths), one shipped-settings engine: "
+                    "the engine's forward+backward and step against train_step, train_step's parts alone, and "
+                    "the host syncs of each (flexrl_ds/bench/step_cost_bench.py).")
+    cost.add_argument("--work-dir", default="/tmp/flexrl-step-cost", help="where the model and data are written")
+    cost.add_argument("--config", default="ds_configs/grpo_vl3b_1xh100.json", help="run config (its ZeRO-3 "
+                      "settings, flexrl.sp and flexrl.rl)")
+    cost.add_argument("--shape", default="3b", help="whose module tree (bench/rollout_bench.py SHAPES)")
+    cost.add_argument("--prompts", type=int, default=4, help="records of the generated scoring set")
+    cost.add_argument("--response-length", type=int, default=32)
+    cost.add_argument("--repeats", type=int, default=3, help="timed passes per way (the best is its figure)")
+    cost.add_argument("--json", default=None, help="write the result here")
+    cost.set_defaults(func=_bench_step_cost)
+
+
+def _bench_step_cost(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    # lazy: its run imports torch and DeepSpeed
+    from flexrl_ds.bench.step_cost_bench import run_step_cost_bench
+    # lazy: as above (the config imports the bench module, which imports torch)
+    from flexrl_ds.bench.zero3_host_bench import HostBenchConfig
+
+    config = HostBenchConfig(args.work_dir, args.config, args.shape, ("shipped",), prompts=args.prompts,
+                             response_length=args.response_length, repeats=args.repeats, warmups=1)
+    result = run_step_cost_bench(config)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(dataclasses.asdict(result), handle, indent=1)
     return 0
