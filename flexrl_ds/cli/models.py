@@ -189,6 +189,13 @@ def _bench_zero3_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_module_tree_args(parser, work_dir: str, config_help: str) -> None:
+    """The options of the benches on a real shape's module tree at tiny widths (bench/zero3_host_bench.py)."""
+    parser.add_argument("--work-dir", default=work_dir, help="where the models and data are written")
+    parser.add_argument("--config", default="ds_configs/grpo_vl3b_1xh100.json", help=config_help)
+    parser.add_argument("--shape", default="3b", help="whose module tree (bench/rollout_bench.py SHAPES)")
+
+
 def _add_bench_zero3_host(bench) -> None:
     host = bench.add_parser(
         "zero3-host", help="host seconds of ZeRO-3's hooks per micro-batch on one rank, per setting, against the "
@@ -196,10 +203,8 @@ def _add_bench_zero3_host(bench) -> None:
         description="A real shape's module tree at tiny widths, one rank: the bare FlexUlysses module's forward and "
                     "backward against a ZeRO-3 engine's per setting, with DeepSpeed's hook, fetch, release and "
                     "gather calls counted (flexrl_ds/bench/zero3_host_bench.py).")
-    host.add_argument("--work-dir", default="/tmp/flexrl-zero3-host", help="where the models and data are written")
-    host.add_argument("--config", default="ds_configs/grpo_vl3b_1xh100.json",
-                      help="run config: its zero_optimization is each setting's base, its flexrl.sp the micro-batches")
-    host.add_argument("--shape", default="3b", help="whose module tree (bench/rollout_bench.py SHAPES)")
+    _add_module_tree_args(host, "/tmp/flexrl-zero3-host",
+                          "run config: its zero_optimization is each setting's base, its flexrl.sp the micro-batches")
     host.add_argument("--settings", default=None, help="comma-separated names (default: all; see the module)")
     host.add_argument("--prompts", type=int, default=8, help="records of the generated scoring set")
     host.add_argument("--samples-per-prompt", type=int, default=2)
@@ -237,10 +242,7 @@ def _add_bench_step_cost(bench) -> None:
         description="zero3-host's model (a real shape's module tree at tiny widths), one shipped-settings engine: "
                     "the engine's forward+backward and step against train_step, train_step's parts alone, and "
                     "the host syncs of each (flexrl_ds/bench/step_cost_bench.py).")
-    cost.add_argument("--work-dir", default="/tmp/flexrl-step-cost", help="where the model and data are written")
-    cost.add_argument("--config", default="ds_configs/grpo_vl3b_1xh100.json", help="run config (its ZeRO-3 "
-                      "settings, flexrl.sp and flexrl.rl)")
-    cost.add_argument("--shape", default="3b", help="whose module tree (bench/rollout_bench.py SHAPES)")
+    _add_module_tree_args(cost, "/tmp/flexrl-step-cost", "run config (its ZeRO-3 settings, flexrl.sp and flexrl.rl)")
     cost.add_argument("--prompts", type=int, default=4, help="records of the generated scoring set")
     cost.add_argument("--response-length", type=int, default=32)
     cost.add_argument("--repeats", type=int, default=3, help="timed passes per way (the best is its figure)")

@@ -5,25 +5,12 @@ its statistics."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_process import run_bench_json
 
 
 def test_step_cost_bench(tmp_path):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(name, None)
-    completed = subprocess.run(
-        [sys.executable, "-m", "flexrl_ds", "bench", "step-cost", "--work-dir", str(tmp_path), "--prompts", "2",
-         "--response-length", "16", "--repeats", "1", "--json", str(tmp_path / "result.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = run_bench_json("step-cost", tmp_path / "result.json", "--work-dir", str(tmp_path), "--prompts", "2",
+                            "--response-length", "16", "--repeats", "1")
     assert result["micro_batches"] >= 1 and result["tokens"] > 0
     for way in ("zero3 forward+backward", "engine.step", "train_step"):
         assert result["seconds"][way] > 0, way

@@ -5,16 +5,10 @@ persistent: nothing released)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from bench_process import run_bench_json
 
-ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = ("shipped", "persist-all", "leaves-layers", "granularity-7m")
 
 
@@ -37,15 +31,9 @@ def test_settings_on_the_3b_module_tree(tmp_path):
     from flexrl_ds.models.loading import model_without_weights
     from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(name, None)
-    completed = subprocess.run(
-        [sys.executable, "-m", "flexrl_ds", "bench", "zero3-host", "--work-dir", str(tmp_path), "--prompts", "2",
-         "--samples-per-prompt", "2", "--response-length", "16", "--repeats", "1", "--settings", ",".join(SETTINGS),
-         "--json", str(tmp_path / "result.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = run_bench_json("zero3-host", tmp_path / "result.json", "--work-dir", str(tmp_path), "--prompts", "2",
+                            "--samples-per-prompt", "2", "--response-length", "16", "--repeats", "1",
+                            "--settings", ",".join(SETTINGS))
     real = model_without_weights(str(make_tiny_model(TinyModelConfig(out_dir=str(tmp_path / "real"), **SHAPES["3b"]),
                                                      weights=False)))
     assert (result["modules"], result["parameters"]) == (len(list(real.modules())), len(list(real.parameters())))
