@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from flexrl_ds.models.zero3 import layer_modules
+
 Z3_MAX_LEAF_SIZE = 10**9
 """DeepSpeed's bound on a leaf chosen by granularity: a module over this many elements never is one."""
 NEVER = sys.maxsize
@@ -119,10 +121,8 @@ def leaf_names(model: torch.nn.Module, threshold: int) -> list[str]:
 
 
 def layer_leaf_names(model: torch.nn.Module) -> list[str]:
-    """The repeated layers: every child of a `ModuleList` named `layers` (decoder) or `blocks` (vision)."""
-    return [f"{name}.{child}" for name, module in model.named_modules()
-            if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks")
-            for child, _ in module.named_children()]
+    """The repeated layers' names (models/zero3.py `layer_modules`: decoder layers, vision blocks)."""
+    return [name for name, _ in layer_modules(model)]
 
 
 def leaf_elements(model: torch.nn.Module, names: list[str]) -> int:

@@ -237,14 +237,17 @@ LAYER_LISTS = ("layers", "blocks")
 """Names of the `ModuleList`s whose children are a model's repeated layers (decoder layers, vision blocks)."""
 
 
+def layer_modules(hf_model) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of the children of every `ModuleList` named in `LAYER_LISTS`: the
+    model's repeated layers (decoder layers, vision blocks)."""
+    return [(f"{name}.{child_name}", child) for name, module in hf_model.named_modules()
+            if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in LAYER_LISTS
+            for child_name, child in module.named_children()]
+
+
 def layer_classes(hf_model) -> list[type]:
-    """Classes of the children of every `ModuleList` named in `LAYER_LISTS` (decoder layers, vision
-    blocks): the modules `build_engine(leaf_layers=True)` makes ZeRO-3 leaves."""
-    found: dict[type, None] = {}
-    for name, module in hf_model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in LAYER_LISTS:
-            found.update((type(child), None) for child in module.children())
-    return list(found)
+    """Classes of `layer_modules`: the modules `build_engine(leaf_layers=True)` makes ZeRO-3 leaves."""
+    return list(dict.fromkeys(type(module) for _, module in layer_modules(hf_model)))
 
 
 WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
