@@ -198,10 +198,12 @@ def rank_loss_and_sums(outputs: TokenOutputs, batch: StepBatch, old_logprobs: to
     if config.router_aux_loss_coef > 0:
         loss = loss + config.router_aux_loss_coef * aux
     sums = dict(zip(STAT_SUMS, stats.sums.unbind()))
-    summed = torch.stack([loss.detach().double(), sums["policy_loss"], sums["kl_loss"], entropy.detach().double(),
-                          sums["clip_count"], sums["dual_clip_count"], sums["approx_kl_sum"], sums["num_tokens"],
-                          aux.detach().double(), torch.full((), float(router is not None), dtype=torch.float64,
-                                                            device=device)])
+    values = {"loss": loss.detach(), "pg_loss": sums["policy_loss"], "kl": sums["kl_loss"], "entropy": entropy.detach(),
+              "clip_count": sums["clip_count"], "dual_clip_count": sums["dual_clip_count"],
+              "approx_kl_sum": sums["approx_kl_sum"], "num_tokens": sums["num_tokens"],
+              "router_aux_loss": aux.detach(),
+              "router_passes": torch.full((), float(router is not None), device=device)}  # a fill, not a copy
+    summed = torch.stack([values[f.name].double() for f in fields(RankStats)])  # `RankStats.from_sums`' order
     return loss * dp_world_size + outputs.zero, summed
 
 
