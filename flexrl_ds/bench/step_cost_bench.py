@@ -19,7 +19,6 @@ Each time is the best of `repeats` after `warmups`.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,7 +26,7 @@ import torch
 
 from flexrl_ds.bench import zero3_settings
 from flexrl_ds.bench.update_bench import flexrl_pass, grpo_pass
-from flexrl_ds.bench.zero3_host_bench import HostBenchConfig, _Bench, engine_config
+from flexrl_ds.bench.zero3_host_bench import HostBench, HostBenchConfig, best_of, engine_config
 from flexrl_ds.models import policy_update as pu
 from flexrl_ds.models import zero3
 from flexrl_ds.parallel.launch import init_distributed, one_rank_env
@@ -46,29 +45,13 @@ class StepCostResult:
 
 def best_seconds(work: Callable[[], Any], repeats: int, warmups: int) -> float:
     """Best seconds of `work` over `repeats` runs after `warmups`."""
-    return best_with_step(work, lambda: None, repeats, warmups)[0]
-
-
-def best_with_step(work: Callable[[], Any], step: Callable[[], Any], repeats: int,
-                   warmups: int) -> tuple[float, float]:
-    """(best seconds of `work`, best of `step`) over `repeats` runs after `warmups`, `step` after each `work`."""
-    times: list[float] = []
-    step_times: list[float] = []
-    for index in range(warmups + repeats):
-        started = time.perf_counter()
-        work()
-        middle = time.perf_counter()
-        step()
-        if index >= warmups:
-            times.append(middle - started)
-            step_times.append(time.perf_counter() - middle)
-    return min(times), min(step_times)
+    return best_of(work, lambda: None, repeats, warmups)[0]
 
 
 def run_step_cost_bench(config: HostBenchConfig, progress: Callable[[str], None] = print) -> StepCostResult:
     """The shipped engine's `zero3` and `grpo` ways and the parts of `train_step` (module docstring)."""
     init_distributed(one_rank_env("flexrl bench step-cost"))
-    bench = _Bench(config)
+    bench = HostBench(config)
     base = {k: v for k, v in bench.run.deepspeed["zero_optimization"].items() if k.startswith("stage3_")}
     zero, leaves = zero3_settings.small_zero_settings(bench.real, base, bench.model())
     engine = zero3.build_engine(bench.model(tuple(leaves)), engine_config(bench.run.deepspeed, zero), **bench.options)
@@ -81,7 +64,7 @@ def run_step_cost_bench(config: HostBenchConfig, progress: Callable[[str], None]
 
     zero3_run = flexrl_pass(engine, bench.batches, bench.samples, engine.backward, lambda: None,
                             engine.set_gradient_accumulation_boundary)
-    passes, steps = best_with_step(zero3_run, engine.step, config.repeats, config.warmups)
+    passes, steps, _ = best_of(zero3_run, engine.step, config.repeats, config.warmups)
     result.seconds["zero3 forward+backward"], result.seconds["engine.step"] = passes / per, steps / per
     grpo_run = grpo_pass(engine, bench.batches, bench.samples, rl, config.seed)
     result.seconds["train_step"] = timed(grpo_run)
@@ -94,7 +77,7 @@ def run_step_cost_bench(config: HostBenchConfig, progress: Callable[[str], None]
     return result
 
 
-def _loss_inputs(engine, bench: _Bench, rl):
+def _loss_inputs(engine, bench: HostBench, rl):
     """The first micro-batch's `grpo_pass` inputs, its `Denominators`, and a forward's outputs with entropy."""
     batch = bench.batches[0]
     with torch.no_grad():
@@ -105,7 +88,7 @@ def _loss_inputs(engine, bench: _Bench, rl):
     return pu.UpdateInputs(batch, current, current, advantages), denoms, outputs
 
 
-def _parts(engine, bench: _Bench, rl, timed) -> dict[str, float]:
+def _parts(engine, bench: HostBench, rl, timed) -> dict[str, float]:
     """Per micro-batch seconds of the parts of `train_step` that the zero3 way lacks (forwards without backward)."""
     inputs, denoms, outputs = _loss_inputs(engine, bench, rl)
     batch = inputs.batch
@@ -133,7 +116,7 @@ def _parts(engine, bench: _Bench, rl, timed) -> dict[str, float]:
             "set_gradient_accumulation_boundary": timed(lambda: engine.set_gradient_accumulation_boundary(False), 1)}
 
 
-def _syncs(engine, bench: _Bench, rl, grpo_run, zero3_run) -> dict[str, dict[str, float]]:
+def _syncs(engine, bench: HostBench, rl, grpo_run, zero3_run) -> dict[str, dict[str, float]]:
     """Per micro-batch host syncs, by method: one `rank_grpo_loss`, the engine's forward, backward and
     step alone, the zero3 way (pass + step; its loss read once per micro-batch), `train_step`."""
     inputs, denoms, outputs = _loss_inputs(engine, bench, rl)

@@ -189,7 +189,7 @@ def run_host_bench(config: HostBenchConfig, progress: Callable[[str], None] = pr
     """The bare module, then every asked setting's engine (module docstring)."""
 
     context = init_distributed(one_rank_env("flexrl bench zero3-host"))
-    bench = _Bench(config)
+    bench = HostBench(config)
     result = bench.result
     progress(f"bench zero3-host: {config.shape}'s module tree at tiny widths ({result.modules} modules, "
              f"{result.parameters} parameter tensors), {len(bench.samples)} samples, {result.tokens} tokens in "
@@ -209,7 +209,27 @@ def run_host_bench(config: HostBenchConfig, progress: Callable[[str], None] = pr
     return result
 
 
-class _Bench:
+def best_of(work: Callable[[], Any], between: Callable[[], Any], repeats: int,
+            warmups: int) -> tuple[float, float, Any]:
+    """(best seconds of `work`, best seconds of `between`, what the first `work` returned) over `repeats`
+    runs after `warmups`, `between` after each `work` (an optimizer step)."""
+    times: list[float] = []
+    between_times: list[float] = []
+    first: Any = None
+    for index in range(warmups + repeats):
+        started = time.perf_counter()
+        value = work()
+        middle = time.perf_counter()
+        between()
+        if index == 0:
+            first = value
+        if index >= warmups:
+            times.append(middle - started)
+            between_times.append(time.perf_counter() - middle)
+    return min(times), min(between_times), first
+
+
+class HostBench:
     """The models, samples and micro-batches every way of one bench run shares."""
 
     def __init__(self, config: HostBenchConfig):
@@ -241,16 +261,10 @@ class _Bench:
         return model.train()
 
     def timed(self, work: Callable[[], float], between: Callable[[], Any] = lambda: None) -> tuple[float, float]:
-        """(best seconds of `repeats` runs of `work` after `warmups`, the first run's loss); `between`
-        after each run (an optimizer step)."""
-        times, losses = [], []
-        for index in range(self.config.warmups + self.config.repeats):
-            started = time.perf_counter()
-            losses.append(work())
-            if index >= self.config.warmups:
-                times.append(time.perf_counter() - started)
-            between()
-        return min(times), losses[0]  # the first: before any optimizer step
+        """(best seconds of `repeats` runs of `work` after `warmups`, the first run's loss: before any
+        optimizer step); `between` after each run (an optimizer step)."""
+        seconds, _, first = best_of(work, between, self.config.repeats, self.config.warmups)
+        return seconds, first
 
     def bare(self) -> tuple[float, float]:
         """The bare module's (seconds, loss)."""
@@ -299,7 +313,7 @@ def real_memory(real, zero: dict) -> tuple[int, int]:
 
 def _mark_leaves(model, names: list[str]) -> None:
     """Mark the modules `names` of `model` as ZeRO-3 leaves (as a granularity threshold would)."""
-    from deepspeed.utils import set_z3_leaf_module  # lazy: as in `_Bench.setting`
+    from deepspeed.utils import set_z3_leaf_module  # lazy: as in `HostBench.setting`
 
     modules = dict(model.named_modules())
     for name in names:
