@@ -303,7 +303,7 @@ class HostBench:
 
 def real_memory(real, zero: dict) -> tuple[int, int]:
     """(bf16 bytes of the real shape's persistent parameters, of its largest leaf module) under `zero`."""
-    persistent = zero3_settings.persistent_elements(real, int(float(zero["stage3_param_persistence_threshold"])))
+    persistent = zero3.persistent_elements(real, int(float(zero["stage3_param_persistence_threshold"])))
     leaves = zero3_settings.leaf_names(real, int(float(zero.get("stage3_module_granularity_threshold",
                                                                 zero.get(zero3_settings.LEAVES_KEY, 0)))))
     if zero.get(zero3_settings.LAYER_LEAVES_KEY):

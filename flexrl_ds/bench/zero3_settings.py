@@ -16,7 +16,7 @@ DeepSpeed 0.19.8's knobs, as its source applies them (runtime/zero/parameter_off
   volumes (prefetch ahead along the recorded trace; the cap on gathered elements; keep a released
   parameter gathered if it is used again within this many elements of the trace).
 
-`persistent_names`, `leaf_names` and `granularities` apply those rules to any `torch.nn.Module`
+`persistent_names` (models/zero3.py), `leaf_names` and `granularities` apply those rules to any `torch.nn.Module`
 (the meta-device real shape, or a tiny one). A tiny model of the same module tree (same classes and
 names, small widths) needs its own settings for the same effect (`small_zero_settings`):
 `equivalent_persistence` finds the threshold that keeps the same parameters whole, a granularity
@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from flexrl_ds.models.zero3 import layer_modules
+from flexrl_ds.models.zero3 import layer_modules, persistent_names
 
 Z3_MAX_LEAF_SIZE = 10**9
 """DeepSpeed's bound on a leaf chosen by granularity: a module over this many elements never is one."""
@@ -50,25 +50,6 @@ LAYER_LEAVES_KEY = "leaves_layers"
 """Not DeepSpeed's: every decoder layer and vision block (`layer_leaf_names`) marked a leaf."""
 VOLUME_KEYS = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
 """ZeRO-3 settings counted in elements of parameters."""
-
-
-def persistent_names(model: torch.nn.Module, threshold: int, model_threshold: int = NEVER) -> list[str]:
-    """Names of the parameters DeepSpeed keeps whole under `stage3_param_persistence_threshold`
-    `threshold` (and `stage3_model_persistence_threshold` `model_threshold`), in module order."""
-    names, total = [], 0
-    for name, parameter in model.named_parameters():
-        if parameter.numel() + total > model_threshold:
-            continue
-        if parameter.numel() <= threshold:
-            names.append(name)
-            total += parameter.numel()
-    return names
-
-
-def persistent_elements(model: torch.nn.Module, threshold: int, model_threshold: int = NEVER) -> int:
-    """Elements of the persistent parameters (each kept whole on every rank)."""
-    sizes = dict(model.named_parameters())
-    return sum(sizes[name].numel() for name in persistent_names(model, threshold, model_threshold))
 
 
 def granularities(model: torch.nn.Module) -> dict[str, int]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import sys
 from typing import Any
 
 import torch
@@ -248,6 +249,24 @@ def layer_modules(hf_model) -> list[tuple[str, torch.nn.Module]]:
 def layer_classes(hf_model) -> list[type]:
     """Classes of `layer_modules`: the modules `build_engine(leaf_layers=True)` makes ZeRO-3 leaves."""
     return list(dict.fromkeys(type(module) for _, module in layer_modules(hf_model)))
+
+
+def persistent_names(model: torch.nn.Module, threshold: int, model_threshold: int = sys.maxsize) -> list[str]:
+    """Names of the parameters DeepSpeed keeps whole on every rank under `stage3_param_persistence_threshold`
+    `threshold` and `stage3_model_persistence_threshold` `model_threshold`: those of at most `threshold`
+    elements, in module order, while their sum stays within `model_threshold`."""
+    names, total = [], 0
+    for name, parameter in model.named_parameters():
+        if parameter.numel() <= threshold and total + parameter.numel() <= model_threshold:
+            names.append(name)
+            total += parameter.numel()
+    return names
+
+
+def persistent_elements(model: torch.nn.Module, threshold: int, model_threshold: int = sys.maxsize) -> int:
+    """Elements of `persistent_names`' parameters."""
+    sizes = dict(model.named_parameters())
+    return sum(sizes[name].numel() for name in persistent_names(model, threshold, model_threshold))
 
 
 WARMUP_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")

@@ -29,6 +29,9 @@ def model_size(model_dir: str, persistence_threshold: int = 0,
     import torch
     import transformers
 
+    # lazy: models/zero3.py imports torch, which the memory check's callers need not import to read it
+    from flexrl_ds.models.zero3 import persistent_elements
+
     config = transformers.AutoConfig.from_pretrained(model_dir)
     architecture = (getattr(config, "architectures", None) or ["AutoModelForImageTextToText"])[0]
     model_class = getattr(transformers, architecture, None) or transformers.AutoModelForImageTextToText
@@ -36,10 +39,7 @@ def model_size(model_dir: str, persistence_threshold: int = 0,
         model = model_class._from_config(config) if hasattr(model_class, "_from_config") \
             else model_class.from_config(config)
     sizes = [parameter.numel() for parameter in model.parameters()]
-    persistent = 0
-    for numel in sizes:
-        if numel <= persistence_threshold and persistent + numel <= model_persistence_threshold:
-            persistent += numel
+    persistent = persistent_elements(model, persistence_threshold, model_persistence_threshold)
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     vision = getattr(config, "vision_config", None)

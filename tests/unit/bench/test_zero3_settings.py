@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flexrl_ds.bench import zero3_settings
+from flexrl_ds.models.zero3 import persistent_elements, persistent_names
 
 
 class Block(torch.nn.Module):
@@ -42,18 +43,18 @@ def test_granularity_by_hand():
 
 def test_persistence_by_hand():
     tree = Tree(head_out=2)  # head: 10 elements; module order: 4, 4, 16, 4, (again), 8, 2
-    assert zero3_settings.persistent_elements(tree, 0) == 0
-    assert zero3_settings.persistent_elements(tree, 4) == 2 * (4 + 4 + 4) + 2  # norms and biases
-    assert zero3_settings.persistent_elements(tree, 10**15) == 2 * 28 + 10
-    assert zero3_settings.persistent_names(tree, 4, model_threshold=9) == ["blocks.0.norm.weight",
+    assert persistent_elements(tree, 0) == 0
+    assert persistent_elements(tree, 4) == 2 * (4 + 4 + 4) + 2  # norms and biases
+    assert persistent_elements(tree, 10**15) == 2 * 28 + 10
+    assert persistent_names(tree, 4, model_threshold=9) == ["blocks.0.norm.weight",
                                                                            "blocks.0.norm.bias"]
 
 
 def test_equivalent_persistence_finds_the_same_parameters():
     real, small = Tree(head_out=100), Tree(head_out=200)
     threshold = zero3_settings.equivalent_persistence(real, 8, small)  # the norms and the blocks' biases
-    assert zero3_settings.persistent_names(small, threshold) == zero3_settings.persistent_names(real, 8)
-    assert len(zero3_settings.persistent_names(small, threshold)) == 6
+    assert persistent_names(small, threshold) == persistent_names(real, 8)
+    assert len(persistent_names(small, threshold)) == 6
     with pytest.raises(ValueError, match="no threshold"):  # a whole head (4 x 1) persistent: not without the 4 x 4
         zero3_settings.equivalent_persistence(Tree(head_out=1), 4, Tree(head_out=100))
 
