@@ -94,7 +94,7 @@ class PolicySetup:
     the engine starts without reading the model directory's weights; the first sync writes them)."""
     activation_checkpointing: bool = False
     """`flexrl.trainer.activation_checkpointing`: the policy recomputes layers in backward."""
-    zero3_leaf_layers: bool = False
+    zero3_leaf_layers: bool = True
     """`flexrl.trainer.zero3_leaf_layers`: each layer's parameters fetched and released as one."""
     vision_attention: str = "varlen"
     """`flexrl.trainer.vision_attention`: "varlen" or "sdpa"."""

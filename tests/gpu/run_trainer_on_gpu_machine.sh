@@ -66,9 +66,9 @@
 #     decoder layers, 2e8 at 3B, 5e8 at 7B; DeepSpeed's default 1e9): a parameter used again within n
 #     elements along the trace stays gathered; each engine's first pass on a trace walks that far
 #     ahead at every module's release (docs/BENCHMARKS.md, "ZeRO-3 trace walk").
-#   ZERO3_LEAF_LAYERS=1: `flexrl.trainer.zero3_leaf_layers`: every decoder layer and vision block a
-#     ZeRO-3 leaf (one fetch and release per layer, ~20x fewer hook calls; also in UPDATE_BENCH's engine
-#     ways). ZERO3_GRANULARITY=n: `stage3_module_granularity_threshold` (DeepSpeed's own leaf choice;
+#   ZERO3_LEAF_LAYERS=0|1: `flexrl.trainer.zero3_leaf_layers` (default since 2026-12-06: 1): every decoder
+#     layer and vision block a ZeRO-3 leaf (one fetch and release per layer, ~20x fewer hook calls; also in
+#     UPDATE_BENCH's engine ways); 0: every module's own hooks, the runs before that date. ZERO3_GRANULARITY=n: `stage3_module_granularity_threshold` (DeepSpeed's own leaf choice;
 #     at 3B no n makes exactly the layers leaves: docs/notes/zero3-one-rank-host-cost.md).
 #     ZERO3_TRACE_WARNINGS=1: `zero_optimization.log_trace_cache_warnings`,
 #     DeepSpeed's line each time a pass leaves the module order it recorded (printed by rank 0 into its
@@ -230,8 +230,8 @@ if "ZERO3_PREFETCH" in os.environ:  # elements gathered ahead along a recorded m
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = int(float(os.environ["ZERO3_PREFETCH"]))
 if "ZERO3_REUSE" in os.environ:  # a released parameter used again within this many elements stays gathered
     config["zero_optimization"]["stage3_max_reuse_distance"] = int(float(os.environ["ZERO3_REUSE"]))
-if os.environ.get("ZERO3_LEAF_LAYERS") == "1":  # each layer's parameters fetched and released as one
-    config["flexrl"]["trainer"]["zero3_leaf_layers"] = True
+if "ZERO3_LEAF_LAYERS" in os.environ:  # 1: each layer's parameters fetched and released as one (the default)
+    config["flexrl"]["trainer"]["zero3_leaf_layers"] = os.environ["ZERO3_LEAF_LAYERS"] == "1"
 if "ZERO3_GRANULARITY" in os.environ:  # modules this fine-grained become leaves (DeepSpeed's rule)
     config["zero_optimization"]["stage3_module_granularity_threshold"] = int(float(os.environ["ZERO3_GRANULARITY"]))
 if os.environ.get("ZERO3_TRACE_WARNINGS") == "1":  # a line each time a pass leaves its recorded order

@@ -123,8 +123,10 @@ def test_the_zero3_leaf_switches_land_in_the_config(tmp_path):
                              tmp_path / "leaves.json")
     assert run.flexrl.trainer.zero3_leaf_layers is True
     assert run.deepspeed["zero_optimization"]["stage3_module_granularity_threshold"] == 2_000_000
-    plain = build(tmp_path, "vllm", "3b")
+    plain = build(tmp_path, "vllm", "3b", ZERO3_LEAF_LAYERS="0")
     assert load_run_config_of(plain, tmp_path / "plain.json").flexrl.trainer.zero3_leaf_layers is False
+    shipped = build(tmp_path, "vllm", "3b")
+    assert load_run_config_of(shipped, tmp_path / "shipped.json").flexrl.trainer.zero3_leaf_layers is True
     assert "stage3_module_granularity_threshold" not in plain["zero_optimization"]
 
 

@@ -96,7 +96,7 @@ def test_policy_worker_builds_both_engines_at_the_sampling_temperature(monkeypat
 
 @pytest.mark.parametrize("leaf_layers", [None, False, True])
 def test_zero3_leaf_layers_reach_both_engines(monkeypatch, leaf_layers):
-    """`flexrl.trainer.zero3_leaf_layers` (default off) reaches the policy's and the reference's engines."""
+    """`flexrl.trainer.zero3_leaf_layers` (default on) reaches the policy's and the reference's engines."""
     from types import SimpleNamespace
 
     from flexrl_ds.trainer import policy_worker
@@ -109,7 +109,7 @@ def test_zero3_leaf_layers_reach_both_engines(monkeypatch, leaf_layers):
     worker.device, worker.tree = None, SimpleNamespace(domain_group=None)
     worker._engine(train=True)
     worker._engine(train=False)
-    assert [options["leaf_layers"] for options in built] == [bool(leaf_layers)] * 2
+    assert [options["leaf_layers"] for options in built] == [leaf_layers is not False] * 2
 
 
 @pytest.mark.parametrize("attention", [None, "varlen", "sdpa"])
