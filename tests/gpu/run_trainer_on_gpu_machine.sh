@@ -68,8 +68,9 @@
 #     ahead at every module's release (docs/BENCHMARKS.md, "ZeRO-3 trace walk").
 #   ZERO3_LEAF_LAYERS=0|1: `flexrl.trainer.zero3_leaf_layers` (default since 2026-12-06: 1): every decoder
 #     layer and vision block a ZeRO-3 leaf (one fetch and release per layer, ~20x fewer hook calls; also in
-#     UPDATE_BENCH's engine ways); 0: every module's own hooks, the runs before that date. ZERO3_GRANULARITY=n: `stage3_module_granularity_threshold` (DeepSpeed's own leaf choice;
-#     at 3B no n makes exactly the layers leaves: docs/notes/zero3-one-rank-host-cost.md).
+#     UPDATE_BENCH's engine ways); 0: every module's own hooks, the runs before that date.
+#     ZERO3_GRANULARITY=n: `stage3_module_granularity_threshold` (DeepSpeed's own leaf choice; at 3B no n
+#     makes exactly the layers leaves: docs/notes/zero3-one-rank-host-cost.md).
 #     ZERO3_TRACE_WARNINGS=1: `zero_optimization.log_trace_cache_warnings`,
 #     DeepSpeed's line each time a pass leaves the module order it recorded (printed by rank 0 into its
 #     Ray log; the lines of every worker's log copied to OUT/zero3_trace.txt).
