@@ -3,7 +3,8 @@
 `flexrl bench update` on one H100 found `train_step` (models/policy_update.py) ~1.4 s slower than the
 engine's forward+backward plus its optimizer step. This bench takes `flexrl bench zero3-host`'s model
 (the 3B module tree at tiny widths: its compute is small, the host's work shows) and samples, one
-shipped-settings engine, and times on the CPU, per micro-batch:
+engine as the trainer builds it (the run file's ZeRO-3 settings and `flexrl.trainer.zero3_leaf_layers`),
+and times on the CPU, per micro-batch:
 - `zero3`: the engine's forward + a plain response-NLL loss + `engine.backward` (`flexrl_pass`), and
   `engine.step()` after each pass, as `flexrl bench update`'s zero3 way;
 - `grpo`: `train_step` over the same micro-batches (`grpo_pass`: forward with entropy,
@@ -49,11 +50,11 @@ def best_seconds(work: Callable[[], Any], repeats: int, warmups: int) -> float:
 
 
 def run_step_cost_bench(config: HostBenchConfig, progress: Callable[[str], None] = print) -> StepCostResult:
-    """The shipped engine's `zero3` and `grpo` ways and the parts of `train_step` (module docstring)."""
+    """The trainer's engine's `zero3` and `grpo` ways and the parts of `train_step` (module docstring)."""
     init_distributed(one_rank_env("flexrl bench step-cost"))
     bench = HostBench(config)
-    base = {k: v for k, v in bench.run.deepspeed["zero_optimization"].items() if k.startswith("stage3_")}
-    zero, leaves = zero3_settings.small_zero_settings(bench.real, base, bench.model())
+    trainer_zero = {**bench.file_zero(), zero3_settings.LAYER_LEAVES_KEY: bench.run.flexrl.trainer.zero3_leaf_layers}
+    zero, leaves = zero3_settings.small_zero_settings(bench.real, trainer_zero, bench.model())
     engine = zero3.build_engine(bench.model(tuple(leaves)), engine_config(bench.run.deepspeed, zero), **bench.options)
     per = len(bench.batches)
     result = StepCostResult(per, bench.result.tokens)

@@ -71,9 +71,11 @@ SETTINGS: dict[str, dict[str, float]] = {
     "persist-all+leaves-layers": {"stage3_param_persistence_threshold": float(zero3_settings.ALL),
                                   zero3_settings.LAYER_LEAVES_KEY: 1},
 }
-"""Named `zero_optimization` overrides, written for the real shape (3B's numbers: 1e5 keeps the
+"""Named `zero_optimization` overrides, written for the real shape. `shipped` is the run file's block
+alone, every module with its own hooks; the trainer adds `leaves-layers` to it by default
+(`flexrl.trainer.zero3_leaf_layers`, since 2026-12-06). 3B's numbers: 1e5 keeps the
 1-D parameters whole, 2e6 makes the vision blocks and the decoder's attention modules leaves, 7e6
-each decoder layer and the whole vision tower; 2e8 elements are ~2.6 decoder layers)."""
+each decoder layer and the whole vision tower; 2e8 elements are ~2.6 decoder layers."""
 COUNTED = ("_pre_forward_module_hook", "_post_forward_module_hook", "_pre_backward_module_hook",
            "_post_backward_module_hook", "fetch_sub_module", "release_sub_module", "__all_gather_params_",
            "free_param", "reduce_partition_and_remove_grads")
@@ -251,6 +253,10 @@ class HostBench:
         self.checkpointing = (self.run.flexrl.trainer.activation_checkpointing if config.checkpointing is None
                               else config.checkpointing)
 
+    def file_zero(self) -> dict:
+        """The run config's `stage3_*` settings: every setting's base (`shipped` is this alone)."""
+        return {k: v for k, v in self.run.deepspeed["zero_optimization"].items() if k.startswith("stage3_")}
+
     def model(self, leaves: tuple[str, ...] = ()):
         """A fresh copy of the tiny model in training mode, `leaves` marked, checkpointed as asked."""
 
@@ -278,8 +284,8 @@ class HostBench:
         from deepspeed.utils import z3_leaf_module  # lazy: DeepSpeed's import takes seconds; the CLI imports this file
 
 
-        base = {k: v for k, v in self.run.deepspeed["zero_optimization"].items() if k.startswith("stage3_")}
-        zero, leaves = zero3_settings.small_zero_settings(self.real, {**base, **SETTINGS[name]}, self.model())
+        zero, leaves = zero3_settings.small_zero_settings(self.real, {**self.file_zero(), **SETTINGS[name]},
+                                                          self.model())
         engine = zero3.build_engine(self.model(tuple(leaves)), engine_config(self.run.deepspeed, zero), **self.options)
         row = HostBenchRow(name, zero, leaves=sum(1 for module in engine.module.modules() if z3_leaf_module(module)),
                            persistent=sum(1 for p in engine.module.parameters() if getattr(p, "ds_persist", False)))
