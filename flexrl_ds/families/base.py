@@ -89,9 +89,17 @@ class ModelFamily:
         """The vision tower module (None for a text model)."""
         return None
 
-    def encode_vision(self, visual: Any, pixels: Any, grids: Any) -> tuple[Any, Any]:
-        """(merged rows (tokens, hidden), extra rows (tokens, k*hidden) or None) of one tower call."""
+    def encode_vision(self, visual: Any, pixels: Any, grids: Any, inputs: dict | None = None) -> tuple[Any, Any]:
+        """(merged rows (tokens, hidden), extra rows (tokens, k*hidden) or None) of one tower call.
+        inputs: `vision_call_inputs`' keywords, on the tower's device (None: the tower computes them)."""
         raise NotImplementedError
+
+    def vision_call_inputs(self, visual: Any, grids: Any) -> dict[str, Any]:
+        """The tower call's grid-derived inputs (rotary position ids, window order, sequence bounds and
+        their maxima), computed on the host from `grids` (a CPU tensor) by transformers' own
+        `vision_utils` functions, to pass as the call's keywords: the tower then neither reads its
+        device grids back nor builds these tensors item by item on the device. {}: none."""
+        return {}
 
     def num_extra_features(self, config: Any) -> int:
         """Extra hidden-sized rows per vision token the tower returns (DeepStack levels); 0: none."""

@@ -201,8 +201,26 @@ class Qwen2_5_VL(ModelFamily):
     def vision_tower(self, hf_model):
         return hf_model.model.visual
 
-    def encode_vision(self, visual, pixels, grids):
-        return visual(pixels, grid_thw=grids).pooler_output, None
+    def encode_vision(self, visual, pixels, grids, inputs=None):
+        return visual(pixels, grid_thw=grids, **(inputs or {})).pooler_output, None
+
+    def vision_call_inputs(self, visual, grids):
+        """Those of `Qwen2_5_VisionTransformerPretrainedModel.forward`: rotary position ids, the
+        full-attention blocks' and the window blocks' bounds and maxima, the window order."""
+        # lazy: transformers is imported where a model is
+        from transformers.utils.generic import get_max_seqlen
+        from transformers.vision_utils import (get_vision_attention_seqlens, get_vision_position_ids,
+                                               get_vision_window_index)
+
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grids, visual.config)
+        window_index, cu_window_seqlens = get_vision_window_index(
+            grids, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
+            patch_size=visual.patch_size)
+        inputs = {"position_ids": get_vision_position_ids(grids, visual.spatial_merge_size),
+                  "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "window_index": window_index,
+                  "cu_window_seqlens": cu_window_seqlens,
+                  "max_window_seqlen": get_max_seqlen(cu_window_seqlens, visual.config)}
+        return {key: value for key, value in inputs.items() if value is not None}
 
     def reference_inputs(self, model, sample):
         """Pixels, grids, `second_per_grid_ts`, `mm_token_type_ids`, and the sequence's mRoPE

@@ -170,12 +170,29 @@ class Qwen3_VL(Qwen2_5_VL):
         return qwen3_positions(input_ids_L, items, int(config.image_token_id), int(config.video_token_id),
                                int(config.vision_config.spatial_merge_size))
 
-    def encode_vision(self, visual, pixels, grids):
+    def encode_vision(self, visual, pixels, grids, inputs=None):
         import torch
 
-        out = visual(pixels, grid_thw=grids)
+        out = visual(pixels, grid_thw=grids, **(inputs or {}))
         extras = torch.cat(list(out.deepstack_features), dim=-1) if out.deepstack_features else None
         return out.pooler_output, extras
+
+    def vision_call_inputs(self, visual, grids):
+        """Those of `Qwen3VLVisionModel.forward`: the learned position table's interpolation taps and
+        weights, rotary position ids, the per-frame bounds and their maximum."""
+        # lazy: transformers is imported where a model is
+        from transformers.vision_utils import (get_vision_attention_seqlens,
+                                               get_vision_interpolation_indices_and_weights,
+                                               get_vision_position_ids)
+
+        interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
+            grids, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grids, visual.config)
+        inputs = {"interp_indices": interp_indices, "interp_weights": interp_weights,
+                  "position_ids": get_vision_position_ids(grids, visual.spatial_merge_size),
+                  "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+        return {key: value for key, value in inputs.items() if value is not None}
 
     def num_extra_features(self, config):
         return len(config.vision_config.deepstack_visual_indexes)

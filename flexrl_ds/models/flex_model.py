@@ -270,7 +270,7 @@ class FlexUlyssesLM(torch.nn.Module):
         merge = self.hf_model.config.vision_config.spatial_merge_size
         with region("vision_tower"):  # its forward; a profile's backward ops are not regions
             rows, zero = encode_and_route(visual, batch.route, batch.items, self.vision_group, merge,
-                                          self.family.encode_vision)
+                                          self.family.encode_vision, self.family.vision_call_inputs)
         index = batch.route.recv_local_index.to(device)
         hidden = embeds.shape[-1]
         embeds = embeds.index_copy(0, index, rows[:, :hidden].to(embeds.dtype))

@@ -183,13 +183,16 @@ def unit_pixels(unit: VisionUnit, item) -> torch.Tensor:
 
 
 def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], group,
-                     merge_size: int = 2, encode=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     merge_size: int = 2, encode=None, call_inputs=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode this rank's units and exchange merged rows; returns (received rows, zero term).
 
-    encode: `(visual, pixels, grids) -> (merged rows, extra rows or None)`, the family's tower call
-    (`ModelFamily.encode_vision`; None: `visual(...).pooler_output`). Extra rows (DeepStack features,
-    (tokens, k*hidden)) travel in the same exchange, concatenated after the merged rows' hidden axis:
-    the received rows are then (rows, (1+k)*hidden).
+    encode: `(visual, pixels, grids, inputs) -> (merged rows, extra rows or None)`, the family's tower
+    call (`ModelFamily.encode_vision`; None: `visual(...).pooler_output`). Extra rows (DeepStack
+    features, (tokens, k*hidden)) travel in the same exchange, concatenated after the merged rows'
+    hidden axis: the received rows are then (rows, (1+k)*hidden).
+    call_inputs: `(visual, grids on the host) -> keywords of the tower call`
+    (`ModelFamily.vision_call_inputs`), computed before the grids move and sent with the pixels from
+    pinned memory (`to_device`); None: the tower computes them from its device grids.
 
     group: the SP domain's process group (`GroupTree.domain_group`), whose ranks in group order are
     the domain-local ranks the route's split lists index; None means the default (world) group and
@@ -207,11 +210,14 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
         patch_dim = visual.config.in_channels * visual.config.temporal_patch_size * visual.config.patch_size ** 2
         pixels = torch.zeros(side * side, patch_dim)
         grids = torch.tensor([[1, side, side]], dtype=torch.long)
-    pixels, grids = pixels.to(device=param.device, dtype=param.dtype), grids.to(param.device)
+    inputs = call_inputs(visual, grids) if call_inputs is not None else {}
+    inputs = {key: to_device(value, param.device) if isinstance(value, torch.Tensor) else value
+              for key, value in inputs.items()}
+    pixels, grids = to_device(pixels, param.device).to(param.dtype), to_device(grids, param.device)
     if encode is None:
-        merged = visual(pixels, grid_thw=grids).pooler_output
+        merged = visual(pixels, grid_thw=grids, **inputs).pooler_output
     else:
-        merged, extra = encode(visual, pixels, grids)
+        merged, extra = encode(visual, pixels, grids, inputs)
         merged = merged if extra is None else torch.cat([merged, extra.to(merged.dtype)], dim=-1)
     zero_term = merged.sum() * 0.0
     send = merged.index_select(0, route.send_index.to(merged.device)) if route.my_units else merged[:0]
@@ -219,6 +225,14 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
         return send, zero_term
     recv = _RowExchange.apply(send, group, route.send_splits, route.recv_splits)
     return recv, zero_term
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; to a GPU through pinned host memory without waiting (a copy from pageable
+    memory holds the host until the device has run everything queued before it)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def exchange_group_size(route: VisionRoute, group) -> int:
