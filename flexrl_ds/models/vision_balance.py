@@ -21,6 +21,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from flexrl_ds.parallel.device import to_device
+
 
 @dataclass(frozen=True)
 class VisionUnit:
@@ -192,7 +194,7 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
     hidden axis: the received rows are then (rows, (1+k)*hidden).
     call_inputs: `(visual, grids on the host) -> keywords of the tower call`
     (`ModelFamily.vision_call_inputs`), computed before the grids move and sent with the pixels from
-    pinned memory (`to_device`); None: the tower computes them from its device grids.
+    pinned memory (`parallel.device.to_device`); None: the tower computes them from its device grids.
 
     group: the SP domain's process group (`GroupTree.domain_group`), whose ranks in group order are
     the domain-local ranks the route's split lists index; None means the default (world) group and
@@ -225,14 +227,6 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
         return send, zero_term
     recv = _RowExchange.apply(send, group, route.send_splits, route.recv_splits)
     return recv, zero_term
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`; to a GPU through pinned host memory without waiting (a copy from pageable
-    memory holds the host until the device has run everything queued before it)."""
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def exchange_group_size(route: VisionRoute, group) -> int:
