@@ -205,19 +205,16 @@ class Qwen2_5_VL(ModelFamily):
         return visual(pixels, grid_thw=grids, **(inputs or {})).pooler_output, None
 
     def vision_call_inputs(self, visual, grids):
-        """Those of `Qwen2_5_VisionTransformerPretrainedModel.forward`: rotary position ids, the
-        full-attention blocks' and the window blocks' bounds and maxima, the window order."""
+        """Those of `Qwen2_5_VisionTransformerPretrainedModel.forward`: `vision_sequence_inputs`, and
+        the window blocks' order, bounds and longest window."""
         # lazy: transformers is imported where a model is
         from transformers.utils.generic import get_max_seqlen
-        from transformers.vision_utils import (get_vision_attention_seqlens, get_vision_position_ids,
-                                               get_vision_window_index)
+        from transformers.vision_utils import get_vision_window_index
 
-        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grids, visual.config)
         window_index, cu_window_seqlens = get_vision_window_index(
             grids, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
             patch_size=visual.patch_size)
-        inputs = {"position_ids": get_vision_position_ids(grids, visual.spatial_merge_size),
-                  "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "window_index": window_index,
+        inputs = {**vision_sequence_inputs(visual, grids), "window_index": window_index,
                   "cu_window_seqlens": cu_window_seqlens,
                   "max_window_seqlen": get_max_seqlen(cu_window_seqlens, visual.config)}
         return {key: value for key, value in inputs.items() if value is not None}
@@ -285,6 +282,22 @@ class Qwen2_VL(Qwen2_5_VL):
     model_type = "qwen2_vl"
     display_name = "Qwen2-VL"
     hf_class = "Qwen2VLForConditionalGeneration"
+
+    def vision_call_inputs(self, visual, grids):
+        """Those of `Qwen2VisionTransformerPretrainedModel.forward` (no windows)."""
+        return vision_sequence_inputs(visual, grids)
+
+
+def vision_sequence_inputs(visual, grids) -> dict:
+    """A Qwen vision tower's rotary position ids, per-frame bounds (`cu_seqlens`) and their longest
+    (`max_seqlen`: only under a flash-type attention, as the tower computes it), by transformers'
+    `vision_utils` from host `grids`."""
+    from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+
+    cu_seqlens, max_seqlen = get_vision_attention_seqlens(grids, visual.config)
+    inputs = {"position_ids": get_vision_position_ids(grids, visual.spatial_merge_size),
+              "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+    return {key: value for key, value in inputs.items() if value is not None}
 
 
 QWEN2_5_VL = Qwen2_5_VL()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from flexrl_ds.families.base import DecoderExtras
-from flexrl_ds.families.qwen2_5_vl import IMAGE, VIDEO, Qwen2_5_VL
+from flexrl_ds.families.qwen2_5_vl import IMAGE, VIDEO, Qwen2_5_VL, vision_sequence_inputs
 
 HALF = [0.5, 0.5, 0.5]
 
@@ -179,20 +179,15 @@ class Qwen3_VL(Qwen2_5_VL):
 
     def vision_call_inputs(self, visual, grids):
         """Those of `Qwen3VLVisionModel.forward`: the learned position table's interpolation taps and
-        weights, rotary position ids, the per-frame bounds and their maximum."""
+        weights, and `vision_sequence_inputs`."""
         # lazy: transformers is imported where a model is
-        from transformers.vision_utils import (get_vision_attention_seqlens,
-                                               get_vision_interpolation_indices_and_weights,
-                                               get_vision_position_ids)
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
         interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
             grids, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
             align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
-        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grids, visual.config)
-        inputs = {"interp_indices": interp_indices, "interp_weights": interp_weights,
-                  "position_ids": get_vision_position_ids(grids, visual.spatial_merge_size),
-                  "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
-        return {key: value for key, value in inputs.items() if value is not None}
+        return {"interp_indices": interp_indices, "interp_weights": interp_weights,
+                **vision_sequence_inputs(visual, grids)}
 
     def num_extra_features(self, config):
         return len(config.vision_config.deepstack_visual_indexes)

@@ -215,7 +215,7 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
     inputs = call_inputs(visual, grids) if call_inputs is not None else {}
     inputs = {key: to_device(value, param.device) if isinstance(value, torch.Tensor) else value
               for key, value in inputs.items()}
-    pixels, grids = to_device(pixels, param.device).to(param.dtype), to_device(grids, param.device)
+    pixels, grids = to_device(pixels.to(param.dtype), param.device), to_device(grids, param.device)
     if encode is None:
         merged = visual(pixels, grid_thw=grids, **inputs).pooler_output
     else:

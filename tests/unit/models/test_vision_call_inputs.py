@@ -1,7 +1,9 @@
 """A family's host-computed tower inputs (`ModelFamily.vision_call_inputs`) give the tower call the
 same output and gradients as the tower computing them itself, and the tower uses them (a changed
-input changes the output): Qwen2.5-VL (windows, full-attention blocks) and Qwen3-VL (interpolated
-position table), with the trainer's varlen attention and with transformers' sdpa."""
+input changes the output): Qwen2.5-VL (windows, full-attention blocks), Qwen2-VL (no windows),
+Qwen3-VL and its MoE (interpolated position table), with the trainer's varlen attention and with
+transformers' sdpa. The trainer's path through `encode_and_route` is covered by the FlexModel tests
+against plain HF (tests/unit/models/test_flex_model.py, tests/distributed/)."""
 
 from __future__ import annotations
 
@@ -18,14 +20,32 @@ from flexrl_ds.models import hf_adapter
 GRIDS = [[1, 6, 10], [2, 4, 4], [1, 14, 2]]
 
 
+ARCHES = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "qwen3-vl-moe")
+
+
+def tiny_qwen2_vl():
+    """A tiny random Qwen2-VL (make-tiny-model has no such arch; only its tower is used here)."""
+    import transformers
+
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=64, vocab_size=160, bos_token_id=None, eos_token_id=None,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3))
+    torch.manual_seed(5)
+    return transformers.Qwen2VLForConditionalGeneration(config)
+
+
 @pytest.fixture(scope="module")
 def towers(tmp_path_factory):
     from flexrl_ds.models.loading import load_model
     from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 
     root = tmp_path_factory.mktemp("towers")
-    return {arch: load_model(make_tiny_model(TinyModelConfig(out_dir=str(root / arch), arch=arch, seed=5)))
-            for arch in ("qwen2.5-vl", "qwen3-vl")}
+    models = {arch: load_model(make_tiny_model(TinyModelConfig(out_dir=str(root / arch), arch=arch, seed=5)))
+              for arch in ARCHES if arch != "qwen2-vl"}
+    return {**models, "qwen2-vl": tiny_qwen2_vl()}
 
 
 def _call(family, visual, pixels, grids, inputs):
@@ -52,7 +72,7 @@ def _pixels(visual, grids):
 
 
 @pytest.mark.parametrize("attention", ["varlen", "sdpa"])
-@pytest.mark.parametrize("arch", ["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("arch", ARCHES)
 def test_host_inputs_give_the_towers_own_output_and_gradients(towers, arch, attention):
     family, visual = _tower(towers[arch], attention)
     grids = torch.tensor(GRIDS)
@@ -69,7 +89,8 @@ def test_host_inputs_give_the_towers_own_output_and_gradients(towers, arch, atte
 
 
 @pytest.mark.parametrize("arch, key", [("qwen2.5-vl", "position_ids"), ("qwen2.5-vl", "window_index"),
-                                       ("qwen3-vl", "position_ids"), ("qwen3-vl", "interp_weights")])
+                                       ("qwen2-vl", "position_ids"), ("qwen3-vl", "position_ids"),
+                                       ("qwen3-vl", "interp_weights"), ("qwen3-vl-moe", "interp_weights")])
 def test_the_tower_uses_the_given_inputs(towers, arch, key):
     """A key transformers stopped reading would pass unused into the blocks' keywords: the output
     would not move."""
@@ -83,3 +104,20 @@ def test_the_tower_uses_the_given_inputs(towers, arch, key):
         same = family.encode_vision(visual, pixels, grids, dict(inputs))[0]
         moved = family.encode_vision(visual, pixels, grids, changed)[0]
     assert not torch.allclose(same, moved)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_longest_bounds_are_given_under_the_varlen_attention_only(towers, arch):
+    """The GPU varlen kernels read the maxima (the CPU fallback does not): each is its bounds' longest
+    span under the trainer's attention; under sdpa the tower takes none, as it computes none."""
+    grids = torch.tensor(GRIDS)
+    family, visual = _tower(towers[arch], "varlen")
+    inputs = family.vision_call_inputs(visual, grids)
+    pairs = [("cu_seqlens", "max_seqlen")] + ([("cu_window_seqlens", "max_window_seqlen")]
+                                              if "window_index" in inputs else [])
+    for bounds, longest in pairs:
+        assert inputs[longest] == int(inputs[bounds].diff().max()), (bounds, longest)
+    frames = [h * w for t, h, w in GRIDS for _ in range(t)]
+    assert inputs["cu_seqlens"].tolist() == [0] + list(torch.tensor(frames).cumsum(0).tolist())
+    family, visual = _tower(towers[arch], "sdpa")
+    assert not {"max_seqlen", "max_window_seqlen"} & family.vision_call_inputs(visual, grids).keys()
