@@ -52,8 +52,9 @@ def padded_inputs(model, samples: list) -> tuple[dict[str, torch.Tensor], list[t
     batch: dict[str, Any] = {}
     batch["input_ids"] = torch.stack([_pad(row["input_ids"][0], width) for row in rows])
     batch["attention_mask"] = torch.stack([_pad(torch.ones(s.length, dtype=torch.long), width) for s in samples])
-    if "position_ids" in rows[0]:
+    if "position_ids" in rows[0]:  # Qwen2.5-VL's (models/positions.py); Qwen3-VL's come from transformers
         batch["position_ids"] = torch.stack([_pad(row["position_ids"][:, 0], width) for row in rows], dim=1)
+    if "mm_token_type_ids" in rows[0]:
         batch["mm_token_type_ids"] = torch.stack([_pad(row["mm_token_type_ids"][0], width) for row in rows])
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
         parts = [row[key] for row in rows if key in row]

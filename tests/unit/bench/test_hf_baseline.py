@@ -1,7 +1,9 @@
 """`flexrl bench update`'s `hf_batched` way (bench/hf_baseline.py): padded, length-sorted micro-batches,
 lm_head in checkpointed chunks, transformers' activation checkpointing. Its loss and every parameter's
 gradient equal the plain per-sample reference's (one HF forward per sample, full logits), with images,
-videos and text-only samples of different lengths in one batch (right padding)."""
+videos and text-only samples of different lengths in one batch (right padding), for Qwen2.5-VL (its
+mRoPE positions given) and Qwen3-VL and its MoE (transformers' own rope index from
+`mm_token_type_ids`)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ from flexrl_ds.models import zero3
 from flexrl_ds.models.loading import load_model, ordinary_token_bound
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe"])
+def tiny(tmp_path_factory, request):
     from flexrl_ds.models.sample_data import write_scoring_dataset
     from flexrl_ds.models.tiny import TinyModelConfig, make_tiny_model
 
     root = tmp_path_factory.mktemp("hf_baseline")
-    model_dir = str(make_tiny_model(TinyModelConfig(out_dir=str(root / "model"), seed=3)))
+    model_dir = str(make_tiny_model(TinyModelConfig(out_dir=str(root / "model"), arch=request.param, seed=3)))
     data = str(write_scoring_dataset(root / "data", num_records=4, seed=1))
     return model_dir, data
 
