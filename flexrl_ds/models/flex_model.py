@@ -46,6 +46,7 @@ from flexrl_ds.models.moe import RouterStats, router_stats
 from flexrl_ds.models.positions import local_position_ids, sequence_positions
 from flexrl_ds.models.vision_balance import (VisionRoute, assign_units, build_route, encode_and_route,
                                              representatives, vision_units)
+from flexrl_ds.parallel.device import to_device
 from flexrl_ds.parallel.profiling import region
 from flexrl_ds.sp.attention import FlexUlyssesAttention
 from flexrl_ds.sp.layout import RankLayout, build_rank_layout
@@ -262,7 +263,7 @@ class FlexUlyssesLM(torch.nn.Module):
         ids = batch.input_ids
         if ids.numel() == 0:  # idle rank: one placeholder token keeps the embedding in the graph
             ids = torch.zeros(1, dtype=torch.long)
-        embeds = embed_tokens(ids.to(device))
+        embeds = embed_tokens(to_device(ids, device))
         zero = embeds.new_zeros(())
         if batch.route is None:
             return embeds, zero, None
@@ -271,7 +272,7 @@ class FlexUlyssesLM(torch.nn.Module):
         with region("vision_tower"):  # its forward; a profile's backward ops are not regions
             rows, zero = encode_and_route(visual, batch.route, batch.items, self.vision_group, merge,
                                           self.family.encode_vision, self.family.vision_call_inputs)
-        index = batch.route.recv_local_index.to(device)
+        index = to_device(batch.route.recv_local_index, device)
         hidden = embeds.shape[-1]
         embeds = embeds.index_copy(0, index, rows[:, :hidden].to(embeds.dtype))
         return embeds, zero, self._extras(rows[:, hidden:], index, embeds)
@@ -296,8 +297,9 @@ class FlexUlyssesLM(torch.nn.Module):
         if idle:  # one placeholder token at position 0 runs every module (ZeRO-3 gathers are collective)
             positions = torch.zeros((*positions.shape[:-1], 1), dtype=torch.long)
         step = hf_adapter.FlexStep(batch.layout, self.attention, idle=idle)
+        positions = to_device(positions, embeds.device)
         with region("decoder"):
-            output = self.family.run_decoder(self.hf_model, embeds.unsqueeze(0), positions.to(embeds.device), extras,
+            output = self.family.run_decoder(self.hf_model, embeds.unsqueeze(0), positions, extras,
                                              **{hf_adapter.STEP_KWARG: step})
         hidden, router = output.last_hidden_state[0], self.family.router_logits(output)
         router = None if router is None else router_stats(router, self.family.router_top_k(self.hf_model.config),
@@ -334,8 +336,8 @@ class FlexUlyssesLM(torch.nn.Module):
         """`_token_outputs` at the response rows only (`batch.response_mask`: all that the losses and the
         log-prob passes read), placed back into (local,) tensors holding 0 at every other row: the
         prompt's and the vision placeholders' hidden states never go through the vocabulary-sized head."""
-        rows = batch.response_mask.nonzero().squeeze(1).to(hidden.device)
-        targets = batch.targets.to(hidden.device).index_select(0, rows)
+        rows = to_device(batch.response_mask.nonzero().squeeze(1), hidden.device)
+        targets = to_device(batch.targets, hidden.device).index_select(0, rows)
         logprobs, entropy = self._token_outputs(hidden.index_select(0, rows), targets, with_entropy, entropy_grad)
 
         def placed(values: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,8 @@ def router_stats(router_logits, top_k: int, num_rows: int | None = None) -> Rout
         counts = counts + torch.bincount(chosen, minlength=experts).float()
         probs = probs + weights.sum(dim=0)
         rows += logits.shape[0]
-    return RouterStats(counts.detach(), probs, torch.tensor(float(rows), device=device), top_k)
+    # a fill on the device, not a copy from the host (which would wait for the device's queue)
+    return RouterStats(counts.detach(), probs, counts.new_full((), float(rows)), top_k)
 
 
 def router_aux_term(stats: RouterStats, group=None) -> tuple[torch.Tensor, float]:

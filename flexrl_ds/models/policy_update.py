@@ -136,7 +136,7 @@ def sequence_mean_log_ratios(log_ratio_sums_P: torch.Tensor, seq_ids: Sequence[s
     sequence over every rank (a differentiable all-reduce: each rank's loss reaches the tokens other
     ranks hold), / the sequence's response tokens. Collective over the default group."""
     index = {seq_id: position for position, seq_id in enumerate(denoms.sequence_ids)}
-    where_P = torch.tensor([index[seq_id] for seq_id in seq_ids], dtype=torch.long, device=log_ratio_sums_P.device)
+    where_P = to_device(torch.tensor([index[seq_id] for seq_id in seq_ids], dtype=torch.long), log_ratio_sums_P.device)
     totals = torch.zeros(len(index), dtype=log_ratio_sums_P.dtype, device=log_ratio_sums_P.device)
     totals = totals.index_add(0, where_P, log_ratio_sums_P)
     if dist.is_initialized():

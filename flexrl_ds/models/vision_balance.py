@@ -222,7 +222,7 @@ def encode_and_route(visual, route: VisionRoute, items: Mapping[str, Sequence], 
         merged, extra = encode(visual, pixels, grids, inputs)
         merged = merged if extra is None else torch.cat([merged, extra.to(merged.dtype)], dim=-1)
     zero_term = merged.sum() * 0.0
-    send = merged.index_select(0, route.send_index.to(merged.device)) if route.my_units else merged[:0]
+    send = merged.index_select(0, to_device(route.send_index, merged.device)) if route.my_units else merged[:0]
     if exchange_group_size(route, group) == 1:
         return send, zero_term
     recv = _RowExchange.apply(send, group, route.send_splits, route.recv_splits)

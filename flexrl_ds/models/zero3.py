@@ -39,6 +39,7 @@ import torch.distributed as dist
 from flexrl_ds.common import notes
 from flexrl_ds.models.flex_model import FlexUlyssesLM
 from flexrl_ds.models.logprob_chunks import DEFAULT_CHUNK_BYTES
+from flexrl_ds.parallel.device import to_device
 
 INFERENCE_DROPPED_KEYS = ("optimizer", "scheduler")
 """Blocks an inference engine (train=False) does not use."""
@@ -320,7 +321,9 @@ def data_parallel_size(engine) -> int:
 
 def global_token_count(local_count: int, device=None, group=None) -> int:
     """Sum of every rank's loss tokens (all-reduce)."""
-    count = torch.tensor([float(local_count)], device=device)
+    count = torch.tensor([float(local_count)])
+    if device is not None:  # read back below anyway; sent without a second wait
+        count = to_device(count, torch.device(device))
     if dist.is_initialized():
         dist.all_reduce(count, group=group)
     return int(count.item())
@@ -333,9 +336,9 @@ def flex_step_loss(engine, batch) -> tuple[torch.Tensor, torch.Tensor, int]:
     gradient averaging the gradients are those of the single-process mean NLL.
     """
     logprobs, _, zero = engine(batch)
-    mask = batch.response_mask.to(logprobs.device)
+    mask = to_device(batch.response_mask, logprobs.device)
     local_nll = -torch.where(mask, logprobs, 0.0).sum()
-    num_global = global_token_count(int(mask.sum()), device=logprobs.device)
+    num_global = global_token_count(int(batch.response_mask.sum()), device=logprobs.device)
     if num_global == 0:
         raise ValueError("the step has no response tokens on any rank")
     loss = local_nll * (data_parallel_size(engine) / num_global) + zero
