@@ -326,9 +326,10 @@ class FlexUlyssesLM(torch.nn.Module):
         """lm_head chunks of `size` tokens this rank runs: its own count (at least 1: every module runs
         on every rank), or the maximum over `zero_group`."""
         count = max(1, -(-num_tokens // size))
-        if self.zero_group is None or not dist.is_initialized():
-            return count
-        value = torch.tensor([count], dtype=torch.long, device=device)
+        if self.zero_group is None or not dist.is_initialized() or dist.get_world_size(self.zero_group) == 1:
+            return count  # (one rank: no collective, no wait for the device)
+        value = torch.tensor([count], dtype=torch.long)
+        value = to_device(value, device) if device is not None else value
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.zero_group)
         return int(value.item())
 

@@ -52,15 +52,15 @@ def router_stats(router_logits, top_k: int, num_rows: int | None = None) -> Rout
     return RouterStats(counts.detach(), probs, counts.new_full((), float(rows)), top_k)
 
 
-def router_aux_term(stats: RouterStats, group=None) -> tuple[torch.Tensor, float]:
-    """(this rank's differentiable term, the global auxiliary loss) over the ranks of `group`
-    (collective: every rank of the group calls it; None: the default group, or no collective where
-    torch.distributed is not initialised)."""
+def router_aux_term(stats: RouterStats, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's differentiable term, the global auxiliary loss, a detached 0-d float64 tensor) over
+    the ranks of `group` (collective: every rank of the group calls it; None: the default group, or no
+    collective where torch.distributed is not initialised). Nothing is read back to the host."""
     totals = torch.cat([stats.counts, stats.probs.detach(), stats.rows.view(1)]).double()
     if dist.is_initialized():
         dist.all_reduce(totals, group=group)
     experts = stats.counts.shape[0]
-    counts, probs, rows = totals[:experts], totals[experts:2 * experts], max(float(totals[-1]), 1.0)
-    value = experts * float((counts / rows * probs / rows).sum())
-    term = experts * ((counts / rows).to(stats.probs.dtype) * stats.probs / rows).sum()
+    counts, probs, rows = totals[:experts], totals[experts:2 * experts], totals[-1].clamp_min(1.0)
+    value = experts * (counts / rows * probs / rows).sum()
+    term = experts * ((counts / rows).to(stats.probs.dtype) * stats.probs / rows.to(stats.probs.dtype)).sum()
     return term, value

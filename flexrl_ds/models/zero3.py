@@ -321,7 +321,7 @@ def data_parallel_size(engine) -> int:
 
 def global_token_count(local_count: int, device=None, group=None) -> int:
     """Sum of every rank's loss tokens (all-reduce)."""
-    count = torch.tensor([float(local_count)])
+    count = torch.tensor([float(local_count)], dtype=torch.float64)  # exact past 2**24 tokens
     if device is not None:  # read back below anyway; sent without a second wait
         count = to_device(count, torch.device(device))
     if dist.is_initialized():

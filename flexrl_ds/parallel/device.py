@@ -85,9 +85,11 @@ def synchronize(info: DeviceInfo) -> None:
         torch.cuda.synchronize()
 
 
-def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(values: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`values` on `device`. A host tensor goes to a GPU through pinned memory without blocking: a
-    blocking host-to-device copy waits for every kernel queued before it."""
+    blocking host-to-device copy waits for every kernel queued before it. (An already pinned `values`
+    is copied from as it is: it must not be written before the copy has run.)"""
+    device = torch.device(device)
     if values.device == device:
         return values
     if device.type == "cuda" and values.device.type == "cpu":

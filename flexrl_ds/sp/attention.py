@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from flexrl_ds.parallel.device import to_device
 from flexrl_ds.sp import all_to_all as a2a
 from flexrl_ds.sp.layout import PackShard, RankLayout
 from flexrl_ds.sp.local_attention import CausalVarlenAttention
@@ -148,4 +149,4 @@ def _check_inputs(q, k, v, layout: RankLayout) -> tuple[int, int]:
 def _index_on(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """`values` as a long tensor on `device`, made once: a fresh host-to-device copy per layer would
     wait for the device's queue to drain."""
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return to_device(torch.tensor(values, dtype=torch.long), device)

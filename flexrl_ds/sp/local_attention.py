@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from flexrl_ds.parallel.device import to_device
 from flexrl_ds.sp import flash_attention_backend
 
 BACKENDS = ("auto", "flash", "torch_varlen", "sdpa")
@@ -63,7 +64,7 @@ def _torch_varlen_params() -> frozenset[str]:
 def _bounds_on(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """A pack's sequence bounds as an int32 tensor on `device`, made once: a fresh host-to-device copy
     per attention call would wait for the device's queue to drain, every layer."""
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
+    return to_device(torch.tensor(bounds, dtype=torch.int32), device)
 
 
 def _bounds_tensor(cu_seqlens, device) -> torch.Tensor:
