@@ -97,6 +97,14 @@ def to_device(values: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return values.to(device)
 
 
+@functools.lru_cache(maxsize=512)
+def constant_on(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a `dtype` tensor on `device`, made once per (values, dtype, device) and shared by
+    every caller (read it, never write it): a fresh host-to-device copy per call would wait for the
+    device's queue to drain, e.g. every layer."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def new_side_stream(info: DeviceInfo):
     """A stream for communication overlapped with compute, or None on CPU (async handles suffice)."""
     return torch.cuda.Stream() if info.is_gpu else None

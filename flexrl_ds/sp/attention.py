@@ -23,12 +23,11 @@ layout) is kept; see flexrl_ds/sp/all_to_all.py for which exchanges use DeepSpee
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
 
-from flexrl_ds.parallel.device import to_device
+from flexrl_ds.parallel.device import constant_on
 from flexrl_ds.sp import all_to_all as a2a
 from flexrl_ds.sp.layout import PackShard, RankLayout
 from flexrl_ds.sp.local_attention import CausalVarlenAttention
@@ -99,7 +98,7 @@ class FlexUlyssesAttention:
         ratio = part.num_q // part.num_kv
         if part.num_q % part.num_kv or kv_of_q != [i // ratio for i in range(part.num_q)]:
             # Non-uniform GQA slice (uneven head split): give every query head its own KV copy.
-            index = _index_on(tuple(kv_of_q), k_p.device)
+            index = constant_on(tuple(kv_of_q), torch.long, k_p.device)
             k_p, v_p = k_p.index_select(1, index), v_p.index_select(1, index)
         return self.local_attention(q_p, k_p, v_p, pack.cu_seqlens, pack.max_seqlen, scaling)
 
@@ -143,10 +142,3 @@ def _check_inputs(q, k, v, layout: RankLayout) -> tuple[int, int]:
         raise ValueError(f"FlexUlyssesAttention: {num_heads} query / {num_kv_heads} KV heads cannot be "
                          f"split over degree {layout.max_degree}")
     return num_heads, num_kv_heads
-
-
-@functools.lru_cache(maxsize=256)
-def _index_on(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """`values` as a long tensor on `device`, made once: a fresh host-to-device copy per layer would
-    wait for the device's queue to drain."""
-    return to_device(torch.tensor(values, dtype=torch.long), device)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from flexrl_ds.parallel.device import to_device
+from flexrl_ds.parallel.device import constant_on
 from flexrl_ds.sp import flash_attention_backend
 
 BACKENDS = ("auto", "flash", "torch_varlen", "sdpa")
@@ -60,17 +60,10 @@ def _torch_varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(_torch_varlen_fn()).parameters)
 
 
-@functools.lru_cache(maxsize=256)
-def _bounds_on(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A pack's sequence bounds as an int32 tensor on `device`, made once: a fresh host-to-device copy
-    per attention call would wait for the device's queue to drain, every layer."""
-    return to_device(torch.tensor(bounds, dtype=torch.int32), device)
-
-
 def _bounds_tensor(cu_seqlens, device) -> torch.Tensor:
     if isinstance(cu_seqlens, torch.Tensor):
         return cu_seqlens.to(device=device, dtype=torch.int32)
-    return _bounds_on(tuple(int(b) for b in cu_seqlens), torch.device(device))
+    return constant_on(tuple(int(b) for b in cu_seqlens), torch.int32, torch.device(device))  # made once a pack
 
 
 def torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, scaling: float | None, causal: bool = True):
