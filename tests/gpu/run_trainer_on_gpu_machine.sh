@@ -71,6 +71,8 @@
 #     UPDATE_BENCH's engine ways); 0: every module's own hooks, the runs before that date.
 #     ZERO3_GRANULARITY=n: `stage3_module_granularity_threshold` (DeepSpeed's own leaf choice; at 3B no n
 #     makes exactly the layers leaves: docs/notes/zero3-one-rank-host-cost.md).
+#     ZERO3_MEMORY_EFFICIENT_LINEAR=0|1: `zero_optimization.memory_efficient_linear` (DeepSpeed's default 1: its
+#     engine swaps torch.nn.functional.linear for a Python autograd function, process-wide; 0: torch's own).
 #     ZERO3_TRACE_WARNINGS=1: `zero_optimization.log_trace_cache_warnings`,
 #     DeepSpeed's line each time a pass leaves the module order it recorded (printed by rank 0 into its
 #     Ray log; the lines of every worker's log copied to OUT/zero3_trace.txt).
@@ -233,6 +235,8 @@ if "ZERO3_REUSE" in os.environ:  # a released parameter used again within this m
     config["zero_optimization"]["stage3_max_reuse_distance"] = int(float(os.environ["ZERO3_REUSE"]))
 if "ZERO3_LEAF_LAYERS" in os.environ:  # 1: each layer's parameters fetched and released as one (the default)
     config["flexrl"]["trainer"]["zero3_leaf_layers"] = os.environ["ZERO3_LEAF_LAYERS"] == "1"
+if "ZERO3_MEMORY_EFFICIENT_LINEAR" in os.environ:  # 0: torch's own linear instead of DeepSpeed's autograd one
+    config["zero_optimization"]["memory_efficient_linear"] = os.environ["ZERO3_MEMORY_EFFICIENT_LINEAR"] == "1"
 if "ZERO3_GRANULARITY" in os.environ:  # modules this fine-grained become leaves (DeepSpeed's rule)
     config["zero_optimization"]["stage3_module_granularity_threshold"] = int(float(os.environ["ZERO3_GRANULARITY"]))
 if os.environ.get("ZERO3_TRACE_WARNINGS") == "1":  # a line each time a pass leaves its recorded order
