@@ -18,7 +18,8 @@ RUNNER = ROOT / "tests" / "gpu" / "run_trainer_on_gpu_machine.sh"
 RUNNER_SWITCHES = ("OFFLOAD_RATIO", "OFFLOAD_PIN", "OFFLOAD_IN_ROLLOUT", "REF_OFFLOAD", "SAVE", "CKPT", "HF_KV_CACHE", "HF_SLEEP_LEVEL",
                    "TEMPERATURE", "TOP_P", "TOP_K", "PROMPTS", "RESPONSE_LENGTH", "MAX_TOKENS_PER_RANK", "LOGPROB_MAX_TOKENS_PER_RANK", "PROFILE_STEP",
                    "VISION_ATTENTION", "PACK_BELOW", "PACK_BUDGET", "ZERO3_PERSISTENCE",
-                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS", "ZERO3_LEAF_LAYERS", "ZERO3_GRANULARITY", "CARD", "LOADING", "RUN_CONFIG")
+                   "ZERO3_PREFETCH", "ZERO3_REUSE", "ZERO3_TRACE_WARNINGS", "ZERO3_LEAF_LAYERS", "ZERO3_GRANULARITY",
+                   "ZERO3_MEMORY_EFFICIENT_LINEAR", "CARD", "LOADING", "RUN_CONFIG")
 """Environment variables the runner's config step reads (cleared, then set by each test)."""
 
 
@@ -128,6 +129,16 @@ def test_the_zero3_leaf_switches_land_in_the_config(tmp_path):
     shipped = build(tmp_path, "vllm", "3b")
     assert load_run_config_of(shipped, tmp_path / "shipped.json").flexrl.trainer.zero3_leaf_layers is True
     assert "stage3_module_granularity_threshold" not in plain["zero_optimization"]
+
+
+def test_the_linear_switch_reaches_deepspeeds_zero_config(tmp_path):
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    for value, expected in (("0", False), ("1", True)):
+        run = load_run_config_of(build(tmp_path, "vllm", "3b", ZERO3_MEMORY_EFFICIENT_LINEAR=value),
+                                 tmp_path / f"linear_{value}.json")
+        assert get_zero_config(run.deepspeed).memory_efficient_linear is expected
+    assert "memory_efficient_linear" not in build(tmp_path, "vllm", "3b")["zero_optimization"]
 
 
 def test_separate_engines_share_one_gpu_or_take_whole_ones(tmp_path):
