@@ -17,9 +17,8 @@
 #   VOCAB_SIZE=n: the model's vocabulary rows (default 151,936: Qwen2.5-VL's, the tokenizer grown with
 #     generated filler tokens, models/vocabulary.py; the runs before 2026-12-05 had the tiny tokenizer's 640).
 #   SHAPE=7b: ZeRO-3 with 60% of the optimizer offloaded to pinned host memory (`offload_optimizer.ratio`,
-#     `pin_memory`; host memory ~ 4 B/param of fp32 gradient buffer for all parameters, one buffer that
-#     pinning rounds up to a power of two, + ratio x 16 B/param of master weights, moments and gradients:
-#     101 GiB in use at 0.6 for 7.1B parameters, ~132 GiB at 1.0,
+#     `pin_memory`; host memory ~ 4 B/param of fp32 gradient buffer for all parameters + ratio x 16 B/param of
+#     master weights, moments and gradients: 101 GiB in use at 0.6 for 7.1B parameters, ~132 GiB at 1.0,
 #     more than the machine's 125 GiB), DeepSpeed's CPUAdam stepping there
 #     (JIT-compiled on first use) and the vLLM engine dropping its weights while asleep (sleep_level 2:
 #     the sync rewrites them).
