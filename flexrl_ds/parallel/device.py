@@ -221,9 +221,22 @@ def allocator_counts(info: DeviceInfo) -> dict[str, int]:
 
 
 def reset_peak_memory(info: DeviceInfo) -> None:
-    """Start a new peak for `max_memory_allocated` (no-op on CPU)."""
+    """Start a new peak for `max_memory_allocated` and `pinned_host_bytes` (no-op on CPU)."""
     if info.is_gpu:
         torch.cuda.reset_peak_memory_stats()
+        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+            torch.cuda.reset_peak_host_memory_stats()
+
+
+def pinned_host_bytes(info: DeviceInfo) -> dict[str, int]:
+    """Host memory torch's pinned allocator holds from the driver (blocks in use and cached, each
+    rounded up as torch allocated it): `current` and `peak` since `reset_peak_memory` (torch's own
+    best-effort peak). What DeepSpeed's pinned optimizer offload and moved-out states take of the
+    node's memory. Zeros on CPU or a torch without the statistics."""
+    if not info.is_gpu or not hasattr(torch.cuda, "host_memory_stats"):
+        return {"current": 0, "peak": 0}
+    stats = torch.cuda.host_memory_stats()
+    return {"current": int(stats.get("allocated_bytes.current", 0)), "peak": int(stats.get("allocated_bytes.peak", 0))}
 
 
 def use_full_precision_kernels() -> None:

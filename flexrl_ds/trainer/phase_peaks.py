@@ -12,11 +12,12 @@ logger = logging.getLogger(__package__)
 
 
 PEAK_KEYS = ("peak_memory_gb", "peak_device_used_gb", "alloc_retries", "device_mallocs", "peak_host_used_gb",
-             "peak_host_used_share", "gc_pause_s")
+             "peak_host_used_share", "peak_pinned_host_gb", "gc_pause_s")
 """What `PolicyWorker.peaks` reports: torch's allocations, all memory in use on the device, torch's
 allocator's retries (the cache freed to make room) and device mallocs in the phase, the host
-memory in use on a rank's node (GiB, and its share of the node's), and the seconds Python's
-garbage collector held the rank."""
+memory in use on a rank's node (GiB, and its share of the node's), the pinned host memory torch's
+allocator held for the rank (GiB, blocks as rounded), and the seconds Python's garbage collector
+held the rank."""
 
 
 def warn_host_memory(phase: str, peaks: dict[str, float], memory_hint: str = "") -> None:
@@ -45,7 +46,8 @@ def _max_peaks(per_rank: list[dict[str, float]]) -> dict[str, float]:
 def _phase_peaks(peaks: dict[str, dict[str, float]]) -> dict[str, Any]:
     """{"peak_memory_gb": {phase: GiB}, "peak_device_used_gb": {phase: GiB}, "alloc_retries": {phase:
     n}, "device_mallocs": {phase: n}, "peak_host_used_gb": {phase: GiB}, "peak_host_used_share":
-    {phase: share}, "gc_pause_s": {phase: s}}: the most of any policy rank of torch's allocations, all
+    {phase: share}, "peak_pinned_host_gb": {phase: GiB}, "gc_pause_s": {phase: s}}: the most of any policy
+    rank of torch's allocations (device, and pinned host), all
     memory in use on the device (a colocated engine's pool included), torch's allocator's work and
     the garbage collector's pauses in the phase, and the host memory in use on the node closest to
     its limit."""

@@ -317,15 +317,18 @@ class PolicyWorker:
         (`peak_memory_gb`) and all memory in use on the device (`peak_device_used_gb`); what torch's
         allocator did since (`alloc_retries`, `device_mallocs`: device.allocator_counts); and the
         node's host memory in use, in GiB and as a share of the node's (`peak_host_used_gb`,
-        `peak_host_used_share`: runtime/host_memory.py); and the seconds Python's garbage collector
-        held the rank (`gc_pause_s`: runtime/gc_pauses.py)."""
+        `peak_host_used_share`: runtime/host_memory.py), of which torch's pinned allocator held at
+        most `peak_pinned_host_gb` of this rank's (device.pinned_host_bytes); and the seconds Python's
+        garbage collector held the rank (`gc_pause_s`: runtime/gc_pauses.py)."""
         now = device_mod.allocator_counts(self.device_info)
         before = self.allocator_at_reset
         host_peak = self.host_usage.peak_bytes()  # one reading for both figures
+        pinned = device_mod.pinned_host_bytes(self.device_info)
         return {"peak_memory_gb": device_mod.max_memory_allocated(self.device_info) / 2**30,
                 "peak_device_used_gb": self.device_usage.peak_bytes() / 2**30,
                 "peak_host_used_gb": host_peak / 2**30,
                 "peak_host_used_share": host_peak / host_memory.bytes_total(),
+                "peak_pinned_host_gb": pinned["peak"] / 2**30,
                 "gc_pause_s": self.gc_pauses.seconds,
                 **{key: float(now[key] - before[key]) for key in now}}
 

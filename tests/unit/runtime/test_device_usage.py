@@ -65,3 +65,9 @@ def test_allocator_counts_are_zero_on_a_cpu_rank():
     from flexrl_ds.parallel.device import allocator_counts
 
     assert allocator_counts(CPU) == {"alloc_retries": 0, "device_mallocs": 0}
+
+
+def test_pinned_host_bytes_are_zero_on_a_cpu_rank():
+    from flexrl_ds.parallel.device import pinned_host_bytes
+
+    assert pinned_host_bytes(CPU) == {"current": 0, "peak": 0}
