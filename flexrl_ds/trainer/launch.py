@@ -353,7 +353,7 @@ def _run_groups(run: Any, prepared: Prepared, raw_config: dict, clock: float, re
 
 
 WORKER_ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "FLEXRL_DEBUG",
-                   "FLEXRL_LOG_LEVEL")
+                   "FLEXRL_LOG_LEVEL", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 WORKER_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "VLLM_")
 """The driver's settings that policy ranks and rollout engines get as theirs: on a Ray cluster started
 elsewhere they would otherwise run with the cluster's (NCCL's must match at both ends of a group)."""

@@ -7,9 +7,10 @@ def test_worker_env_forwards_nccl_vllm_and_the_listed_settings_only():
     environ = {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "VLLM_USE_FLASHINFER_SAMPLER": "0",
                "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HOME": "/root", "PATH": "/usr/bin",
                "MY_NCCL_NOTE": "x", "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.1", "VLLM_PORT": "5000",
-               "VLLM_DP_RANK": "1"}
+               "VLLM_DP_RANK": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert worker_env(environ) == {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-                                   "VLLM_USE_FLASHINFER_SAMPLER": "0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+                                   "VLLM_USE_FLASHINFER_SAMPLER": "0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                                   "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def test_worker_env_reads_the_process_environment_by_default(monkeypatch):
