@@ -65,6 +65,7 @@ def zero3_inputs(ds_config: dict) -> dict[str, Any]:
              and not adam.get("params", {}).get("torch_adam", False))
     return dict(dtype_bytes=2 if mixed else 4, master_weights=mixed,
                 optimizer_offload_ratio=float(optimizer.get("ratio", 1.0)) if offloaded else 0.0,
+                optimizer_offload_pinned=offloaded and bool(optimizer.get("pin_memory", False)),
                 param_offload=str(params.get("device", "none")).lower() in ("cpu", "nvme"), fused_adam=fused,
                 prefetch_elements=int(float(zero.get("stage3_prefetch_bucket_size", 5e7))),
                 reuse_elements=int(float(zero.get("stage3_max_reuse_distance", 1e9))),

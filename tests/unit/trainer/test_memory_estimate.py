@@ -9,7 +9,7 @@ import json
 import pytest
 
 from flexrl_ds.trainer.memory_estimate import (CONTEXT_BYTES, ENGINE_ASLEEP_BYTES, GIB, HOST_BASE_BYTES,
-                                               MemoryInputs, activation_bytes, estimate_memory, host_memory,
+                                               MemoryInputs, activation_bytes, estimate_memory, host_memory, pinned_block,
                                                policy_states, states_kept_in_rollout, vision_activation_bytes)
 
 SMALL = dict(params=1000, hidden=8, layers=2, intermediate=16, kv_dim=4, largest_param=100, device_bytes=10**6)
@@ -36,12 +36,33 @@ def test_what_stays_on_the_device_while_the_engine_generates():
 
 
 def test_host_memory_by_hand():
-    # 60% of the optimizer offloaded: a 4 B fp32 gradient buffer for all 1000 parameters + 16 B for 600
+    # 60% of the optimizer offloaded, unpinned: a bf16 flat gradient buffer for all 1000 parameters (2 B
+    # each) and fp32 gradients for the 600 offloaded (4 B), their master weights and moments (12 B)
     inputs = MemoryInputs(**SMALL, optimizer_offload_ratio=0.6, reference_offload=True, engine_sleep_level=1)
-    assert host_memory(inputs) == {"base": HOST_BASE_BYTES, "offloaded optimizer": 4000 + 9600,
-                                   "reference parameters": 3500, "states moved for the rollout": 2000,
-                                   "engine weights asleep": 2000}
+    assert host_memory(inputs) == {"base": HOST_BASE_BYTES, "gradient buffers": 2000 + 2400,
+                                   "offloaded optimizer": 7200, "reference parameters": 3500,
+                                   "states moved for the rollout": 2048, "engine weights asleep": 2000}
     assert host_memory(MemoryInputs(**SMALL, engine=None)) == {"base": HOST_BASE_BYTES}
+
+
+def test_pinned_buffers_count_as_torchs_allocator_holds_them():
+    assert [pinned_block(n) for n in (0, 1, 1000, 1024, 1025, 300 * 2**20)] == [0, 1, 1024, 1024, 2048, 512 * 2**20]
+    # pinned: the flat buffer (2000 B) held as 2048; 600 offloaded in sub-groups of 250: 3 buffers of 1000 B as 1024
+    inputs = MemoryInputs(**SMALL, optimizer_offload_ratio=0.6, optimizer_offload_pinned=True, sub_group_elements=250)
+    assert host_memory(inputs)["gradient buffers"] == 2048 + 3 * 1024
+    # FusedAdam moves every state in buffers of their own: not counted as one block
+    fused = MemoryInputs(**SMALL, fused_adam=True)
+    assert host_memory(fused)["states moved for the rollout"] == sum(policy_states(fused).values())
+
+
+def test_the_config_reader_takes_the_offload_pinning():
+    from flexrl_ds.trainer.memory_check import zero3_inputs
+
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.6, "pin_memory": True}}
+    assert zero3_inputs({"zero_optimization": zero})["optimizer_offload_pinned"] is True
+    zero["offload_optimizer"]["pin_memory"] = False
+    assert zero3_inputs({"zero_optimization": zero})["optimizer_offload_pinned"] is False
+    assert zero3_inputs({"zero_optimization": {"stage": 3}})["optimizer_offload_pinned"] is False
 
 
 def test_activations_by_hand():
