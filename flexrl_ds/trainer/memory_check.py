@@ -47,7 +47,8 @@ def model_size(model_dir: str, persistence_threshold: int = 0,
         "vision_hidden": int(vision.hidden_size), "vision_layers": int(vision.depth),
         "vision_intermediate": int(vision.intermediate_size), "vision_merge": int(vision.spatial_merge_size),
         "vision_patch_dim": int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2}
-    return {"params": sum(sizes), "largest_param": max(sizes), "persistent_elements": persistent,
+    return {"params": sum(sizes), "largest_param": max(sizes), "param_sizes": tuple(sizes),
+            "persistent_elements": persistent,
             "hidden": int(text.hidden_size),
             "layers": int(text.num_hidden_layers), "intermediate": int(text.intermediate_size),
             "kv_dim": int(text.num_key_value_heads) * int(head_dim), **tower}

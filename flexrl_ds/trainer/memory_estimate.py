@@ -80,6 +80,8 @@ class MemoryInputs:
     """An fp32 copy of the weights beside the bf16/fp16 ones (mixed precision)."""
     optimizer_offload_ratio: float = 0.0
     """Share of the optimizer (master weights, moments, gradients) in host memory (0: none)."""
+    param_sizes: tuple[int, ...] = ()
+    """Every parameter's elements in the model's order (DeepSpeed's sub-groups follow it); empty: unknown."""
     optimizer_offload_pinned: bool = False
     """`offload_optimizer.pin_memory`: DeepSpeed's gradient buffers in page-locked memory from torch's
     pinned allocator, which rounds each block up to a power of two (torch 2.11: 300 MiB asked, 512 held)."""
@@ -269,12 +271,12 @@ def estimate_memory(i: MemoryInputs) -> MemoryEstimate:
     return MemoryEstimate(phases, i.device_bytes, i)
 
 
-HOST_BASE_BYTES = 13 * GIB
+HOST_BASE_BYTES = 11 * GIB
 """Host memory of a one-GPU run besides the terms `host_memory` counts (Ray, the driver, the data
-actors, the processes' own). Measured against counted with it (H100 80GB, 2026-12-05/06; the 7.1 B
-run on an H200): 60 % of the optimizer offloaded and pinned, 97.8 against ~92 GiB (5.03 B parameters),
-97.2 against ~94 (5.29 B), 101 against ~96 (7.1 B, no states moved for the rollout); 30 %, 45-46
-against ~47 (4.07 B)."""
+actors, the processes' own). Measured against counted with it (H100 80GB, 2026-12-05/06, and H200),
+the optimizer offloaded and pinned: 60 %, 97.8 against 98 GiB (5.03 B parameters), 97.2 against 99
+(5.29 B); 30 %, 45-46 against 47 (4.07 B); on the H200, states kept on the device in the rollout: 60 %,
+101 against 105 (7.2 B, the tiny vocabulary); 40 %, 107 against 106 (Qwen3-VL-8B, 8.77 B)."""
 
 
 def pinned_block(size: int) -> int:
@@ -309,13 +311,34 @@ def host_memory(i: MemoryInputs) -> dict[str, int]:
 def _offloaded_gradient_bytes(i: MemoryInputs) -> int:
     """The offloaded optimizer's gradient buffers on the host: the flat buffer of every parameter's
     gradient (the training dtype) and the fp32 gradients of the offloaded sub-groups, as torch's
-    pinned allocator holds them when `offload_optimizer.pin_memory` is on."""
+    pinned allocator holds them when `offload_optimizer.pin_memory` is on. With the parameters' sizes
+    known, the sub-groups are DeepSpeed's own (`offloaded_sub_groups`); else ones of `sub_group_size`."""
     flat = i.params * i.dtype_bytes // i.ranks
     offloaded = int(i.params * i.optimizer_offload_ratio) // i.ranks
     if not i.optimizer_offload_pinned:
         return flat + 4 * offloaded
-    groups = -(-offloaded // i.sub_group_elements)
-    return pinned_block(flat) + groups * pinned_block(4 * min(i.sub_group_elements, offloaded))
+    if i.param_sizes:
+        groups = offloaded_sub_groups(i.param_sizes, i.ranks, i.sub_group_elements, i.optimizer_offload_ratio)
+        return pinned_block(flat) + sum(pinned_block(4 * elements) for elements in groups)
+    count = -(-offloaded // i.sub_group_elements)
+    return pinned_block(flat) + count * pinned_block(4 * min(i.sub_group_elements, offloaded))
+
+
+def offloaded_sub_groups(param_sizes: tuple[int, ...], ranks: int, sub_group_elements: int,
+                         ratio: float) -> list[int]:
+    """Elements of each sub-group DeepSpeed 0.19's ZeRO-3 steps on the host: one rank's partitions of
+    the parameters, in order, closed into a sub-group once it holds `sub_group_elements` (so a
+    sub-group can hold more, and one large parameter is a sub-group alone); of n sub-groups, those
+    from index int((1 - ratio) * n) on are offloaded (`offload_optimizer.ratio`)."""
+    groups, current = [], 0
+    for size in param_sizes:
+        current += -(-size // ranks)
+        if current >= sub_group_elements:
+            groups.append(current)
+            current = 0
+    if current:
+        groups.append(current)
+    return groups[int((1 - ratio) * len(groups)):]
 
 
 def phase_advice(estimate: MemoryEstimate, phase: str) -> list[str]:

@@ -275,3 +275,29 @@ def test_estimate_memory_command(tmp_path, tiny_model, capsys):
     assert main(["estimate-memory", "--config", str(path), "--model", tiny_model, "--device-memory-gb", "0.01",
                  "--prompt-tokens", "100"]) == 1
     assert "over in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ranks,sub_group", [(1, 250), (2, 250), (1, 10**6), (4, 70)])
+def test_offloaded_sub_groups_are_deepspeeds(ranks, sub_group):
+    """The estimate's sub-groups against DeepSpeed 0.19's own grouping (`_create_fp16_sub_groups`, on
+    stand-in parameters of the same partition sizes) and its rule for which go to the host."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from flexrl_ds.trainer.memory_estimate import offloaded_sub_groups
+
+    sizes = (100, 7, 300, 64, 64, 900, 5, 120, 120, 33, 400)
+    params = [SimpleNamespace(partition_numel=lambda n=n: -(-n // ranks)) for n in sizes]
+    groups = DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(SimpleNamespace(sub_group_size=sub_group), params)
+    elements = [sum(p.partition_numel() for p in group) for group in groups]
+    for ratio in (0.3, 0.6, 1.0):
+        on_host = [e for index, e in enumerate(elements) if index >= int((1 - ratio) * len(elements))]
+        assert offloaded_sub_groups(sizes, ranks, sub_group, ratio) == on_host
+
+
+def test_pinned_gradient_buffers_follow_the_sub_groups():
+    # sizes 600 and 400 in sub-groups of >= 500: [600, 400]; at ratio 0.5 the second (400 fp32 = 1600 B) on the host
+    inputs = MemoryInputs(**{**SMALL, "params": 1000}, param_sizes=(600, 400), optimizer_offload_ratio=0.5,
+                          optimizer_offload_pinned=True, sub_group_elements=500)
+    assert host_memory(inputs)["gradient buffers"] == pinned_block(2000) + pinned_block(1600)
