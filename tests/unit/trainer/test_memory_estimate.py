@@ -277,7 +277,7 @@ def test_estimate_memory_command(tmp_path, tiny_model, capsys):
     assert "over in" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("ranks,sub_group", [(1, 250), (2, 250), (1, 10**6), (4, 70)])
+@pytest.mark.parametrize("ranks,sub_group", [(1, 250), (2, 250), (1, 10**6), (1, 2113), (4, 70), (1, 400)])
 def test_offloaded_sub_groups_are_deepspeeds(ranks, sub_group):
     """The estimate's sub-groups against DeepSpeed 0.19's own grouping (`_create_fp16_sub_groups`, on
     stand-in parameters of the same partition sizes) and its rule for which go to the host."""
@@ -287,7 +287,8 @@ def test_offloaded_sub_groups_are_deepspeeds(ranks, sub_group):
 
     from flexrl_ds.trainer.memory_estimate import offloaded_sub_groups
 
-    sizes = (100, 7, 300, 64, 64, 900, 5, 120, 120, 33, 400)
+    sizes = (100, 7, 300, 64, 64, 900, 5, 120, 120, 33, 400)  # 2113 in all; the last closes a group of 400
+    # a partition holds ceil(numel / ranks) elements (DeepSpeed's ds_numel: the size aligned to the ranks)
     params = [SimpleNamespace(partition_numel=lambda n=n: -(-n // ranks)) for n in sizes]
     groups = DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(SimpleNamespace(sub_group_size=sub_group), params)
     elements = [sum(p.partition_numel() for p in group) for group in groups]
