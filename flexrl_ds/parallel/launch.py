@@ -33,6 +33,8 @@ class LaunchEnv:
     """Rendezvous host (MASTER_ADDR, default 127.0.0.1)."""
     master_port: int
     """Rendezvous port (MASTER_PORT, default 29500)."""
+    local_world_size: int = 1
+    """Processes on this host (LOCAL_WORLD_SIZE / LOCAL_SIZE / OMPI_COMM_WORLD_LOCAL_SIZE, default 1)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -63,6 +65,7 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         local_rank=_int_var(env, ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"), rank),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_int_var(env, ("MASTER_PORT",), 29500),
+        local_world_size=_int_var(env, ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"), 1),
     )
 
 

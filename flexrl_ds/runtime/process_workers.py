@@ -63,7 +63,8 @@ class ProcessWorkerGroup:
         self._results = context.Queue()
         self._next_call = 0
         self._broken: str | None = None
-        places = [WorkerPlace(rank, num_ranks, "127.0.0.1", port, local_rank=rank) for rank in range(num_ranks)]
+        places = [WorkerPlace(rank, num_ranks, "127.0.0.1", port, local_rank=rank, ranks_on_node=num_ranks)
+                  for rank in range(num_ranks)]
         self._procs = [context.Process(target=_serve, args=(place, factory, kwargs or {}, calls, self._results),
                                        daemon=True, name=f"{name}-{place.rank}")
                        for place, calls in zip(places, self._calls)]

@@ -37,6 +37,7 @@ from flexrl_ds.common import notes
 from flexrl_ds.parallel import device as device_mod
 from flexrl_ds.parallel import network
 from flexrl_ds.runtime import spmd_failures
+from flexrl_ds.runtime.host_threads import ranks_per_node
 from flexrl_ds.runtime.rank_failures import LostRanks, first_line, wait_ranks
 
 logger = logging.getLogger(__package__)
@@ -58,6 +59,8 @@ class WorkerPlace:
     """Rank on this node (selects the GPU)."""
     node_id: str = ""
     """Ray node id (hex) the worker runs on ("" outside Ray): where its pixels should be decoded."""
+    ranks_on_node: int = 1
+    """Ranks of the group on this worker's node (they share its cores: runtime/host_threads.py)."""
 
 
 def remote_name(worker_class: type | None, method: Callable[..., Any]) -> str:
@@ -234,8 +237,8 @@ class RayWorkerGroup:
         self.pids: list[int] = ray.get([actor.pid.remote() for actor in self.actors], timeout=timeout_s)
         """Each rank's process id (named when a rank is lost)."""
         # Ray gives each actor its own GPU(s) (CUDA_VISIBLE_DEVICES): local device 0 in every actor.
-        places = [WorkerPlace(rank, num_ranks, address, port, local_rank=0, node_id=node)
-                  for rank, node in enumerate(self.node_ids)]
+        places = [WorkerPlace(rank, num_ranks, address, port, local_rank=0, node_id=node, ranks_on_node=sharing)
+                  for rank, (node, sharing) in enumerate(zip(self.node_ids, ranks_per_node(self.node_ids)))]
         self._get([actor.start.remote(place, factory, kwargs or {}) for actor, place in zip(self.actors, places)],
                   "start")
 

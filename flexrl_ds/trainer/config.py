@@ -39,6 +39,11 @@ class TrainerConfig:
     """Ray CPUs reserved per policy rank (fractions allowed)."""
     num_gpus_per_rank: float = 0.0
     """Ray GPUs per policy rank (0 on CPU machines)."""
+    host_threads_per_rank: int = 0
+    """OpenMP and torch threads of each policy rank's host work: DeepSpeed's CPUAdam over an offloaded
+    optimizer share, ZeRO-3 offload's gradient copies and norms (runtime/host_threads.py). 0: the
+    `OMP_NUM_THREADS` set where `flexrl train` started, else the node's cores less the data-loading
+    actors' CPUs, over its policy ranks (a Ray actor would otherwise take one thread per CPU it reserves)."""
     activation_checkpointing: bool = False
     """Recompute each decoder and vision layer in the backward pass (transformers' gradient
     checkpointing, non-reentrant) instead of keeping its activations: one layer's activations live
@@ -119,6 +124,9 @@ class TrainerConfig:
             raise ValueError(f"flexrl.trainer.max_steps: must be at least 1, got {self.max_steps}")
         if self.save_every < 0:
             raise ValueError(f"flexrl.trainer.save_every: must be >= 0, got {self.save_every}")
+        if self.host_threads_per_rank < 0:
+            raise ValueError("flexrl.trainer.host_threads_per_rank must be >= 0 (0: automatic), "
+                             f"got {self.host_threads_per_rank}")
         if self.num_cpus_per_rank <= 0 or self.num_gpus_per_rank < 0:
             raise ValueError("flexrl.trainer.num_cpus_per_rank must be > 0 and num_gpus_per_rank >= 0")
         if self.max_restarts < 0:

@@ -38,6 +38,7 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams, stop_token_ids
 from flexrl_ds.runtime.data_controller import DataController, usable_records
+from flexrl_ds.runtime.host_threads import user_host_threads
 from flexrl_ds.runtime.rank_failures import LostRanks, is_lost_worker
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
@@ -147,7 +148,9 @@ def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool)
         offload_states_in_rollout=run.flexrl.trainer.offload_states_in_rollout,
         reference_offload_param=run.flexrl.trainer.reference_offload_param,
         logprob_temperature=run.flexrl.rollout.temperature, logprob_chunk_bytes=run.flexrl.sp.logprob_chunk_bytes,
-        rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {})
+        rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {},
+        host_threads=user_host_threads(run.flexrl.trainer.host_threads_per_rank, os.environ),
+        loader_cpus_per_node=run.flexrl.data.pool.num_actors_per_node * run.flexrl.data.pool.num_cpus_per_actor)
 
 
 def train_options(prepared: Prepared, raw_config: dict, device_name: str | None) -> TrainOptions:
@@ -398,7 +401,8 @@ def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
     address, pixels, run.flexrl.rollout, run.flexrl.rl, run.deepspeed = shared[0]
     if rank != 0:
         ray.init(address=address, namespace=pixels.namespace, log_to_driver=False, configure_logging=False)
-    place = WorkerPlace(rank, world, context.launch.master_addr, context.launch.master_port, context.launch.local_rank)
+    place = WorkerPlace(rank, world, context.launch.master_addr, context.launch.master_port, context.launch.local_rank,
+                        ranks_on_node=context.launch.local_world_size)
     group = SPMDWorkerGroup(PolicyWorker(place, policy_setup(run, args.model_dir, pixels, colocated=True)), rank, world)
     # the launcher's SIGTERM after a rank failed: this rank's line first, with the checkpoint to resume from
     group.name_losses_when_stopped(lambda: str(latest_checkpoint(Path(args.out_dir)) or ""))

@@ -48,6 +48,7 @@ from flexrl_ds.parallel.profiling import RankProfiler, region
 from flexrl_ds.planning.plan import parse_plan
 from flexrl_ds.runtime import host_memory
 from flexrl_ds.runtime.gc_pauses import GCPauses
+from flexrl_ds.runtime.host_threads import HostThreads, apply_host_threads, automatic_host_threads, usable_cores
 from flexrl_ds.runtime.rank_pixels import StepSlices, fetched_items, unit_requests
 from flexrl_ds.runtime.weight_channel import ChannelAddress, WeightChannel
 from flexrl_ds.runtime.worker_group import WorkerPlace, join_process_group, node_address, open_store
@@ -108,6 +109,10 @@ class PolicySetup:
     divided by it, the distribution the rollout samples from (before top-k / top-p)."""
     logprob_chunk_bytes: int = 1 << 30
     """`flexrl.sp.logprob_chunk_bytes`: the byte budget of one LM-head chunk (models/logprob_chunks.py)."""
+    host_threads: HostThreads | None = None
+    """The user's host threads per rank (runtime/host_threads.py); None: the node's cores over its ranks."""
+    loader_cpus_per_node: float = 0.0
+    """CPUs the data-loading actors reserve on a node (flexrl.data.pool), left to them by `host_threads` None."""
 
 
 @dataclass
@@ -155,6 +160,11 @@ class PolicyWorker:
         import torch.distributed as dist
 
         self.place, self.setup, self.rank = place, setup, place.rank
+        self.host_threads = setup.host_threads or automatic_host_threads(usable_cores(), place.ranks_on_node,
+                                                                         setup.loader_cpus_per_node)
+        apply_host_threads(self.host_threads)  # before DeepSpeed's CPUAdam loads its OpenMP runtime
+        if place.rank == 0:
+            notes.say(f"host threads per policy rank: {self.host_threads.threads} ({self.host_threads.reason})")
         os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world_size), LOCAL_RANK=str(place.local_rank),
                           MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port))
         info = self.device_info = device_mod.detect()
