@@ -133,6 +133,9 @@ class UpdateBenchResult:
     loss: dict[str, float] = field(default_factory=dict)
     vision_seconds: dict[str, float] = field(default_factory=dict)
     """The vision tower alone over a way's micro-batches' media, forward and backward (hf_batched, flexrl)."""
+    pinned_host_gb: dict[str, float] = field(default_factory=dict)
+    """After the engine ways, on a GPU: torch's pinned host memory at its `peak` (GiB) beside the memory
+    estimate's pinned gradient buffers for this config and model (`estimate`, trainer/memory_estimate.py)."""
 
 
 def bench_samples(config: UpdateBenchConfig, token_bound: int) -> dict[str, Any]:
@@ -291,7 +294,25 @@ def run_update_bench(config: UpdateBenchConfig, progress: Callable[[str], None] 
                                     leaf_layers=run.flexrl.trainer.zero3_leaf_layers, **module_options)
         _engine_ways(context.info, engine, (batches, logprob_batches), samples, run.flexrl.rl, config, record,
                      (shared / 3, batches_flops(model.config, logprob_batches, samples)))
+        result.pinned_host_gb = pinned_host_figures(context.info, run, config.model_dir)
+        if result.pinned_host_gb:
+            progress(f"bench update: torch's pinned host memory peaked at {result.pinned_host_gb['peak']:.1f} GiB; "
+                     f"the memory estimate's pinned gradient buffers: {result.pinned_host_gb['estimate']:.1f} GiB")
     return result
+
+
+def pinned_host_figures(info, run, model_dir: str) -> dict[str, float]:
+    """torch's pinned host memory peak (GiB) and what `flexrl estimate-memory` counts for the engine's
+    pinned gradient buffers on one rank (its "gradient buffers" term); empty where torch keeps no
+    statistics (CPU)."""
+    from flexrl_ds.trainer.memory_check import memory_inputs
+    from flexrl_ds.trainer.memory_estimate import host_memory
+
+    held = device_mod.pinned_host_bytes(info)
+    if not held["peak"]:
+        return {}
+    estimate = host_memory(memory_inputs(run, model_dir, num_ranks=1, device_bytes=1)).get("gradient buffers", 0)
+    return {"peak": held["peak"] / 2**30, "estimate": estimate / 2**30}
 
 
 def _hf_ways(info, model, samples, temperature: float, config: UpdateBenchConfig, record) -> None:
