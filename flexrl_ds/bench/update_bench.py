@@ -67,6 +67,8 @@ from flexrl_ds.planning.plan import Workload
 from flexrl_ds.parallel.launch import init_distributed, one_rank_env
 from flexrl_ds.sp import flash_attention_backend
 from flexrl_ds.sp.attention import FlexUlyssesAttention
+from flexrl_ds.trainer.memory_check import memory_inputs
+from flexrl_ds.trainer.memory_estimate import host_memory
 from flexrl_ds.trainer.validation import model_dtype
 
 
@@ -305,9 +307,6 @@ def pinned_host_figures(info, run, model_dir: str) -> dict[str, float]:
     """torch's pinned host memory peak (GiB) and what `flexrl estimate-memory` counts for the engine's
     pinned gradient buffers on one rank (its "gradient buffers" term); empty where torch keeps no
     statistics (CPU)."""
-    from flexrl_ds.trainer.memory_check import memory_inputs
-    from flexrl_ds.trainer.memory_estimate import host_memory
-
     held = device_mod.pinned_host_bytes(info)
     if not held["peak"]:
         return {}
