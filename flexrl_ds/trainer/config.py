@@ -42,8 +42,8 @@ class TrainerConfig:
     host_threads_per_rank: int = 0
     """OpenMP and torch threads of each policy rank's host work: DeepSpeed's CPUAdam over an offloaded
     optimizer share, ZeRO-3 offload's gradient copies and norms (runtime/host_threads.py). 0: the
-    `OMP_NUM_THREADS` set where `flexrl train` started, else the node's cores less the data-loading
-    actors' CPUs, over its policy ranks (a Ray actor would otherwise take one thread per CPU it reserves)."""
+    node's cores less the data-loading actors' CPUs, over its policy ranks (a Ray actor would otherwise
+    take one thread per CPU it reserves). Set it under a launcher that binds each rank to its own cores."""
     activation_checkpointing: bool = False
     """Recompute each decoder and vision layer in the backward pass (transformers' gradient
     checkpointing, non-reentrant) instead of keeping its activations: one layer's activations live

@@ -38,7 +38,7 @@ from flexrl_ds.planning.cost_model import load_cost_model
 from flexrl_ds.rl.reward_fn import load_reward_fn
 from flexrl_ds.rollout.base import SamplingParams, stop_token_ids
 from flexrl_ds.runtime.data_controller import DataController, usable_records
-from flexrl_ds.runtime.host_threads import user_host_threads
+from flexrl_ds.runtime.host_threads import configured_host_threads
 from flexrl_ds.runtime.rank_failures import LostRanks, is_lost_worker
 from flexrl_ds.runtime.ray_session import connect_ray, ray_address
 from flexrl_ds.runtime.worker_group import RayWorkerGroup, SPMDWorkerGroup, WorkerPlace
@@ -149,7 +149,7 @@ def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool)
         reference_offload_param=run.flexrl.trainer.reference_offload_param,
         logprob_temperature=run.flexrl.rollout.temperature, logprob_chunk_bytes=run.flexrl.sp.logprob_chunk_bytes,
         rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {},
-        host_threads=user_host_threads(run.flexrl.trainer.host_threads_per_rank, os.environ),
+        host_threads=configured_host_threads(run.flexrl.trainer.host_threads_per_rank),
         loader_cpus_per_node=run.flexrl.data.pool.num_actors_per_node * run.flexrl.data.pool.num_cpus_per_actor)
 
 

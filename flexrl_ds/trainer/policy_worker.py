@@ -110,7 +110,7 @@ class PolicySetup:
     logprob_chunk_bytes: int = 1 << 30
     """`flexrl.sp.logprob_chunk_bytes`: the byte budget of one LM-head chunk (models/logprob_chunks.py)."""
     host_threads: HostThreads | None = None
-    """The user's host threads per rank (runtime/host_threads.py); None: the node's cores over its ranks."""
+    """`flexrl.trainer.host_threads_per_rank` (runtime/host_threads.py); None: the node's cores over its ranks."""
     loader_cpus_per_node: float = 0.0
     """CPUs the data-loading actors reserve on a node (flexrl.data.pool), left to them by `host_threads` None."""
 
@@ -162,9 +162,8 @@ class PolicyWorker:
         self.place, self.setup, self.rank = place, setup, place.rank
         self.host_threads = setup.host_threads or automatic_host_threads(usable_cores(), place.ranks_on_node,
                                                                          setup.loader_cpus_per_node)
-        apply_host_threads(self.host_threads)  # before DeepSpeed's CPUAdam loads its OpenMP runtime
-        if place.rank == 0:
-            notes.say(f"host threads per policy rank: {self.host_threads.threads} ({self.host_threads.reason})")
+        apply_host_threads(self.host_threads)  # for this thread, on which the actor runs every call
+        notes.say(f"host threads per policy rank: {self.host_threads.threads} ({self.host_threads.reason})")
         os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world_size), LOCAL_RANK=str(place.local_rank),
                           MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port))
         info = self.device_info = device_mod.detect()

@@ -11,28 +11,18 @@ import torch
 
 from flexrl_ds.config.flexrl_config import parse_run_config
 from flexrl_ds.parallel.launch import read_launch_env
-from flexrl_ds.runtime.host_threads import (HostThreads, apply_host_threads, automatic_host_threads, ranks_per_node,
-                                            user_host_threads)
+from flexrl_ds.runtime.host_threads import (HostThreads, apply_host_threads, automatic_host_threads,
+                                            cgroup_cpu_quota, configured_host_threads, ranks_per_node, usable_cores)
 from flexrl_ds.trainer.launch import policy_setup
 
 CONFIG = Path(__file__).resolve().parents[3] / "ds_configs" / "grpo_tiny_cpu.json"
 
 
-def test_the_configured_count_wins_over_the_environment():
-    assert user_host_threads(6, {"OMP_NUM_THREADS": "2"}) == HostThreads(6, "flexrl.trainer.host_threads_per_rank")
-
-
-@pytest.mark.parametrize("value, expected", [("3", 3), (" 4 ", 4), ("0", None), ("", None), ("many", None),
-                                             ("-2", None)])
-def test_a_valid_omp_num_threads_is_the_users_choice_else_the_ranks_decide(value, expected):
-    choice = user_host_threads(0, {"OMP_NUM_THREADS": value})
-    assert (choice.threads if choice else None) == expected
-    assert user_host_threads(0, {}) is None
-
-
-def test_a_negative_setting_is_refused_naming_the_key():
-    with pytest.raises(ValueError, match="host_threads_per_rank"):
-        user_host_threads(-1, {})
+def test_only_the_run_config_sets_the_count_not_the_environment(monkeypatch):
+    """Ray's job supervisor, torchrun and `ray exec` export OMP_NUM_THREADS=1 themselves: not a user's choice."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert configured_host_threads(6) == HostThreads(6, "flexrl.trainer.host_threads_per_rank")
+    assert configured_host_threads(0) is None
 
 
 @pytest.mark.parametrize("cores, ranks, loaders", [(16, 1, 0), (16, 2, 0), (16, 3, 0), (2, 4, 0), (1, 1, 0),
@@ -47,8 +37,18 @@ def test_automatic_threads_share_the_nodes_cores_left_by_the_loaders_among_its_r
 
 
 def test_ranks_per_node_counts_each_ranks_neighbours():
-    nodes = ["a", "b", "a", "a", "c"]
-    assert ranks_per_node(nodes) == [sum(node == other for other in nodes) for node in nodes]
+    assert ranks_per_node(["a", "b", "a", "a", "c"]) == [3, 1, 3, 3, 1]
+
+
+@pytest.mark.parametrize("text, expected", [("400000 100000", 4), ("150000 100000", 1), ("50000 100000", 1),
+                                            ("max 100000", None), ("", None), ("garbage", None)])
+def test_a_cgroup_cpu_quota_caps_the_cores(tmp_path, text, expected):
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text(text + "\n")
+    assert cgroup_cpu_quota(cpu_max) == expected
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cores(cpu_max) == (min(affinity, expected) if expected else affinity)
+    assert cgroup_cpu_quota(tmp_path / "missing") is None
 
 
 @pytest.mark.parametrize("name", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"])
@@ -69,17 +69,16 @@ def test_apply_sets_torch_and_openmp_threads(monkeypatch):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("configured, env, expected", [(None, None, None), (5, "1", 5), (None, "3", 3)])
-def test_the_users_choice_reaches_every_policy_rank(monkeypatch, configured, env, expected):
+@pytest.mark.parametrize("configured, expected", [(None, None), (0, None), (5, 5)])
+def test_the_configured_count_reaches_every_policy_rank(monkeypatch, configured, expected):
     raw = json.loads(CONFIG.read_text())
     if configured is not None:
         raw["flexrl"]["trainer"]["host_threads_per_rank"] = configured
-    if env is None:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # ignored
     setup = policy_setup(parse_run_config(raw), "model-dir", pixels=None, colocated=True)
     assert (setup.host_threads.threads if setup.host_threads else None) == expected
+    assert setup.loader_cpus_per_node == raw["flexrl"]["data"]["pool"]["num_actors_per_node"] * \
+        raw["flexrl"]["data"]["pool"]["num_cpus_per_actor"]
 
 
 def test_the_run_config_refuses_a_negative_count():
