@@ -45,7 +45,8 @@ print(*(s.getsockname()[1] for s in held))")
   stop_head() {
     kill -TERM "$head_pid" 2>/dev/null || true
     wait "$head_pid" 2>/dev/null || true
-    rm -rf "$ray_dir"
+    # the head's children may still write their logs there for a moment: retry, and never fail the job for it
+    rm -rf "$ray_dir" 2>/dev/null || { sleep 2; rm -rf "$ray_dir" 2>/dev/null; } || true
   }
   trap stop_head EXIT
   trap 'exit 143' TERM  # a signal ends the script through its EXIT trap, so the head is stopped
