@@ -136,9 +136,9 @@ class UpdateBenchResult:
     vision_seconds: dict[str, float] = field(default_factory=dict)
     """The vision tower alone over a way's micro-batches' media, forward and backward (hf_batched, flexrl)."""
     pinned_host_gb: dict[str, float] = field(default_factory=dict)
-    """After the engine ways, on a GPU: torch's pinned host memory at its `peak` since the process started (GiB; the
-    hf ways' few pinned copies included) beside the memory
-    estimate's pinned gradient buffers for this config and model (`estimate`, trainer/memory_estimate.py)."""
+    """After the engine ways, on a GPU: torch's pinned host memory at its `peak` since the process started
+    (GiB; the hf ways' few pinned copies included) beside the memory estimate's pinned gradient buffers
+    for this config and model (`estimate`, trainer/memory_estimate.py)."""
 
 
 def bench_samples(config: UpdateBenchConfig, token_bound: int) -> dict[str, Any]:

@@ -69,6 +69,11 @@ class PoolConfig:
     more than this many times the prompt's own predicted cost; then to the least-loaded actor.
     0: locality only breaks ties; a large value: always decode where the pixels are used."""
 
+    @property
+    def cpus_per_node(self) -> float:
+        """Ray CPUs the pool's actors reserve on every node."""
+        return self.num_actors_per_node * self.num_cpus_per_actor
+
     def __post_init__(self) -> None:
         for name in ("num_actors_per_node", "probe_chunk_size"):
             if getattr(self, name) < 1:

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 """cgroup v2's CPU quota of this process's group: "<quota> <period>" or "max <period>"."""
 
@@ -86,7 +88,5 @@ def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
 def apply_host_threads(choice: HostThreads) -> None:
     """Make `choice.threads` this thread's OpenMP and torch intra-op thread count, and the count of the
     processes it starts."""
-    import torch
-
     os.environ["OMP_NUM_THREADS"] = str(choice.threads)
     torch.set_num_threads(choice.threads)

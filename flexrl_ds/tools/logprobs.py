@@ -234,8 +234,7 @@ def _run_shadow(config: LogprobsConfig):
                                                               config.response_key, settings, config.run_config)
     pool = data_config.pool
     started = time.perf_counter()
-    started_ray = connect_ray(max(4, int(pool.num_actors_per_node * pool.num_cpus_per_actor
-                                         + config.num_procs * RANK_CPUS) + 2))
+    started_ray = connect_ray(max(4, int(pool.cpus_per_node + config.num_procs * RANK_CPUS) + 2))
     with contextlib.ExitStack() as stack:
         if started_ray:
             stack.callback(ray.shutdown)

@@ -150,7 +150,7 @@ def policy_setup(run: Any, model_dir: str, pixels: PixelSource, colocated: bool)
         logprob_temperature=run.flexrl.rollout.temperature, logprob_chunk_bytes=run.flexrl.sp.logprob_chunk_bytes,
         rollout_options=run.flexrl.rollout.engine_options(colocated=True) if colocated else {},
         host_threads=configured_host_threads(run.flexrl.trainer.host_threads_per_rank),
-        loader_cpus_per_node=run.flexrl.data.pool.num_actors_per_node * run.flexrl.data.pool.num_cpus_per_actor)
+        loader_cpus_per_node=run.flexrl.data.pool.cpus_per_node)
 
 
 def train_options(prepared: Prepared, raw_config: dict, device_name: str | None) -> TrainOptions:
@@ -289,7 +289,7 @@ def policy_memory_hint(run: Any) -> str:
 
 def ray_cpus(run: Any, num_ranks: int) -> int:
     trainer, rollout, pool = run.flexrl.trainer, run.flexrl.rollout, run.flexrl.data.pool
-    cpus = num_ranks * trainer.num_cpus_per_rank + pool.num_actors_per_node * pool.num_cpus_per_actor
+    cpus = num_ranks * trainer.num_cpus_per_rank + pool.cpus_per_node
     if not trainer.colocate:
         cpus += rollout.num_engines * rollout.num_cpus_per_engine
     return int(cpus) + 2

@@ -35,6 +35,8 @@ def assets(tmp_path_factory):
 
 UNREAD_NOTE = "DeepSpeed config: DeepSpeed did not read 'gradient_clippping'"
 """What policy rank 0 says of the key `config_file` misspells (models/zero3.unread_keys_note)."""
+THREADS_NOTE = "host threads per policy rank: 1 (flexrl.trainer.host_threads_per_rank)"
+"""What the ranks say when `config_file` sets the key: it reaches them under both launchers."""
 
 
 def config_file(path: Path, **trainer) -> Path:
@@ -106,14 +108,16 @@ def check_run(result: subprocess.CompletedProcess, out: Path, steps: int = 1) ->
 
 
 def test_both_launchers_train_the_same_step(assets, tmp_path):
-    separate = config_file(tmp_path / "separate.json", colocate=False)
-    rows, ray_job = check_run(launch("train_ray_job.sh", assets, tmp_path / "ray_job", config=separate, steps=2),
-                              tmp_path / "ray_job", steps=2)
+    separate = config_file(tmp_path / "separate.json", colocate=False, host_threads_per_rank=1)
+    result = launch("train_ray_job.sh", assets, tmp_path / "ray_job", config=separate, steps=2)
+    rows, ray_job = check_run(result, tmp_path / "ray_job", steps=2)
+    assert THREADS_NOTE in result.stdout + result.stderr
     assert rows[1]["rollout_logprob_diff"] < 1e-4, rows[1]["rollout_logprob_diff"]
     assert all(set(row["rollout_time_s"]) == {"pixels", "generate"} for row in rows)  # separate engines never sleep
-    spmd_config = config_file(tmp_path / "spmd.json")
-    _, spmd = check_run(launch("train_deepspeed.sh", assets, tmp_path / "spmd", str(assets / "hostfile"),
-                               config=spmd_config), tmp_path / "spmd")
+    spmd_config = config_file(tmp_path / "spmd.json", host_threads_per_rank=1)
+    result = launch("train_deepspeed.sh", assets, tmp_path / "spmd", str(assets / "hostfile"), config=spmd_config)
+    _, spmd = check_run(result, tmp_path / "spmd")
+    assert THREADS_NOTE in result.stdout + result.stderr
     assert [s["sample"] for s in ray_job] == [s["sample"] for s in spmd]
     assert [s["response_ids"] for s in ray_job] == [s["response_ids"] for s in spmd]
     assert [s["reward"] for s in ray_job] == pytest.approx([s["reward"] for s in spmd])

@@ -77,8 +77,8 @@ def test_the_configured_count_reaches_every_policy_rank(monkeypatch, configured,
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # ignored
     setup = policy_setup(parse_run_config(raw), "model-dir", pixels=None, colocated=True)
     assert (setup.host_threads.threads if setup.host_threads else None) == expected
-    assert setup.loader_cpus_per_node == raw["flexrl"]["data"]["pool"]["num_actors_per_node"] * \
-        raw["flexrl"]["data"]["pool"]["num_cpus_per_actor"]
+    pool = raw["flexrl"]["data"]["pool"]
+    assert setup.loader_cpus_per_node == pool["num_actors_per_node"] * pool["num_cpus_per_actor"]
 
 
 def test_the_run_config_refuses_a_negative_count():
