@@ -36,6 +36,9 @@
 #   OFFLOAD_PIN=0|1: with SHAPE=7b, whether the offloaded optimizer states sit in pinned host memory
 #     (`offload_optimizer.pin_memory`; default: the file's true; unpinned, the update took 11.5-12.3 s
 #     instead of 6.8-7.0 s: docs/BENCHMARKS.md, "Memory settings and what each costs").
+#   HOST_THREADS=n: `flexrl.trainer.host_threads_per_rank` (default 0: the node's cores less the loader
+#     actors' CPUs over its policy ranks, 14 on a 16-core host with two loader actors; the GPU files'
+#     runs before 2026-12-06 had 10, one per CPU a rank reserves).
 #   OFFLOAD_IN_ROLLOUT=0|1: whether the policy's ZeRO-3 states that DeepSpeed can move wait in host
 #     memory while the colocated engine generates (`flexrl.trainer.offload_states_in_rollout`;
 #     default: the file's, off at 3B and 7B; at 3B with vLLM it took 2.3 GiB off the rollout's device
@@ -241,6 +244,8 @@ if "ZERO3_GRANULARITY" in os.environ:  # modules this fine-grained become leaves
     config["zero_optimization"]["stage3_module_granularity_threshold"] = int(float(os.environ["ZERO3_GRANULARITY"]))
 if os.environ.get("ZERO3_TRACE_WARNINGS") == "1":  # a line each time a pass leaves its recorded order
     config["zero_optimization"]["log_trace_cache_warnings"] = True
+if "HOST_THREADS" in os.environ:  # threads of each policy rank's host work (0: the node's cores over its ranks)
+    config["flexrl"]["trainer"]["host_threads_per_rank"] = int(os.environ["HOST_THREADS"])
 if "OFFLOAD_PIN" in os.environ:  # 7b: pinned host buffers for the offloaded optimizer
     config["zero_optimization"]["offload_optimizer"]["pin_memory"] = os.environ["OFFLOAD_PIN"] == "1"
 if backend == "hf":
