@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,6 +82,18 @@ def lost_peers(places: list[RankPlace], rank: int, host: str | None = None,
         return lost
     return {other: f"(pid {place.pid} on {place.host}) not visible from {host}: died or stalled"
             for other, place in enumerate(places) if other != rank and place.host != host}
+
+
+def lost_peers_settled(places: list[RankPlace], rank: int, within_s: float = 3.0, host: str | None = None,
+                       state: Callable[[int], str] = process_state) -> dict[int, str]:
+    """`lost_peers` after a failed collective, asked again until a lost rank shows or `within_s` passed.
+
+    A killed process closes its sockets before the kernel marks it a zombie, so the peer whose
+    collective failed on the closed connection can look at it while it still reads as running."""
+    deadline = time.monotonic() + within_s
+    while not (lost := lost_peers(places, rank, host, state)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return lost
 
 
 def where(step: int | None) -> str:

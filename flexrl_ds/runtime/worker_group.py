@@ -351,7 +351,7 @@ class SPMDWorkerGroup:
             return self._execute(self._broadcast((name, per_rank, kwargs, self.step))) or []
         except Exception as error:
             self.broken = True
-            lost = spmd_failures.lost_peers(self.places, self.rank)
+            lost = spmd_failures.lost_peers_settled(self.places, self.rank)
             if not lost:
                 raise
             raise LostRanks(f"{self.name}.{name}", lost, {0: first_line(error)},
@@ -372,12 +372,13 @@ class SPMDWorkerGroup:
             while (message := self._broadcast(None)) != _STOP:
                 self._execute(message)
         except Exception as error:
-            print(self.survivor_line(first_line(error)), flush=True)
+            print(self.survivor_line(first_line(error), settle=True), flush=True)
             raise
 
-    def survivor_line(self, seen: str, stopped: bool = False) -> str:
-        """This rank's line as a survivor: the ranks lost as it sees them, the step, `seen`."""
-        lost = spmd_failures.lost_peers(self.places, self.rank)
+    def survivor_line(self, seen: str, stopped: bool = False, settle: bool = False) -> str:
+        """This rank's line as a survivor: the ranks lost as it sees them, the step, `seen`; `settle`:
+        after a failed collective, give a dying peer a moment to read as gone (`lost_peers_settled`)."""
+        lost = (spmd_failures.lost_peers_settled if settle else spmd_failures.lost_peers)(self.places, self.rank)
         resume_from = self.resume_from() if self.resume_from is not None else None
         return spmd_failures.survivor_line(self.rank, self.step, lost, seen, stopped, resume_from)
 

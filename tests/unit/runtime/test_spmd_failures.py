@@ -101,6 +101,18 @@ def test_lost_peers_as_one_host_sees_them():
     assert spmd_failures.lost_peers(places[:2], 0, "a", states.get) == {}
 
 
+def test_a_dying_peer_is_asked_again_until_it_reads_as_gone():
+    # a killed rank's sockets close before the kernel marks it a zombie: the survivor whose collective
+    # failed can first see it running
+    places = [spmd_failures.RankPlace(10, "a"), spmd_failures.RankPlace(11, "a")]
+    seen = iter(["alive", "alive", "gone"])
+    assert spmd_failures.lost_peers_settled(places, 0, 5.0, "a", lambda pid: next(seen)) == {
+        1: "(pid 11) died: its process is gone"}
+    started = time.monotonic()
+    assert spmd_failures.lost_peers_settled(places, 0, 0.2, "a", lambda pid: "alive") == {}
+    assert time.monotonic() - started >= 0.2
+
+
 def test_launcher_stop_says_the_line(tmp_path):
     script = ("import os, signal, time\nfrom flexrl_ds.runtime import spmd_failures\n"
               "spmd_failures.on_launcher_stop(lambda: 'LINE')\nprint('READY', flush=True)\ntime.sleep(60)\n")
