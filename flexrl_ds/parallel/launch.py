@@ -82,9 +82,13 @@ class DistContext:
 
 
 def init_distributed(env: Mapping[str, str] | None = None, force_cpu: bool | None = None,
-                     timeout_s: float = 300.0, with_deepspeed: bool = True) -> DistContext:
+                     timeout_s: float = 300.0, with_deepspeed: bool = True,
+                     rendezvous_timeout_s: float | None = None) -> DistContext:
     """Create the default process group from the launch env (idempotent).
 
+    timeout_s: the group's collective timeout. rendezvous_timeout_s: how long the ranks wait for each
+    other to join at start (None: `timeout_s`); apart from the collective timeout, since the ranks of a
+    launcher start as far apart as their imports on a busy node, while a lost rank should be named soon.
     with_deepspeed: also wrap it in deepspeed.comm (imports DeepSpeed, a few seconds) when installed.
     """
     import torch.distributed as dist
@@ -96,9 +100,10 @@ def init_distributed(env: Mapping[str, str] | None = None, force_cpu: bool | Non
     device = device_mod.set_local_device(info, launch.local_rank)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        joining = datetime.timedelta(seconds=timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
         device_mod.pin_collectives(launch.master_addr)
         dist.init_process_group(backend=info.backend, rank=launch.rank, world_size=launch.world_size,
-                                store=rendezvous_store(launch, timeout, launcher_hosts_store(env)), timeout=timeout)
+                                store=rendezvous_store(launch, joining, launcher_hosts_store(env)), timeout=timeout)
     return DistContext(launch=launch, info=info, device=device,
                        deepspeed_comm=with_deepspeed and ensure_deepspeed_comm(info.backend))
 

@@ -87,7 +87,8 @@ class TrainerConfig:
     weight_sync_bucket_mb: int = 512
     """ZeRO-3 parameters are gathered for the rollout engines in buckets of about this many MiB."""
     timeout_s: float = 900.0
-    """The longest wait for one worker call, and the policy group's collective timeout unless
+    """The longest wait for one worker call, the longest a launcher's ranks wait for each other to
+    join at start (the rendezvous), and the policy group's collective timeout unless
     `collective_timeout_s` is set."""
     collective_timeout_s: float | None = None
     """The longest a policy rank waits in one collective (torch.distributed's process-group timeout,

@@ -385,7 +385,8 @@ SPMD_NOTHING_TO_DO = "nothing to do"
 
 def train_spmd(run: Any, args: TrainArgs, raw_config: dict) -> int:
     """Every process of a launcher (deepspeed --hostfile, torchrun) runs this; rank 0 drives."""
-    context = init_distributed(timeout_s=run.flexrl.trainer.group_timeout_s)
+    context = init_distributed(timeout_s=run.flexrl.trainer.group_timeout_s,
+                               rendezvous_timeout_s=run.flexrl.trainer.timeout_s)
     rank, world = context.launch.rank, context.launch.world_size
     shared: list[Any] = [None]
     driver: tuple | None = None

@@ -20,7 +20,7 @@ from flexrl_ds.runtime import spmd_failures
 
 ROOT = Path(__file__).resolve().parents[3]
 RANK_SCRIPT = '''
-import os, signal, sys
+import os, signal, sys, time
 from flexrl_ds.parallel.launch import init_distributed
 from flexrl_ds.runtime.rank_failures import LostRanks
 from flexrl_ds.runtime.worker_group import SPMDWorkerGroup
@@ -34,7 +34,7 @@ class Worker:
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         return int(os.environ["RANK"])
 
-context = init_distributed(timeout_s=float(sys.argv[2]), with_deepspeed=False)
+context = init_distributed(timeout_s=float(sys.argv[2]), with_deepspeed=False, rendezvous_timeout_s=200.0)
 group = SPMDWorkerGroup(Worker(), context.launch.rank, context.launch.world_size)
 if context.launch.rank == 0:
     group.note_step(4)
@@ -45,7 +45,10 @@ if context.launch.rank == 0:
     except LostRanks as error:
         print(error.at(group.step, "checkpoints/step_4"), flush=True)
     sys.exit(3)
-group.serve()
+try:
+    group.serve()
+finally:  # stay a while, as under a launcher until its SIGTERM: rank 0 is to name rank 2 alone
+    time.sleep(3)
 '''
 
 
@@ -89,6 +92,24 @@ def test_every_survivor_names_the_lost_rank_and_the_step(tmp_path, fault, how):
     survivor = next(line for line in logs[1].splitlines() if "(survivor)" in line)
     assert survivor.startswith("rank 1 (survivor) failed at step 6 (0-based 5) after losing "), survivor
     assert f"rank 2 (pid {victim}) {how}" in survivor
+
+
+def test_a_rank_may_join_later_than_the_collective_timeout(tmp_path):
+    # the rendezvous waits `rendezvous_timeout_s`, not the short collective timeout: a launcher's ranks
+    # start as far apart as their imports on a busy node
+    script = tmp_path / "join.py"
+    script.write_text("import os, sys, time\nimport torch, torch.distributed as dist\n"
+                      "from flexrl_ds.parallel.launch import init_distributed\n"
+                      "time.sleep(4.0 * int(os.environ['RANK']))\n"
+                      "init_distributed(timeout_s=1.0, with_deepspeed=False, rendezvous_timeout_s=120.0)\n"
+                      "total = torch.ones(1)\ndist.all_reduce(total)\nprint('SUM', int(total))\n")
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": port, "FLEXRL_FORCE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [rank.communicate(timeout=200)[0] for rank in ranks]
+    assert all("SUM 2" in output for output in outputs), outputs
 
 
 def test_lost_peers_as_one_host_sees_them():
