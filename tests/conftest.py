@@ -11,6 +11,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+try:  # property tests: no per-example deadline (a loaded CI machine pauses a process for longer than 200 ms)
+    from hypothesis import settings
+
+    settings.register_profile("ci", deadline=None)
+    settings.load_profile("ci")
+except ImportError:
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     try:

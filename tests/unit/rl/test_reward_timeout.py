@@ -11,7 +11,7 @@ import pytest
 from flexrl_ds.rl.config import GRPOConfig
 from flexrl_ds.rl.reward_fn import TIMEOUTS_IN_A_ROW, score_batch
 
-LIMIT_S = 0.2
+LIMIT_S = 0.5  # a good sample's call must finish within it, also on a loaded machine
 RELEASE = threading.Event()  # set at the end of every test: no hung thread outlives it
 
 

@@ -94,10 +94,10 @@ def test_each_regions_calls_are_listed_in_order_with_their_own_times(tmp_path):
 
     profiler = RankProfiler()
     profiler.start()
-    for pause in (0.0, 0.05, 0.0):
+    for pause in (0.0, 0.3, 0.0):  # 0.3 s: longer than a loaded machine's pause of the other two
         with region("vision_tower"):
             time.sleep(pause)
     text = open(profiler.stop(tmp_path / "p")).read()
     line = next(line for line in text.splitlines() if line.startswith("  flexrl/vision_tower: "))
     first, second, third = (float(ms) for ms in line.split(": ")[1].split(", "))
-    assert second >= 50 > max(first, third)
+    assert second >= 300 > max(first, third)
