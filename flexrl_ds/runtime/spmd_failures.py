@@ -84,7 +84,11 @@ def lost_peers(places: list[RankPlace], rank: int, host: str | None = None,
             for other, place in enumerate(places) if other != rank and place.host != host}
 
 
-def lost_peers_settled(places: list[RankPlace], rank: int, within_s: float = 3.0, host: str | None = None,
+SETTLE_S = 3.0
+"""Seconds a survivor whose collective failed gives a dying peer to read as gone (`lost_peers_settled`)."""
+
+
+def lost_peers_settled(places: list[RankPlace], rank: int, within_s: float = SETTLE_S, host: str | None = None,
                        state: Callable[[int], str] = process_state) -> dict[int, str]:
     """`lost_peers` after a failed collective, asked again until a lost rank shows or `within_s` passed.
 

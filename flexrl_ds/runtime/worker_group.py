@@ -372,13 +372,13 @@ class SPMDWorkerGroup:
             while (message := self._broadcast(None)) != _STOP:
                 self._execute(message)
         except Exception as error:
-            print(self.survivor_line(first_line(error), settle=True), flush=True)
+            print(self.survivor_line(first_line(error), settle_s=spmd_failures.SETTLE_S), flush=True)
             raise
 
-    def survivor_line(self, seen: str, stopped: bool = False, settle: bool = False) -> str:
-        """This rank's line as a survivor: the ranks lost as it sees them, the step, `seen`; `settle`:
-        after a failed collective, give a dying peer a moment to read as gone (`lost_peers_settled`)."""
-        lost = (spmd_failures.lost_peers_settled if settle else spmd_failures.lost_peers)(self.places, self.rank)
+    def survivor_line(self, seen: str, stopped: bool = False, settle_s: float = 0.0) -> str:
+        """This rank's line as a survivor: the ranks lost as it sees them, the step, `seen`; `settle_s`:
+        after a failed collective, how long a dying peer is given to read as gone (`lost_peers_settled`)."""
+        lost = spmd_failures.lost_peers_settled(self.places, self.rank, settle_s)
         resume_from = self.resume_from() if self.resume_from is not None else None
         return spmd_failures.survivor_line(self.rank, self.step, lost, seen, stopped, resume_from)
 

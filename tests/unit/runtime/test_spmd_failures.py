@@ -58,14 +58,20 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _rank_env(rank: int, world_size: int, port: str) -> dict[str, str]:
+    """A launcher's variables for one rank on this machine."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "FLEXRL_FORCE_CPU": "1",
+            "OMP_NUM_THREADS": "1"}
+
+
 def _run_ranks(tmp_path: Path, fault: str, timeout_s: float) -> list[str]:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     port = str(_free_port())
     ranks = []
     for rank in range(3):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "FLEXRL_FORCE_CPU": "1", "OMP_NUM_THREADS": "1"}
+        env = _rank_env(rank, 3, port)
         ranks.append(subprocess.Popen([sys.executable, str(script), fault, str(timeout_s)], env=env, text=True,
                                       stdout=open(tmp_path / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT))
     try:
@@ -98,16 +104,14 @@ def test_a_rank_may_join_later_than_the_collective_timeout(tmp_path):
     # the rendezvous waits `rendezvous_timeout_s`, not the short collective timeout: a launcher's ranks
     # start as far apart as their imports on a busy node
     script = tmp_path / "join.py"
-    script.write_text("import os, sys, time\nimport torch, torch.distributed as dist\n"
+    script.write_text("import os, time\nimport torch, torch.distributed as dist\n"
                       "from flexrl_ds.parallel.launch import init_distributed\n"
                       "time.sleep(4.0 * int(os.environ['RANK']))\n"
                       "init_distributed(timeout_s=1.0, with_deepspeed=False, rendezvous_timeout_s=120.0)\n"
                       "total = torch.ones(1)\ndist.all_reduce(total)\nprint('SUM', int(total))\n")
     port = str(_free_port())
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": port, "FLEXRL_FORCE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, str(script)], env=_rank_env(rank, 2, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
     outputs = [rank.communicate(timeout=200)[0] for rank in ranks]
     assert all("SUM 2" in output for output in outputs), outputs
 
