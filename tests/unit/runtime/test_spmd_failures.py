@@ -116,6 +116,26 @@ def test_a_rank_may_join_later_than_the_collective_timeout(tmp_path):
     assert all("SUM 2" in output for output in outputs), outputs
 
 
+def test_a_launchers_ranks_join_within_the_trainers_timeout_and_fail_collectives_within_its_collective_one(
+        monkeypatch):
+    from types import SimpleNamespace
+
+    from flexrl_ds.trainer import launch
+    from flexrl_ds.trainer.config import TrainerConfig
+
+    asked = {}
+
+    def init_distributed(**kwargs):
+        asked.update(kwargs)
+        raise InterruptedError("recorded")
+
+    monkeypatch.setattr(launch, "init_distributed", init_distributed)
+    trainer = TrainerConfig(timeout_s=600.0, collective_timeout_s=30.0)
+    with pytest.raises(InterruptedError):
+        launch.train_spmd(SimpleNamespace(flexrl=SimpleNamespace(trainer=trainer)), None, {})
+    assert asked == {"timeout_s": 30.0, "rendezvous_timeout_s": 600.0}
+
+
 def test_lost_peers_as_one_host_sees_them():
     places = [spmd_failures.RankPlace(10, "a"), spmd_failures.RankPlace(11, "a"), spmd_failures.RankPlace(12, "b")]
     states = {10: "alive", 11: "gone", 12: "alive"}
